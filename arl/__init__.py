@@ -1,0 +1,3 @@
+"""ARL: asynchronous RL for LLM agents."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,199 @@
+"""Data contracts exchanged between roles.
+
+Token arrays are numpy arrays (int32 ids, float32 logprobs) so the transport can ship them as raw bytes and
+nobody is tempted to decode and re-encode text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+def as_int32(x: Sequence[int] | np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(x, dtype=np.int32).reshape(-1))
+
+
+def as_float32(x: Sequence[float] | np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(x, dtype=np.float32).reshape(-1))
+
+
+@dataclasses.dataclass
+class GenerationConfig:
+    """Sampling parameters of one request. `greedy=True` overrides temperature/top-p/top-k."""
+
+    n: int = 1
+    max_new_tokens: int = 16
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    greedy: bool = False
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first invalid field (bad input must not reach the engine)."""
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"GenerationConfig.n must be an int >= 1, got {self.n!r}")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"GenerationConfig.max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        if not isinstance(self.min_new_tokens, int) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"GenerationConfig.min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens!r}"
+            )
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)) or (
+            self.temperature <= 0 and not self.greedy
+        ):
+            raise ValueError(f"GenerationConfig.temperature must be > 0 (or greedy=True), got {self.temperature!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"GenerationConfig.top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"GenerationConfig.top_k must be an int >= 0, got {self.top_k!r}")
+        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"GenerationConfig.stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+
+    def new(self, **kwargs: Any) -> "GenerationConfig":
+        return dataclasses.replace(self, **kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "GenerationConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown GenerationConfig fields {sorted(unknown)}; known: {sorted(names)}")
+        g = cls(**d)
+        g.stop_token_ids = [int(t) for t in g.stop_token_ids]
+        return g
+
+
+@dataclasses.dataclass
+class GenerateRequest:
+    """One prompt to complete. `session_id` keeps the turns of one multi-turn chat on one worker."""
+
+    qid: str
+    input_ids: np.ndarray
+    gconfig: GenerationConfig = dataclasses.field(default_factory=GenerationConfig)
+    session_id: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        self.input_ids = as_int32(self.input_ids)
+
+
+@dataclasses.dataclass
+class SampleOutput:
+    output_ids: np.ndarray
+    output_logprobs: np.ndarray
+    output_versions: np.ndarray  # policy version that produced each token
+    finish_reason: str  # one of FINISH_REASONS
+
+    def __post_init__(self) -> None:
+        self.output_ids = as_int32(self.output_ids)
+        self.output_logprobs = as_float32(self.output_logprobs)
+        self.output_versions = as_int32(self.output_versions)
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}")
+        if not len(self.output_ids) == len(self.output_logprobs) == len(self.output_versions):
+            raise ValueError("output_ids, output_logprobs and output_versions must have equal lengths")
+
+
+@dataclasses.dataclass
+class GenerateResponse:
+    """The answer to one GenerateRequest: `n` samples, or an `error` if the request was refused."""
+
+    qid: str
+    samples: list[SampleOutput] = dataclasses.field(default_factory=list)
+    error: Optional[str] = None
+
+    @property
+    def output_ids(self) -> list[np.ndarray]:
+        return [s.output_ids for s in self.samples]
+
+
+@dataclasses.dataclass
+class Trajectory:
+    """One sequence the learner trains on, tokens exactly as generated or inserted.
+
+    `logprobs` and `versions` are defined where `loss_mask` is 1 (elsewhere 0 and -1).
+    """
+
+    input_ids: np.ndarray
+    loss_mask: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    reward: float
+    group_id: str
+    turn_rewards: list[float] = dataclasses.field(default_factory=list)
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.input_ids = as_int32(self.input_ids)
+        self.loss_mask = np.ascontiguousarray(np.asarray(self.loss_mask, dtype=np.int8).reshape(-1))
+        self.logprobs = as_float32(self.logprobs)
+        self.versions = as_int32(self.versions)
+        n = len(self.input_ids)
+        if not (len(self.loss_mask) == len(self.logprobs) == len(self.versions) == n):
+            raise ValueError(
+                f"Trajectory arrays must share one length: input_ids={n} loss_mask={len(self.loss_mask)} "
+                f"logprobs={len(self.logprobs)} versions={len(self.versions)}"
+            )
+        self.reward = float(self.reward)
+
+    @property
+    def num_generated(self) -> int:
+        return int(self.loss_mask.sum())
+
+    def min_version(self) -> int:
+        """Oldest policy version among generated tokens (-1 if none were generated)."""
+        gen = self.versions[self.loss_mask.astype(bool)]
+        return int(gen.min()) if len(gen) else -1
+
+
+class TrajectoryBuilder:
+    """Accumulates prompt, generated and inserted tokens with their masks, so agents never re-tokenise."""
+
+    def __init__(self, prompt_ids: Sequence[int] | np.ndarray) -> None:
+        self._ids: list[np.ndarray] = []
+        self._mask: list[np.ndarray] = []
+        self._logp: list[np.ndarray] = []
+        self._ver: list[np.ndarray] = []
+        self.add_context(prompt_ids)
+
+    def add_context(self, ids: Sequence[int] | np.ndarray) -> None:
+        """Tokens the model did not generate (prompt, template, feedback, tool output): loss_mask 0."""
+        ids = as_int32(ids)
+        self._ids.append(ids)
+        self._mask.append(np.zeros(len(ids), np.int8))
+        self._logp.append(np.zeros(len(ids), np.float32))
+        self._ver.append(np.full(len(ids), -1, np.int32))
+
+    def add_generated(self, sample: SampleOutput) -> None:
+        self._ids.append(sample.output_ids)
+        self._mask.append(np.ones(len(sample.output_ids), np.int8))
+        self._logp.append(sample.output_logprobs)
+        self._ver.append(sample.output_versions)
+
+    @property
+    def input_ids(self) -> np.ndarray:
+        return np.concatenate(self._ids) if self._ids else np.zeros(0, np.int32)
+
+    def __len__(self) -> int:
+        return sum(len(x) for x in self._ids)
+
+    def build(self, reward: float, group_id: str, **kw: Any) -> Trajectory:
+        return Trajectory(
+            input_ids=self.input_ids,
+            loss_mask=np.concatenate(self._mask),
+            logprobs=np.concatenate(self._logp),
+            versions=np.concatenate(self._ver),
+            reward=reward,
+            group_id=group_id,
+            **kw,
+        )

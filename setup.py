@@ -1,0 +1,27 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="arl",
+    version="0.1.0",
+    description="ARL: asynchronous, queue-decoupled reinforcement learning for LLM agents",
+    packages=find_packages(include=["arl", "arl.*", "experiments", "experiments.*"]),
+    python_requires=">=3.10",
+    # torch stays open here for GPU users; CPU machines pin it via constraints-cpu.txt (see README).
+    install_requires=[
+        "torch>=2.4",
+        "transformers>=4.45",
+        "tokenizers",
+        "safetensors",
+        "deepspeed>=0.15",
+        "pyzmq>=25",
+        "msgpack>=1.0",
+        "omegaconf>=2.3",
+        "numpy",
+        "tqdm",
+        "psutil",
+    ],
+    extras_require={
+        "dev": ["pytest>=8", "pytest-asyncio>=0.23", "pytest-timeout"],
+        "sglang": ["sglang>=0.5", "requests"],
+    },
+)

@@ -1,0 +1,71 @@
+"""`python training/main_async_ppo.py [experiment=NAME] key=value ...` — parse, validate, run."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from typing import Optional, Sequence
+
+from omegaconf import OmegaConf
+
+from arl.config import ConfigError, format_help, import_user_modules, parse_overrides, split_experiment
+
+
+def _early_imports(argv: Sequence[str]) -> list[str]:
+    """`imports=[...]` must be honoured before parsing: those modules may register the experiment itself."""
+    for a in argv:
+        if a.startswith("imports="):
+            try:
+                val = OmegaConf.to_container(OmegaConf.from_dotlist([a]))["imports"]
+            except Exception as e:  # noqa: BLE001
+                raise ConfigError(f"could not parse {a!r}: {e}") from None
+            return [str(m) for m in (val if isinstance(val, list) else [val])]
+    return []
+
+
+def load_config(argv: Sequence[str]):
+    from arl.api.registry import EXPERIMENTS
+    from arl.builtin import load_builtins
+
+    load_builtins()
+    import_user_modules(_early_imports(argv))
+    name, rest = split_experiment(argv)
+    cls = EXPERIMENTS.get(name or "async-ppo-math")
+    cfg = parse_overrides(cls, rest)
+    cfg.experiment = name or cfg.experiment
+    return cfg
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help", "help") for a in argv):
+        from arl.api.registry import EXPERIMENTS
+        from arl.builtin import load_builtins
+
+        load_builtins()
+        name, _ = split_experiment(argv)
+        print(format_help(EXPERIMENTS.get(name or "async-ppo-math")))
+        print(f"\nregistered experiments: {EXPERIMENTS.names()}")
+        return 0
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from arl.api.registry import RegistryError
+
+    try:
+        cfg = load_config(argv)
+        from arl.launcher.local import RunFailed, check_names, run_experiment
+
+        check_names(cfg)
+    except (ConfigError, RegistryError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        summary = run_experiment(cfg)
+    except RunFailed as e:
+        print(f"\nrun failed: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted; every role stopped", file=sys.stderr)
+        return 130
+    print(json.dumps(summary, indent=1, default=str))
+    return 0

@@ -1,0 +1,61 @@
+"""The bounded-staleness gate (AReaL's staleness manager), pure logic with no I/O.
+
+A prompt group may start only while `accepted + running < (version + eta + 1) * batch_size` and
+`running < max_concurrent`. `version` is the policy version every inference worker has loaded, so a group that
+starts under version v makes tokens of version >= v and is consumed by a learner step <= v + eta.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class StalenessGate:
+    batch_size: int
+    max_head_offpolicyness: int
+    max_concurrent: int
+    version: int = 0
+    accepted: int = 0
+    running: int = 0
+    started: int = 0
+    rejected: int = 0  # finished groups that produced no trajectories (filtered, failed, timed out)
+    max_groups: int | None = None  # stop admitting after this many accepted + running (end of the run)
+
+    def capacity(self) -> int:
+        """How many more groups may start right now."""
+        by_staleness = (self.version + self.max_head_offpolicyness + 1) * self.batch_size - (
+            self.accepted + self.running
+        )
+        by_concurrency = self.max_concurrent - self.running
+        cap = min(by_staleness, by_concurrency)
+        if self.max_groups is not None:
+            cap = min(cap, self.max_groups - (self.accepted + self.running))
+        return max(0, cap)
+
+    def try_start(self, n: int = 1) -> int:
+        """Admit up to n groups; returns how many were admitted."""
+        k = min(n, self.capacity())
+        self.running += k
+        self.started += k
+        return k
+
+    def finish(self, accepted: bool) -> None:
+        if self.running <= 0:
+            raise RuntimeError("StalenessGate.finish called with no running group")
+        self.running -= 1
+        if accepted:
+            self.accepted += 1
+        else:
+            self.rejected += 1
+
+    def release(self, n: int) -> None:
+        """Return budget of groups that were admitted but never ran (a worker died or shut down)."""
+        n = min(n, self.running)
+        self.running -= n
+        self.rejected += n
+
+    def set_version(self, version: int) -> None:
+        if version < self.version:
+            raise ValueError(f"policy version went backwards: {self.version} -> {version}")
+        self.version = version

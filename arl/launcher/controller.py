@@ -212,6 +212,10 @@ class Controller:
             self.gate.finish(bool(p["accepted"]))
             self._group_reasons[str(p.get("reason"))] += 1
             await self._grant()
+        elif msg_type == "groups_dropped":
+            self.gate.drop_accepted(int(p["n"]))
+            self._group_reasons["dropped_" + str(p.get("reason", "learner"))] += int(p["n"])
+            await self._grant()
         elif msg_type == "weights_published":
             await self._on_published(int(p["version"]), str(p["path"]), p.get("metrics", {}))
         elif msg_type == "weights_loaded":

@@ -40,7 +40,7 @@ class LearnerWorker:
         self._arrived = asyncio.Event()
         self._exported: collections.deque[str] = collections.deque()
         self.stats = {"groups_received": 0, "trajectories_received": 0, "steps": 0, "idle_seconds": 0.0,
-                      "train_seconds": 0.0, "staleness_violations": 0}
+                      "train_seconds": 0.0, "staleness_violations": 0, "stale_groups_dropped": 0}
         os.makedirs(weights_dir, exist_ok=True)
 
     async def receive(self) -> None:
@@ -53,10 +53,28 @@ class LearnerWorker:
             self.stats["trajectories_received"] += len(group)
             self._arrived.set()
 
+    def _drop_stale(self) -> int:
+        """Remove buffered groups with a token older than `version - eta` (long-tailed stragglers)."""
+        if self.eta is None:
+            return 0
+        oldest_ok = self.engine.version - self.eta
+        keep = [g for g in self.buffer if min(t.min_version() for t in g) >= oldest_ok]
+        dropped = len(self.buffer) - len(keep)
+        if dropped:
+            self.buffer = collections.deque(keep)
+            self.stats["stale_groups_dropped"] += dropped
+        return dropped
+
     async def next_batch(self) -> tuple[list[Trajectory], float]:
-        """Wait for B groups (FIFO); returns the flattened batch and the seconds spent waiting."""
+        """Wait for B fresh-enough groups (FIFO); returns the flattened batch and the seconds spent waiting."""
         t0 = time.monotonic()
-        while len(self.buffer) < self.batch_size:
+        while True:
+            dropped = self._drop_stale()
+            if dropped:
+                logger.info("dropped %d groups staler than eta=%s; their budget goes back", dropped, self.eta)
+                await self._send("groups_dropped", {"n": dropped, "reason": "stale"})
+            if len(self.buffer) >= self.batch_size:
+                break
             self._arrived.clear()
             await self._arrived.wait()
         groups = [self.buffer.popleft() for _ in range(self.batch_size)]
@@ -81,7 +99,8 @@ class LearnerWorker:
             metrics.update(learner_wait_seconds=waited, learner_step_seconds=train_s,
                            samples_per_s=len(batch) / max(train_s + waited, 1e-9),
                            buffered_groups=len(self.buffer),
-                           staleness_violations=self.stats["staleness_violations"])
+                           staleness_violations=self.stats["staleness_violations"],
+                           stale_groups_dropped=self.stats["stale_groups_dropped"])
             await self._send("weights_published", {"version": self.engine.version, "path": path,
                                                    "metrics": metrics})
             self._prune(path)

@@ -1,7 +1,8 @@
 """The bounded-staleness gate (AReaL's staleness manager), pure logic with no I/O.
 
 A prompt group may start only while `accepted + running < (version + eta + 1) * batch_size` and
-`running < max_concurrent`. `version` is the policy version every inference worker has loaded, so a group that
+`running < max_concurrent`. With eta = 0 this alone is synchronous PPO; for eta > 0 the learner also drops groups
+that finished too late (see `drop_accepted`), which makes the bound hard. `version` is the policy version every inference worker has loaded, so a group that
 starts under version v makes tokens of version >= v and is consumed by a learner step <= v + eta.
 """
 
@@ -48,6 +49,17 @@ class StalenessGate:
             self.accepted += 1
         else:
             self.rejected += 1
+
+    def drop_accepted(self, n: int) -> None:
+        """The learner discarded n accepted groups as too stale: give their budget back.
+
+        The gate alone bounds staleness only if groups finish in the order they started; a long-tailed group
+        can finish after younger ones have moved the version on. The learner drops such groups at consumption
+        (so no consumed token is ever more than eta behind) and the gate lets replacements start.
+        """
+        n = min(n, self.accepted)
+        self.accepted -= n
+        self.rejected += n
 
     def release(self, n: int) -> None:
         """Return budget of groups that were admitted but never ran (a worker died or shut down)."""

@@ -1,0 +1,148 @@
+"""End-to-end: the real launcher starts every role as an OS process on the tiny model and trains a few steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MAIN = os.path.join(ROOT, "training", "main_async_ppo.py")
+
+SMALL = [
+    "learner.batch_size=2",
+    "agent.group_size=4",
+    "rollout.max_concurrent_rollouts=8",
+    "eval.max_prompts=16",
+    "eval.every_n_steps=2",
+    "progress=false",
+    "startup_timeout=240",
+]
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory) -> str:
+    """One warm-up per test session, shared by every run."""
+    return str(tmp_path_factory.mktemp("arl-cache"))
+
+
+def run_main(args: list[str], run_root: str, cache: str, cwd: str = ROOT, timeout: float = 400) -> tuple[
+        subprocess.CompletedProcess, str]:
+    cmd = [sys.executable, MAIN, f"run_dir={run_root}", "run_name=run", f"model.cache_dir={cache}", *args]
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    return proc, os.path.join(run_root, "run")
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def leftover_processes(run_dir: str) -> list[str]:
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if run_dir in cmd and "arl.launcher.worker" in cmd:
+            out.append(f"{pid}: {cmd}")
+    return out
+
+
+def assert_clean_run(proc: subprocess.CompletedProcess, run_dir: str, steps: int) -> list[dict]:
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
+    metrics = read_metrics(run_dir)
+    train = [m for m in metrics if m["type"] == "train"]
+    assert [m["step"] for m in train] == list(range(1, steps + 1))
+    evals = [m for m in metrics if m["type"] == "eval"]
+    assert evals[0]["version"] == 0 and evals[-1]["version"] == steps
+    time.sleep(0.5)
+    assert leftover_processes(run_dir) == []
+    return train
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("eta", [0, 2])
+def test_trains_with_every_role_as_a_process_and_bounded_staleness(tmp_path, model_cache, eta):
+    steps = 4
+    proc, run_dir = run_main([f"total_train_steps={steps}", f"max_head_offpolicyness={eta}", *SMALL],
+                             str(tmp_path), model_cache)
+    train = assert_clean_run(proc, run_dir, steps)
+    for m in train:
+        assert m["head_offpolicyness"] <= eta, m
+        assert m["tail_offpolicyness"] <= m["head_offpolicyness"]
+        assert m["staleness_violations"] == 0
+        assert m["n_seqs"] >= 2 * 4
+    if eta == 0:
+        assert all(m["head_offpolicyness"] == 0 for m in train)
+    logs = os.listdir(os.path.join(run_dir, "logs"))
+    assert sorted(logs) == ["inference0.log", "learner.log", "rollout0.log"]
+    with open(os.path.join(run_dir, "logs", "learner.log")) as f:
+        assert "deepspeed" in f.read().lower()
+
+
+USER_MODULE = '''
+import asyncio
+from arl.api import Agent, EnvironmentService, GenerateRequest, TrajectoryBuilder, register_agent, register_env
+
+
+class CountEnv(EnvironmentService):
+    """Reward: how close the number of generated tokens is to 3."""
+
+    async def step(self, action):
+        return None, 1.0 / (1 + abs(len(action) - 3)), True, False, {}
+
+
+class ShortAgent(Agent):
+    def __init__(self, tokenizer, gconfig, group_size=4):
+        self.tok, self.gconfig, self.group_size = tokenizer, gconfig, group_size
+
+    async def collect_trajectory(self, prompt, env, obs_queue, act_queue):
+        ids = self.tok.apply_chat_template([{"role": "user", "content": prompt["prompt"]}],
+                                           add_generation_prompt=True, tokenize=True)
+        ids = list(ids["input_ids"]) if isinstance(ids, dict) or hasattr(ids, "keys") else list(ids)
+        # the AReaL-style tuple form of the obs_queue contract
+        await obs_queue.put((prompt["id"], ids, self.gconfig.new(n=self.group_size)))
+        resp = await act_queue.get()
+        out = []
+        for s in resp.samples:
+            _, r, *_ = await env.step(s.output_ids.tolist())
+            b = TrajectoryBuilder(ids)
+            b.add_generated(s)
+            out.append(b.build(reward=r, group_id=prompt["id"], metadata={"first_correct": r == 1.0,
+                                                                          "solved": r == 1.0}))
+        return out
+
+
+register_agent("user-short", ShortAgent)
+register_env("user-count", CountEnv)
+'''
+
+
+@pytest.mark.slow
+def test_user_agent_from_outside_the_package(tmp_path, model_cache):
+    user_dir = tmp_path / "user"
+    user_dir.mkdir()
+    (user_dir / "my_agents.py").write_text(textwrap.dedent(USER_MODULE))
+    proc, run_dir = run_main(["imports=[my_agents]", "agent.name=user-short", "env.name=user-count",
+                              "total_train_steps=2", *SMALL], str(tmp_path / "runs"), model_cache,
+                             cwd=str(user_dir))
+    assert_clean_run(proc, run_dir, 2)
+
+
+def test_bad_key_and_unknown_agent_fail_fast():
+    p = subprocess.run([sys.executable, MAIN, "bogus.key=1"], capture_output=True, text=True, timeout=30)
+    assert p.returncode != 0 and "bogus.key" in p.stderr
+    p = subprocess.run([sys.executable, MAIN, "agent.name=nope"], capture_output=True, text=True, timeout=30)
+    assert p.returncode != 0 and "nope" in p.stderr and "math-multi-turn" in p.stderr
+    p = subprocess.run([sys.executable, MAIN, "learner.lr=fast"], capture_output=True, text=True, timeout=30)
+    assert p.returncode != 0 and "learner.lr" in p.stderr and "float" in p.stderr

@@ -1,0 +1,42 @@
+import pytest
+
+from arl.config import ConfigError, ExperimentConfig, format_help, parse_overrides, resolve_threads
+
+
+def test_overrides_merge_nested_and_dict_args():
+    c = parse_overrides(ExperimentConfig, ["learner.lr=3e-4", "agent.args.num_turns=2", "imports=[a,b]"])
+    assert c.learner.lr == 3e-4 and c.agent.args == {"num_turns": 2} and c.imports == ["a", "b"]
+
+
+def test_unknown_key_names_key_and_close_matches():
+    with pytest.raises(ConfigError, match=r"unknown config key 'learner.lrr'.*learner.lr"):
+        parse_overrides(ExperimentConfig, ["learner.lrr=1"])
+    with pytest.raises(ConfigError, match=r"'bogus.key'"):
+        parse_overrides(ExperimentConfig, ["bogus.key=1"])
+
+
+def test_wrong_type_names_key_and_type():
+    with pytest.raises(ConfigError, match=r"'learner.batch_size': expected int"):
+        parse_overrides(ExperimentConfig, ["learner.batch_size=many"])
+
+
+def test_cross_field_validation():
+    with pytest.raises(ConfigError, match="max_head_offpolicyness"):
+        parse_overrides(ExperimentConfig, ["max_head_offpolicyness=-1"])
+    with pytest.raises(ConfigError, match="key=value"):
+        parse_overrides(ExperimentConfig, ["learner.lr"])
+
+
+def test_help_lists_every_field_with_default():
+    text = format_help()
+    for key in ("learner.lr", "max_head_offpolicyness", "agent.name", "inference.max_batch_size"):
+        assert key in text
+    assert "1e-04" in text or "0.0001" in text
+
+
+def test_threads_split_between_heavy_roles(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    c = ExperimentConfig()
+    assert resolve_threads(c, "inference") == 1 and resolve_threads(c, "learner") == 1
+    c.learner.threads = 2
+    assert resolve_threads(c, "learner") == 2

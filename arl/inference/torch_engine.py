@@ -1,0 +1,789 @@
+"""Embedded PyTorch inference engine: continuous batching over a Hugging Face causal LM, CPU or CUDA.
+
+Why it is built this way:
+
+* **One decode thread owns the model.** Every forward pass, weight load and KV-cache edit happens on a single
+  background thread, so none of them needs a lock against another; callers (asyncio loops in any thread) only
+  touch a small lock-protected queue and get their answer through ``loop.call_soon_threadsafe``. Torch releases
+  the GIL inside its kernels, so the caller's event loop keeps running while a step computes.
+* **Continuous batching with a padded, batched HF ``DynamicCache``.** At every step the running sequences decode
+  one token together; newcomers are prefilled together (left-padded, one forward) and their KV is then joined to
+  the running batch by left-padding both caches to a common length and concatenating on the batch dimension.
+  Finished sequences leave at once (index-select on the batch dimension, then the columns that are padding for
+  every remaining row are trimmed). An attention mask marks padding and explicit ``position_ids`` give every row
+  its own positions, so a sequence produces the same tokens alone or batched. This uses only the public model
+  forward (``input_ids, attention_mask, position_ids, past_key_values``), so it works with any HF causal LM with
+  full attention (Llama, Qwen2/3, Mistral without sliding window, ...) and needs no custom kernels. The cost is
+  padding compute and a cache concat per step (DynamicCache grows by ``torch.cat``), acceptable for the small
+  models and contexts this engine serves; large GPU deployments use the SGLang backend.
+* **n samples share one prefill**: the prompt is run once and its KV rows are repeated n times.
+* **Log-probs for the learner**: each token's logprob is ``log_softmax(logits / T)`` (T = 1 for greedy) of the
+  chosen token, taken *before* min-new-tokens masking and top-k/top-p truncation: exactly what the learner
+  recomputes from a plain forward pass.
+* **Weight updates never stop a request.** ``update_weights`` is executed by the decode thread between two steps:
+  it loads the safetensors into the model in place, bumps the version and goes on. The KV cache of in-flight
+  requests is KEPT (it was computed under the old weights; the standard AReaL-style choice, no recompute) and so
+  are their tokens so far; tokens produced after the update carry the new version in ``output_versions``.
+* **Bad input never raises into the caller or kills the thread**: invalid requests get a ``GenerateResponse``
+  with ``error`` set; an exception inside a step fails only the requests of that step and is logged to the
+  ``arl.inference`` logger.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import inspect
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from transformers import DynamicCache
+
+from arl.api.types import GenerateRequest, GenerateResponse, GenerationConfig, SampleOutput
+
+logger = logging.getLogger("arl.inference")
+
+ENGINE_CLOSED = "engine closed"
+
+
+def _resolve(fut: asyncio.Future, result: Any = None, exc: Optional[BaseException] = None) -> None:
+    """Runs on the future's loop: set the outcome unless the caller already gave up (cancelled)."""
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)
+
+
+def _post(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result: Any = None,
+          exc: Optional[BaseException] = None) -> None:
+    """Resolve `fut` from any thread; a closed loop (caller gone) is ignored."""
+    try:
+        loop.call_soon_threadsafe(_resolve, fut, result, exc)
+    except RuntimeError:  # loop closed
+        pass
+
+
+class _Request:
+    """One accepted GenerateRequest: its prompt, sampling parameters and the samples finished so far."""
+
+    __slots__ = ("qid", "gconfig", "prompt", "prompt_len", "n", "loop", "future", "samples", "remaining",
+                 "cancelled", "responded", "stop_set", "stop_list", "t_submit")
+
+    def __init__(self, req: GenerateRequest, loop: asyncio.AbstractEventLoop, future: asyncio.Future,
+                 eos_token_id: Optional[int], vocab_size: int) -> None:
+        self.qid: str = req.qid
+        self.gconfig: GenerationConfig = req.gconfig
+        self.prompt: list[int] = req.input_ids.tolist()
+        self.prompt_len: int = len(self.prompt)
+        self.n: int = req.gconfig.n
+        self.loop = loop
+        self.future = future
+        self.samples: list[Optional[SampleOutput]] = [None] * self.n
+        self.remaining: int = self.n
+        self.cancelled: bool = False
+        self.responded: bool = False
+        stops = set(int(t) for t in req.gconfig.stop_token_ids)
+        if eos_token_id is not None:
+            stops.add(int(eos_token_id))
+        self.stop_set: frozenset[int] = frozenset(stops)
+        # ids that can actually be sampled (masked while min_new_tokens is not reached)
+        self.stop_list: list[int] = sorted(t for t in stops if t < vocab_size)
+        self.t_submit: float = time.monotonic()
+
+
+class _Row:
+    """One sample being generated: a row of the batched KV cache."""
+
+    __slots__ = ("owner", "index", "ids", "logps", "versions", "finish")
+
+    def __init__(self, owner: _Request, index: int) -> None:
+        self.owner = owner
+        self.index = index
+        self.ids: list[int] = []
+        self.logps: list[float] = []
+        self.versions: list[int] = []
+        self.finish: Optional[str] = None
+
+    @property
+    def cached_len(self) -> int:
+        """Real tokens held in the KV cache (the last sampled token is fed at the next step)."""
+        return self.owner.prompt_len + len(self.ids) - 1
+
+    def to_sample(self, finish_reason: str) -> SampleOutput:
+        return SampleOutput(
+            output_ids=np.asarray(self.ids, np.int32),
+            output_logprobs=np.asarray(self.logps, np.float32),
+            output_versions=np.asarray(self.versions, np.int32),
+            finish_reason=finish_reason,
+        )
+
+
+class TorchEngine:
+    """Embedded continuous-batching inference engine for a HF causal LM (implements ``InferenceEngine``).
+
+    Args:
+        model: a transformers causal LM (``model(input_ids, attention_mask, position_ids, past_key_values)``
+            returning ``.logits``). It is moved to `device` and put in eval mode; the engine owns it from now on.
+        pad_token_id: id fed at left-padding positions (masked out, its value does not matter).
+        eos_token_id: ends a sample (finish_reason "stop") in addition to each request's stop_token_ids.
+        max_batch_size: most samples (KV rows) decoded together; a request with n samples takes n rows.
+        max_context_len: most tokens (prompt + generated) of one sample; longer prompts are refused, samples that
+            reach it end with finish_reason "length".
+        device: torch device of the model and the cache.
+        version: initial policy version stamped on generated tokens.
+        seed: seed of the sampling generator (runs with the same requests in the same order are reproducible).
+        name: used in the decode thread's name and in log lines.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        pad_token_id: int,
+        eos_token_id: int | None,
+        max_batch_size: int = 64,
+        max_context_len: int = 512,
+        device: str = "cpu",
+        version: int = 0,
+        seed: int = 0,
+        name: str = "engine",
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if max_context_len < 2:
+            raise ValueError(f"max_context_len must be >= 2, got {max_context_len}")
+        _check_attention_supported(getattr(model, "config", None), int(max_context_len))
+        self.name = name
+        self.device = torch.device(device)
+        self.model = model.to(self.device).eval()
+        self.vocab_size: int = int(self.model.get_input_embeddings().num_embeddings)
+        if not 0 <= int(pad_token_id) < self.vocab_size:
+            raise ValueError(f"pad_token_id {pad_token_id} is outside the vocabulary [0, {self.vocab_size})")
+        self.pad_token_id = int(pad_token_id)
+        self.eos_token_id = None if eos_token_id is None else int(eos_token_id)
+        self.max_batch_size = int(max_batch_size)
+        self.max_context_len = int(max_context_len)
+        self.seed = int(seed)
+        self._version = int(version)
+        self._generator = torch.Generator(device=self.device)
+        self._generator.manual_seed(self.seed)
+        try:
+            self._has_logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        except (TypeError, ValueError):
+            self._has_logits_to_keep = False
+
+        # Shared between callers and the decode thread, guarded by _cv's lock.
+        self._cv = threading.Condition(threading.Lock())
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._commands: list[tuple[str, Any, int, asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._paused = False
+        self._pause_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._closed = False
+        self._thread: Optional[threading.Thread] = None
+
+        # Batch state: touched only by the decode thread.
+        self._rows: list[_Row] = []
+        self._cache: Optional[DynamicCache] = None
+        self._mask: Optional[torch.Tensor] = None  # [B, T] long, 1 = real token, 0 = left padding
+
+        # Answers produced during a step, posted once the step's counters are updated.
+        self._outbox: list[tuple[asyncio.AbstractEventLoop, asyncio.Future, GenerateResponse]] = []
+
+        # Counters (ints written by one thread, read by stats()).
+        self._steps = 0
+        self._decode_forwards = 0
+        self._prefill_forwards = 0
+        self._prefill_tokens = 0
+        self._tokens = 0
+        self._busy_s = 0.0
+        self._requests_done = 0
+        self._requests_refused = 0
+        self._requests_failed = 0
+        self._weight_updates = 0
+        self._last_update_s = 0.0
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def start(self) -> None:
+        """Start the decode thread (idempotent). Called implicitly by agenerate/update_weights/pause.
+        Raises RuntimeError after close()."""
+        if not self._ensure_started():
+            raise RuntimeError(f"{self.name}: {ENGINE_CLOSED}")
+
+    def _ensure_started(self) -> bool:
+        """Start the decode thread if needed; False if the engine is closed."""
+        with self._cv:
+            if self._closed:
+                return False
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._thread_main, name=f"{self.name}-decode", daemon=True)
+                self._thread.start()
+            return True
+
+    async def agenerate(self, req: GenerateRequest) -> GenerateResponse:
+        """Generate ``req.gconfig.n`` samples. Never raises for bad input: returns a response with ``error``."""
+        qid = getattr(req, "qid", "?")
+        try:
+            err = self._check_request(req)
+        except Exception as e:  # noqa: BLE001 - anything odd about the request is the caller's input error
+            err = f"invalid request: {type(e).__name__}: {e}"
+        if err is not None:
+            with self._cv:
+                self._requests_refused += 1
+            return GenerateResponse(qid=qid, samples=[], error=err)
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+        state = _Request(req, loop, fut, self.eos_token_id, self.vocab_size)
+        with self._cv:
+            if self._closed:
+                self._requests_refused += 1
+                return GenerateResponse(qid=qid, samples=[], error=ENGINE_CLOSED)
+            self._waiting.append(state)
+            self._cv.notify_all()
+        self._ensure_started()  # if close() won the race, it answers the queued request itself
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            state.cancelled = True  # the decode thread drops its rows at the next step boundary
+            with self._cv:
+                self._cv.notify_all()
+            raise
+
+    async def update_weights(self, source: str, version: int) -> None:
+        """Load weights at the next decode-step boundary, set `version`, and go on decoding.
+
+        `source` is a ``.safetensors`` file whose keys match ``model.state_dict()``, or a directory holding
+        ``model.safetensors`` (or a sharded ``model.safetensors.index.json``) as written by ``save_pretrained``;
+        tied weights absent from the file (e.g. ``lm_head.weight``) are fine. Tensors are copied in place.
+
+        Requests in flight are neither stopped nor dropped: their KV cache is KEPT (it was computed under the old
+        weights, the AReaL-style choice: no recompute) together with their tokens so far, and they continue under
+        the new weights; every token records the version that produced it. Returns once the weights are loaded.
+        Raises (and keeps the old weights and version) if the file is missing or does not match the model.
+        """
+        self._ensure_started()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+        with self._cv:
+            if self._closed:
+                raise RuntimeError(f"{self.name}: {ENGINE_CLOSED}")
+            self._commands.append(("update", str(source), int(version), loop, fut))
+            self._cv.notify_all()
+        await fut
+
+    async def pause(self) -> None:
+        """Stop decoding at the next step boundary; returns once no step is running. Requests wait, none dropped."""
+        self._ensure_started()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+        with self._cv:
+            if self._closed:
+                return
+            self._paused = True
+            self._pause_waiters.append((loop, fut))
+            self._cv.notify_all()
+        await fut
+
+    async def resume(self) -> None:
+        """Resume decoding after pause() (no-op if not paused)."""
+        with self._cv:
+            self._paused = False
+            self._ack_pause_locked()
+            self._cv.notify_all()
+
+    async def close(self) -> None:
+        """Stop the decode thread. Waiting requests get ``error="engine closed"``; running ones get the same error
+        with their partial samples (finish_reason "abort" for the samples that were cut). Idempotent."""
+        with self._cv:
+            self._closed = True
+            thread = self._thread
+            self._cv.notify_all()
+        if thread is not None:
+            await asyncio.to_thread(thread.join)  # the thread answers what is pending on its way out
+        else:
+            self._fail_all_closed()
+
+    def stats(self) -> dict[str, Any]:
+        with self._cv:
+            waiting = len(self._waiting)
+        rows = list(self._rows)
+        return {
+            "name": self.name,
+            "version": self._version,
+            "steps": self._steps,  # loop iterations that ran the model (a decode and/or a prefill)
+            "decode_steps": self._steps,
+            "decode_forwards": self._decode_forwards,
+            "prefill_forwards": self._prefill_forwards,
+            "prefill_tokens": self._prefill_tokens,
+            "tokens_generated": self._tokens,
+            "busy_s": self._busy_s,
+            "running": len(rows),  # samples (KV rows) in the batch
+            "running_requests": len({id(r.owner) for r in rows}),
+            "waiting": waiting,  # requests not yet admitted
+            "requests_done": self._requests_done,
+            "requests_refused": self._requests_refused,
+            "requests_failed": self._requests_failed,
+            "weight_updates": self._weight_updates,
+            "last_update_s": self._last_update_s,
+            "paused": self._paused,
+            "closed": self._closed,
+        }
+
+    # ------------------------------------------------------------------ validation (caller side)
+
+    def _check_request(self, req: GenerateRequest) -> Optional[str]:
+        if not isinstance(req, GenerateRequest):
+            return f"expected a GenerateRequest, got {type(req).__name__}"
+        g = req.gconfig
+        if not isinstance(g, GenerationConfig):
+            return f"gconfig must be a GenerationConfig, got {type(g).__name__}"
+        try:
+            g.validate()
+        except ValueError as e:
+            return f"invalid GenerationConfig: {e}"
+        ids = req.input_ids
+        if len(ids) == 0:
+            return "empty prompt (input_ids has no tokens)"
+        if len(ids) >= self.max_context_len:
+            return (f"prompt too long: {len(ids)} tokens, the engine's max_context_len is {self.max_context_len} "
+                    f"(prompt + at least one generated token must fit)")
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self.vocab_size:
+            return f"token id out of vocabulary range [0, {self.vocab_size}): min {lo}, max {hi}"
+        if g.n > self.max_batch_size:
+            return f"n={g.n} samples exceeds the engine's max_batch_size {self.max_batch_size}"
+        return None
+
+    # ------------------------------------------------------------------ decode thread
+
+    def _thread_main(self) -> None:
+        try:
+            with torch.inference_mode():
+                while True:
+                    cmds: list[tuple[str, Any, int, asyncio.AbstractEventLoop, asyncio.Future]] = []
+                    newcomers: list[_Request] = []
+                    with self._cv:
+                        while True:
+                            if self._closed:
+                                return
+                            if self._commands:
+                                cmds, self._commands = self._commands, []
+                                break
+                            if self._paused:
+                                self._ack_pause_locked()
+                                self._cv.wait()
+                                continue
+                            self._drop_cancelled_waiting_locked()
+                            if self._waiting or self._rows:
+                                newcomers = self._admit_locked()
+                                break
+                            self._cv.wait()
+                    if cmds:
+                        for cmd in cmds:
+                            self._run_command(cmd)
+                        continue
+                    self._step(newcomers)
+        except BaseException:  # pragma: no cover - the step itself catches everything; this is a last resort
+            logger.exception("%s: decode thread crashed", self.name)
+        finally:
+            self._fail_all_closed()
+
+    def _ack_pause_locked(self) -> None:
+        for loop, fut in self._pause_waiters:
+            _post(loop, fut, None)
+        self._pause_waiters = []
+
+    def _drop_cancelled_waiting_locked(self) -> None:
+        if any(r.cancelled for r in self._waiting):
+            self._waiting = collections.deque(r for r in self._waiting if not r.cancelled)
+
+    def _admit_locked(self) -> list[_Request]:
+        """FIFO admission while the batch has rows free (a request takes n rows)."""
+        free = self.max_batch_size - len(self._rows)
+        admitted: list[_Request] = []
+        while self._waiting and self._waiting[0].n <= free:
+            r = self._waiting.popleft()
+            if r.cancelled:
+                continue
+            admitted.append(r)
+            free -= r.n
+        return admitted
+
+    def _run_command(self, cmd: tuple[str, Any, int, asyncio.AbstractEventLoop, asyncio.Future]) -> None:
+        kind, source, version, loop, fut = cmd
+        if kind != "update":  # pragma: no cover - only one kind today
+            _post(loop, fut, exc=ValueError(f"unknown command {kind!r}"))
+            return
+        t0 = time.perf_counter()
+        try:
+            n = self._load_weights(source)
+        except Exception as e:  # noqa: BLE001 - reported to the caller of update_weights
+            logger.exception("%s: weight update from %s failed", self.name, source)
+            _post(loop, fut, exc=e)
+            return
+        self._version = version
+        self._weight_updates += 1
+        self._last_update_s = time.perf_counter() - t0
+        logger.info("%s: loaded %d tensors from %s in %.3fs, version %d (%d rows kept in flight)",
+                    self.name, n, source, self._last_update_s, version, len(self._rows))
+        _post(loop, fut, None)
+
+    def _step(self, newcomers: list[_Request]) -> None:
+        """One decode step for the running rows, then the newcomers' prefill and join.
+
+        An exception fails only the requests it touched (the running batch for a decode error, the newcomers for
+        a prefill error); anything that leaves the batch state in doubt resets the batch, failing its requests.
+        """
+        t0 = time.perf_counter()
+        try:
+            if self._rows:
+                try:
+                    self._decode()
+                except Exception as e:  # noqa: BLE001
+                    logger.exception("%s: decode step failed; failing %d running samples", self.name,
+                                     len(self._rows))
+                    self._fail_rows(self._rows, f"decode step failed: {type(e).__name__}: {e}")
+                    self._reset_batch()
+                self._evict()
+            if newcomers:
+                try:
+                    self._prefill_and_join(newcomers)
+                except Exception as e:  # noqa: BLE001
+                    logger.exception("%s: prefill failed; failing %d requests", self.name, len(newcomers))
+                    for r in newcomers:
+                        self._fail_request(r, f"prefill failed: {type(e).__name__}: {e}")
+                self._evict()
+        except Exception as e:  # noqa: BLE001 - batch bookkeeping failed: start over with an empty batch
+            logger.exception("%s: step failed; failing all %d running samples", self.name, len(self._rows))
+            self._fail_rows(self._rows, f"engine step failed: {type(e).__name__}: {e}")
+            for r in newcomers:
+                self._fail_request(r, f"engine step failed: {type(e).__name__}: {e}")
+            self._reset_batch()
+        finally:
+            self._steps += 1
+            self._busy_s += time.perf_counter() - t0
+            self._flush_outbox()
+
+    def _flush_outbox(self) -> None:
+        """Post the step's answers, after batch state and counters are updated (so callers see consistent stats)."""
+        outbox, self._outbox = self._outbox, []
+        for loop, fut, resp in outbox:
+            _post(loop, fut, resp)
+
+    # ---- model calls
+
+    def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor,
+                 cache: DynamicCache) -> torch.Tensor:
+        kwargs: dict[str, Any] = dict(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
+                                      past_key_values=cache, use_cache=True)
+        if self._has_logits_to_keep:
+            kwargs["logits_to_keep"] = 1
+        out = self.model(**kwargs)
+        return out.logits[:, -1, :].float()
+
+    def _decode(self) -> None:
+        rows = self._rows
+        assert self._cache is not None and self._mask is not None
+        dev = self.device
+        input_ids = torch.tensor([[r.ids[-1]] for r in rows], dtype=torch.long, device=dev)
+        position_ids = torch.tensor([[r.cached_len] for r in rows], dtype=torch.long, device=dev)
+        mask = torch.cat([self._mask, torch.ones(len(rows), 1, dtype=self._mask.dtype, device=dev)], dim=1)
+        self._mask = mask
+        logits = self._forward(input_ids, mask, position_ids, self._cache)
+        self._decode_forwards += 1
+        self._emit(rows, logits)
+
+    def _prefill_and_join(self, reqs: list[_Request]) -> None:
+        dev = self.device
+        lens = [r.prompt_len for r in reqs]
+        width = max(lens)
+        ids = torch.full((len(reqs), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(reqs), width), dtype=torch.long)
+        for i, r in enumerate(reqs):
+            ids[i, width - r.prompt_len:] = torch.tensor(r.prompt, dtype=torch.long)
+            mask[i, width - r.prompt_len:] = 1
+        ids, mask = ids.to(dev), mask.to(dev)
+        position_ids = (mask.cumsum(-1) - 1).clamp_(min=0)
+        cache = DynamicCache()
+        logits = self._forward(ids, mask, position_ids, cache)
+        self._prefill_forwards += 1
+        self._prefill_tokens += sum(lens)
+        if min(lens) < width:  # keep padding KV finite (0 * NaN would leak through the masked attention)
+            keep = mask.bool()[:, None, :, None]
+            for layer in cache.layers:
+                layer.keys = layer.keys.masked_fill(~keep, 0)
+                layer.values = layer.values.masked_fill(~keep, 0)
+        # n samples: one prefill, KV rows repeated n times
+        counts = [r.n for r in reqs]
+        if any(c > 1 for c in counts):
+            idx = torch.repeat_interleave(torch.arange(len(reqs), device=dev),
+                                          torch.tensor(counts, device=dev))
+            logits = logits.index_select(0, idx)
+            mask = mask.index_select(0, idx)
+            for layer in cache.layers:
+                layer.keys = layer.keys.index_select(0, idx)
+                layer.values = layer.values.index_select(0, idx)
+        rows = [_Row(r, j) for r in reqs for j in range(r.n)]
+        self._emit(rows, logits)
+        self._join(rows, cache, mask)
+
+    def _join(self, rows: list[_Row], cache: DynamicCache, mask: torch.Tensor) -> None:
+        """Concatenate the newcomers' KV rows to the running batch (left-padding both to a common length)."""
+        if not self._rows or self._cache is None or self._mask is None:
+            self._rows, self._cache, self._mask = rows, cache, mask
+            return
+        t_old, t_new = self._mask.shape[1], mask.shape[1]
+        width = max(t_old, t_new)
+        new_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for old_l, new_l in zip(self._cache.layers, cache.layers):
+            k = torch.cat([F.pad(old_l.keys, (0, 0, width - t_old, 0)), F.pad(new_l.keys, (0, 0, width - t_new, 0))])
+            v = torch.cat([F.pad(old_l.values, (0, 0, width - t_old, 0)),
+                           F.pad(new_l.values, (0, 0, width - t_new, 0))])
+            new_kv.append((k, v))
+        if len(new_kv) != len(self._cache.layers) or len(cache.layers) != len(self._cache.layers):
+            raise RuntimeError("cache layer count mismatch between running batch and newcomers")
+        new_mask = torch.cat([F.pad(self._mask, (width - t_old, 0)), F.pad(mask, (width - t_new, 0))])
+        # commit only once everything was built
+        for layer, (k, v) in zip(self._cache.layers, new_kv):
+            layer.keys, layer.values = k, v
+        self._mask = new_mask
+        self._rows = self._rows + rows
+
+    def _evict(self) -> None:
+        """Remove finished, cancelled and failed rows from the batch; answer requests whose samples are all done."""
+        rows = self._rows
+        keep: list[int] = []
+        done: list[_Request] = []
+        for i, r in enumerate(rows):
+            owner = r.owner
+            if owner.cancelled or owner.responded:
+                continue
+            if r.finish is None:
+                keep.append(i)
+                continue
+            owner.samples[r.index] = r.to_sample(r.finish)
+            owner.remaining -= 1
+            if owner.remaining == 0:
+                owner.responded = True
+                done.append(owner)
+        if len(keep) != len(rows):
+            self._select_rows(keep)
+        for owner in done:
+            self._requests_done += 1
+            self._outbox.append((owner.loop, owner.future,
+                                 GenerateResponse(qid=owner.qid, samples=list(owner.samples))))
+
+    def _select_rows(self, keep: list[int]) -> None:
+        """Keep only rows `keep` (index-select the batch dim) and trim columns that are padding for every row."""
+        rows = self._rows
+        if not keep:
+            self._reset_batch()
+            return
+        assert self._cache is not None and self._mask is not None
+        kept_rows = [rows[i] for i in keep]
+        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+        start = self._mask.shape[1] - max(r.cached_len for r in kept_rows)  # columns that are padding for all
+        self._mask = self._mask.index_select(0, idx)[:, start:]
+        for layer in self._cache.layers:
+            layer.keys = layer.keys.index_select(0, idx)[:, :, start:]
+            layer.values = layer.values.index_select(0, idx)[:, :, start:]
+        self._rows = kept_rows
+
+    def _reset_batch(self) -> None:
+        self._rows, self._cache, self._mask = [], None, None
+
+    # ---- sampling
+
+    def _emit(self, rows: list[_Row], logits: torch.Tensor) -> None:
+        """Sample one token per row from `logits` [B, V], record it with its logprob and version, mark finishes."""
+        tokens, logps = self._sample(rows, logits)
+        version = self._version
+        for r, t, lp in zip(rows, tokens.tolist(), logps.tolist()):
+            r.ids.append(t)
+            r.logps.append(lp)
+            r.versions.append(version)
+            g = r.owner.gconfig
+            if t in r.owner.stop_set:
+                r.finish = "stop"
+            elif len(r.ids) >= g.max_new_tokens or r.owner.prompt_len + len(r.ids) >= self.max_context_len:
+                r.finish = "length"
+        self._tokens += len(rows)
+
+    def _sample(self, rows: list[_Row], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dev = logits.device
+        B, V = logits.shape
+        greedy = [r.owner.gconfig.greedy for r in rows]
+        temps = torch.tensor([1.0 if gr else float(r.owner.gconfig.temperature) for r, gr in zip(rows, greedy)],
+                             dtype=logits.dtype, device=dev)
+        scaled = logits / temps[:, None]
+        logp_all = torch.log_softmax(scaled, dim=-1)  # what the learner recomputes: before masking/truncation
+
+        # min_new_tokens: stop/eos ids cannot be drawn until reached
+        mi: list[int] = []
+        mj: list[int] = []
+        for i, r in enumerate(rows):
+            if r.owner.stop_list and len(r.ids) < r.owner.gconfig.min_new_tokens:
+                mi.extend([i] * len(r.owner.stop_list))
+                mj.extend(r.owner.stop_list)
+        masked = scaled
+        if mi:
+            masked = scaled.clone()
+            masked[torch.tensor(mi, device=dev), torch.tensor(mj, device=dev)] = float("-inf")
+
+        if all(greedy):
+            tokens = masked.argmax(dim=-1)
+        else:
+            s_idx = [i for i, gr in enumerate(greedy) if not gr]
+            sub = masked if len(s_idx) == B else masked[torch.tensor(s_idx, device=dev)]
+            top_k = [rows[i].owner.gconfig.top_k for i in s_idx]
+            top_p = [float(rows[i].owner.gconfig.top_p) for i in s_idx]
+            sub = _truncate(sub, top_k, top_p)
+            probs = torch.softmax(sub, dim=-1)
+            drawn = torch.multinomial(probs, 1, generator=self._generator).squeeze(1)
+            if len(s_idx) == B:
+                tokens = drawn
+            else:
+                tokens = masked.argmax(dim=-1)
+                tokens[torch.tensor(s_idx, device=dev)] = drawn
+        logps = logp_all.gather(1, tokens[:, None]).squeeze(1)
+        return tokens, logps
+
+    # ---- failures and shutdown
+
+    def _fail_request(self, owner: _Request, msg: str) -> None:
+        if owner.responded or owner.cancelled:
+            return
+        owner.responded = True
+        self._requests_failed += 1
+        self._outbox.append((owner.loop, owner.future, GenerateResponse(qid=owner.qid, samples=[], error=msg)))
+
+    def _fail_rows(self, rows: list[_Row], msg: str) -> None:
+        for owner in {id(r.owner): r.owner for r in rows}.values():
+            self._fail_request(owner, msg)
+
+    def _fail_all_closed(self) -> None:
+        """After the thread stopped (or never started): answer everything still pending with 'engine closed'."""
+        self._flush_outbox()
+        with self._cv:
+            self._closed = True
+            waiting, self._waiting = list(self._waiting), collections.deque()
+            cmds, self._commands = self._commands, []
+            self._ack_pause_locked()
+            rows, self._rows = self._rows, []
+            self._cache, self._mask = None, None
+        for owner in waiting:
+            if not owner.cancelled and not owner.responded:
+                owner.responded = True
+                _post(owner.loop, owner.future, GenerateResponse(qid=owner.qid, samples=[], error=ENGINE_CLOSED))
+        by_owner: dict[int, tuple[_Request, list[_Row]]] = {}
+        for r in rows:
+            by_owner.setdefault(id(r.owner), (r.owner, []))[1].append(r)
+        for owner, orows in by_owner.values():
+            if owner.cancelled or owner.responded:
+                continue
+            owner.responded = True
+            for r in orows:
+                owner.samples[r.index] = r.to_sample(r.finish or "abort")
+            samples = [s for s in owner.samples if s is not None]
+            _post(owner.loop, owner.future, GenerateResponse(qid=owner.qid, samples=samples, error=ENGINE_CLOSED))
+        for _, _, _, loop, fut in cmds:
+            _post(loop, fut, exc=RuntimeError(f"{self.name}: {ENGINE_CLOSED}"))
+
+    # ---- weights
+
+    def _load_weights(self, source: str) -> int:
+        """Copy the tensors of `source` into the model in place (checked against model.state_dict() first)."""
+        files = _safetensors_files(source)
+        dev = "cpu" if self.device.type == "cpu" else str(self.device)
+        loaded: dict[str, torch.Tensor] = {}
+        with torch.inference_mode(False), torch.no_grad():
+            for f in files:
+                loaded.update(load_file(str(f), device=dev))
+            params = self.model.state_dict(keep_vars=True)
+            groups: dict[int, list[str]] = {}
+            for k, t in params.items():
+                groups.setdefault(t.data_ptr(), []).append(k)
+            missing = [k for k, t in params.items()
+                       if k not in loaded and not any(a in loaded for a in groups[t.data_ptr()])]
+            unexpected = [k for k in loaded if k not in params]
+            bad_shape = [f"{k}: file {tuple(loaded[k].shape)} vs model {tuple(params[k].shape)}"
+                         for k in loaded if k in params and loaded[k].shape != params[k].shape]
+            if missing or unexpected or bad_shape:
+                raise ValueError(
+                    f"weights in {source} do not match the model: missing {missing[:10]}"
+                    f"{' ...' if len(missing) > 10 else ''} ({len(missing)}), unexpected {unexpected[:10]}"
+                    f"{' ...' if len(unexpected) > 10 else ''} ({len(unexpected)}), shape mismatch {bad_shape[:10]}"
+                )
+            for k, src in loaded.items():
+                params[k].copy_(src)
+        return len(loaded)
+
+
+def _check_attention_supported(config: Any, max_context_len: int) -> None:
+    """The left-padded batched cache assumes full attention in every layer; refuse models where that is wrong."""
+    if config is None:
+        return
+    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    layer_types = getattr(cfg, "layer_types", None) or []
+    odd = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+    if odd:
+        raise ValueError(f"TorchEngine supports attention layers only; this model has layer types {odd}")
+    window = getattr(cfg, "sliding_window", None)
+    uses_window = "sliding_attention" in layer_types or (
+        not layer_types and window is not None and getattr(cfg, "use_sliding_window", True)
+    )
+    if uses_window and window is not None and int(window) < max_context_len:
+        raise ValueError(
+            f"TorchEngine needs full attention over max_context_len={max_context_len} tokens, but the model uses a "
+            f"sliding window of {window}; lower max_context_len to <= {window} or use the sglang backend"
+        )
+
+
+def _safetensors_files(source: str) -> list[Path]:
+    p = Path(source)
+    if p.is_file():
+        return [p]
+    if p.is_dir():
+        single = p / "model.safetensors"
+        if single.is_file():
+            return [single]
+        index = p / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return [p / f for f in sorted(set(weight_map.values()))]
+        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in directory {source}")
+    raise FileNotFoundError(f"weights source {source} does not exist")
+
+
+def _truncate(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Apply per-row top-k (0 = off) then top-p (1 = off) by setting dropped logits to -inf."""
+    S, V = logits.shape
+    if any(k > 0 for k in top_k):
+        k_t = torch.tensor([k if 0 < k < V else V for k in top_k], dtype=torch.long, device=logits.device)
+        kmax = int(k_t.max())
+        kth = torch.topk(logits, kmax, dim=-1).values.gather(1, (k_t - 1)[:, None])
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if any(p < 1.0 for p in top_p):
+        p_t = torch.tensor(top_p, dtype=logits.dtype, device=logits.device)
+        sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        remove_sorted = mass_before > p_t[:, None]  # keep the smallest prefix whose mass reaches top_p
+        remove_sorted[:, 0] = False
+        remove = torch.zeros_like(remove_sorted).scatter(1, sorted_idx, remove_sorted)
+        logits = logits.masked_fill(remove, float("-inf"))
+    return logits

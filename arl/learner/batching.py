@@ -1,0 +1,169 @@
+"""Turn a list of `Trajectory` into micro-batches of right-padded tensors bounded by a token budget.
+
+Two steps with separate boundaries, so a packed (padding-free, ``cu_seqlens``) layout can replace the padded one
+later without touching the learner loop:
+
+1. `split_by_token_budget(lengths, max_tokens_per_mb)` -> groups of sequence indices;
+2. `collate_padded(trajs, indices, advantages)` -> one `MicroBatch`.
+
+`build_micro_batches` runs both.
+
+Alignment (the same as `arl.api.types.Trajectory` and `arl.learner.ppo`): every per-token tensor is indexed by the
+position of the token it describes. ``logprobs[b, t]`` is the behaviour log-probability of ``input_ids[b, t]``
+given ``input_ids[b, :t]`` -- i.e. it was produced from the logits at position ``t-1``. `ppo.token_logprobs` returns
+the learner's logprobs in the same layout, so the two are compared element-wise with no further shifting. Position
+0 has no prefix; a trajectory whose ``loss_mask[0]`` is set (an empty prompt) gets that position dropped from the
+loss (there is nothing to condition on, so no logprob can be recomputed for it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from arl.api.types import Trajectory
+
+__all__ = ["MicroBatch", "split_by_token_budget", "collate_padded", "build_micro_batches"]
+
+
+@dataclasses.dataclass
+class MicroBatch:
+    """Right-padded tensors of ``B`` sequences, padded length ``L``.
+
+    input_ids: long [B, L] (pad id ``pad_token_id``); attention_mask: long [B, L] (1 on real tokens);
+    loss_mask: bool [B, L] (model-generated tokens, never position 0, never padding);
+    logprobs: float32 [B, L] behaviour logprobs (0 off the loss mask); versions: long [B, L] (-1 off the loss mask);
+    advantages: float32 [B, L] (0 off the loss mask); seq_lens: long [B]; indices: positions of these sequences in
+    the list given to `build_micro_batches`.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    logprobs: torch.Tensor
+    versions: torch.Tensor
+    advantages: torch.Tensor
+    seq_lens: torch.Tensor
+    indices: list[int]
+
+    @property
+    def n_seqs(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def n_loss_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+    @property
+    def padded_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    def to(self, device: torch.device | str) -> "MicroBatch":
+        kw = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            kw[f.name] = v.to(device) if isinstance(v, torch.Tensor) else v
+        return MicroBatch(**kw)
+
+
+def split_by_token_budget(lengths: Sequence[int], max_tokens_per_mb: int) -> list[list[int]]:
+    """Group sequence indices so each group's *padded* size (``len(group) * max length in group``) stays within
+    ``max_tokens_per_mb``.
+
+    Sequences are taken longest first (less padding) and added greedily to the current group while the padded
+    size fits; a sequence longer than the budget gets a group of its own (never dropped). Every index appears
+    exactly once. Within a group, indices are sorted ascending (stable, original order).
+    """
+    if max_tokens_per_mb < 1:
+        raise ValueError(f"max_tokens_per_mb must be >= 1, got {max_tokens_per_mb}")
+    order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    cur_max = 0
+    for i in order:
+        n = max(int(lengths[i]), 1)
+        new_max = max(cur_max, n)
+        if cur and (len(cur) + 1) * new_max > max_tokens_per_mb:
+            groups.append(sorted(cur))
+            cur, cur_max = [], 0
+            new_max = n
+        cur.append(i)
+        cur_max = new_max
+    if cur:
+        groups.append(sorted(cur))
+    return groups
+
+
+def _per_token_advantages(traj: Trajectory, adv: float | np.ndarray) -> np.ndarray:
+    a = np.asarray(adv, dtype=np.float32)
+    if a.ndim == 0:
+        return np.full(len(traj.input_ids), float(a), np.float32)
+    if a.shape != (len(traj.input_ids),):
+        raise ValueError(f"per-token advantages have shape {a.shape}, trajectory has {len(traj.input_ids)} tokens")
+    return a
+
+
+def collate_padded(
+    trajs: Sequence[Trajectory],
+    indices: Sequence[int],
+    advantages: Sequence[float | np.ndarray],
+    *,
+    pad_token_id: int = 0,
+) -> MicroBatch:
+    """Right-pad ``trajs[i] for i in indices`` into one `MicroBatch`.
+
+    ``advantages[i]`` is either a scalar (broadcast to the trajectory's loss-mask tokens, the GRPO case) or a
+    per-token array aligned with ``trajs[i].input_ids``. Values off the loss mask are zeroed.
+    """
+    idx = list(indices)
+    if not idx:
+        raise ValueError("a micro-batch needs at least one sequence")
+    lens = [len(trajs[i].input_ids) for i in idx]
+    B, L = len(idx), max(max(lens), 1)
+    input_ids = np.full((B, L), pad_token_id, np.int64)
+    attn = np.zeros((B, L), np.int64)
+    loss_mask = np.zeros((B, L), bool)
+    logprobs = np.zeros((B, L), np.float32)
+    versions = np.full((B, L), -1, np.int64)
+    adv = np.zeros((B, L), np.float32)
+    for row, i in enumerate(idx):
+        t = trajs[i]
+        n = lens[row]
+        m = t.loss_mask.astype(bool).copy()
+        if n:
+            m[0] = False  # no prefix to condition on: cannot be scored
+        input_ids[row, :n] = t.input_ids
+        attn[row, :n] = 1
+        loss_mask[row, :n] = m
+        logprobs[row, :n] = np.where(m, t.logprobs, 0.0)
+        versions[row, :n] = np.where(m, t.versions, -1)
+        adv[row, :n] = np.where(m, _per_token_advantages(t, advantages[i]), 0.0)
+    return MicroBatch(
+        input_ids=torch.from_numpy(input_ids),
+        attention_mask=torch.from_numpy(attn),
+        loss_mask=torch.from_numpy(loss_mask),
+        logprobs=torch.from_numpy(logprobs),
+        versions=torch.from_numpy(versions),
+        advantages=torch.from_numpy(adv),
+        seq_lens=torch.tensor(lens, dtype=torch.long),
+        indices=idx,
+    )
+
+
+def build_micro_batches(
+    trajs: Sequence[Trajectory],
+    max_tokens_per_mb: int,
+    advantages: Optional[Sequence[float | np.ndarray]] = None,
+    *,
+    pad_token_id: int = 0,
+) -> list[MicroBatch]:
+    """Split ``trajs`` by token budget and collate each group (see module doc). ``advantages`` defaults to 0."""
+    if advantages is None:
+        advantages = [0.0] * len(trajs)
+    if len(advantages) != len(trajs):
+        raise ValueError(f"{len(advantages)} advantages for {len(trajs)} trajectories")
+    groups = split_by_token_budget([len(t.input_ids) for t in trajs], max_tokens_per_mb)
+    return [collate_padded(trajs, g, advantages, pad_token_id=pad_token_id) for g in groups]

@@ -1,0 +1,114 @@
+"""Helpers shared by agents: chat encoding and qid-matched request/response over the agent's queue pair."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+import weakref
+from typing import Any, Optional
+
+from arl.api import GenerateRequest, GenerateResponse
+
+logger = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------------------------- chat encoding
+
+
+def row_messages(prompt: dict[str, Any]) -> list[dict[str, str]]:
+    """Chat messages of a dataset row: its `messages`, or one user message with its `prompt`."""
+    if prompt.get("messages") is not None:
+        return [dict(m) for m in prompt["messages"]]
+    if prompt.get("prompt") is not None:
+        return [{"role": "user", "content": str(prompt["prompt"])}]
+    raise ValueError(f"prompt row {prompt.get('id')!r} has neither 'prompt' nor 'messages' (keys: {sorted(prompt)})")
+
+
+def encode_chat(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    """Render `messages` with the tokenizer's chat template and tokenize the text once (no extra BOS)."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}#{uuid.uuid4().hex[:12]}"
+
+
+# ------------------------------------------------------------------------------------------- request/response
+
+
+class QueueClient:
+    """Sends `GenerateRequest`s on `obs_queue` and hands each `GenerateResponse` from `act_queue` to the request
+    with the same qid, so several concurrent chains can share one queue pair and responses may come back in any
+    order. A reader task runs only while requests are pending. Responses for unknown qids are logged and dropped.
+    """
+
+    def __init__(self, obs_queue: asyncio.Queue, act_queue: asyncio.Queue) -> None:
+        self.obs_queue = obs_queue
+        self.act_queue = act_queue
+        self._pending: dict[str, asyncio.Future] = {}
+        self._reader: Optional[asyncio.Task] = None
+
+    async def generate(self, req: GenerateRequest) -> GenerateResponse:
+        if not isinstance(req, GenerateRequest):
+            raise TypeError(f"generate() takes a GenerateRequest, got {type(req).__name__}")
+        if req.qid in self._pending:
+            raise ValueError(f"qid {req.qid!r} is already in flight on this queue pair; qids must be unique")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+        self._pending[req.qid] = fut
+        try:
+            await self.obs_queue.put(req)
+            if self._reader is None or self._reader.done():
+                self._reader = loop.create_task(self._read(), name="arl-agent-act-reader")
+            return await fut
+        finally:
+            self._pending.pop(req.qid, None)
+            if not self._pending and self._reader is not None and not self._reader.done():
+                self._reader.cancel()
+
+    async def _read(self) -> None:
+        while self._pending:
+            resp = await self.act_queue.get()
+            if not isinstance(resp, GenerateResponse):
+                err = TypeError(f"act_queue delivered {type(resp).__name__}, expected GenerateResponse")
+                for f in self._pending.values():
+                    if not f.done():
+                        f.set_exception(err)
+                return
+            fut = self._pending.get(resp.qid)
+            if fut is None or fut.done():
+                logger.warning("dropping a response for unknown qid %r (pending: %s)", resp.qid, list(self._pending))
+                continue
+            fut.set_result(resp)
+
+    async def close(self) -> None:
+        if self._reader is not None and not self._reader.done():
+            self._reader.cancel()
+            try:
+                await self._reader
+            except (asyncio.CancelledError, Exception):
+                pass
+
+
+_CLIENTS: "weakref.WeakKeyDictionary[asyncio.Queue, QueueClient]" = weakref.WeakKeyDictionary()
+
+
+def queue_client(obs_queue: asyncio.Queue, act_queue: asyncio.Queue) -> QueueClient:
+    """The one QueueClient of this queue pair (keyed by `act_queue`)."""
+    client = _CLIENTS.get(act_queue)
+    if client is None or client.obs_queue is not obs_queue:
+        client = QueueClient(obs_queue, act_queue)
+        _CLIENTS[act_queue] = client
+    return client
+
+
+async def generate(obs_queue: asyncio.Queue, act_queue: asyncio.Queue, req: GenerateRequest) -> GenerateResponse:
+    """Send `req` and await its response (matched by qid). Raises RuntimeError if the engine reports an error."""
+    resp = await queue_client(obs_queue, act_queue).generate(req)
+    if resp.error is not None:
+        raise RuntimeError(f"generation request {req.qid!r} failed: {resp.error}")
+    if not resp.samples:
+        raise RuntimeError(f"generation request {req.qid!r} returned no samples")
+    return resp

@@ -1,0 +1,134 @@
+"""Multi-turn math agent: `group_size` independent chats per prompt, each retrying after a wrong answer.
+
+Turn t of a chat sends the whole token history (n=1). A wrong answer is followed by a feedback user message
+rendered with the chat template (with the generation prompt) and tokenised once in __init__; it is appended as
+context (loss_mask 0). Generated tokens, including the eos they end with, stay exactly as the engine returned
+them: the history is never decoded and re-encoded.
+
+reward = turn_discount ** t if the chat is solved at turn t (0-based; 1.0 for a first-turn success), else 0.0.
+termination: "solved" | "max_turns" | "length" (a wrong answer cut by max_new_tokens, or no room left under
+`max_total_tokens`) | "abort" (the engine aborted the request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Optional
+
+from arl.agents.common import encode_chat, generate, new_id, row_messages
+from arl.agents.math_single_step import _with_eos_stop, is_uniform
+from arl.api import (
+    Agent,
+    EnvironmentService,
+    GenerateRequest,
+    GenerationConfig,
+    Trajectory,
+    TrajectoryBuilder,
+    register_agent,
+)
+
+DEFAULT_FEEDBACK = "Wrong, try again."
+
+
+class MathMultiTurnAgent(Agent):
+    def __init__(
+        self,
+        tokenizer: Any,
+        gconfig: GenerationConfig,
+        group_size: int = 8,
+        num_turns: int = 3,
+        turn_discount: float = 0.9,
+        feedback: str = DEFAULT_FEEDBACK,
+        filter_uniform_groups: bool = True,
+        max_total_tokens: Optional[int] = None,
+    ) -> None:
+        if not isinstance(group_size, int) or group_size < 1:
+            raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
+        if not isinstance(num_turns, int) or num_turns < 1:
+            raise ValueError(f"num_turns must be an int >= 1, got {num_turns!r}")
+        if not 0.0 < turn_discount <= 1.0:
+            raise ValueError(f"turn_discount must be in (0, 1], got {turn_discount!r}")
+        self.tokenizer = tokenizer
+        self.group_size = group_size
+        self.num_turns = num_turns
+        self.turn_discount = float(turn_discount)
+        self.filter_uniform_groups = filter_uniform_groups
+        self.max_total_tokens = max_total_tokens
+        self.gconfig = _with_eos_stop(gconfig.new(n=1), tokenizer.eos_token_id)
+        self.gconfig.validate()
+        # "<|user|>Wrong, try again.<|assistant|>" with the tiny tokenizer; tokenised once, appended as-is.
+        self.feedback_ids = encode_chat(tokenizer, [{"role": "user", "content": feedback}], add_generation_prompt=True)
+
+    async def _chain(self, index: int, prompt_ids: list[int], pid: str, group_id: str, env: EnvironmentService,
+                     obs_queue: asyncio.Queue, act_queue: asyncio.Queue) -> Trajectory:
+        b = TrajectoryBuilder(prompt_ids)
+        session = f"{group_id}/{index}"
+        turn_rewards: list[float] = []
+        errors: list[str] = []
+        first_correct = solved = False
+        termination = "max_turns"
+        for turn in range(self.num_turns):
+            req = GenerateRequest(qid=new_id(f"{session}/t{turn}"), input_ids=b.input_ids, gconfig=self.gconfig,
+                                  session_id=session)
+            resp = await generate(obs_queue, act_queue, req)
+            sample = resp.samples[0]
+            b.add_generated(sample)
+            text = self.tokenizer.decode(sample.output_ids.tolist(), skip_special_tokens=True)
+            _, reward, _, _, info = await env.step(text)
+            turn_rewards.append(float(reward))
+            if info.get("error"):
+                errors.append(str(info["error"]))
+            correct = bool(info.get("correct", False))
+            if turn == 0:
+                first_correct = correct
+            if correct:
+                solved, termination = True, "solved"
+                break
+            if sample.finish_reason == "abort":
+                termination = "abort"
+                break
+            if sample.finish_reason == "length":
+                termination = "length"
+                break
+            if turn == self.num_turns - 1:
+                break
+            if self.max_total_tokens is not None and (
+                len(b) + len(self.feedback_ids) + self.gconfig.max_new_tokens > self.max_total_tokens
+            ):
+                termination = "length"
+                break
+            b.add_context(self.feedback_ids)
+        turns = len(turn_rewards)
+        reward = self.turn_discount ** (turns - 1) if solved else 0.0
+        meta: dict[str, Any] = {"turns": turns, "first_correct": first_correct, "solved": solved,
+                                "termination": termination, "prompt_id": pid}
+        if errors:
+            meta["reward_errors"] = errors
+        return b.build(reward=reward, group_id=group_id, turn_rewards=turn_rewards, metadata=meta)
+
+    async def collect_trajectory(
+        self,
+        prompt: dict[str, Any],
+        env: EnvironmentService,
+        obs_queue: asyncio.Queue,
+        act_queue: asyncio.Queue,
+    ) -> list[Trajectory]:
+        pid = str(prompt.get("id", "prompt"))
+        group_id = new_id(pid)
+        prompt_ids = encode_chat(self.tokenizer, row_messages(prompt), add_generation_prompt=True)
+        await env.reset(options={"answer": prompt.get("answer")})
+        chains = [asyncio.ensure_future(self._chain(i, prompt_ids, pid, group_id, env, obs_queue, act_queue))
+                  for i in range(self.group_size)]
+        try:
+            trajs = list(await asyncio.gather(*chains))
+        except BaseException:
+            for c in chains:
+                c.cancel()
+            await asyncio.gather(*chains, return_exceptions=True)
+            raise
+        if self.filter_uniform_groups and is_uniform([t.reward for t in trajs]):
+            return []
+        return trajs
+
+
+register_agent("math-multi-turn", MathMultiTurnAgent)

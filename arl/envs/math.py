@@ -1,0 +1,210 @@
+"""The math environment: a stateless wrapper around a pluggable reward function.
+
+    env = MathEnv()                               # reward_fn="arl.envs.math:exact_number_match", timeout=5.0
+    await env.reset(options={"answer": "19"})
+    _, reward, terminated, truncated, info = await env.step("19")   # 1.0, True, False, {"correct": True, ...}
+
+The reward function runs off the event loop, in a shared pool of daemon threads, under `asyncio.wait_for`;
+a timeout or an exception gives reward 0.0 and the error in `info["error"]`; `step` never raises.
+One env instance holds one reference answer: use one instance per prompt (`make_env("math")` is cheap).
+
+A hung reward function cannot be killed (it is a thread); its worker is written off and a replacement is
+allowed, up to a hard cap, after which checks queue and time out. Code execution and other risky checks belong
+in a subprocess inside the reward function.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import importlib
+import inspect
+import logging
+import queue
+import re
+import threading
+from decimal import Decimal, InvalidOperation
+from typing import Any, Callable, Optional, Union
+
+from arl.api import EnvironmentService, register_env
+
+logger = logging.getLogger(__name__)
+
+RewardFn = Callable[[str, str], Any]
+
+_SPECIAL_RE = re.compile(r"<\|[^|<>]*\|>|<eos>|<pad>|<unk>|<s>|</s>")
+_NUMBER_RE = re.compile(r"[-+]?\d+(?:\.\d+)?")
+
+
+def _to_number(s: str) -> Optional[Decimal]:
+    s = s.strip().replace(",", "")
+    try:
+        d = Decimal(s)
+    except (InvalidOperation, ValueError):
+        return None
+    return d if d.is_finite() else None
+
+
+def exact_number_match(completion: str, answer: str) -> float:
+    """1.0 if the first number stated in `completion` (special tokens and whitespace stripped) equals `answer`
+    numerically, else 0.0. `answer` may be an int or decimal string ("19", "19.0")."""
+    ref = _to_number(str(answer))
+    if ref is None:
+        return 0.0
+    text = _SPECIAL_RE.sub(" ", completion).strip()
+    m = _NUMBER_RE.search(text)
+    if m is None:
+        return 0.0
+    got = _to_number(m.group(0))
+    return 1.0 if got is not None and got == ref else 0.0
+
+
+def resolve_reward_fn(reward_fn: Union[str, RewardFn]) -> RewardFn:
+    """Accept a callable or a "package.module:function" string."""
+    if callable(reward_fn):
+        return reward_fn
+    if not isinstance(reward_fn, str) or ":" not in reward_fn:
+        raise ValueError(f"reward_fn must be a callable or a 'module:function' string, got {reward_fn!r}")
+    mod_name, _, attr = reward_fn.partition(":")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ValueError(f"reward_fn {reward_fn!r}: cannot import module {mod_name!r} ({e})") from e
+    obj: Any = mod
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"reward_fn {reward_fn!r}: module {mod_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"reward_fn {reward_fn!r} is not callable")
+    return obj
+
+
+class _DaemonThreadPool(concurrent.futures.Executor):
+    """A small thread pool whose workers are daemon threads (a hung reward call never blocks interpreter exit,
+    unlike ThreadPoolExecutor) and whose hung workers can be written off and replaced up to `hard_cap`."""
+
+    def __init__(self, max_workers: int = 4, hard_cap: int = 64, name: str = "arl-reward") -> None:
+        self.max_workers = max_workers
+        self.hard_cap = hard_cap
+        self.name = name
+        self._q: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads = 0
+        self._idle = 0
+        self._written_off = 0
+        self._abandoned: set[concurrent.futures.Future] = set()
+
+    def submit(self, fn: Callable, /, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._q.put((fut, fn, args, kwargs))
+        with self._lock:
+            live = self._threads - self._written_off
+            if self._idle == 0 and live < self.max_workers and self._threads < self.hard_cap:
+                self._threads += 1
+                threading.Thread(target=self._work, name=f"{self.name}-{self._threads}", daemon=True).start()
+        return fut
+
+    def abandon(self, fut: concurrent.futures.Future) -> None:
+        """The caller gave up on `fut`: cancel it if still queued, else write its worker off (until it returns)."""
+        if fut.cancel():
+            return
+        with self._lock:
+            if fut.running() and fut not in self._abandoned:
+                self._abandoned.add(fut)
+                self._written_off += 1
+                if self._threads >= self.hard_cap:
+                    logger.warning("%s: %d reward calls are hung; new checks will queue", self.name, self._written_off)
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                self._idle += 1
+            item = self._q.get()
+            with self._lock:
+                self._idle -= 1
+            fut, fn, args, kwargs = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(e)
+            else:
+                fut.set_result(result)
+            with self._lock:
+                if fut in self._abandoned:
+                    self._abandoned.discard(fut)
+                    self._written_off -= 1
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:  # daemon threads: nothing
+        return None
+
+
+_POOL: Optional[_DaemonThreadPool] = None
+_POOL_LOCK = threading.Lock()
+
+
+def reward_pool() -> _DaemonThreadPool:
+    """The process-wide pool reward functions run in."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = _DaemonThreadPool()
+        return _POOL
+
+
+class MathEnv(EnvironmentService):
+    """Stateless reward wrapper. `reset(options={"answer": ...})` stores the reference answer;
+    `step(completion_text)` returns `(None, reward, correct, False, {"correct": bool, "error": str | None})`."""
+
+    def __init__(
+        self,
+        reward_fn: Union[str, RewardFn] = "arl.envs.math:exact_number_match",
+        timeout: float = 5.0,
+        correct_threshold: float = 1.0,
+    ) -> None:
+        if not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(f"MathEnv timeout must be > 0 seconds, got {timeout!r}")
+        self.reward_fn = resolve_reward_fn(reward_fn)
+        self.timeout = float(timeout)
+        self.correct_threshold = float(correct_threshold)
+        self.answer: Optional[str] = None
+
+    async def reset(self, seed: Optional[int] = None, options: Optional[dict[str, Any]] = None) -> tuple[Any, dict]:
+        options = options or {}
+        self.answer = None if options.get("answer") is None else str(options["answer"])
+        return None, {}
+
+    async def _call(self, completion: str, answer: str) -> Any:
+        if inspect.iscoroutinefunction(self.reward_fn):
+            return await asyncio.wait_for(self.reward_fn(completion, answer), self.timeout)
+        pool = reward_pool()
+        cfut = pool.submit(self.reward_fn, completion, answer)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(cfut), self.timeout)
+        except (asyncio.TimeoutError, asyncio.CancelledError):
+            pool.abandon(cfut)
+            raise
+
+    async def step(self, action: Any) -> tuple[Any, float, bool, bool, dict]:
+        if self.answer is None:
+            return None, 0.0, False, False, {
+                "correct": False, "error": "no reference answer: call reset(options={'answer': ...}) first"}
+        if not isinstance(action, str):
+            return None, 0.0, False, False, {
+                "correct": False, "error": f"action must be the completion text (str), got {type(action).__name__}"}
+        try:
+            raw = await self._call(action, self.answer)
+            reward = float(raw)
+            if reward != reward:  # NaN
+                raise ValueError("reward function returned NaN")
+        except asyncio.TimeoutError:
+            return None, 0.0, False, False, {"correct": False, "error": f"reward timed out after {self.timeout:g}s"}
+        except Exception as e:  # noqa: BLE001 - a bad reward function must not kill the worker
+            return None, 0.0, False, False, {"correct": False, "error": f"reward error: {type(e).__name__}: {e}"}
+        correct = reward >= self.correct_threshold
+        return None, reward, correct, False, {"correct": correct, "error": None}
+
+
+register_env("math", MathEnv)

@@ -1,1 +1,37 @@
+"""Transport: the only package that imports zmq and msgpack.
 
+``codec``: versioned msgpack envelopes with raw-bytes arrays and optional HMAC (``encode``/``decode``).
+``sockets``: asyncio Router/Dealer, Push/Pull, Pub/Sub that drop and count malformed input.
+"""
+
+from arl.transport.codec import (
+    CONTROL_TYPES,
+    DEFAULT_MAX_BYTES,
+    MESSAGE_TYPES,
+    PROTOCOL_VERSION,
+    TYPED_TYPES,
+    MalformedMessage,
+    decode,
+    encode,
+)
+from arl.transport.sockets import Dealer, Pub, Pull, Push, Router, SocketClosed, Sub, bind_random, context
+
+__all__ = [
+    "CONTROL_TYPES",
+    "DEFAULT_MAX_BYTES",
+    "MESSAGE_TYPES",
+    "PROTOCOL_VERSION",
+    "TYPED_TYPES",
+    "MalformedMessage",
+    "decode",
+    "encode",
+    "Dealer",
+    "Pub",
+    "Pull",
+    "Push",
+    "Router",
+    "SocketClosed",
+    "Sub",
+    "bind_random",
+    "context",
+]

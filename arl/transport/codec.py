@@ -1,0 +1,502 @@
+"""Wire codec: versioned msgpack envelopes, token arrays as raw little-endian bytes, optional HMAC.
+
+Frame layout
+    body  = msgpack({"type": str, "v": PROTOCOL_VERSION, "payload": <payload>})
+    frame = body                      (no secret)
+    frame = body + HMAC-SHA256(secret, body)   (32-byte tag appended when a secret is configured)
+
+Arrays travel as ``{"dtype": "int32" | "float32" | "int8", "data": <bin, little-endian>}``; a decoded array is a
+read-only ``np.frombuffer`` view of the received bytes (copy it before writing into it).
+
+Typed messages (``encode`` takes, ``decode`` returns, the dataclass from ``arl.api.types``):
+
+    "gen_req"   GenerateRequest   {"qid", "input_ids": arr[int32], "gconfig": {GenerationConfig fields},
+                                   "session_id": str | None}
+    "gen_resp"  GenerateResponse  {"qid", "samples": [{"output_ids": arr[int32], "output_logprobs": arr[float32],
+                                   "output_versions": arr[int32], "finish_reason"}], "error": str | None}
+    "traj"      list[Trajectory]  [{"input_ids": arr[int32], "loss_mask": arr[int8], "logprobs": arr[float32],
+                                   "versions": arr[int32], "reward": float, "group_id": str,
+                                   "turn_rewards": [float], "metadata": {str: msgpack-safe}}]  (non-empty group)
+
+Control messages (``CONTROL_TYPES``) carry a plain map with str keys, validated only as a map; ``None`` encodes as
+``{}``.
+
+``decode`` raises ``MalformedMessage`` (a ValueError with a short reason) for anything a peer could get wrong;
+``encode`` raises ``TypeError`` / ``ValueError`` for programming errors on the sending side (wrong object for the
+type, unknown type, metadata that msgpack cannot carry faithfully). The codec checks field *types* only:
+semantic checks (e.g. ``GenerationConfig.validate()``) belong to the receiver, which can answer with an error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from typing import Any, Optional
+
+import msgpack
+import numpy as np
+
+from arl.api.types import (
+    FINISH_REASONS,
+    GenerateRequest,
+    GenerateResponse,
+    GenerationConfig,
+    SampleOutput,
+    Trajectory,
+)
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "DEFAULT_MAX_BYTES",
+    "TAG_SIZE",
+    "TYPED_TYPES",
+    "CONTROL_TYPES",
+    "MESSAGE_TYPES",
+    "MalformedMessage",
+    "encode",
+    "decode",
+]
+
+PROTOCOL_VERSION = 1
+DEFAULT_MAX_BYTES = 64 * 1024 * 1024
+TAG_SIZE = 32  # HMAC-SHA256 digest size
+
+TYPED_TYPES = frozenset({"gen_req", "gen_resp", "traj"})
+CONTROL_TYPES = frozenset(
+    {
+        "register",
+        "heartbeat",
+        "lookup",
+        "addresses",
+        "gate_acquire",
+        "gate_grant",
+        "group_done",
+        "weights_published",
+        "update_weights",
+        "weights_loaded",
+        "metrics",
+        "shutdown",
+        "ack",
+        "error",
+        "eval_done",
+        "eval",
+        "groups_dropped",
+    }
+)
+MESSAGE_TYPES = TYPED_TYPES | CONTROL_TYPES
+
+_METADATA_MAX_DEPTH = 32
+
+
+class MalformedMessage(ValueError):
+    """A frame that cannot be accepted; ``str(exc)`` is a short reason."""
+
+
+# --------------------------------------------------------------------------------------------- arrays
+
+_WIRE_DTYPES = {"int32": np.dtype("<i4"), "float32": np.dtype("<f4"), "int8": np.dtype("i1")}
+_I32, _F32, _I8 = _WIRE_DTYPES["int32"], _WIRE_DTYPES["float32"], _WIRE_DTYPES["int8"]
+_DTYPE_NAMES = {v: k for k, v in _WIRE_DTYPES.items()}
+
+
+def _arr_out(a: np.ndarray, dtype: np.dtype) -> dict:
+    if type(a) is not np.ndarray or a.dtype != dtype or a.ndim != 1 or not a.flags.c_contiguous:
+        a = np.ascontiguousarray(np.asarray(a, dtype=dtype).reshape(-1))
+    # memoryview: msgpack copies straight from the array's buffer into the frame (no intermediate bytes)
+    return {"dtype": _DTYPE_NAMES[dtype], "data": memoryview(a)}
+
+
+def _arr_in(obj: Any, dtype: np.dtype, field: str) -> np.ndarray:
+    if type(obj) is not dict or len(obj) != 2:
+        raise MalformedMessage(f"{field}: array must be a map {{dtype, data}}")
+    name = obj.get("dtype")
+    data = obj.get("data")
+    if type(data) is not bytes:
+        raise MalformedMessage(f"{field}: array data must be bin")
+    if _WIRE_DTYPES.get(name) is not dtype:  # type: ignore[arg-type]
+        raise MalformedMessage(f"{field}: dtype must be {_DTYPE_NAMES[dtype]}, got {name!r}")
+    if len(data) % dtype.itemsize:
+        raise MalformedMessage(f"{field}: data length {len(data)} is not a multiple of {dtype.itemsize}")
+    return np.frombuffer(data, dtype=dtype)
+
+
+def _build(cls: type, fields: dict) -> Any:
+    """Instantiate a validated dataclass without re-running ``__post_init__`` (its conversions and checks were
+    done here already, on arrays that have the right dtype). tests/transport check that the wire keys match
+    ``dataclasses.fields`` so a new field cannot be silently left unset."""
+    obj = object.__new__(cls)
+    obj.__dict__.update(fields)
+    return obj
+
+
+# --------------------------------------------------------------------------------------------- scalars
+
+
+def _str(obj: Any, field: str) -> str:
+    if type(obj) is not str:
+        raise MalformedMessage(f"{field}: expected str")
+    return obj
+
+
+def _opt_str(obj: Any, field: str) -> Optional[str]:
+    if obj is not None and type(obj) is not str:
+        raise MalformedMessage(f"{field}: expected str or nil")
+    return obj
+
+
+def _float(obj: Any, field: str) -> float:
+    t = type(obj)
+    if t is float:
+        return obj
+    if t is int:
+        return float(obj)
+    raise MalformedMessage(f"{field}: expected a number")
+
+
+def _keys(obj: Any, keys: frozenset, what: str) -> None:
+    if type(obj) is not dict:
+        raise MalformedMessage(f"{what}: expected a map")
+    if obj.keys() != keys:
+        missing = sorted(keys - obj.keys())
+        extra = sorted(str(k)[:40] for k in obj.keys() - keys)[:5]
+        parts = ([f"missing keys {missing}"] if missing else []) + ([f"unexpected keys {extra}"] if extra else [])
+        raise MalformedMessage(f"{what}: {', '.join(parts)}")
+
+
+# --------------------------------------------------------------------------------------------- GenerationConfig
+
+_GCONFIG_TYPES: dict[str, tuple] = {
+    "n": (int,),
+    "max_new_tokens": (int,),
+    "min_new_tokens": (int,),
+    "temperature": (float, int),
+    "top_p": (float, int),
+    "top_k": (int,),
+    "greedy": (bool,),
+    "stop_token_ids": (list,),
+}
+_GCONFIG_KEYS = frozenset(_GCONFIG_TYPES)
+
+
+def _check_gconfig_dict(d: dict, err: type[Exception]) -> None:
+    for k, types in _GCONFIG_TYPES.items():
+        if type(d[k]) not in types:  # exact types: a bool is not an int here
+            raise err(f"gconfig.{k}: expected {'/'.join(t.__name__ for t in types)}, got {type(d[k]).__name__}")
+    for t in d["stop_token_ids"]:
+        if type(t) is not int:
+            raise err("gconfig.stop_token_ids: expected ints")
+
+
+def _gconfig_out(g: GenerationConfig) -> dict:
+    d = {
+        "n": g.n,
+        "max_new_tokens": g.max_new_tokens,
+        "min_new_tokens": g.min_new_tokens,
+        "temperature": float(g.temperature),
+        "top_p": float(g.top_p),
+        "top_k": g.top_k,
+        "greedy": g.greedy,
+        "stop_token_ids": [int(t) for t in g.stop_token_ids],
+    }
+    _check_gconfig_dict(d, TypeError)
+    return d
+
+
+def _gconfig_in(d: Any) -> GenerationConfig:
+    _keys(d, _GCONFIG_KEYS, "gconfig")
+    _check_gconfig_dict(d, MalformedMessage)
+    return GenerationConfig(**d)
+
+
+# --------------------------------------------------------------------------------------------- gen_req / gen_resp
+
+_GEN_REQ_KEYS = frozenset({"qid", "input_ids", "gconfig", "session_id"})
+_SAMPLE_KEYS = frozenset({"output_ids", "output_logprobs", "output_versions", "finish_reason"})
+_GEN_RESP_KEYS = frozenset({"qid", "samples", "error"})
+
+
+def _gen_req_out(r: Any) -> dict:
+    if not isinstance(r, GenerateRequest):
+        raise TypeError(f"gen_req needs a GenerateRequest, got {type(r).__name__}")
+    if type(r.qid) is not str or (r.session_id is not None and type(r.session_id) is not str):
+        raise TypeError("GenerateRequest.qid must be str and session_id str or None")
+    return {
+        "qid": r.qid,
+        "input_ids": _arr_out(r.input_ids, _I32),
+        "gconfig": _gconfig_out(r.gconfig),
+        "session_id": r.session_id,
+    }
+
+
+def _gen_req_in(p: Any) -> GenerateRequest:
+    _keys(p, _GEN_REQ_KEYS, "gen_req")
+    return _build(
+        GenerateRequest,
+        {
+            "qid": _str(p["qid"], "qid"),
+            "input_ids": _arr_in(p["input_ids"], _I32, "input_ids"),
+            "gconfig": _gconfig_in(p["gconfig"]),
+            "session_id": _opt_str(p["session_id"], "session_id"),
+        },
+    )
+
+
+def _gen_resp_out(r: Any) -> dict:
+    if not isinstance(r, GenerateResponse):
+        raise TypeError(f"gen_resp needs a GenerateResponse, got {type(r).__name__}")
+    if type(r.qid) is not str or (r.error is not None and type(r.error) is not str):
+        raise TypeError("GenerateResponse.qid must be str and error str or None")
+    samples = []
+    for s in r.samples:
+        if not isinstance(s, SampleOutput):
+            raise TypeError(f"GenerateResponse.samples must hold SampleOutput, got {type(s).__name__}")
+        samples.append(
+            {
+                "output_ids": _arr_out(s.output_ids, _I32),
+                "output_logprobs": _arr_out(s.output_logprobs, _F32),
+                "output_versions": _arr_out(s.output_versions, _I32),
+                "finish_reason": s.finish_reason,
+            }
+        )
+    return {"qid": r.qid, "samples": samples, "error": r.error}
+
+
+def _sample_in(s: Any) -> SampleOutput:
+    _keys(s, _SAMPLE_KEYS, "sample")
+    reason = s["finish_reason"]
+    if reason not in FINISH_REASONS or type(reason) is not str:
+        raise MalformedMessage(f"finish_reason must be one of {FINISH_REASONS}")
+    ids = _arr_in(s["output_ids"], _I32, "output_ids")
+    logp = _arr_in(s["output_logprobs"], _F32, "output_logprobs")
+    ver = _arr_in(s["output_versions"], _I32, "output_versions")
+    if not len(ids) == len(logp) == len(ver):
+        raise MalformedMessage("sample arrays differ in length")
+    return _build(
+        SampleOutput, {"output_ids": ids, "output_logprobs": logp, "output_versions": ver, "finish_reason": reason}
+    )
+
+
+def _gen_resp_in(p: Any) -> GenerateResponse:
+    _keys(p, _GEN_RESP_KEYS, "gen_resp")
+    samples = p["samples"]
+    if type(samples) is not list:
+        raise MalformedMessage("samples: expected an array")
+    return _build(
+        GenerateResponse,
+        {
+            "qid": _str(p["qid"], "qid"),
+            "samples": [_sample_in(s) for s in samples],
+            "error": _opt_str(p["error"], "error"),
+        },
+    )
+
+
+# --------------------------------------------------------------------------------------------- traj
+
+_TRAJ_KEYS = frozenset(
+    {"input_ids", "loss_mask", "logprobs", "versions", "reward", "group_id", "turn_rewards", "metadata"}
+)
+_META_SCALARS = (str, int, float, bool, type(None))
+
+
+def _check_meta(obj: Any, path: str, depth: int, err: type[Exception], allow_tuple: bool) -> None:
+    t = type(obj)
+    if t in _META_SCALARS:
+        return
+    if depth >= _METADATA_MAX_DEPTH:
+        raise err(f"{path}: nested deeper than {_METADATA_MAX_DEPTH}")
+    if t is dict:
+        for k, v in obj.items():
+            if type(k) is not str:
+                raise err(f"{path}: map keys must be str, got {type(k).__name__}")
+            _check_meta(v, f"{path}.{k}", depth + 1, err, allow_tuple)
+    elif t is list or (allow_tuple and t is tuple):
+        for i, v in enumerate(obj):
+            _check_meta(v, f"{path}[{i}]", depth + 1, err, allow_tuple)
+    else:
+        raise err(f"{path}: {t.__name__} is not msgpack-safe (use str/int/float/bool/None/list/dict)")
+
+
+def _traj_out(group: Any) -> list:
+    if isinstance(group, Trajectory):
+        raise TypeError("traj needs a list of Trajectory (a whole group), got one Trajectory")
+    if not isinstance(group, (list, tuple)) or not group:
+        raise TypeError("traj needs a non-empty list of Trajectory")
+    out = []
+    for t in group:
+        if not isinstance(t, Trajectory):
+            raise TypeError(f"traj needs Trajectory items, got {type(t).__name__}")
+        if type(t.group_id) is not str:
+            raise TypeError("Trajectory.group_id must be str")
+        turn_rewards = [float(r) for r in t.turn_rewards]
+        if type(t.metadata) is not dict:
+            raise TypeError("Trajectory.metadata must be a dict")
+        _check_meta(t.metadata, "metadata", 0, TypeError, allow_tuple=True)
+        out.append(
+            {
+                "input_ids": _arr_out(t.input_ids, _I32),
+                "loss_mask": _arr_out(t.loss_mask, _I8),
+                "logprobs": _arr_out(t.logprobs, _F32),
+                "versions": _arr_out(t.versions, _I32),
+                "reward": float(t.reward),
+                "group_id": t.group_id,
+                "turn_rewards": turn_rewards,
+                "metadata": t.metadata,
+            }
+        )
+    return out
+
+
+def _one_traj_in(p: Any) -> Trajectory:
+    _keys(p, _TRAJ_KEYS, "traj")
+    ids = _arr_in(p["input_ids"], _I32, "input_ids")
+    mask = _arr_in(p["loss_mask"], _I8, "loss_mask")
+    logp = _arr_in(p["logprobs"], _F32, "logprobs")
+    ver = _arr_in(p["versions"], _I32, "versions")
+    if not len(ids) == len(mask) == len(logp) == len(ver):
+        raise MalformedMessage("trajectory arrays differ in length")
+    tr = p["turn_rewards"]
+    if type(tr) is not list:
+        raise MalformedMessage("turn_rewards: expected an array")
+    meta = p["metadata"]
+    if type(meta) is not dict:
+        raise MalformedMessage("metadata: expected a map")
+    _check_meta(meta, "metadata", 0, MalformedMessage, allow_tuple=False)
+    return _build(
+        Trajectory,
+        {
+            "input_ids": ids,
+            "loss_mask": mask,
+            "logprobs": logp,
+            "versions": ver,
+            "reward": _float(p["reward"], "reward"),
+            "group_id": _str(p["group_id"], "group_id"),
+            "turn_rewards": [_float(r, "turn_rewards") for r in tr],
+            "metadata": meta,
+        },
+    )
+
+
+def _traj_in(p: Any) -> list[Trajectory]:
+    if type(p) is not list or not p:
+        raise MalformedMessage("traj: expected a non-empty array of trajectories")
+    return [_one_traj_in(t) for t in p]
+
+
+# --------------------------------------------------------------------------------------------- envelope
+
+_TO_WIRE = {"gen_req": _gen_req_out, "gen_resp": _gen_resp_out, "traj": _traj_out}
+_FROM_WIRE = {"gen_req": _gen_req_in, "gen_resp": _gen_resp_in, "traj": _traj_in}
+_ENVELOPE_KEYS = frozenset({"type", "v", "payload"})
+
+
+def _check_str_keys(obj: Any, path: str, depth: int) -> None:
+    """Sender-side: maps anywhere in a control payload need str keys (the receiver's strict_map_key rejects the
+    whole frame otherwise); other values are left to msgpack, which raises TypeError on what it cannot pack."""
+    if depth > _METADATA_MAX_DEPTH:
+        raise ValueError(f"{path}: nested deeper than {_METADATA_MAX_DEPTH}")
+    t = type(obj)
+    if t is dict:
+        for k, v in obj.items():
+            if type(k) is not str:
+                raise TypeError(f"{path}: map keys must be str, got {type(k).__name__} {k!r:.40}")
+            if type(v) in (dict, list, tuple):
+                _check_str_keys(v, f"{path}.{k}", depth + 1)
+    elif t is list or t is tuple:
+        for i, v in enumerate(obj):
+            if type(v) in (dict, list, tuple):
+                _check_str_keys(v, f"{path}[{i}]", depth + 1)
+
+
+def _reject_ext(code: int, data: bytes) -> Any:
+    raise ValueError("ext types are not allowed")
+
+
+def encode(msg_type: str, payload: Any = None, *, secret: Optional[bytes] = None) -> bytes:
+    """Build one frame. Typed messages take their dataclass (``traj``: a list of Trajectory); control messages
+    take a dict (or None for ``{}``). With ``secret``, a 32-byte HMAC-SHA256 tag is appended."""
+    conv = _TO_WIRE.get(msg_type)
+    if conv is not None:
+        payload = conv(payload)
+    elif msg_type in CONTROL_TYPES:
+        if payload is None:
+            payload = {}
+        elif type(payload) is not dict:
+            raise TypeError(f"{msg_type} payload must be a dict, got {type(payload).__name__}")
+        else:
+            _check_str_keys(payload, msg_type, 0)
+    else:
+        raise ValueError(f"unknown message type {msg_type!r}; known: {sorted(MESSAGE_TYPES)}")
+    body = msgpack.packb({"type": msg_type, "v": PROTOCOL_VERSION, "payload": payload}, use_bin_type=True)
+    if secret is not None:
+        return body + hmac.new(secret, body, hashlib.sha256).digest()
+    return body
+
+
+def decode(
+    frame: Any, *, max_bytes: int = DEFAULT_MAX_BYTES, secret: Optional[bytes] = None
+) -> tuple[str, Any]:
+    """Parse and validate one frame -> ``(type, payload)``; raise MalformedMessage on any defect.
+
+    ``payload`` is the dataclass (list of Trajectory for ``traj``) for typed messages, the dict otherwise.
+    """
+    if type(frame) is not bytes:
+        if isinstance(frame, (bytearray, memoryview)):
+            frame = bytes(frame)
+        else:
+            raise MalformedMessage(f"frame must be bytes, got {type(frame).__name__}")
+    n = len(frame)
+    if n > max_bytes:
+        raise MalformedMessage(f"frame of {n} bytes exceeds the {max_bytes}-byte limit")
+    if secret is not None:
+        if n < TAG_SIZE + 1:
+            raise MalformedMessage("frame too short to carry an HMAC tag")
+        body, tag = frame[:-TAG_SIZE], frame[-TAG_SIZE:]
+        if not hmac.compare_digest(hmac.new(secret, body, hashlib.sha256).digest(), tag):
+            raise MalformedMessage("HMAC tag does not verify")
+        frame = body
+        n -= TAG_SIZE
+    if n == 0:
+        raise MalformedMessage("empty frame")
+    try:
+        msg = msgpack.unpackb(
+            frame,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            max_bin_len=n,
+            max_str_len=n,
+            max_array_len=n,
+            max_map_len=n // 2,
+            max_ext_len=0,
+            ext_hook=_reject_ext,
+        )
+    except Exception as e:  # msgpack raises ValueError, FormatError, StackError, ExtraData, UnicodeDecodeError...
+        raise MalformedMessage(f"invalid msgpack ({type(e).__name__})") from None
+    if type(msg) is not dict:
+        raise MalformedMessage("envelope is not a map")
+    if msg.keys() != _ENVELOPE_KEYS:
+        _keys(msg, _ENVELOPE_KEYS, "envelope")
+    v = msg["v"]
+    if type(v) is not int or v != PROTOCOL_VERSION:
+        raise MalformedMessage(f"protocol version {v!r} != {PROTOCOL_VERSION}")
+    msg_type = msg["type"]
+    if type(msg_type) is not str:
+        raise MalformedMessage("message type must be str")
+    payload = msg["payload"]
+    conv = _FROM_WIRE.get(msg_type)
+    if conv is not None:
+        try:
+            return msg_type, conv(payload)
+        except MalformedMessage:
+            raise
+        except Exception as e:  # dataclass __post_init__ checks, etc.
+            raise MalformedMessage(f"{msg_type}: {str(e)[:200]}") from None
+    if msg_type not in CONTROL_TYPES:
+        raise MalformedMessage(f"unknown message type {msg_type[:40]!r}")
+    if type(payload) is not dict:
+        raise MalformedMessage(f"{msg_type}: payload must be a map")
+    for k in payload:
+        if type(k) is not str:
+            raise MalformedMessage(f"{msg_type}: payload keys must be str")
+    return msg_type, payload

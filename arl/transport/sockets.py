@@ -1,0 +1,393 @@
+"""asyncio sockets over zmq.asyncio that speak the codec's frames.
+
+One zmq Context per process (``context()``). Each socket:
+
+* encodes on ``send`` (raising TypeError/ValueError for the *caller's* bad objects, or for a frame over
+  ``max_bytes``) and decodes on ``recv``;
+* never raises for a *peer's* bad input: a malformed frame (or a multipart message of the wrong shape) is dropped,
+  counted in ``stats["malformed"]`` and logged on logger ``arl.transport`` at most once per second per socket;
+* counts ``stats["sent"]`` and ``stats["received"]`` (good messages only); Router/Pub also count
+  ``stats["dropped"]`` (a reply to a peer that is gone or whose queue is full; a Router never blocks on one
+  client);
+* has ``recv(timeout=None)`` (``asyncio.TimeoutError`` on expiry) and ``close()`` (LINGER 0, idempotent). A
+  ``recv`` pending when its socket is closed, or a call after, raises ``SocketClosed``.
+
+With ``secret`` every frame carries an HMAC-SHA256 tag and frames without a valid tag count as malformed.
+Frames up to ``max_bytes`` are decoded; larger ones are counted as malformed, and above ``2 * max_bytes`` libzmq
+itself drops the peer's connection (ZMQ_MAXMSGSIZE) so a runaway sender cannot exhaust memory.
+
+Patterns: Router (bind) <-> Dealer (connect) for request/response; Push -> Pull for trajectories; Pub -> Sub
+(subscribed to everything) for control broadcasts. Every socket may ``bind``, ``bind_random`` or ``connect``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any, Optional
+
+import zmq
+import zmq.asyncio
+
+from arl.transport.codec import DEFAULT_MAX_BYTES, TAG_SIZE, MalformedMessage, decode, encode
+
+__all__ = [
+    "DEFAULT_HWM",
+    "SocketClosed",
+    "context",
+    "bind_random",
+    "Router",
+    "Dealer",
+    "Push",
+    "Pull",
+    "Pub",
+    "Sub",
+]
+
+logger = logging.getLogger("arl.transport")
+
+DEFAULT_HWM = 10_000  # messages queued per peer before backpressure (Dealer/Push) or drops (Router/Pub)
+_WARN_INTERVAL_S = 1.0
+_MAX_FAST_STREAK = 64  # receives served from the queue without yielding to the event loop
+
+
+class SocketClosed(ConnectionError):
+    """recv()/send() on a socket that is (or got) closed."""
+
+
+_ctx: Optional[zmq.asyncio.Context] = None
+_ctx_pid = -1
+
+
+def context() -> zmq.asyncio.Context:
+    """The process-wide zmq.asyncio Context (a fresh one after fork). Kept here rather than via
+    ``zmq.asyncio.Context.instance()``, which can hand back a plain Context if one was made first."""
+    global _ctx, _ctx_pid
+    if _ctx is None or _ctx_pid != os.getpid() or _ctx.closed:
+        _ctx = zmq.asyncio.Context()
+        _ctx_pid = os.getpid()
+    return _ctx
+
+
+def bind_random(sock: Any, host: str = "127.0.0.1") -> str:
+    """Bind ``sock`` (one of ours or a raw zmq socket) to a free TCP port on ``host``; return the address.
+
+    Loopback by default; pass a configured host (an interface address) for multi-host runs. A wildcard host
+    ("*", "0.0.0.0") binds every interface, and the returned address must then be rewritten before others connect.
+    """
+    if isinstance(sock, _Socket):
+        return sock.bind_random(host)
+    if ":" in host and not host.startswith("["):  # IPv6 literal
+        sock.setsockopt(zmq.IPV6, 1)
+        host = f"[{host}]"
+    port = sock.bind_to_random_port(f"tcp://{host}")
+    return f"tcp://{host}:{port}"
+
+
+class _Socket:
+    _kind: int = -1
+
+    def __init__(
+        self,
+        *,
+        secret: Optional[bytes] = None,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        hwm: int = DEFAULT_HWM,
+        name: Optional[str] = None,
+    ) -> None:
+        if secret is not None and not isinstance(secret, bytes):
+            raise TypeError("secret must be bytes or None")
+        sock = context().socket(self._kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, hwm)
+        sock.setsockopt(zmq.RCVHWM, hwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, 2 * max_bytes + TAG_SIZE)
+        self._sock = sock
+        # A plain (non-asyncio) view of the same socket for the non-blocking fast paths: a message that is already
+        # queued is taken without creating a Future; only an empty queue (or a full one, on send) goes through
+        # zmq.asyncio. See _recv_parts / _try_send for how the two stay in step.
+        self._sync = zmq.Socket.shadow(sock.underlying)
+        self._recv_waiting = 0
+        self._send_waiting = 0
+        self._fast_streak = 0
+        self._secret = secret
+        self._max_bytes = max_bytes
+        self.name = name or type(self).__name__
+        self.stats: dict[str, int] = {"received": 0, "sent": 0, "malformed": 0}
+        self.addresses: list[str] = []
+        self._closed = False
+        self._last_warn = -1e9
+        self._suppressed = 0
+
+    # ----------------------------------------------------------------- lifecycle / addressing
+
+    def bind(self, address: str) -> str:
+        self._sock.bind(address)
+        endpoint = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.addresses.append(endpoint)
+        return endpoint
+
+    def bind_random(self, host: str = "127.0.0.1") -> str:
+        address = bind_random(self._sock, host)
+        self.addresses.append(address)
+        return address
+
+    def connect(self, address: str) -> "_Socket":
+        if address.startswith("tcp://["):
+            self._sock.setsockopt(zmq.IPV6, 1)
+        self._sock.connect(address)
+        self.addresses.append(address)
+        return self
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._sock.close(linger=0)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<{self.name} {self.addresses} {self.stats}{' closed' if self._closed else ''}>"
+
+    # ----------------------------------------------------------------- helpers
+
+    def _encode(self, msg_type: str, payload: Any) -> bytes:
+        frame = encode(msg_type, payload, secret=self._secret)
+        if len(frame) > self._max_bytes:
+            raise ValueError(f"{msg_type} frame of {len(frame)} bytes exceeds max_bytes={self._max_bytes}")
+        return frame
+
+    def _decode(self, frame: bytes) -> Optional[tuple[str, Any]]:
+        try:
+            return decode(frame, max_bytes=self._max_bytes, secret=self._secret)
+        except MalformedMessage as e:
+            self._malformed(str(e))
+            return None
+
+    def _malformed(self, reason: str) -> None:
+        self.stats["malformed"] += 1
+        self._warn(f"dropped malformed message: {reason}")
+
+    def _warn(self, text: str) -> None:
+        now = time.monotonic()
+        if now - self._last_warn >= _WARN_INTERVAL_S:
+            more = f" (+{self._suppressed} similar suppressed)" if self._suppressed else ""
+            logger.warning("%s %s: %s%s", self.name, self.addresses, text, more)
+            self._last_warn = now
+            self._suppressed = 0
+        else:
+            self._suppressed += 1
+
+    def _raise_if_closed(self, op: str) -> None:
+        """zmq.asyncio cancels pending futures on close: report that as SocketClosed, unless the task itself
+        is being cancelled."""
+        task = asyncio.current_task()
+        if self._closed and (task is None or not task.cancelling()):
+            raise SocketClosed(f"{self.name} was closed during {op}") from None
+
+    async def _recv_parts(self) -> list:
+        if self._closed:
+            raise SocketClosed(f"{self.name} is closed")
+        if self._fast_streak < _MAX_FAST_STREAK:
+            try:
+                parts = self._sync.recv_multipart(zmq.DONTWAIT)
+            except zmq.Again:
+                pass
+            else:
+                self._fast_streak += 1
+                if self._send_waiting:  # our recv may have consumed the edge a pending send waits for
+                    self._sock.get(zmq.EVENTS)
+                return parts
+        else:  # let other tasks run now and then, even while messages keep arriving
+            self._fast_streak = 0
+            await asyncio.sleep(0)
+        self._fast_streak = 0
+        self._recv_waiting += 1
+        try:
+            return await self._sock.recv_multipart(copy=True)
+        except asyncio.CancelledError:
+            self._raise_if_closed("recv")
+            raise
+        except zmq.ZMQError as e:
+            if self._closed or e.errno == zmq.ENOTSOCK:
+                raise SocketClosed(f"{self.name} is closed") from None
+            raise
+        finally:
+            self._recv_waiting -= 1
+
+    def _try_send(self, parts: Any, multipart: bool) -> bool:
+        """Non-blocking send; False if the queue is full (zmq.Again). Other ZMQErrors propagate."""
+        try:
+            if multipart:
+                self._sync.send_multipart(parts, zmq.DONTWAIT, copy=True)
+            else:
+                self._sync.send(parts, zmq.DONTWAIT, copy=True)
+        except zmq.Again:
+            return False
+        if self._recv_waiting:  # our send may have consumed the edge a pending recv waits for
+            self._sock.get(zmq.EVENTS)
+        return True
+
+    async def _recv_single(self) -> tuple[str, Any]:
+        """Next good message of a one-frame socket (Dealer, Pull, Sub)."""
+        while True:
+            parts = await self._recv_parts()
+            if len(parts) != 1:
+                self._malformed(f"expected 1 frame, got {len(parts)}")
+                continue
+            msg = self._decode(parts[0])
+            if msg is not None:
+                self.stats["received"] += 1
+                return msg
+
+    async def _send_blocking(self, msg_type: str, payload: Any) -> None:
+        """Send one frame, waiting (backpressure) while the peer queue is full."""
+        if self._closed:
+            raise SocketClosed(f"{self.name} is closed")
+        frame = self._encode(msg_type, payload)
+        if not self._try_send(frame, False):
+            self._send_waiting += 1
+            try:
+                await self._sock.send(frame, copy=True)
+            except asyncio.CancelledError:
+                self._raise_if_closed("send")
+                raise
+            finally:
+                self._send_waiting -= 1
+        self.stats["sent"] += 1
+
+
+def _with_timeout(coro: Any, timeout: Optional[float]) -> Any:
+    return coro if timeout is None else asyncio.wait_for(coro, timeout)
+
+
+class Router(_Socket):
+    """Server side of request/response: ``recv() -> (identity, type, payload)``, ``send(identity, type, payload)``."""
+
+    _kind = zmq.ROUTER
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable replies raise (we count them) instead of vanishing
+        self.stats["dropped"] = 0
+
+    async def _recv_one(self) -> tuple[bytes, str, Any]:
+        while True:
+            parts = await self._recv_parts()
+            if len(parts) != 2:
+                self._malformed(f"expected [identity, frame], got {len(parts)} parts")
+                continue
+            msg = self._decode(parts[1])
+            if msg is not None:
+                self.stats["received"] += 1
+                return parts[0], msg[0], msg[1]
+
+    def recv(self, timeout: Optional[float] = None):
+        """Await the next good request -> (identity, type, payload)."""
+        return _with_timeout(self._recv_one(), timeout)
+
+    async def send(self, identity: bytes, msg_type: str, payload: Any = None) -> bool:
+        """Reply to ``identity``. Never blocks: returns False (and counts ``dropped``) if the peer is gone or its
+        queue is full."""
+        if self._closed:
+            raise SocketClosed(f"{self.name} is closed")
+        frame = self._encode(msg_type, payload)
+        try:
+            ok = self._try_send([identity, frame], True)
+            why = "queue full"
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            ok, why = False, "peer unknown or gone"
+        if not ok:
+            self.stats["dropped"] += 1
+            self._warn(f"dropped {msg_type} to peer {identity[:16]!r}: {why}")
+            return False
+        self.stats["sent"] += 1
+        return True
+
+
+class Dealer(_Socket):
+    """Client side of request/response: ``send(type, payload)``, ``recv() -> (type, payload)``.
+
+    ``identity`` (optional) sets the routing id the Router sees; otherwise libzmq picks one.
+    """
+
+    _kind = zmq.DEALER
+
+    def __init__(self, *, identity: Optional[bytes] = None, **kw: Any) -> None:
+        super().__init__(**kw)
+        if identity is not None:
+            self._sock.setsockopt(zmq.ROUTING_ID, identity)
+
+    async def send(self, msg_type: str, payload: Any = None) -> None:
+        await self._send_blocking(msg_type, payload)
+
+    def recv(self, timeout: Optional[float] = None):
+        """Await the next good reply -> (type, payload)."""
+        return _with_timeout(self._recv_single(), timeout)
+
+
+class Push(_Socket):
+    """Send side of a pipeline (finished trajectory groups). ``send`` waits while the queue is full."""
+
+    _kind = zmq.PUSH
+
+    async def send(self, msg_type: str, payload: Any = None) -> None:
+        await self._send_blocking(msg_type, payload)
+
+
+class Pull(_Socket):
+    """Receive side of a pipeline: ``recv() -> (type, payload)``, fair-queued over all pushers."""
+
+    _kind = zmq.PULL
+
+    def recv(self, timeout: Optional[float] = None):
+        return _with_timeout(self._recv_single(), timeout)
+
+
+class Pub(_Socket):
+    """Broadcast side. Never blocks; subscribers that are not (yet) connected or too slow miss messages."""
+
+    _kind = zmq.PUB
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.stats["dropped"] = 0
+
+    async def send(self, msg_type: str, payload: Any = None) -> None:
+        if self._closed:
+            raise SocketClosed(f"{self.name} is closed")
+        if self._try_send(self._encode(msg_type, payload), False):
+            self.stats["sent"] += 1
+        else:
+            self.stats["dropped"] += 1
+
+
+class Sub(_Socket):
+    """Subscriber to every message of the Pubs it connects to: ``recv() -> (type, payload)``."""
+
+    _kind = zmq.SUB
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+
+    def recv(self, timeout: Optional[float] = None):
+        return _with_timeout(self._recv_single(), timeout)

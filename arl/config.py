@@ -230,11 +230,14 @@ def validate(cfg: Any) -> None:
         (cfg.inference.num_workers >= 1, "inference.num_workers must be >= 1"),
         (cfg.rollout.num_workers >= 1, "rollout.num_workers must be >= 1"),
         (cfg.rollout.max_concurrent_rollouts >= 1, "rollout.max_concurrent_rollouts must be >= 1"),
-        (cfg.inference.backend in ("torch",), f"inference.backend must be one of ['torch'], got {cfg.inference.backend!r}"),
         (0 <= cfg.learner.zero_stage <= 3, "learner.zero_stage must be in 0..3"),
         (cfg.gen.max_new_tokens >= 1, "gen.max_new_tokens must be >= 1"),
         (cfg.dataset.name in ("arith", "jsonl"), f"dataset.name must be 'arith' or 'jsonl', got {cfg.dataset.name!r}"),
     ]
+    from arl.inference.factory import BACKENDS
+
+    checks.append((cfg.inference.backend in BACKENDS,
+                   f"inference.backend must be one of {sorted(BACKENDS)}, got {cfg.inference.backend!r}"))
     for ok, msg in checks:
         if not ok:
             raise ConfigError(msg)

@@ -266,9 +266,9 @@ class Controller:
     def _inference_idle_fraction(self) -> Optional[float]:
         fracs = []
         for (role, idx), st in self.role_stats.items():
-            if role != "inference" or "busy_seconds" not in st:
+            if role != "inference" or "busy_s" not in st:
                 continue
-            busy, at = float(st["busy_seconds"]), float(st.get("uptime", 0.0))
+            busy, at = float(st["busy_s"]), float(st.get("uptime", 0.0))
             prev = self._infer_busy_prev.get(idx)
             self._infer_busy_prev[idx] = (busy, at)
             if prev and at > prev[1]:

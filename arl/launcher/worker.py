@@ -86,24 +86,13 @@ RoleParts = tuple[list[Awaitable], list[Awaitable]]  # (coroutines to run, clean
 
 
 async def run_inference(cfg: ExperimentConfig, ctl: ControlChannel, index: int, run_dir: str) -> RoleParts:
-    from arl.inference.torch_engine import TorchEngine
+    from arl.inference.factory import build_engine
     from arl.inference.worker import InferenceWorker
-    from arl.models.tiny import load_model_dir
 
-    model, tok = load_model_dir(cfg.model.path)
-    model.to(cfg.inference.device).eval()
-    engine = TorchEngine(
-        model,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-        max_batch_size=cfg.inference.max_batch_size,
-        max_context_len=cfg.inference.max_context_len,
-        device=cfg.inference.device,
-        version=0,
-        seed=cfg.seed * 1000 + index,
-        name=f"inference{index}",
-    )
-    engine.start()
+    ic = cfg.inference
+    engine = build_engine(ic.backend, model_path=cfg.model.path, device=ic.device, max_batch_size=ic.max_batch_size,
+                          max_context_len=ic.max_context_len, seed=cfg.seed * 1000 + index,
+                          name=f"inference{index}", index=index, run_dir=run_dir)
     router = Router()
     address = bind_random(router, _host(cfg))
     worker = InferenceWorker(index=index, engine=engine, router=router, send_control=ctl.send)

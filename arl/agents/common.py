@@ -65,8 +65,11 @@ class QueueClient:
             return await fut
         finally:
             self._pending.pop(req.qid, None)
-            if not self._pending and self._reader is not None and not self._reader.done():
+            if not self._pending and self._reader is not None:
+                # Forget the reader now, not when its cancellation is processed: another chain may send a
+                # request before that happens and must start a fresh reader (else its response is never read).
                 self._reader.cancel()
+                self._reader = None
 
     async def _read(self) -> None:
         while self._pending:

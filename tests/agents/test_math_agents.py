@@ -240,3 +240,29 @@ async def test_queue_client_out_of_order_and_unknown_qid():
     assert (await asyncio.wait_for(t, 5)).qid == "late"
     client = QueueClient(obs, act)
     await client.close()
+
+
+@pytest.mark.asyncio
+async def test_queue_client_new_request_right_after_reader_cancel():
+    """Chain A finishes (its reader is cancelled) and chain B sends in the same tick: B must still be answered."""
+    import asyncio
+
+    from arl.agents.common import QueueClient
+    from arl.api import GenerateRequest, GenerateResponse
+
+    obs, act = asyncio.Queue(), asyncio.Queue()
+    client = QueueClient(obs, act)
+
+    async def engine():
+        while True:
+            req = await obs.get()
+            await act.put(GenerateResponse(qid=req.qid))
+
+    eng = asyncio.create_task(engine())
+    for i in range(50):
+        await client.generate(GenerateRequest(qid=f"a{i}", input_ids=[1]))
+        # no await between A's finish (reader cancelled) and B's send
+        async with asyncio.timeout(2.0):  # (wait_for would run it in a new task, hiding the race)
+            resp = await client.generate(GenerateRequest(qid=f"b{i}", input_ids=[1]))
+        assert resp.qid == f"b{i}"
+    eng.cancel()

@@ -146,3 +146,57 @@ def test_bad_key_and_unknown_agent_fail_fast():
     assert p.returncode != 0 and "nope" in p.stderr and "math-multi-turn" in p.stderr
     p = subprocess.run([sys.executable, MAIN, "learner.lr=fast"], capture_output=True, text=True, timeout=30)
     assert p.returncode != 0 and "learner.lr" in p.stderr and "float" in p.stderr
+
+
+def _start_background(run_root: str, cache: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, MAIN, f"run_dir={run_root}", "run_name=run", f"model.cache_dir={cache}",
+           "total_train_steps=100000", *SMALL, *extra]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return proc, os.path.join(run_root, "run")
+
+
+def _wait_for_training(run_dir: str, proc: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    path = os.path.join(run_dir, "metrics.jsonl")
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        if os.path.exists(path) and any('"train"' in line for line in open(path)):
+            return
+        time.sleep(0.3)
+    proc.kill()
+    raise AssertionError("training did not start")
+
+
+def _worker_pids(run_dir: str) -> dict[str, int]:
+    pids = {}
+    for line in leftover_processes(run_dir):
+        pid, cmd = line.split(":", 1)
+        role = cmd.split("--role ")[1].split()[0] + cmd.split("--index ")[1].split()[0]
+        pids[role] = int(pid)
+    return pids
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_process(tmp_path, model_cache):
+    import signal
+
+    proc, run_dir = _start_background(str(tmp_path), model_cache, [])
+    _wait_for_training(run_dir, proc)
+    assert len(_worker_pids(run_dir)) == 3
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=10)  # the controller itself is gone within 10 s ...
+    assert proc.returncode != 0
+    assert leftover_processes(run_dir) == []  # ... and so is every role
+
+
+@pytest.mark.slow
+def test_dead_role_stops_the_run_naming_it(tmp_path, model_cache):
+    import signal
+
+    proc, run_dir = _start_background(str(tmp_path), model_cache, [])
+    _wait_for_training(run_dir, proc)
+    os.kill(_worker_pids(run_dir)["learner0"], signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert "role learner exited with code -9" in err and "learner.log" in err
+    assert leftover_processes(run_dir) == []

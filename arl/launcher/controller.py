@@ -11,11 +11,12 @@ import collections
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from typing import Any, Optional
 
-from arl.launcher.process import ProcessGroup, tail
+from arl.launcher.process import ProcessGroup, _signal_group, tail
 from arl.rollout.staleness import StalenessGate
 from arl.transport.sockets import Router, bind_random
 
@@ -57,9 +58,17 @@ class Controller:
         startup_timeout: float,
         heartbeat_timeout: float = 120.0,
         progress: bool = True,
+        servers_per_process: int = 1,
+        tolerate_inference_loss: bool = False,
+        resume: Optional[dict] = None,
     ) -> None:
         self.run_dir = run_dir
         self.num_inference, self.num_rollout = num_inference, num_rollout
+        self.servers_per_process = max(1, servers_per_process)  # inference servers hosted by one process
+        # an inference process that dies (or stops heartbeating) is dropped instead of failing the run, while
+        # another inference server remains: it leaves the weight-ack set and rollout workers re-send its requests
+        self.tolerate_inference_loss = tolerate_inference_loss
+        self.lost_inference: set[int] = set()  # server indices
         self.total_steps = total_train_steps
         self.eval_every, self.eval_max_prompts = eval_every, eval_max_prompts
         self.startup_timeout = startup_timeout
@@ -70,6 +79,14 @@ class Controller:
             max_concurrent=max_concurrent_rollouts,
             max_groups=total_train_steps * batch_size,
         )
+        # Resuming from a learner checkpoint (its arl_state.json): the gate starts at that version with the
+        # consumed groups accepted; each rollout worker's prompt stream seeks to its recorded position.
+        self.resume = dict(resume or {})
+        self.start_version = int(self.resume.get("version", 0))
+        if self.start_version:
+            self.gate.version = self.start_version
+            self.gate.accepted = int(self.resume.get("groups_consumed", self.start_version * batch_size))
+        self._prompt_positions = {int(k): int(v) for k, v in dict(self.resume.get("data_position", {})).items()}
         self.procs = ProcessGroup()
         self.metrics = MetricsWriter(os.path.join(run_dir, "metrics.jsonl"))
         self.router: Optional[Router] = None
@@ -103,7 +120,7 @@ class Controller:
     def spawn_roles(self, python: str = sys.executable) -> None:
         base = [python, "-m", "arl.launcher.worker", "--run-dir", self.run_dir, "--controller", self.address]
         logs = os.path.join(self.run_dir, "logs")
-        for i in range(self.num_inference):
+        for i in range(-(-self.num_inference // self.servers_per_process)):  # process i hosts servers i*k..i*k+k-1
             self.procs.spawn(f"inference{i}", base + ["--role", "inference", "--index", str(i)],
                              os.path.join(logs, f"inference{i}.log"))
         self.procs.spawn("learner", base + ["--role", "learner", "--index", "0"], os.path.join(logs, "learner.log"))
@@ -155,6 +172,8 @@ class Controller:
             await asyncio.sleep(0.2)
             for child in self.procs.dead():
                 code = child.proc.returncode
+                if await self._lose_inference(child.name, f"exited with code {code}"):
+                    continue
                 self.fail(
                     f"role {child.name} exited with code {code}; last lines of {child.log_path}:\n"
                     f"{tail(child.log_path, 25)}"
@@ -167,10 +186,60 @@ class Controller:
                 self.fail(f"roles did not register within {self.startup_timeout}s: {missing}")
                 return
             now = time.monotonic()
-            for key, seen in self.last_seen.items():
+            for key, seen in list(self.last_seen.items()):
                 if now - seen > self.heartbeat_timeout:
+                    if key[0] == "inference" and self._can_lose_inference(self._inference_process(key[1])):
+                        name = self._inference_process(key[1])
+                        child = self.procs.children.get(name)
+                        if child is not None:  # hung: kill it so it cannot come back half-alive
+                            child.expected_exit = True
+                            _signal_group(child.proc.pid, signal.SIGKILL)
+                        await self._lose_inference(name, f"sent no heartbeat for {now - seen:.0f}s")
+                        continue
                     self.fail(f"role {key[0]}{key[1]} sent no heartbeat for {now - seen:.0f}s")
                     return
+
+    def _inference_process(self, server: int) -> str:
+        return f"inference{server // self.servers_per_process}"
+
+    def _inference_servers(self, name: str) -> list[int]:
+        """Server indices hosted by process `name` ('inference<i>'); [] for other roles."""
+        if not name.startswith("inference") or not name[len("inference"):].isdigit():
+            return []
+        first = int(name[len("inference"):]) * self.servers_per_process
+        return list(range(first, min(self.num_inference, first + self.servers_per_process)))
+
+    def _can_lose_inference(self, name: str) -> bool:
+        servers = set(self._inference_servers(name))
+        all_registered = len(self.peers) >= self.num_inference + self.num_rollout + 1
+        remaining = set(range(self.num_inference)) - self.lost_inference - servers
+        return bool(servers) and self.tolerate_inference_loss and all_registered and bool(remaining)
+
+    async def _lose_inference(self, name: str, reason: str) -> bool:
+        """Drop inference process `name` if the run can go on without it; False: the loss is fatal."""
+        if not self._can_lose_inference(name):
+            return False
+        servers = [s for s in self._inference_servers(name) if s not in self.lost_inference]
+        child = self.procs.children.get(name)
+        if child is not None:
+            child.expected_exit = True
+        self.lost_inference.update(servers)
+        for s in servers:
+            self.last_seen.pop(("inference", s), None)
+            self.role_stats.pop(("inference", s), None)
+        remaining = sorted(set(range(self.num_inference)) - self.lost_inference)
+        logger.warning("inference process %s %s; dropping servers %s, the run goes on with %s%s", name, reason,
+                       servers, remaining,
+                       f"; last lines of its log:\n{tail(child.log_path, 10)}" if child is not None else "")
+        self.metrics.write({"type": "worker_lost", "role": "inference", "process": name, "servers": servers,
+                            "reason": reason, "remaining": remaining, "elapsed": time.monotonic() - self._t_start})
+        for r in range(self.num_rollout):
+            ident = self.peers.get(("rollout", r))
+            if ident is not None:
+                await self.router.send(ident, "worker_lost", {"role": "inference", "indices": servers})
+        for v in sorted(self._published):  # a version only the lost worker had not acked is complete now
+            await self._check_loaded(v)
+        return True
 
     def _is_registered(self, name: str) -> bool:
         return any(f"{r}{i}" == name or (r == "learner" and name == "learner") for r, i in self.peers)
@@ -195,7 +264,10 @@ class Controller:
             elif key[0] == "learner":
                 self.addresses["learner"] = p["address"]
             logger.info("registered %s%d (pid %s)", key[0], key[1], p.get("pid"))
-            await self.router.send(ident, "ack", {"ok": True})
+            ack: dict[str, Any] = {"ok": True}
+            if key[0] == "rollout" and key[1] in self._prompt_positions:
+                ack["prompt_position"] = self._prompt_positions[key[1]]
+            await self.router.send(ident, "ack", ack)
             await self._answer_lookups()
             await self._maybe_start()
         elif msg_type == "lookup":
@@ -234,7 +306,19 @@ class Controller:
             await self.router.send(self._lookups.pop(), "addresses", dict(self.addresses))
 
     async def _maybe_start(self) -> None:
-        if len(self.peers) == self.num_inference + self.num_rollout + 1 and 0 not in self._evals:
+        if len(self.peers) == self.num_inference + self.num_rollout + 1 and self.start_version not in self._evals:
+            if self.start_version and self.start_version not in self._published:
+                # resumed: the learner exported the checkpoint's weights before registering; load them first,
+                # the evaluation follows in _check_loaded
+                v = self.start_version
+                self._published[v] = os.path.join(self.run_dir, "weights", f"v{v}.safetensors")
+                logger.info("all roles registered; resuming at version %d", v)
+                for i in range(self.num_inference):
+                    await self.router.send(self.peers[("inference", i)], "update_weights",
+                                           {"version": v, "path": self._published[v]})
+                return
+            if self.start_version:
+                return
             logger.info("all roles registered after %.1fs; evaluating version 0", time.monotonic() - self._t_start)
             await self._request_eval(0)
 
@@ -255,6 +339,8 @@ class Controller:
         self._published[version] = path
         self._last_step_metrics = metrics
         for i in range(self.num_inference):
+            if i in self.lost_inference:
+                continue
             await self.router.send(self.peers[("inference", i)], "update_weights", {"version": version, "path": path})
         now = time.monotonic()
         infer_idle = self._inference_idle_fraction()
@@ -277,7 +363,16 @@ class Controller:
 
     async def _on_loaded(self, version: int, index: int) -> None:
         self._loaded[version].add(index)
-        if len(self._loaded[version]) < self.num_inference or version <= self.gate.version:
+        await self._check_loaded(version)
+
+    async def _check_loaded(self, version: int) -> None:
+        """Version `version` is live once every inference server not lost has acked it."""
+        alive = set(range(self.num_inference)) - self.lost_inference
+        if (version == self.start_version and self.start_version and alive <= self._loaded[version]
+                and version not in self._evals):
+            await self._request_eval(version)  # resumed run: the checkpoint's weights are live everywhere
+            return
+        if not alive <= self._loaded[version] or version <= self.gate.version:
             return
         self.gate.set_version(version)
         await self._grant()
@@ -294,13 +389,15 @@ class Controller:
         version = int(p["version"])
         self._eval_pending.discard(version)
         self._evals[version] = p
-        self.metrics.write({"type": "eval", "step": version, "elapsed": time.monotonic() - self._t_start, **p})
+        roles = {f"{r}{i}": st for (r, i), st in sorted(self.role_stats.items())}
+        self.metrics.write({"type": "eval", "step": version, "elapsed": time.monotonic() - self._t_start, **p,
+                            "roles": roles})
         msg = (f"eval v{version}: first-answer acc {p['first_acc']:.3f}, solved within all turns "
                f"{p['solved_acc']:.3f} ({p['n']} prompts, {p.get('seconds', 0):.1f}s)")
         logger.info(msg)
         if self._bar is not None:
             self._bar.write(msg)
-        if version == 0 and not self._training_open:
+        if version == self.start_version and not self._training_open:
             self._training_open = True
             await self._grant()
         if version >= self.total_steps and not self._eval_pending:
@@ -326,5 +423,6 @@ class Controller:
             "steps": self.gate.version,
             "evals": {v: (e["first_acc"], e["solved_acc"]) for v, e in sorted(evals.items())},
             "groups": dict(self._group_reasons),
+            "lost_inference": sorted(self.lost_inference),
             "seconds": time.monotonic() - self._t_start,
         }

@@ -47,7 +47,7 @@ def prepare_model(cfg: ExperimentConfig) -> str:
         max_steps=cfg.model.warmup_max_steps,
         max_operand=cfg.dataset.max_operand,
         test_size=cfg.dataset.test_size,
-        num_threads=os.cpu_count() or 1,
+        num_threads=1,  # more threads than free cores slows torch 10-40x when the machine is busy (DESIGN.md)
     )
 
 

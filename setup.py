@@ -5,6 +5,7 @@ setup(
     version="0.1.0",
     description="ARL: asynchronous, queue-decoupled reinforcement learning for LLM agents",
     packages=find_packages(include=["arl", "arl.*", "experiments", "experiments.*"]),
+    package_data={"arl.data": ["samples/*.jsonl"]},
     python_requires=">=3.10",
     # torch stays open here for GPU users; CPU machines pin it via constraints-cpu.txt (see README).
     install_requires=[
@@ -19,9 +20,12 @@ setup(
         "numpy",
         "tqdm",
         "psutil",
+        "math-verify>=0.7",
+        "aiohttp>=3.9",  # HTTP client of the sglang backend (and the fake SGLang server of the tests)
     ],
     extras_require={
-        "dev": ["pytest>=8", "pytest-asyncio>=0.23", "pytest-timeout"],
-        "sglang": ["sglang>=0.5", "requests"],
+        "dev": ["pytest>=8", "pytest-asyncio>=0.23", "pytest-timeout", "datasets>=2.16"],
+        "data": ["datasets>=2.16"],
+        "sglang": ["sglang>=0.5.23", "requests"],
     },
 )

@@ -7,8 +7,11 @@ import importlib
 BUILTIN_MODULES = (
     "arl.agents.math_single_step",
     "arl.agents.math_multi_turn",
+    "arl.agents.tool_agent",
     "arl.envs.math",
     "experiments.async_ppo_math",
+    "experiments.tool_calc",
+    "experiments.gsm8k",
 )
 
 

@@ -29,11 +29,17 @@ class ModelConfig:
     cache_dir: str = field("~/.cache/arl", "Where the built-in tiny model's warm-up checkpoint is cached.")
     warmup_target_acc: float = field(0.30, "Warm-up stops at this greedy test accuracy (tiny model only).")
     warmup_max_steps: int = field(600, "Upper bound on supervised warm-up steps (tiny model only).")
+    warmup: str = field("", "Tiny-model warm-up recipe: '' (a+b) or 'module:function' returning a model dir "
+                            "(called with cache_dir, seed, target_acc, max_steps, num_threads).")
 
 
 @dataclasses.dataclass
 class DatasetConfig:
-    name: str = field("arith", "'arith' (built-in a+b task) or 'jsonl' (rows with id, prompt|messages, answer).")
+    name: str = field("arith", "'arith' (built-in a+b task), 'jsonl' (rows with id, prompt|messages, answer), "
+                               "'hf' (HuggingFace datasets on disk: save_to_disk dir or parquet/jsonl file) or "
+                               "'word-arith' (built-in arithmetic word problems for tool agents).")
+    prompt_field: str = field("", "hf: column holding the prompt ('' = prompt|question|problem|messages).")
+    answer_field: str = field("", "hf: column holding the answer ('' = answer|solution; GSM8K '#### x' kept whole).")
     train_path: str = field("", "jsonl training file (name=jsonl).")
     test_path: str = field("", "jsonl held-out file (name=jsonl).")
     max_operand: int = field(49, "arith: operands are drawn from 0..max_operand.")
@@ -64,12 +70,37 @@ class EnvConfig:
 
 @dataclasses.dataclass
 class InferenceConfig:
-    backend: str = field("torch", "Engine backend: 'torch' (embedded PyTorch engine).")
+    backend: str = field("torch", "Engine backend: 'torch' (embedded PyTorch engine), 'sglang' (an SGLang server "
+                                  "per worker, GPU) or 'sim' (simulated).")
     num_workers: int = field(1, "Number of inference worker processes.")
     max_batch_size: int = field(256, "Most sequences decoded together in one step.")
     max_context_len: int = field(256, "Prompt + generated tokens limit; longer prompts are refused.")
     device: str = field("cpu", "torch device of the embedded engine.")
     threads: int = field(0, "torch threads per worker; 0 = share the cores between roles.")
+    heartbeat_timeout: float = field(120.0, "An inference worker silent this long is named in the log, its stacks "
+                                            "dumped, and it is killed and treated as dead.")
+    tolerate_worker_loss: bool = field(True, "An inference worker that dies (or stops heartbeating) is dropped and "
+                                             "its requests re-sent to the others, while one remains; false: fatal.")
+    servers_per_process: int = field(1, "Inference servers one worker process hosts (>1: for the sim backend, "
+                                        "so dozens of simulated servers fit a small machine).")
+    sim_step_base_s: float = field(7.5e-3, "sim: seconds of a decode step at batch 0 (H100, 7B fit).")
+    sim_step_per_token_s: float = field(8.0e-5, "sim: extra decode-step seconds per running sample.")
+    sim_prefill_per_token_s: float = field(1.8e-5, "sim: prefill seconds per prompt token not cached.")
+    sim_update_pause_s: float = field(1.0, "sim: seconds a weight update stalls decoding.")
+    sim_time_scale: float = field(1.0, "sim: multiplies every simulated duration (<1 runs faster than real).")
+    sim_len_median: float = field(600.0, "sim: median output length (log-normal, long-tailed).")
+    sim_len_sigma: float = field(1.0, "sim: log-normal shape of output lengths (bigger: longer tail).")
+    sim_vocab_size: int = field(32000, "sim: vocabulary size of the random output tokens.")
+    sglang_python: str = field("", "sglang: Python that runs `-m sglang.launch_server` (empty: this one).")
+    sglang_args: list[str] = field(help="sglang: extra launch_server arguments, e.g. [--tp-size,2] "
+                                        "(device=cpu adds the CPU recipe's flags itself).", factory=list)
+    sglang_pause_mode: str = field("retract", "sglang: weight-update pause: retract (in-flight KV recomputed, "
+                                              "cache flushed), in_place (KV kept), abort (abort + resubmit prefix).")
+    sglang_gpus_per_server: int = field(1, "sglang: GPUs of one server; worker i gets GPUs first+i*g .. "
+                                           "first+i*g+g-1 (CUDA_VISIBLE_DEVICES); 0 leaves it unset.")
+    sglang_first_gpu: int = field(0, "sglang: first GPU of the servers (1 keeps GPU 0 for the learner).")
+    sglang_startup_timeout: float = field(600.0, "sglang: seconds the server may take to become healthy.")
+    sglang_request_timeout: float = field(3600.0, "sglang: seconds one /generate call may take.")
 
 
 @dataclasses.dataclass
@@ -78,6 +109,29 @@ class RolloutConfig:
     max_concurrent_rollouts: int = field(64, "Most prompt groups running at once, over all rollout workers.")
     trajectory_timeout: float = field(120.0, "Seconds one collect_trajectory may take before it is dropped.")
     request_timeout: float = field(60.0, "Seconds one generate request may wait for its response.")
+    env_timeout: float = field(60.0, "Seconds one env call (reset/step/close) may take; an overrun or exception "
+                                     "drops that group with a counted reason.")
+    restart_on_failure: bool = field(True, "Restart a rollout worker that dies or stops heartbeating (its "
+                                           "in-flight groups are counted as lost and their budget returned).")
+    max_restarts: int = field(3, "Most restarts of rollout workers in one run; one more failure stops the run.")
+    heartbeat_timeout: float = field(120.0, "A rollout worker silent this long is named, its stacks dumped, "
+                                            "then restarted (or the run stops).")
+    num_env_groups: int = field(0, "Env groups over all rollout workers, pooled and reused with reset (ROLL "
+                                   "style); 0: a fresh env group per prompt group.")
+    group_size: int = field(0, "Envs per group = trajectories per prompt, same env config and seed within a "
+                               "group; 0: agent.group_size.")
+    tags: list[str] = field(help="Env types of the groups (registered env names or env_configs keys); empty: "
+                                 "[env.name].", factory=list)
+    num_groups_partition: list[int] = field(help="Env groups per tag (sums to num_env_groups); empty: even split.",
+                                            factory=list)
+    max_env_num_per_worker: int = field(0, "Most env instances one rollout worker may hold; 0: no limit.")
+    env_configs: dict[str, Any] = field(help="Per-tag env: {tag: {name: registered env, args: {...}}}.",
+                                        factory=dict)
+    filter_void_turns: bool = field(False, "Drop trajectories with a void turn (no tool call and no answer, or EOS "
+                                           "inside an unclosed call; agents report metadata void_turns).")
+    filter_uniform_groups: bool = field(False, "Drop groups whose rewards are all equal (no group advantage).")
+    verify_token_ledger: bool = field(False, "Check every trajectory is exactly the engine's tokens plus the "
+                                             "agent's declared insertions; a drift stops the run.")
 
 
 @dataclasses.dataclass
@@ -97,6 +151,31 @@ class LearnerConfig:
     adv_std_norm: bool = field(True, "Divide group advantages by the group std.")
     threads: int = field(0, "torch threads of the learner; 0 = share the cores between roles.")
     keep_weight_versions: int = field(3, "Exported weight files kept in the run directory.")
+    heartbeat_timeout: float = field(120.0, "A learner silent this long is named in the log, its stacks dumped, "
+                                            "and the run stops.")
+    backend: str = field("deepspeed", "'deepspeed' (trains the model) or 'sim' (sleeps per token, benchmarks).")
+    sim_s_per_token: float = field(1.0e-5, "sim learner: seconds per batch token (7B on 8 H100s, NeMo fit).")
+    sim_step_base_s: float = field(0.5, "sim learner: fixed seconds per step (optimizer step, export).")
+    sim_time_scale: float = field(1.0, "sim learner: multiplies its simulated durations.")
+    packing: bool = field(True, "Pack sequences without padding into micro-batches (false: right padding).")
+    packed_attention: str = field("varlen", "Packed rows: 'varlen' (per-sequence SDPA) or 'mask' (transformers' "
+                                            "block-diagonal mask from restarting position ids).")
+    dual_clip_c: Optional[float] = field(None, "Dual-clip PPO bound c > 1 for negative advantages (null: off).")
+    loss_agg: str = field("token", "Loss aggregation: 'token' (mean over tokens) or 'seq' (mean of sequence means).")
+    kl_coef: float = field(0.0, "KL penalty to a frozen copy of the initial weights (0: off, no copy kept).")
+    kl_estimator: str = field("k1", "KL estimator: 'k1' (logp - ref) or 'k3' (exp(ref-logp) - (ref-logp) - 1).")
+    turn_discount: Optional[float] = field(None, "Per-turn advantages from turn_rewards with this discount "
+                                                 "(null: one advantage per trajectory from its reward).")
+    stale_tokens: str = field("keep", "Tokens older than v - eta at consumption: 'keep', 'drop' or 'downweight'.")
+    stale_token_decay: float = field(0.5, "downweight: weight decay ** (lag - eta) for stale tokens.")
+    lr_schedule: str = field("constant", "LR schedule after warm-up: 'constant', 'linear' or 'cosine' (to "
+                                         "min_lr_ratio at total_train_steps).")
+    warmup_steps: int = field(0, "Linear LR warm-up steps.")
+    min_lr_ratio: float = field(0.0, "linear/cosine: final LR as a fraction of lr.")
+    checkpoint_every: int = field(50, "Checkpoint (model, optimizer, scheduler, RNG, data position) every N steps "
+                                      "and after the last one, under <run>/checkpoints (0: never).")
+    keep_checkpoints: int = field(2, "Checkpoints kept in the run directory.")
+    num_ranks: int = field(1, "Learner data-parallel ranks (DeepSpeed over gloo on CPU); each takes whole groups.")
 
 
 @dataclasses.dataclass
@@ -116,7 +195,15 @@ class ExperimentConfig:
     max_head_offpolicyness: int = field(2, "eta: the most policy versions a consumed token may lag behind.")
     imports: list[str] = field(help="Modules every role imports at start-up (user agents/envs).", factory=list)
     startup_timeout: float = field(300.0, "Seconds the roles may take to start and register.")
+    bind_host: str = field("127.0.0.1", "Interface every socket binds to; not loopback (a multi-host run) "
+                                        "requires `secret`.")
+    secret: str = field("", "Shared secret: every frame carries an HMAC-SHA256 tag and frames without a valid one "
+                            "are dropped and counted. Env ARL_SECRET works too (and stays out of config.yaml).")
+    max_message_bytes: int = field(64 * 1024 * 1024, "Largest frame a socket accepts; bigger ones are dropped and "
+                                                     "counted (libzmq cuts peers sending over twice this).")
     progress: bool = field(True, "Show a progress bar.")
+    recover: str = field("off", "'auto': resume from the latest checkpoint in the run directory (set run_name to "
+                                "the run to resume); 'off': start fresh.")
     model: ModelConfig = field(factory=ModelConfig)
     dataset: DatasetConfig = field(factory=DatasetConfig)
     gen: GenerationArgs = field(factory=GenerationArgs)
@@ -228,19 +315,57 @@ def validate(cfg: Any) -> None:
         (cfg.learner.batch_size >= 1, "learner.batch_size must be >= 1"),
         (cfg.agent.group_size >= 1, "agent.group_size must be >= 1"),
         (cfg.inference.num_workers >= 1, "inference.num_workers must be >= 1"),
+        (cfg.inference.servers_per_process >= 1, "inference.servers_per_process must be >= 1"),
+        (cfg.recover in ("off", "auto"), f"recover must be 'off' or 'auto', got {cfg.recover!r}"),
+        (cfg.learner.loss_agg in ("token", "seq"), "learner.loss_agg must be 'token' or 'seq'"),
+        (cfg.learner.stale_tokens in ("keep", "drop", "downweight"),
+         "learner.stale_tokens must be 'keep', 'drop' or 'downweight'"),
+        (cfg.learner.lr_schedule in ("constant", "linear", "cosine"),
+         "learner.lr_schedule must be 'constant', 'linear' or 'cosine'"),
+        (cfg.learner.kl_estimator in ("k1", "k3"), "learner.kl_estimator must be 'k1' or 'k3'"),
+        (cfg.learner.packed_attention in ("varlen", "mask"), "learner.packed_attention must be 'varlen' or 'mask'"),
+        (cfg.learner.num_ranks >= 1, "learner.num_ranks must be >= 1"),
+        (cfg.learner.batch_size >= cfg.learner.num_ranks,
+         "learner.batch_size must be >= learner.num_ranks (every rank trains on whole prompt groups)"),
+        (cfg.learner.checkpoint_every >= 0, "learner.checkpoint_every must be >= 0"),
+        (cfg.learner.backend in ("deepspeed", "sim"),
+         f"learner.backend must be 'deepspeed' or 'sim', got {cfg.learner.backend!r}"),
         (cfg.rollout.num_workers >= 1, "rollout.num_workers must be >= 1"),
         (cfg.rollout.max_concurrent_rollouts >= 1, "rollout.max_concurrent_rollouts must be >= 1"),
+        (cfg.rollout.env_timeout > 0, "rollout.env_timeout must be > 0"),
+        (cfg.rollout.max_restarts >= 0, "rollout.max_restarts must be >= 0"),
+        (min(cfg.rollout.heartbeat_timeout, cfg.inference.heartbeat_timeout, cfg.learner.heartbeat_timeout) > 0,
+         "heartbeat timeouts must be > 0"),
+        (cfg.max_message_bytes >= 1024, "max_message_bytes must be >= 1024"),
         (0 <= cfg.learner.zero_stage <= 3, "learner.zero_stage must be in 0..3"),
         (cfg.gen.max_new_tokens >= 1, "gen.max_new_tokens must be >= 1"),
-        (cfg.dataset.name in ("arith", "jsonl"), f"dataset.name must be 'arith' or 'jsonl', got {cfg.dataset.name!r}"),
+        (cfg.dataset.name in ("arith", "jsonl", "hf", "word-arith"),
+         f"dataset.name must be 'arith', 'jsonl', 'hf' or 'word-arith', got {cfg.dataset.name!r}"),
+        (cfg.rollout.num_env_groups >= 0 and cfg.rollout.group_size >= 0,
+         "rollout.num_env_groups and rollout.group_size must be >= 0"),
     ]
     from arl.inference.factory import BACKENDS
 
     checks.append((cfg.inference.backend in BACKENDS,
                    f"inference.backend must be one of {sorted(BACKENDS)}, got {cfg.inference.backend!r}"))
+    checks.append((cfg.inference.sglang_pause_mode in ("in_place", "retract", "abort"),
+                   f"inference.sglang_pause_mode must be in_place, retract or abort, "
+                   f"got {cfg.inference.sglang_pause_mode!r}"))
     for ok, msg in checks:
         if not ok:
             raise ConfigError(msg)
+    rc = cfg.rollout
+    if rc.num_env_groups > 0:  # env groups: partition and per-worker capacity, before any process starts
+        from arl.rollout.env_groups import check_env_capacity, partition_groups
+
+        try:
+            partition_groups(rc.num_env_groups, list(rc.tags) or [cfg.env.name], list(rc.num_groups_partition))
+            check_env_capacity(rc.num_env_groups, rc.num_workers, rc.group_size or cfg.agent.group_size,
+                               rc.max_env_num_per_worker)
+            if rc.num_env_groups < rc.num_workers:
+                raise ValueError(f"num_env_groups={rc.num_env_groups} < rollout.num_workers={rc.num_workers}")
+        except ValueError as e:
+            raise ConfigError(f"rollout env groups: {e}") from None
 
 
 def import_user_modules(modules: Sequence[str]) -> None:

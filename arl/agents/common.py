@@ -115,3 +115,15 @@ async def generate(obs_queue: asyncio.Queue, act_queue: asyncio.Queue, req: Gene
     if not resp.samples:
         raise RuntimeError(f"generation request {req.qid!r} returned no samples")
     return resp
+
+
+# ------------------------------------------------------------------------------------------- env per trajectory
+
+
+async def env_for(env: Any, index: int) -> Any:
+    """The environment of trajectory `index` of a group: its own member when `env` is an env group (anything with
+    an async `member(i)`, see `arl.rollout.env_groups.EnvGroup`), else `env` itself (a plain env, e.g. in tests)."""
+    member = getattr(env, "member", None)
+    if member is None:
+        return env
+    return await member(index)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Optional
 
-from arl.agents.common import encode_chat, generate, new_id, row_messages
+from arl.agents.common import encode_chat, env_for, generate, new_id, row_messages
 from arl.agents.math_single_step import _with_eos_stop, is_uniform
 from arl.api import (
     Agent,
@@ -63,6 +63,7 @@ class MathMultiTurnAgent(Agent):
                      obs_queue: asyncio.Queue, act_queue: asyncio.Queue) -> Trajectory:
         b = TrajectoryBuilder(prompt_ids)
         session = f"{group_id}/{index}"
+        env = await env_for(env, index)  # its own env instance when the worker passes an env group
         turn_rewards: list[float] = []
         errors: list[str] = []
         first_correct = solved = False
@@ -97,7 +98,7 @@ class MathMultiTurnAgent(Agent):
             ):
                 termination = "length"
                 break
-            b.add_context(self.feedback_ids)
+            b.add_context(self.feedback_ids, source="feedback")
         turns = len(turn_rewards)
         reward = self.turn_discount ** (turns - 1) if solved else 0.0
         meta: dict[str, Any] = {"turns": turns, "first_correct": first_correct, "solved": solved,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from arl.agents.common import encode_chat, generate, new_id, row_messages
+from arl.agents.common import encode_chat, env_for, generate, new_id, row_messages
 from arl.api import (
     Agent,
     EnvironmentService,
@@ -61,7 +61,8 @@ class MathSingleStepAgent(Agent):
         resp = await generate(obs_queue, act_queue, req)
 
         texts = [self.tokenizer.decode(s.output_ids.tolist(), skip_special_tokens=True) for s in resp.samples]
-        steps = await asyncio.gather(*(env.step(t) for t in texts))
+        envs = [await env_for(env, i) for i in range(len(texts))]  # one env per trajectory in an env group
+        steps = await asyncio.gather(*(e.step(t) for e, t in zip(envs, texts)))
 
         trajs = []
         for sample, (_, reward, _, _, info) in zip(resp.samples, steps):

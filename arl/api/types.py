@@ -164,30 +164,56 @@ class TrajectoryBuilder:
         self._mask: list[np.ndarray] = []
         self._logp: list[np.ndarray] = []
         self._ver: list[np.ndarray] = []
-        self.add_context(prompt_ids)
+        self._ledger: list[list[Any]] = []  # [source, start, end]: where every token came from (token ledger)
+        self._len = 0
+        self.add_context(prompt_ids, source="prompt")
 
-    def add_context(self, ids: Sequence[int] | np.ndarray) -> None:
-        """Tokens the model did not generate (prompt, template, feedback, tool output): loss_mask 0."""
+    def _record(self, source: str, n: int) -> None:
+        self._ledger.append([source, self._len, self._len + n])
+        self._len += n
+
+    def add_context(self, ids: Sequence[int] | np.ndarray, source: str = "context") -> None:
+        """Tokens the model did not generate (prompt, template, feedback, tool output): loss_mask 0. `source`
+        names where they came from in the trajectory's token ledger (`metadata["token_ledger"]`)."""
+        if not isinstance(source, str) or not source or source == "engine":
+            raise ValueError(f"add_context: source must be a non-empty name other than 'engine', got {source!r}")
         ids = as_int32(ids)
         self._ids.append(ids)
         self._mask.append(np.zeros(len(ids), np.int8))
         self._logp.append(np.zeros(len(ids), np.float32))
         self._ver.append(np.full(len(ids), -1, np.int32))
+        self._record(source, len(ids))
 
     def add_generated(self, sample: SampleOutput) -> None:
+        """A sample exactly as the engine returned it: loss_mask 1, source "engine" in the token ledger."""
         self._ids.append(sample.output_ids)
         self._mask.append(np.ones(len(sample.output_ids), np.int8))
         self._logp.append(sample.output_logprobs)
         self._ver.append(sample.output_versions)
+        self._record("engine", len(sample.output_ids))
+
+    def copy(self) -> "TrajectoryBuilder":
+        """An independent builder with the same tokens so far (branching rollouts share a prefix)."""
+        other = TrajectoryBuilder.__new__(TrajectoryBuilder)
+        other._ids, other._mask, other._logp, other._ver = (list(self._ids), list(self._mask), list(self._logp),
+                                                            list(self._ver))
+        other._ledger = [list(e) for e in self._ledger]
+        other._len = self._len
+        return other
+
+    @property
+    def ledger(self) -> list[list[Any]]:
+        return [list(e) for e in self._ledger]
 
     @property
     def input_ids(self) -> np.ndarray:
         return np.concatenate(self._ids) if self._ids else np.zeros(0, np.int32)
 
     def __len__(self) -> int:
-        return sum(len(x) for x in self._ids)
+        return self._len
 
     def build(self, reward: float, group_id: str, **kw: Any) -> Trajectory:
+        kw["metadata"] = {**(kw.get("metadata") or {}), "token_ledger": self.ledger}
         return Trajectory(
             input_ids=self.input_ids,
             loss_mask=np.concatenate(self._mask),

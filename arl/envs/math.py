@@ -22,7 +22,10 @@ import inspect
 import logging
 import queue
 import re
+import sys
 import threading
+import time
+import traceback
 from decimal import Decimal, InvalidOperation
 from typing import Any, Callable, Optional, Union
 
@@ -94,6 +97,7 @@ class _DaemonThreadPool(concurrent.futures.Executor):
         self._idle = 0
         self._written_off = 0
         self._abandoned: set[concurrent.futures.Future] = set()
+        self._threads_of: dict[concurrent.futures.Future, int] = {}  # running future -> thread ident
 
     def submit(self, fn: Callable, /, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -126,19 +130,49 @@ class _DaemonThreadPool(concurrent.futures.Executor):
             fut, fn, args, kwargs = item
             if not fut.set_running_or_notify_cancel():
                 continue
+            self._threads_of[fut] = threading.get_ident()
             try:
                 result = fn(*args, **kwargs)
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 fut.set_exception(e)
             else:
                 fut.set_result(result)
+            finally:
+                self._threads_of.pop(fut, None)
             with self._lock:
                 if fut in self._abandoned:
                     self._abandoned.discard(fut)
                     self._written_off -= 1
 
+    def stack_of(self, fut: concurrent.futures.Future) -> str:
+        """The Python stack of the thread running `fut` right now ("" if it is not running)."""
+        tid = self._threads_of.get(fut)
+        frame = sys._current_frames().get(tid) if tid is not None else None
+        return "".join(traceback.format_stack(frame)) if frame is not None else ""
+
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:  # daemon threads: nothing
         return None
+
+
+REWARD_TIMEOUTS: "dict[str, int]" = {}  # reward function name -> timeouts in this process
+_last_timeout_log: dict[str, float] = {}
+
+
+def _fn_name(fn: Any) -> str:
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def _log_reward_timeout(fn: Any, timeout: float, stack: str) -> None:
+    """Name a hung reward function in the log, with where it hangs (first time, then at most every 10 s)."""
+    name = _fn_name(fn)
+    n = REWARD_TIMEOUTS[name] = REWARD_TIMEOUTS.get(name, 0) + 1
+    now = time.monotonic()
+    if now - _last_timeout_log.get(name, -1e9) < 10.0:
+        return
+    _last_timeout_log[name] = now
+    where = f"; it is stuck in:\n{stack}" if stack else ""
+    logger.warning("reward function %s timed out after %gs (%d timeouts so far; reward 0 given)%s", name, timeout,
+                   n, where)
 
 
 _POOL: Optional[_DaemonThreadPool] = None
@@ -178,12 +212,20 @@ class MathEnv(EnvironmentService):
 
     async def _call(self, completion: str, answer: str) -> Any:
         if inspect.iscoroutinefunction(self.reward_fn):
-            return await asyncio.wait_for(self.reward_fn(completion, answer), self.timeout)
+            try:
+                return await asyncio.wait_for(self.reward_fn(completion, answer), self.timeout)
+            except asyncio.TimeoutError:
+                _log_reward_timeout(self.reward_fn, self.timeout, "")
+                raise
         pool = reward_pool()
         cfut = pool.submit(self.reward_fn, completion, answer)
         try:
             return await asyncio.wait_for(asyncio.wrap_future(cfut), self.timeout)
-        except (asyncio.TimeoutError, asyncio.CancelledError):
+        except asyncio.TimeoutError:
+            _log_reward_timeout(self.reward_fn, self.timeout, pool.stack_of(cfut))
+            pool.abandon(cfut)
+            raise
+        except asyncio.CancelledError:
             pool.abandon(cfut)
             raise
 
@@ -200,7 +242,8 @@ class MathEnv(EnvironmentService):
             if reward != reward:  # NaN
                 raise ValueError("reward function returned NaN")
         except asyncio.TimeoutError:
-            return None, 0.0, False, False, {"correct": False, "error": f"reward timed out after {self.timeout:g}s"}
+            return None, 0.0, False, False, {"correct": False, "error": f"reward timed out after {self.timeout:g}s "
+                                                                     f"({_fn_name(self.reward_fn)})"}
         except Exception as e:  # noqa: BLE001 - a bad reward function must not kill the worker
             return None, 0.0, False, False, {"correct": False, "error": f"reward error: {type(e).__name__}: {e}"}
         correct = reward >= self.correct_threshold

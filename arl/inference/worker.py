@@ -25,6 +25,25 @@ class InferenceWorker:
         self.stats = {"requests": 0, "bad_requests": 0, "updates": 0, "update_ms_last": 0.0}
 
     async def serve(self) -> None:
+        """Answer requests until the socket closes; raises if the engine reports its backend gone for good (an
+        SGLang server that died), so the process exits and the controller fails over to the other workers."""
+        wait_failed = getattr(self.engine, "wait_failed", None)
+        if wait_failed is None:
+            await self._serve_requests()
+            return
+        serving = asyncio.create_task(self._serve_requests())
+        failed = asyncio.create_task(wait_failed())
+        try:
+            done, _ = await asyncio.wait([serving, failed], return_when=asyncio.FIRST_COMPLETED)
+            if failed in done:
+                raise RuntimeError(f"inference backend failed: {failed.result()}")
+            serving.result()
+        finally:
+            for t in (serving, failed):
+                t.cancel()
+            await asyncio.gather(serving, failed, return_exceptions=True)
+
+    async def _serve_requests(self) -> None:
         while True:
             ident, msg_type, payload = await self.router.recv()
             if msg_type != "gen_req" or not isinstance(payload, GenerateRequest):
@@ -59,4 +78,15 @@ class InferenceWorker:
             st.update(engine_stats())
         st["uptime"] = time.monotonic() - self._t0
         st["version"] = self.engine.version
+        st["waiting_on"] = self._waiting_on(st)
+        st["transport"] = dict(getattr(self.router, "stats", {}))
         return st
+
+    def _waiting_on(self, st: dict) -> str:
+        """What this worker is busy with, for the controller's log if it goes silent."""
+        if st.get("paused"):
+            return f"a weight update (paused at v{st.get('version')})"
+        running, waiting = st.get("running_requests", st.get("running")), st.get("waiting")
+        if running or waiting:
+            return f"decode steps ({running} requests running, {waiting} waiting)"
+        return f"requests (idle; {len(self._inflight)} replies in flight)"

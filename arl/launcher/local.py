@@ -9,10 +9,11 @@ import os
 import signal
 import sys
 import time
-from typing import Any
+from typing import Any, Optional
 
 from arl.config import ExperimentConfig, to_yaml
 from arl.launcher.controller import Controller, RunFailed
+from arl.launcher.security import SECRET_ENV, effective_bind_host, resolve_secret
 
 logger = logging.getLogger("arl.launcher")
 
@@ -23,6 +24,7 @@ def check_names(cfg: ExperimentConfig) -> None:
 
     AGENTS.get(cfg.agent.name)
     ENVS.get(cfg.env.name)
+    resolve_secret(cfg.secret, effective_bind_host(cfg.bind_host))  # a multi-host run without a secret: refuse
 
 
 def make_run_dir(cfg: ExperimentConfig) -> str:
@@ -38,6 +40,16 @@ def prepare_model(cfg: ExperimentConfig) -> str:
         if not os.path.isdir(cfg.model.path):
             raise FileNotFoundError(f"model.path {cfg.model.path!r} is not a directory")
         return os.path.abspath(cfg.model.path)
+    if cfg.model.warmup:  # an experiment's own warm-up recipe ("module:function"), e.g. tool calling
+        import importlib
+
+        mod, _, fn = cfg.model.warmup.partition(":")
+        try:
+            build = getattr(importlib.import_module(mod), fn)
+        except (ImportError, AttributeError, ValueError) as e:
+            raise FileNotFoundError(f"model.warmup {cfg.model.warmup!r}: {e}") from None
+        return build(os.path.expanduser(cfg.model.cache_dir), seed=0, target_acc=cfg.model.warmup_target_acc,
+                     max_steps=cfg.model.warmup_max_steps, num_threads=1)
     from arl.models.warmup import get_warm_model
 
     return get_warm_model(
@@ -47,11 +59,13 @@ def prepare_model(cfg: ExperimentConfig) -> str:
         max_steps=cfg.model.warmup_max_steps,
         max_operand=cfg.dataset.max_operand,
         test_size=cfg.dataset.test_size,
-        num_threads=1,  # more threads than free cores slows torch 10-40x when the machine is busy (DESIGN.md)
+        num_threads=1,
     )
 
 
 async def _run(cfg: ExperimentConfig, run_dir: str) -> dict:
+    bind_host = effective_bind_host(cfg.bind_host)
+    secret = resolve_secret(cfg.secret, bind_host)
     ctl = Controller(
         run_dir=run_dir,
         num_inference=cfg.inference.num_workers,
@@ -64,7 +78,20 @@ async def _run(cfg: ExperimentConfig, run_dir: str) -> dict:
         eval_max_prompts=cfg.eval.max_prompts,
         startup_timeout=cfg.startup_timeout,
         progress=cfg.progress,
+        servers_per_process=cfg.inference.servers_per_process,
+        tolerate_inference_loss=cfg.inference.tolerate_worker_loss,
+        resume=resume_state(cfg, run_dir),
+        learner_ranks=cfg.learner.num_ranks if cfg.learner.backend == "deepspeed" else 1,
+        heartbeat_timeouts={"inference": cfg.inference.heartbeat_timeout, "learner": cfg.learner.heartbeat_timeout,
+                            "rollout": cfg.rollout.heartbeat_timeout},
+        restart_rollout=cfg.rollout.restart_on_failure,
+        max_restarts=cfg.rollout.max_restarts,
+        secret=secret,
+        bind_host=bind_host,
+        max_bytes=cfg.max_message_bytes,
     )
+    if secret is not None:  # the roles get it from their environment; config.yaml does not keep it
+        ctl.procs.env[SECRET_ENV] = secret.decode("utf-8")
     ctl.bind()
     loop = asyncio.get_running_loop()
     main_task = asyncio.current_task()
@@ -92,14 +119,47 @@ async def _run(cfg: ExperimentConfig, run_dir: str) -> dict:
         await ctl.shutdown(grace=5.0)
 
 
+def resume_state(cfg: ExperimentConfig, run_dir: str) -> Optional[dict]:
+    """With ``recover=auto``: the latest learner checkpoint's state in ``run_dir`` (None: none, start fresh)."""
+    if cfg.recover != "auto":
+        return None
+    from arl.learner.checkpoint import CHECKPOINT_SUBDIR, read_checkpoint_state
+
+    if not cfg.run_name:
+        logger.warning("recover=auto without run_name: a new run directory has no checkpoint to resume from")
+    try:
+        state = read_checkpoint_state(os.path.join(run_dir, CHECKPOINT_SUBDIR))
+    except RuntimeError as e:
+        raise RunFailed(f"recover=auto: {e}") from None
+    if state is None:
+        logger.info("recover=auto: no checkpoint in %s, starting from version 0", run_dir)
+        return None
+    if int(state.get("batch_size", cfg.learner.batch_size)) != cfg.learner.batch_size:
+        raise RunFailed(f"recover=auto: the checkpoint was trained with learner.batch_size="
+                        f"{state['batch_size']}, this run has {cfg.learner.batch_size}")
+    positions = dict(state.get("data_position", {}))
+    if any(int(k) >= cfg.rollout.num_workers for k in positions):
+        logger.warning("recover=auto: the checkpoint has prompt positions for rollout workers %s but the run has "
+                       "%d; prompt streams are sharded differently now and restart", sorted(positions),
+                       cfg.rollout.num_workers)
+        state["data_position"] = {}
+    logger.info("recover=auto: resuming at version %d (data position %s)", state["version"],
+                state.get("data_position"))
+    return state
+
+
 def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
     """Run to completion; raises RunFailed (with the failing role's log tail) or KeyboardInterrupt."""
     check_names(cfg)
     run_dir = make_run_dir(cfg)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=prepare_model(cfg)))
     with open(os.path.join(run_dir, "config.yaml"), "w") as f:
-        f.write(to_yaml(cfg))
+        f.write(to_yaml(dataclasses.replace(cfg, secret="")))  # the secret reaches the roles by environment
     print(f"run directory: {run_dir}", file=sys.stderr, flush=True)
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>` prints the controller's stacks too, like every role's
+        import faulthandler
+
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     return asyncio.run(_run(cfg, run_dir))
 
 

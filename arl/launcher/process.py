@@ -55,6 +55,7 @@ class ProcessGroup:
 
     def __init__(self) -> None:
         self.children: dict[str, Child] = {}
+        self.env: dict[str, str] = {}  # extra environment of every child (e.g. the run's shared secret)
 
     def spawn(self, name: str, argv: Sequence[str], log_path: str, env: Optional[dict[str, str]] = None) -> Child:
         if name in self.children:
@@ -62,6 +63,7 @@ class ProcessGroup:
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
         log = open(log_path, "ab", buffering=0)
         full_env = dict(os.environ)
+        full_env.update(self.env)
         full_env.update(env or {})
         full_env.setdefault("PYTHONUNBUFFERED", "1")
         proc = subprocess.Popen(
@@ -78,6 +80,14 @@ class ProcessGroup:
         self.children[name] = child
         logger.info("started %s (pid %d), log %s", name, proc.pid, log_path)
         return child
+
+    def respawn(self, name: str) -> Child:
+        """Start `name` again with its argv and log (appended to): a restart after it died or was killed."""
+        old = self.children[name]
+        if old.proc.poll() is None:
+            raise RuntimeError(f"{name} (pid {old.proc.pid}) is still running")
+        del self.children[name]
+        return self.spawn(name, list(old.proc.args), old.log_path)
 
     def dead(self) -> list[Child]:
         """Children that exited without being asked to."""

@@ -16,9 +16,36 @@ import time
 from typing import Any, Awaitable, Callable, Optional
 
 from arl.config import ExperimentConfig, import_user_modules, load_yaml, resolve_threads
-from arl.transport.sockets import Dealer, Pull, Push, Router, bind_random
+from arl.launcher.forensics import install_stack_dump_handler
+from arl.launcher.security import advertised_address, effective_bind_host, resolve_secret
+from arl.transport import sockets as _sockets
 
 logger = logging.getLogger("arl.worker")
+
+# Every socket this process makes gets the run's shared secret (HMAC on every frame) and frame-size limit; main()
+# fills this in before any socket exists. The factories below keep the call sites plain.
+SOCKET_OPTIONS: dict[str, Any] = {}
+
+
+def Router(**kw: Any) -> _sockets.Router:  # noqa: N802 - stands in for the class
+    return _sockets.Router(**{**SOCKET_OPTIONS, **kw})
+
+
+def Dealer(**kw: Any) -> _sockets.Dealer:  # noqa: N802
+    return _sockets.Dealer(**{**SOCKET_OPTIONS, **kw})
+
+
+def Push(**kw: Any) -> _sockets.Push:  # noqa: N802
+    return _sockets.Push(**{**SOCKET_OPTIONS, **kw})
+
+
+def Pull(**kw: Any) -> _sockets.Pull:  # noqa: N802
+    return _sockets.Pull(**{**SOCKET_OPTIONS, **kw})
+
+
+def bind_random(sock: Any, host: str = "127.0.0.1") -> str:
+    """Bind to a free port on `host`; the returned address is one other machines can use (no wildcard)."""
+    return advertised_address(_sockets.bind_random(sock, host))
 
 HEARTBEAT_SECONDS = 1.0
 
@@ -78,7 +105,7 @@ class ControlChannel:
 
 
 def _host(cfg: ExperimentConfig) -> str:
-    return os.environ.get("ARL_BIND_HOST", "127.0.0.1")
+    return effective_bind_host(cfg.bind_host)
 
 
 # -- roles ---------------------------------------------------------------------------------------------------------
@@ -90,9 +117,12 @@ async def run_inference(cfg: ExperimentConfig, ctl: ControlChannel, index: int, 
     from arl.inference.worker import InferenceWorker
 
     ic = cfg.inference
+    if ic.servers_per_process > 1:
+        return await run_inference_servers(cfg, ctl, index, run_dir)
     engine = build_engine(ic.backend, model_path=cfg.model.path, device=ic.device, max_batch_size=ic.max_batch_size,
                           max_context_len=ic.max_context_len, seed=cfg.seed * 1000 + index,
-                          name=f"inference{index}", index=index, run_dir=run_dir)
+                          name=f"inference{index}", index=index, run_dir=run_dir, sim=_sim_settings(cfg),
+                          sglang=_sglang_settings(cfg))
     router = Router()
     address = bind_random(router, _host(cfg))
     worker = InferenceWorker(index=index, engine=engine, router=router, send_control=ctl.send)
@@ -106,31 +136,92 @@ async def run_inference(cfg: ExperimentConfig, ctl: ControlChannel, index: int, 
     return [worker.serve(), ctl.heartbeat(worker.heartbeat_stats)], [engine.close(), _aclose(router)]
 
 
-async def run_learner(cfg: ExperimentConfig, ctl: ControlChannel, index: int, run_dir: str) -> RoleParts:
-    from arl.learner.deepspeed_engine import DeepSpeedLearner
-    from arl.learner.worker import LearnerWorker
-    from arl.models.tiny import load_model_dir
+def _sglang_settings(cfg: ExperimentConfig) -> dict[str, Any]:
+    """launch_sglang_engine's settings from `inference.sglang_*` (ignored by other backends)."""
+    ic = cfg.inference
+    return {"python": ic.sglang_python, "server_args": list(ic.sglang_args), "pause_mode": ic.sglang_pause_mode,
+            "gpus_per_server": ic.sglang_gpus_per_server, "first_gpu": ic.sglang_first_gpu,
+            "startup_timeout": ic.sglang_startup_timeout,
+            "request_timeout": ic.sglang_request_timeout}
 
-    model, _ = load_model_dir(cfg.model.path)
+
+def _sim_settings(cfg: ExperimentConfig) -> dict[str, Any]:
+    """SimEngine's settings from `inference.sim_*` (ignored by other backends)."""
+    ic = cfg.inference
+    return {"step_base_s": ic.sim_step_base_s, "step_per_token_s": ic.sim_step_per_token_s,
+            "prefill_per_token_s": ic.sim_prefill_per_token_s, "update_pause_s": ic.sim_update_pause_s,
+            "time_scale": ic.sim_time_scale, "len_median": ic.sim_len_median, "len_sigma": ic.sim_len_sigma,
+            "vocab_size": ic.sim_vocab_size, "workload_seed": cfg.seed}
+
+
+async def run_inference_servers(cfg: ExperimentConfig, ctl: ControlChannel, index: int, run_dir: str) -> RoleParts:
+    """One process hosting `inference.servers_per_process` servers (indices index*k .. index*k+k-1).
+
+    Why: 64 simulated servers as 64 Python processes would not fit a 2-core machine (each idles at tens of MB
+    and wakes for heartbeats), while the event-driven sim engine costs only per request. Each hosted server
+    is still a separate engine behind its own ROUTER socket and address, registers under its own index and
+    heartbeats for it, so the controller, routing and transport see N servers exactly as with N processes.
+    The controller sends `update_weights` once per server; the first message for a version updates all of
+    them (concurrently), later copies are ignored, and each server acks with its own index.
+    """
+    from arl.inference.factory import build_engine
+    from arl.inference.worker import InferenceWorker
+
+    ic = cfg.inference
+    first = index * ic.servers_per_process
+    workers: list[Any] = []
+    routers: list[Any] = []
+    for i in range(first, min(ic.num_workers, first + ic.servers_per_process)):
+        engine = build_engine(ic.backend, model_path=cfg.model.path, device=ic.device,
+                              max_batch_size=ic.max_batch_size, max_context_len=ic.max_context_len,
+                              seed=cfg.seed * 1000 + i, name=f"inference{i}", index=i, run_dir=run_dir,
+                              sim=_sim_settings(cfg))
+        router = Router()
+        address = bind_random(router, _host(cfg))
+        routers.append(router)
+        workers.append(InferenceWorker(index=i, engine=engine, router=router, send_control=ctl.send))
+        await ctl.request("register", {"role": "inference", "index": i, "address": address, "pid": os.getpid()},
+                          "ack", cfg.startup_timeout)
+    latest = {"version": -1}
+
+    async def on_update(p: dict) -> None:
+        version = int(p["version"])
+        if version <= latest["version"]:
+            return
+        latest["version"] = version
+        await asyncio.gather(*(w.update_weights(version, str(p["path"])) for w in workers))
+
+    async def heartbeats() -> None:
+        while True:
+            for w in workers:
+                await ctl.send("heartbeat", {"role": "inference", "index": w.index, "stats": w.heartbeat_stats()})
+            await asyncio.sleep(HEARTBEAT_SECONDS)
+
+    ctl.handlers["update_weights"] = on_update
+    return ([*(w.serve() for w in workers), heartbeats()],
+            [*(w.engine.close() for w in workers), *(_aclose(r) for r in routers)])
+
+
+async def run_learner(cfg: ExperimentConfig, ctl: ControlChannel, index: int, run_dir: str) -> RoleParts:
+    from arl.learner.worker import LearnerWorker
+
     lc = cfg.learner
-    engine = DeepSpeedLearner(
-        model,
-        lr=lc.lr,
-        betas=tuple(lc.betas),
-        weight_decay=lc.weight_decay,
-        grad_clip=lc.grad_clip,
-        zero_stage=lc.zero_stage,
-        offload_optimizer=lc.offload_optimizer,
-        bf16=lc.bf16,
-        max_tokens_per_mb=lc.max_tokens_per_mb,
-        eps_clip=lc.eps_clip,
-        behav_imp_weight_cap=lc.behav_imp_weight_cap,
-        naive_ppo=lc.naive_ppo,
-        adv_std_norm=lc.adv_std_norm,
-        temperature=cfg.gen.temperature,
-        version=0,
-        seed=cfg.seed,
-    )
+    leader: Any = None
+    if lc.backend == "sim":  # benchmarks: no model, sleeps per token, exports a placeholder weights file
+        from arl.learner.sim_learner import SimLearner
+
+        engine: Any = SimLearner(s_per_token=lc.sim_s_per_token, step_base_s=lc.sim_step_base_s,
+                                 time_scale=lc.sim_time_scale, version=0)
+    else:
+        from arl.learner.deepspeed_engine import learner_from_config
+        from arl.models.tiny import load_model_dir
+
+        model, _ = load_model_dir(cfg.model.path)
+        engine = learner_from_config(model, cfg)
+        if engine.world_size > 1:  # learner.num_ranks > 1: the other ranks run `run_learner_follower`
+            from arl.learner.ranks import RankLeader
+
+            engine = leader = RankLeader(engine)
     pull = Pull()
     address = bind_random(pull, _host(cfg))
     worker = LearnerWorker(
@@ -142,10 +233,33 @@ async def run_learner(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
         weights_dir=os.path.join(run_dir, "weights"),
         keep_versions=lc.keep_weight_versions,
         max_head_offpolicyness=cfg.max_head_offpolicyness,
+        checkpoint_dir=os.path.join(run_dir, "checkpoints") if lc.backend != "sim" else None,
+        checkpoint_every=lc.checkpoint_every,
+        keep_checkpoints=lc.keep_checkpoints,
+        vocab_size=_vocab_size(cfg) if lc.backend != "sim" else None,
     )
+    if cfg.recover == "auto" and lc.backend != "sim":
+        await worker.resume()  # before registering: the controller sends the exported weights to inference
     await ctl.request("register", {"role": "learner", "index": 0, "address": address, "pid": os.getpid()},
                       "ack", cfg.startup_timeout)
-    return [worker.receive(), worker.train(), ctl.heartbeat(worker.heartbeat_stats)], [_aclose(pull)]
+    cleanups = [_aclose(pull)]
+    if leader is not None:
+        cleanups.append(asyncio.to_thread(leader.stop))  # release the follower ranks
+    return [worker.receive(), worker.train(), ctl.heartbeat(worker.heartbeat_stats)], cleanups
+
+
+def run_learner_follower(cfg: ExperimentConfig) -> int:
+    """Learner rank > 0: build the same engine (DeepSpeed's collectives line up), resume like rank 0, then run
+    rank 0's commands until it says stop (see `arl.learner.ranks`)."""
+    from arl.learner.deepspeed_engine import learner_from_config
+    from arl.learner.ranks import follow
+    from arl.models.tiny import load_model_dir
+
+    model, _ = load_model_dir(cfg.model.path)
+    engine = learner_from_config(model, cfg)
+    steps = follow(engine)
+    logger.info("learner rank %d done after %d steps", engine.rank, steps)
+    return 0
 
 
 async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, run_dir: str) -> RoleParts:
@@ -162,7 +276,8 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
     tok = PreTrainedTokenizerFast.from_pretrained(cfg.model.path)
     d = cfg.dataset
     train_rows, test_rows = load_splits(name=d.name, train_path=d.train_path, test_path=d.test_path,
-                                        max_operand=d.max_operand, test_size=d.test_size, seed=0)
+                                        max_operand=d.max_operand, test_size=d.test_size, seed=0,
+                                        prompt_field=d.prompt_field, answer_field=d.answer_field)
     gconfig = GenerationConfig(
         n=1,
         max_new_tokens=cfg.gen.max_new_tokens,
@@ -174,25 +289,28 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
     gconfig.validate()
     agent_cls = AGENTS.get(cfg.agent.name)
 
+    group_size = cfg.rollout.group_size or cfg.agent.group_size  # env group size = trajectories per prompt
+
     def make_agent() -> Any:
-        return _construct(agent_cls, tokenizer=tok, gconfig=gconfig, group_size=cfg.agent.group_size,
-                          **cfg.agent.args)
+        return _construct(agent_cls, tokenizer=tok, gconfig=gconfig, group_size=group_size, **cfg.agent.args)
 
     def make_eval_agent() -> Any:
+        # agent.args may set filter_uniform_groups too: evaluation always keeps every prompt
         return _construct(agent_cls, tokenizer=tok, gconfig=gconfig.new(greedy=True), group_size=1,
-                          filter_uniform_groups=False, **cfg.agent.args)
+                          **{**cfg.agent.args, "filter_uniform_groups": False})
 
     addrs = await ctl.request("lookup", {"role": "rollout", "index": index}, "addresses", cfg.startup_timeout)
     client = InferenceClient([Dealer().connect(a) for a in addrs["inference"]], request_timeout=cfg.rollout.request_timeout)
     client.start()
     push = Push().connect(addrs["learner"])
     per_worker = max(1, cfg.rollout.max_concurrent_rollouts // cfg.rollout.num_workers)
+    prompts = PromptStream(train_rows, seed=cfg.seed, shard=index, num_shards=cfg.rollout.num_workers)
     worker = RolloutWorker(
         index=index,
         make_agent=make_agent,
         make_eval_agent=make_eval_agent,
         make_env=lambda: make_env(cfg.env.name, **cfg.env.args),
-        prompts=PromptStream(train_rows, seed=cfg.seed, shard=index, num_shards=cfg.rollout.num_workers),
+        prompts=prompts,
         test_rows=test_rows,
         client=client,
         send_control=ctl.send,
@@ -201,6 +319,11 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
         trajectory_timeout=cfg.rollout.trajectory_timeout,
         eval_concurrency=cfg.eval.concurrency,
         seed=cfg.seed,
+        env_timeout=cfg.rollout.env_timeout,
+        env_groups=_env_group_spec(cfg, index, group_size),
+        filter_void_turns=cfg.rollout.filter_void_turns,
+        filter_uniform_groups=cfg.rollout.filter_uniform_groups,
+        verify_token_ledger=cfg.rollout.verify_token_ledger,
     )
 
     async def on_grant(p: dict) -> None:
@@ -208,14 +331,50 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
 
     async def on_eval(p: dict) -> None:
         result = await worker.evaluate(int(p["version"]), int(p.get("max_prompts", 0)))
+        # fresh counters first (same socket, so they arrive first): the eval record carries this worker's stats as
+        # of the evaluation, not a heartbeat up to a second old (a short run can finish within one heartbeat)
+        await ctl.send("heartbeat", {"role": "rollout", "index": index, "stats": worker.heartbeat_stats()})
         await ctl.send("eval_done", result)
+
+    async def on_worker_lost(p: dict) -> None:  # the controller dropped an inference server: re-route its requests
+        if p.get("role") == "inference":
+            for i in p.get("indices", []):
+                await client.worker_lost(int(i))
 
     ctl.handlers["gate_grant"] = on_grant
     ctl.handlers["eval"] = on_eval
-    await ctl.request("register", {"role": "rollout", "index": index, "pid": os.getpid()}, "ack",
-                      cfg.startup_timeout)
+    ctl.handlers["worker_lost"] = on_worker_lost
+    ack = await ctl.request("register", {"role": "rollout", "index": index, "pid": os.getpid()}, "ack",
+                            cfg.startup_timeout)
+    if ack.get("prompt_position"):  # resuming a run: continue this worker's prompt stream where it stood
+        prompts.seek(int(ack["prompt_position"]))
+        logger.info("rollout%d: prompt stream resumes at position %d", index, prompts.position)
     return [worker.acquire_loop(), ctl.heartbeat(worker.heartbeat_stats)], [worker.close(), client.close(),
                                                                               _aclose(push)]
+
+
+def _vocab_size(cfg: ExperimentConfig) -> Optional[int]:
+    """The model's vocabulary size (from its config.json): token ids the learner accepts are below it."""
+    import json
+
+    try:
+        with open(os.path.join(cfg.model.path, "config.json")) as f:
+            return int(json.load(f)["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _env_group_spec(cfg: ExperimentConfig, index: int, group_size: int) -> Any:
+    """This rollout worker's env groups (tags, pooled group indices) from `rollout.*`."""
+    from arl.api.registry import make_env
+    from arl.rollout.env_groups import worker_spec
+
+    rc = cfg.rollout
+    return worker_spec(make_env=make_env, env_name=cfg.env.name, env_args=dict(cfg.env.args), group_size=group_size,
+                       num_env_groups=rc.num_env_groups, tags=list(rc.tags),
+                       num_groups_partition=list(rc.num_groups_partition),
+                       max_env_num_per_worker=rc.max_env_num_per_worker, env_configs=dict(rc.env_configs),
+                       num_workers=rc.num_workers, worker=index)
 
 
 def _construct(cls: Any, **kwargs: Any) -> Any:
@@ -281,8 +440,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--controller", required=True)
     args = ap.parse_args(argv)
+    name = f"{args.role}{args.index}"
+    if args.role == "learner" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from arl.launcher.process import _die_with_parent
+
+        _die_with_parent()  # torchrun starts each rank in a session of its own: die with torchrun
+        name += f"-rank{os.environ.get('RANK', '?')}"
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
-                        format=f"%(asctime)s {args.role}{args.index} %(levelname)s %(name)s: %(message)s")
+                        format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
     from omegaconf import OmegaConf
 
     from arl.api.registry import EXPERIMENTS
@@ -293,6 +458,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     load_builtins()
     import_user_modules(list(raw.get("imports", [])))
     cfg: ExperimentConfig = load_yaml(cfg_path, EXPERIMENTS.get(str(raw.get("experiment", "async-ppo-math"))))
+    install_stack_dump_handler()  # SIGUSR1 -> every thread's stack in this role's log (the controller asks)
+    SOCKET_OPTIONS.update(secret=resolve_secret(cfg.secret, _host(cfg)), max_bytes=cfg.max_message_bytes)
     threads = resolve_threads(cfg, args.role)
     import torch
 
@@ -300,6 +467,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     torch.manual_seed(cfg.seed)
     logger.info("starting %s%d (pid %d, %d torch threads)", args.role, args.index, os.getpid(), threads)
     t0 = time.monotonic()
+    if args.role == "learner" and int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ["RANK"]) > 0:
+        return run_learner_follower(cfg)  # learner.num_ranks > 1 under torchrun: rank 0 runs the role
     code = asyncio.run(amain(cfg, args.role, args.index, args.controller, args.run_dir))
     logger.info("%s%d exiting with %d after %.1fs", args.role, args.index, code, time.monotonic() - t0)
     return code

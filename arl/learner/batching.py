@@ -6,7 +6,10 @@ later without touching the learner loop:
 1. `split_by_token_budget(lengths, max_tokens_per_mb)` -> groups of sequence indices;
 2. `collate_padded(trajs, indices, advantages)` -> one `MicroBatch`.
 
-`build_micro_batches` runs both.
+`build_micro_batches` runs both. The packed layout (no padding at all) is `pack_by_token_budget` +
+`collate_packed` (`build_packed_micro_batches`): each micro-batch is one row ``[1, T]`` holding several sequences
+back to back, ``position_ids`` restarting at 0 for each and ``cu_seqlens`` marking their boundaries, so attention
+can be kept inside each sequence (see `arl.learner.packing`).
 
 Alignment (the same as `arl.api.types.Trajectory` and `arl.learner.ppo`): every per-token tensor is indexed by the
 position of the token it describes. ``logprobs[b, t]`` is the behaviour log-probability of ``input_ids[b, t]``
@@ -26,7 +29,15 @@ import torch
 
 from arl.api.types import Trajectory
 
-__all__ = ["MicroBatch", "split_by_token_budget", "collate_padded", "build_micro_batches"]
+__all__ = [
+    "MicroBatch",
+    "split_by_token_budget",
+    "collate_padded",
+    "build_micro_batches",
+    "pack_by_token_budget",
+    "collate_packed",
+    "build_packed_micro_batches",
+]
 
 
 @dataclasses.dataclass
@@ -38,6 +49,11 @@ class MicroBatch:
     logprobs: float32 [B, L] behaviour logprobs (0 off the loss mask); versions: long [B, L] (-1 off the loss mask);
     advantages: float32 [B, L] (0 off the loss mask); seq_lens: long [B]; indices: positions of these sequences in
     the list given to `build_micro_batches`.
+
+    Packed micro-batches (`collate_packed`) have ``B = 1``, ``L = sum(seq_lens)``, ``attention_mask = None``,
+    ``position_ids`` long [1, L] restarting at 0 per sequence and ``cu_seqlens`` int32 [n_seqs + 1] (cumulative
+    lengths, the flash-attention varlen convention). ``token_weights`` float32 (same shape as ``loss_mask``) are
+    optional per-token loss multipliers (sequence-level aggregation, staleness down-weighting).
     """
 
     input_ids: torch.Tensor
@@ -48,10 +64,51 @@ class MicroBatch:
     advantages: torch.Tensor
     seq_lens: torch.Tensor
     indices: list[int]
+    position_ids: Optional[torch.Tensor] = None
+    cu_seqlens: Optional[torch.Tensor] = None
+    token_weights: Optional[torch.Tensor] = None
+
+    @property
+    def packed(self) -> bool:
+        return self.cu_seqlens is not None
 
     @property
     def n_seqs(self) -> int:
-        return int(self.input_ids.shape[0])
+        return int(self.seq_lens.numel()) if self.packed else int(self.input_ids.shape[0])
+
+    @property
+    def real_tokens(self) -> int:
+        return int(self.seq_lens.sum())
+
+    def empty_like(self) -> "MicroBatch":
+        """A one-sequence micro-batch with no loss tokens (a rank with fewer micro-batches runs these so every rank
+        does the same number of backward passes)."""
+        n = int(self.seq_lens[0])
+        if self.packed:
+            return MicroBatch(
+                input_ids=self.input_ids[:, :n],
+                attention_mask=None,
+                loss_mask=torch.zeros_like(self.loss_mask[:, :n]),
+                logprobs=self.logprobs[:, :n],
+                versions=self.versions[:, :n],
+                advantages=self.advantages[:, :n],
+                seq_lens=self.seq_lens[:1],
+                indices=[],
+                position_ids=self.position_ids[:, :n],
+                cu_seqlens=self.cu_seqlens[:2],
+                token_weights=None if self.token_weights is None else self.token_weights[:, :n],
+            )
+        return MicroBatch(
+            input_ids=self.input_ids[:1],
+            attention_mask=self.attention_mask[:1],
+            loss_mask=torch.zeros_like(self.loss_mask[:1]),
+            logprobs=self.logprobs[:1],
+            versions=self.versions[:1],
+            advantages=self.advantages[:1],
+            seq_lens=self.seq_lens[:1],
+            indices=[],
+            token_weights=None if self.token_weights is None else self.token_weights[:1],
+        )
 
     @property
     def n_loss_tokens(self) -> int:
@@ -112,11 +169,13 @@ def collate_padded(
     advantages: Sequence[float | np.ndarray],
     *,
     pad_token_id: int = 0,
+    token_weights: Optional[Sequence[float | np.ndarray]] = None,
 ) -> MicroBatch:
     """Right-pad ``trajs[i] for i in indices`` into one `MicroBatch`.
 
     ``advantages[i]`` is either a scalar (broadcast to the trajectory's loss-mask tokens, the GRPO case) or a
-    per-token array aligned with ``trajs[i].input_ids``. Values off the loss mask are zeroed.
+    per-token array aligned with ``trajs[i].input_ids``. Values off the loss mask are zeroed. ``token_weights``
+    (optional, same convention) fill ``MicroBatch.token_weights``.
     """
     idx = list(indices)
     if not idx:
@@ -129,6 +188,7 @@ def collate_padded(
     logprobs = np.zeros((B, L), np.float32)
     versions = np.full((B, L), -1, np.int64)
     adv = np.zeros((B, L), np.float32)
+    tw = None if token_weights is None else np.zeros((B, L), np.float32)
     for row, i in enumerate(idx):
         t = trajs[i]
         n = lens[row]
@@ -141,6 +201,8 @@ def collate_padded(
         logprobs[row, :n] = np.where(m, t.logprobs, 0.0)
         versions[row, :n] = np.where(m, t.versions, -1)
         adv[row, :n] = np.where(m, _per_token_advantages(t, advantages[i]), 0.0)
+        if tw is not None:
+            tw[row, :n] = np.where(m, _per_token_advantages(t, token_weights[i]), 0.0)
     return MicroBatch(
         input_ids=torch.from_numpy(input_ids),
         attention_mask=torch.from_numpy(attn),
@@ -150,6 +212,7 @@ def collate_padded(
         advantages=torch.from_numpy(adv),
         seq_lens=torch.tensor(lens, dtype=torch.long),
         indices=idx,
+        token_weights=None if tw is None else torch.from_numpy(tw),
     )
 
 
@@ -159,11 +222,110 @@ def build_micro_batches(
     advantages: Optional[Sequence[float | np.ndarray]] = None,
     *,
     pad_token_id: int = 0,
+    token_weights: Optional[Sequence[float | np.ndarray]] = None,
 ) -> list[MicroBatch]:
     """Split ``trajs`` by token budget and collate each group (see module doc). ``advantages`` defaults to 0."""
+    advantages = _check_per_traj(trajs, advantages, token_weights)
+    groups = split_by_token_budget([len(t.input_ids) for t in trajs], max_tokens_per_mb)
+    return [
+        collate_padded(trajs, g, advantages, pad_token_id=pad_token_id, token_weights=token_weights) for g in groups
+    ]
+
+
+def _check_per_traj(
+    trajs: Sequence[Trajectory],
+    advantages: Optional[Sequence[float | np.ndarray]],
+    token_weights: Optional[Sequence[float | np.ndarray]],
+) -> Sequence[float | np.ndarray]:
     if advantages is None:
         advantages = [0.0] * len(trajs)
     if len(advantages) != len(trajs):
         raise ValueError(f"{len(advantages)} advantages for {len(trajs)} trajectories")
-    groups = split_by_token_budget([len(t.input_ids) for t in trajs], max_tokens_per_mb)
-    return [collate_padded(trajs, g, advantages, pad_token_id=pad_token_id) for g in groups]
+    if token_weights is not None and len(token_weights) != len(trajs):
+        raise ValueError(f"{len(token_weights)} token weight entries for {len(trajs)} trajectories")
+    return advantages
+
+
+def pack_by_token_budget(lengths: Sequence[int], max_tokens_per_mb: int) -> list[list[int]]:
+    """Bin-pack sequence indices so each bin's *total* length stays within ``max_tokens_per_mb`` (first-fit
+    decreasing: no padding, so only the sum matters). A sequence longer than the budget gets a bin of its own.
+    Every index appears exactly once; indices within a bin are ascending."""
+    if max_tokens_per_mb < 1:
+        raise ValueError(f"max_tokens_per_mb must be >= 1, got {max_tokens_per_mb}")
+    order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        n = max(int(lengths[i]), 1)
+        for b, r in enumerate(room):
+            if n <= r:
+                bins[b].append(i)
+                room[b] -= n
+                break
+        else:
+            bins.append([i])
+            room.append(max_tokens_per_mb - n)
+    return [sorted(b) for b in bins]
+
+
+def collate_packed(
+    trajs: Sequence[Trajectory],
+    indices: Sequence[int],
+    advantages: Sequence[float | np.ndarray],
+    *,
+    token_weights: Optional[Sequence[float | np.ndarray]] = None,
+) -> MicroBatch:
+    """Concatenate ``trajs[i] for i in indices`` into one padding-free row (see `MicroBatch`). Per-token values
+    follow `collate_padded`; the first token of every sequence is out of the loss (it has no prefix in its own
+    sequence, and in the packed row the logits before it belong to the previous sequence)."""
+    idx = list(indices)
+    if not idx:
+        raise ValueError("a micro-batch needs at least one sequence")
+    lens = [len(trajs[i].input_ids) for i in idx]
+    if min(lens) < 1:
+        raise ValueError("packing needs non-empty sequences")
+    parts: dict[str, list[np.ndarray]] = {k: [] for k in ("ids", "mask", "lp", "ver", "adv", "pos", "tw")}
+    for i, n in zip(idx, lens):
+        t = trajs[i]
+        m = t.loss_mask.astype(bool).copy()
+        m[0] = False
+        parts["ids"].append(t.input_ids.astype(np.int64))
+        parts["mask"].append(m)
+        parts["lp"].append(np.where(m, t.logprobs, 0.0).astype(np.float32))
+        parts["ver"].append(np.where(m, t.versions, -1).astype(np.int64))
+        parts["adv"].append(np.where(m, _per_token_advantages(t, advantages[i]), 0.0).astype(np.float32))
+        parts["pos"].append(np.arange(n, dtype=np.int64))
+        if token_weights is not None:
+            parts["tw"].append(np.where(m, _per_token_advantages(t, token_weights[i]), 0.0).astype(np.float32))
+
+    def row(key: str) -> torch.Tensor:
+        return torch.from_numpy(np.concatenate(parts[key])).unsqueeze(0)
+
+    cu = np.zeros(len(lens) + 1, np.int32)
+    cu[1:] = np.cumsum(lens)
+    return MicroBatch(
+        input_ids=row("ids"),
+        attention_mask=None,
+        loss_mask=row("mask"),
+        logprobs=row("lp"),
+        versions=row("ver"),
+        advantages=row("adv"),
+        seq_lens=torch.tensor(lens, dtype=torch.long),
+        indices=idx,
+        position_ids=row("pos"),
+        cu_seqlens=torch.from_numpy(cu),
+        token_weights=row("tw") if token_weights is not None else None,
+    )
+
+
+def build_packed_micro_batches(
+    trajs: Sequence[Trajectory],
+    max_tokens_per_mb: int,
+    advantages: Optional[Sequence[float | np.ndarray]] = None,
+    *,
+    token_weights: Optional[Sequence[float | np.ndarray]] = None,
+) -> list[MicroBatch]:
+    """Bin-pack ``trajs`` by token budget and concatenate each bin into one padding-free row."""
+    advantages = _check_per_traj(trajs, advantages, token_weights)
+    bins = pack_by_token_budget([len(t.input_ids) for t in trajs], max_tokens_per_mb)
+    return [collate_packed(trajs, b, advantages, token_weights=token_weights) for b in bins]

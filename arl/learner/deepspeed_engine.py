@@ -4,8 +4,10 @@ One `train_step(batch)` is one optimizer step, whatever the number of micro-batc
 
 1. proximal logprobs are recomputed with the current weights (no grad, eval mode);
 2. GRPO advantages from ``traj.reward`` grouped by ``traj.group_id``, broadcast over each trajectory's loss-mask
-   tokens;
-3. the batch is split into micro-batches by a token budget (`arl.learner.batching`); each micro-batch's loss is
+   tokens (or per-turn advantages with ``turn_discount``); staleness at consumption and the loss aggregation
+   become per-token loss masks / weights;
+3. the batch is split into micro-batches by a token budget (`arl.learner.batching`): packed without padding by
+   default (``packing=True``, see `arl.learner.packing`), right-padded otherwise; each micro-batch's loss is
    ``sum of its token losses / tokens in the whole batch`` (times the data-parallel world size, because DeepSpeed
    averages gradients over ranks), so the accumulated gradient is the gradient of the token-level mean over the
    whole (global) batch, independent of how it was split;
@@ -32,6 +34,9 @@ batch to `train_step` (whole groups per rank, since advantages are normalised wi
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import json
 import logging
 import math
 import os
@@ -46,12 +51,26 @@ import numpy as np
 import torch
 
 from arl.api.types import Trajectory
-from arl.learner.batching import MicroBatch, build_micro_batches
-from arl.learner.ppo import decoupled_ppo_loss, entropy_from_logits, group_advantages, shift_right, token_logprobs
+from arl.learner.checkpoint import CHECKPOINT_STATE_FILE, latest_checkpoint, read_checkpoint_state
+from arl.learner.batching import MicroBatch, build_micro_batches, build_packed_micro_batches
+from arl.learner.packing import enable_varlen_attention, packed_forward_kwargs
+from arl.learner.ppo import (
+    decoupled_ppo_loss,
+    discounted_turn_returns,
+    entropy_from_logits,
+    group_advantages,
+    sequence_level_weights,
+    shift_right,
+    stale_token_weights,
+    token_logprobs,
+    turn_level_advantages,
+    turn_segments,
+)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DeepSpeedLearner", "ensure_distributed", "METRIC_KEYS"]
+__all__ = ["DeepSpeedLearner", "ensure_distributed", "METRIC_KEYS", "lr_lambda", "latest_checkpoint",
+           "read_checkpoint_state", "CHECKPOINT_STATE_FILE", "learner_from_config"]
 
 METRIC_KEYS = (
     "loss",
@@ -70,6 +89,11 @@ METRIC_KEYS = (
     "tail_offpolicyness",
     "step_seconds",
     "tokens_per_s",
+    "lr",
+    "dual_clip_frac",
+    "kl_ref",
+    "stale_token_frac",
+    "pad_frac",
 )
 
 _DIST_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
@@ -89,6 +113,11 @@ def ensure_distributed() -> None:
 
     if tdist.is_available() and tdist.is_initialized():
         return
+    # DeepSpeed JIT-builds its CPU comm op into TORCH_EXTENSIONS_DIR. Builds for different torch versions (another
+    # virtualenv on the same machine) share the default folder and replace each other's .so, so a process can
+    # find it half-rebuilt and fail to import it: keep one folder per torch version.
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.expanduser("~/.cache/torch_extensions"),
+                                                               f"torch-{torch.__version__}"))
     if not all(k in os.environ for k in _DIST_ENV):
         defaults = {
             "RANK": "0",
@@ -100,10 +129,43 @@ def ensure_distributed() -> None:
         if any(k in os.environ for k in _DIST_ENV) and os.environ.get("WORLD_SIZE", "1") != "1":
             missing = [k for k in _DIST_ENV if k not in os.environ]
             raise RuntimeError(f"partial distributed environment (WORLD_SIZE>1 but {missing} unset)")
-        for k, v in defaults.items():
-            os.environ.setdefault(k, v)
+        added = [k for k in defaults if k not in os.environ]
+        for k in added:
+            os.environ[k] = defaults[k]
+    else:
+        added = []
     backend = None if torch.cuda.is_available() else "gloo"
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+    try:
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+    finally:
+        # The rendezvous address we made up is this process's business: a child process (a test, a benchmark
+        # or the launcher starting its own learner) must not inherit MASTER_PORT and try to bind it again.
+        # RANK / WORLD_SIZE / LOCAL_RANK stay: DeepSpeed reads LOCAL_RANK whenever an engine is created.
+        for k in ("MASTER_ADDR", "MASTER_PORT"):
+            if k in added:
+                os.environ.pop(k, None)
+
+
+def lr_lambda(schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0):
+    """LR multiplier per optimizer step ``k`` (0-based): linear warm-up over ``warmup_steps`` (from ``1/warmup``
+    to 1), then ``constant``, ``linear`` decay or ``cosine`` decay down to ``min_lr_ratio`` at ``total_steps``."""
+    if schedule not in ("constant", "linear", "cosine"):
+        raise ValueError(f"lr_schedule must be 'constant', 'linear' or 'cosine', got {schedule!r}")
+    if warmup_steps < 0 or not 0.0 <= min_lr_ratio <= 1.0:
+        raise ValueError(f"bad LR schedule: warmup_steps={warmup_steps}, min_lr_ratio={min_lr_ratio}")
+
+    def fn(k: int) -> float:
+        if k < warmup_steps:
+            return (k + 1) / warmup_steps
+        if schedule == "constant":
+            return 1.0
+        span = max(1, total_steps - warmup_steps)
+        frac = min(1.0, (k - warmup_steps) / span)
+        if schedule == "linear":
+            return 1.0 - (1.0 - min_lr_ratio) * frac
+        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * frac))
+
+    return fn
 
 
 class DeepSpeedLearner:
@@ -120,6 +182,22 @@ class DeepSpeedLearner:
         adv_std_norm: divide group-centred rewards by the group std.
         temperature: sampling temperature of the behaviour policy; logprobs are taken under logits / temperature.
         version: policy version of the initial weights. seed: seeds python/numpy/torch RNGs of this process.
+        packing: padding-free micro-batches (`build_packed_micro_batches`, budget = real tokens) instead of right-
+            padded ones (budget = padded tokens). packed_attention: ``"varlen"`` (per-sequence SDPA, see
+            `arl.learner.packing`) or ``"mask"`` (transformers' block-diagonal mask from restarting position ids).
+        dual_clip_c: dual-clip bound for negative advantages (None: off).
+        loss_agg: ``"token"`` (mean over all loss tokens of the global batch) or ``"seq"`` (mean over sequences of
+            each sequence's token mean).
+        kl_coef, kl_estimator: KL(current || reference) penalty, ``k1`` or ``k3``; the reference is a frozen copy
+            of ``model`` as given (the initial weights) unless ``ref_model`` is passed. 0 disables (no copy made).
+        turn_discount: None: one advantage per trajectory from ``traj.reward``. A float gamma: per-turn
+            advantages from ``traj.turn_rewards`` (reward-to-go with discount gamma over turns, group baseline from
+            the first-turn returns, `ppo.turn_level_advantages`); a turn = a maximal run of loss-mask tokens.
+        max_head_offpolicyness, stale_tokens, stale_token_decay: staleness at consumption per token. Tokens older
+            than ``version - eta`` are kept (``"keep"``), dropped (``"drop"``) or down-weighted by
+            ``decay ** (lag - eta)`` (``"downweight"``). ``stale_token_frac`` is reported whenever eta is given.
+        lr_schedule, warmup_steps, total_steps, min_lr_ratio: LR multiplier per optimizer step (`lr_lambda`),
+            handed to DeepSpeed as its LR scheduler (saved and restored with checkpoints).
     """
 
     def __init__(
@@ -141,6 +219,21 @@ class DeepSpeedLearner:
         temperature: float = 1.0,
         version: int = 0,
         seed: int = 0,
+        packing: bool = True,
+        packed_attention: str = "varlen",
+        dual_clip_c: Optional[float] = None,
+        loss_agg: str = "token",
+        kl_coef: float = 0.0,
+        kl_estimator: str = "k1",
+        ref_model: Optional[torch.nn.Module] = None,
+        turn_discount: Optional[float] = None,
+        max_head_offpolicyness: Optional[int] = None,
+        stale_tokens: str = "keep",
+        stale_token_decay: float = 0.5,
+        lr_schedule: str = "constant",
+        warmup_steps: int = 0,
+        total_steps: int = 1,
+        min_lr_ratio: float = 0.0,
     ) -> None:
         import deepspeed
 
@@ -162,6 +255,42 @@ class DeepSpeedLearner:
         self.seed = int(seed)
         self.zero_stage = int(zero_stage)
         self.bf16 = bool(bf16)
+        if packed_attention not in ("varlen", "mask"):
+            raise ValueError(f"packed_attention must be 'varlen' or 'mask', got {packed_attention!r}")
+        if loss_agg not in ("token", "seq"):
+            raise ValueError(f"loss_agg must be 'token' or 'seq', got {loss_agg!r}")
+        if kl_estimator not in ("k1", "k3"):
+            raise ValueError(f"kl_estimator must be 'k1' or 'k3', got {kl_estimator!r}")
+        if dual_clip_c is not None and dual_clip_c <= 1.0:
+            raise ValueError(f"dual_clip_c must be > 1 (or None), got {dual_clip_c}")
+        if turn_discount is not None and not 0.0 <= turn_discount <= 1.0:
+            raise ValueError(f"turn_discount must be in [0, 1] (or None), got {turn_discount}")
+        if stale_tokens not in ("keep", "drop", "downweight"):
+            raise ValueError(f"stale_tokens must be 'keep', 'drop' or 'downweight', got {stale_tokens!r}")
+        if stale_tokens != "keep" and max_head_offpolicyness is None:
+            raise ValueError("stale_tokens='drop'/'downweight' needs max_head_offpolicyness (eta)")
+        lr_fn = lr_lambda(lr_schedule, int(warmup_steps), int(total_steps), float(min_lr_ratio))
+        self.packing = bool(packing)
+        self.packed_attention = packed_attention
+        self.dual_clip_c = dual_clip_c
+        self.loss_agg = loss_agg
+        self.kl_coef = float(kl_coef)
+        self.kl_estimator = kl_estimator
+        self.turn_discount = turn_discount
+        self.eta = max_head_offpolicyness
+        self.stale_tokens = stale_tokens
+        self.stale_token_decay = float(stale_token_decay)
+        self.ref_model: Optional[torch.nn.Module] = None
+        if self.kl_coef:
+            ref = ref_model if ref_model is not None else copy.deepcopy(model)
+            ref.eval()
+            for p_ in ref.parameters():
+                p_.requires_grad_(False)
+            self.ref_model = ref
+        if self.packing and self.packed_attention == "varlen":
+            enable_varlen_attention(model)
+            if self.ref_model is not None:
+                enable_varlen_attention(self.ref_model)
 
         if self.bf16 and self.zero_stage == 0:
             # DeepSpeed 0.19.8 wraps bf16 + stage 0 + a client optimizer in FP16_UnfusedOptimizer, which
@@ -198,10 +327,15 @@ class DeepSpeedLearner:
         optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad], lr=lr, betas=tuple(betas), weight_decay=weight_decay
         )
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, config=self.ds_config
+        self.engine, self.optimizer, _, self.lr_scheduler = deepspeed.initialize(
+            model=model,
+            optimizer=optimizer,
+            config=self.ds_config,
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_fn),
         )
         self.device = self.engine.device
+        if self.ref_model is not None:
+            self.ref_model.to(self.device)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -214,8 +348,15 @@ class DeepSpeedLearner:
         return self.engine.module
 
     # ------------------------------------------------------------------ helpers
-    def _forward_logits(self, mb: MicroBatch) -> torch.Tensor:
-        out = self.engine(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
+    def _forward_logits(self, mb: MicroBatch, module: Any = None) -> torch.Tensor:
+        module = self.engine if module is None else module
+        if mb.packed:
+            kw = packed_forward_kwargs(mb)
+            if self.packed_attention == "mask":  # transformers detects the restarts of position_ids
+                kw = {k: kw[k] for k in ("input_ids", "position_ids", "attention_mask")}
+            out = module(**kw, use_cache=False)  # a cache would switch off transformers' packed detection
+        else:
+            out = module(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
         return out.logits if hasattr(out, "logits") else out[0]
 
     def _all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
@@ -236,6 +377,63 @@ class DeepSpeedLearner:
         finally:
             self.engine.module.train(was_training)
 
+    @torch.no_grad()
+    def compute_ref_logprobs(self, mbs: Sequence[MicroBatch]) -> list[Optional[torch.Tensor]]:
+        """Token logprobs under the frozen reference model (None for each micro-batch when KL is off)."""
+        if self.ref_model is None:
+            return [None] * len(mbs)
+        return [token_logprobs(self._forward_logits(mb, self.ref_model), mb.input_ids, self.temperature)
+                for mb in mbs]
+
+    def _advantages(self, batch: Sequence[Trajectory], rewards: torch.Tensor) -> tuple[list, int]:
+        """Per-trajectory advantages (scalars, or per-token arrays with turn-level discount) and the number of
+        trajectories whose turn rewards did not match their turns (they fall back to ``reward`` for every turn)."""
+        gids = [t.group_id for t in batch]
+        if self.turn_discount is None:
+            return group_advantages(rewards, gids, std_norm=self.adv_std_norm).tolist(), 0
+        returns, segs, mismatched = [], [], 0
+        for t in batch:
+            sg = turn_segments(t.loss_mask)
+            segs.append(sg)
+            if sg and len(t.turn_rewards) == len(sg):
+                returns.append(discounted_turn_returns(t.turn_rewards, self.turn_discount))
+            else:
+                mismatched += int(bool(sg))
+                returns.append(np.full(max(len(sg), 1), t.reward, np.float64))
+        per_turn = turn_level_advantages(returns, gids, std_norm=self.adv_std_norm)
+        out = []
+        for t, sg, a in zip(batch, segs, per_turn):
+            tok = np.zeros(len(t.input_ids), np.float32)
+            for (s, e), v in zip(sg, a):
+                tok[s:e] = v
+            out.append(tok)
+        return out, mismatched
+
+    def _token_masks_and_weights(self, batch: Sequence[Trajectory]) -> tuple[list[Trajectory], Optional[list], int]:
+        """Apply staleness at consumption and the loss aggregation to each trajectory: returns the trajectories
+        (with stale tokens out of the loss mask when dropping), per-token weights (None if all are 1) and the
+        count of stale loss tokens (older than ``version - eta``)."""
+        out, weights, n_stale = [], [], 0
+        need_w = self.loss_agg == "seq" or self.stale_tokens == "downweight"
+        for t in batch:
+            m = t.loss_mask.astype(bool).copy()
+            if len(m):
+                m[0] = False  # never scored (no prefix), see batching
+            w = np.ones(len(m), np.float32)
+            if self.eta is not None:
+                lag = self._version - t.versions.astype(np.int64)
+                n_stale += int((m & (lag > self.eta)).sum())
+                m2, w = stale_token_weights(t.versions, m, self._version, self.eta, self.stale_tokens,
+                                            self.stale_token_decay)
+                if not np.array_equal(m2, m):
+                    m = m2
+                    t = dataclasses.replace(t, loss_mask=m.astype(np.int8))
+            if self.loss_agg == "seq":
+                w = w * sequence_level_weights(m)
+            out.append(t)
+            weights.append(w)
+        return out, (weights if need_w else None), n_stale
+
     def _grad_norm_stage0(self) -> float:
         sq = 0.0
         for p in self.engine.module.parameters():
@@ -252,47 +450,48 @@ class DeepSpeedLearner:
         version_before = self._version
 
         rewards = torch.tensor([t.reward for t in batch], dtype=torch.float32)
-        adv = group_advantages(rewards, [t.group_id for t in batch], std_norm=self.adv_std_norm)
-        mbs = [
-            mb.to(self.device)
-            for mb in build_micro_batches(batch, self.max_tokens_per_mb, adv.tolist(), pad_token_id=self.pad_token_id)
-        ]
+        adv, turn_mismatch = self._advantages(batch, rewards)
+        trajs, tok_w, n_stale = self._token_masks_and_weights(batch)
+        if self.packing:
+            built = build_packed_micro_batches(trajs, self.max_tokens_per_mb, adv, token_weights=tok_w)
+        else:
+            built = build_micro_batches(trajs, self.max_tokens_per_mb, adv, pad_token_id=self.pad_token_id,
+                                        token_weights=tok_w)
+        mbs = [mb.to(self.device) for mb in built]
         n_real_mbs = len(mbs)
         local_tokens = sum(mb.n_loss_tokens for mb in mbs)
-        gen_versions = torch.cat([mb.versions[mb.loss_mask] for mb in mbs])
-        vmin = float(gen_versions.min()) if gen_versions.numel() else math.inf
-        vmax = float(gen_versions.max()) if gen_versions.numel() else -math.inf
+        local_seqs = sum(int((mb.loss_mask.sum(-1) > 0).sum()) if not mb.packed else
+                         int(sum(bool(mb.loss_mask[0, s:e].any())
+                                 for s, e in zip(mb.cu_seqlens[:-1].tolist(), mb.cu_seqlens[1:].tolist())))
+                         for mb in mbs)
+        fwd_tokens = sum(mb.padded_tokens for mb in mbs)
+        real_tokens = sum(mb.real_tokens for mb in mbs)
+        all_gen = np.concatenate([t.versions[t.loss_mask.astype(bool)] for t in batch]) if batch else np.zeros(0)
+        vmin = float(all_gen.min()) if all_gen.size else math.inf  # staleness as received, before any drop
+        vmax = float(all_gen.max()) if all_gen.size else -math.inf
 
-        # Global (all ranks) token count and micro-batch count.
-        global_tokens, = self._all_reduce([float(local_tokens)])
+        # Global (all ranks) token / sequence / micro-batch counts.
+        global_tokens, global_seqs = self._all_reduce([float(local_tokens), float(local_seqs)])
         if self.world_size > 1:
             max_mbs, neg_vmin, vmax = self._all_reduce([float(n_real_mbs), -vmin, vmax], op="max")
             vmin = -neg_vmin
             while len(mbs) < int(max_mbs):  # ZeRO-2/3 reduce in every backward: equal backward counts per rank
-                dummy = mbs[0]
-                mbs.append(
-                    MicroBatch(
-                        input_ids=dummy.input_ids[:1],
-                        attention_mask=dummy.attention_mask[:1],
-                        loss_mask=torch.zeros_like(dummy.loss_mask[:1]),
-                        logprobs=dummy.logprobs[:1],
-                        versions=dummy.versions[:1],
-                        advantages=dummy.advantages[:1],
-                        seq_lens=dummy.seq_lens[:1],
-                        indices=[],
-                    )
-                )
-        # Each rank's loss is sum/global_tokens * world_size: DeepSpeed averages gradients over ranks.
-        denom = max(global_tokens, 1.0) / self.world_size
+                mbs.append(mbs[0].empty_like())
+        # Each rank's loss is sum/global_count * world_size: DeepSpeed averages gradients over ranks.
+        global_count = global_tokens if self.loss_agg == "token" else global_seqs
+        denom = max(global_count, 1.0) / self.world_size
 
         prox = self.compute_logprobs(mbs)
+        refs = self.compute_ref_logprobs(mbs)
 
         self.engine.module.train()
-        sums = {k: 0.0 for k in ("loss", "clip_frac", "capped_frac", "approx_kl", "entropy")}
+        sums = {k: 0.0 for k in ("loss", "clip_frac", "capped_frac", "approx_kl", "entropy", "dual_clip_frac",
+                                 "kl_ref")}
         imp_sum = 0.0
         kept_tokens = 0.0
         grad_norm_manual: Optional[float] = None
-        for i, (mb, prox_lp) in enumerate(zip(mbs, prox)):
+        lr_used = float(self.optimizer.param_groups[0]["lr"])
+        for i, (mb, prox_lp, ref_lp) in enumerate(zip(mbs, prox, refs)):
             last = i == len(mbs) - 1
             self.engine.set_gradient_accumulation_boundary(last)
             logits = self._forward_logits(mb)
@@ -307,13 +506,18 @@ class DeepSpeedLearner:
                 behav_imp_weight_cap=self.behav_imp_weight_cap,
                 naive=self.naive_ppo,
                 denominator=denom,
+                dual_clip_c=self.dual_clip_c,
+                token_weights=mb.token_weights,
+                ref_logp=ref_lp,
+                kl_coef=self.kl_coef,
+                kl_estimator=self.kl_estimator,
             )
             with torch.no_grad():
                 n = float(st["n_tokens"])
                 if n > 0:
                     ent = shift_right(entropy_from_logits(logits.detach(), self.temperature))
                     sums["entropy"] += float(ent[mb.loss_mask].sum())
-                    for k in ("clip_frac", "capped_frac", "approx_kl"):
+                    for k in ("clip_frac", "capped_frac", "approx_kl", "dual_clip_frac", "kl_ref"):
                         sums[k] += float(st[k]) * n
                     kept = n * (1.0 - float(st["capped_frac"]))
                     imp_sum += float(st["imp_weight_mean"]) * kept
@@ -347,14 +551,22 @@ class DeepSpeedLearner:
                 sums["entropy"],
                 imp_sum,
                 kept_tokens,
+                sums["dual_clip_frac"],
+                sums["kl_ref"],
+                float(n_stale),
+                float(sum(int(t.loss_mask[1:].sum()) for t in batch)),
+                float(fwd_tokens),
+                float(real_tokens),
+                float(turn_mismatch),
             ]
         )
-        n_seqs, r_sum, r_sq, a_abs, loss_sum, clip_s, cap_s, kl_s, ent_s, imp_s, kept_s = red
+        (n_seqs, r_sum, r_sq, a_abs, loss_sum, clip_s, cap_s, kl_s, ent_s, imp_s, kept_s, dual_s, klref_s,
+         stale_s, gen_s, fwd_s, real_s, mismatch_s) = red
         tok = max(global_tokens, 1.0)
         r_mean = r_sum / n_seqs
         r_std = math.sqrt(max(r_sq / n_seqs - r_mean**2, 0.0))
         elapsed = time.perf_counter() - t0
-        return {
+        out = {
             "loss": loss_sum / self.world_size,
             "reward_mean": r_mean,
             "reward_std": r_std,
@@ -371,7 +583,15 @@ class DeepSpeedLearner:
             "tail_offpolicyness": float(version_before - vmax) if math.isfinite(vmax) else 0.0,
             "step_seconds": elapsed,
             "tokens_per_s": float(global_tokens) / elapsed if elapsed > 0 else 0.0,
+            "lr": lr_used,
+            "dual_clip_frac": dual_s / tok,
+            "kl_ref": klref_s / tok,
+            "stale_token_frac": stale_s / max(gen_s, 1.0),
+            "pad_frac": 1.0 - real_s / max(fwd_s, 1.0),
         }
+        if self.turn_discount is not None:
+            out["turn_reward_mismatch"] = mismatch_s
+        return out
 
     # ------------------------------------------------------------------ weights out
     def full_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
@@ -440,10 +660,24 @@ class DeepSpeedLearner:
             self._dist.barrier()
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, path: str) -> None:
-        """DeepSpeed checkpoint (weights, optimizer, engine counters) under ``path`` with tag ``v{version}`` and a
-        ``latest`` pointer; the client state holds the policy version and this rank's python/numpy/torch RNG
-        states. Collective."""
+    def save(self, path: str, client_state: Optional[dict] = None, keep_last: Optional[int] = None) -> str:
+        """DeepSpeed checkpoint (weights, optimizer, LR scheduler, engine counters) under ``path`` with tag
+        ``v{version}``; returns the tag directory. Collective.
+
+        Besides DeepSpeed's files, the tag directory holds `CHECKPOINT_STATE_FILE` (JSON: version plus
+        ``client_state``, e.g. the data position and staleness counters) so the launcher can read where to resume
+        without torch. It is written before DeepSpeed's ``latest`` pointer, which is the commit point: a save cut
+        short leaves ``latest`` on the previous checkpoint. The DeepSpeed client state holds the same dict and
+        this rank's python/numpy/torch RNG states. ``keep_last`` prunes older tag directories (rank 0)."""
+        tag = f"v{self._version}"
+        state = {"version": self._version, **(client_state or {})}
+        if self.rank == 0:
+            os.makedirs(os.path.join(path, tag), exist_ok=True)
+            tmp = os.path.join(path, tag, CHECKPOINT_STATE_FILE + ".tmp")
+            with open(tmp, "w") as f:
+                json.dump(state, f)
+            os.replace(tmp, os.path.join(path, tag, CHECKPOINT_STATE_FILE))
+        self._barrier()
         rng = {
             "python": random.getstate(),
             "numpy": np.random.get_state(),
@@ -452,11 +686,21 @@ class DeepSpeedLearner:
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
         self.engine.save_checkpoint(
-            path, tag=f"v{self._version}", client_state={"arl_version": self._version, "arl_rng": rng}
+            path, tag=tag, client_state={"arl_version": self._version, "arl_rng": rng, "arl_state": state}
         )
+        self._barrier()
+        if keep_last is not None and self.rank == 0:
+            tags = sorted(
+                (d for d in os.listdir(path) if d.startswith("v") and d[1:].isdigit() and d != tag),
+                key=lambda d: int(d[1:]),
+            )
+            for old in tags[: max(0, len(tags) - (keep_last - 1))]:
+                shutil.rmtree(os.path.join(path, old), ignore_errors=True)
+        return os.path.join(path, tag)
 
-    def load(self, path: str) -> None:
-        """Load the checkpoint ``latest`` points to under ``path`` (weights, optimizer, version, RNG). Collective."""
+    def load(self, path: str) -> dict:
+        """Load the checkpoint ``latest`` points to under ``path`` (weights, optimizer, LR scheduler, version,
+        RNG). Returns the ``client_state`` given to `save` (empty for older checkpoints). Collective."""
         load_path, client = self.engine.load_checkpoint(path)
         if load_path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint found under {path!r}")
@@ -469,3 +713,44 @@ class DeepSpeedLearner:
             torch.set_rng_state(rng["torch"])
             if "cuda" in rng and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(rng["cuda"])
+        state = dict(client.get("arl_state") or {})
+        state.pop("version", None)
+        return state
+
+
+def learner_from_config(model: torch.nn.Module, cfg: Any, version: int = 0) -> DeepSpeedLearner:
+    """A `DeepSpeedLearner` with the settings of an `ExperimentConfig` (learner.*, gen.temperature, seed, eta,
+    total_train_steps for the LR schedule)."""
+    lc = cfg.learner
+    return DeepSpeedLearner(
+        model,
+        lr=lc.lr,
+        betas=tuple(lc.betas),
+        weight_decay=lc.weight_decay,
+        grad_clip=lc.grad_clip,
+        zero_stage=lc.zero_stage,
+        offload_optimizer=lc.offload_optimizer,
+        bf16=lc.bf16,
+        max_tokens_per_mb=lc.max_tokens_per_mb,
+        eps_clip=lc.eps_clip,
+        behav_imp_weight_cap=lc.behav_imp_weight_cap,
+        naive_ppo=lc.naive_ppo,
+        adv_std_norm=lc.adv_std_norm,
+        temperature=cfg.gen.temperature,
+        version=version,
+        seed=cfg.seed,
+        packing=lc.packing,
+        packed_attention=lc.packed_attention,
+        dual_clip_c=lc.dual_clip_c,
+        loss_agg=lc.loss_agg,
+        kl_coef=lc.kl_coef,
+        kl_estimator=lc.kl_estimator,
+        turn_discount=lc.turn_discount,
+        max_head_offpolicyness=cfg.max_head_offpolicyness,
+        stale_tokens=lc.stale_tokens,
+        stale_token_decay=lc.stale_token_decay,
+        lr_schedule=lc.lr_schedule,
+        warmup_steps=lc.warmup_steps,
+        total_steps=cfg.total_train_steps,
+        min_lr_ratio=lc.min_lr_ratio,
+    )

@@ -10,19 +10,29 @@ Conventions shared with `arl.learner.batching`:
 - Masks are bool (or 0/1) tensors of the same shape as the values; masked-out positions may hold any finite value.
 
 The loss is AReaL's decoupled PPO (Fu et al., "AReaL: A Large-Scale Asynchronous Reinforcement Learning System for
-Language Reasoning", 2025; `ppo_actor_loss_fn` in AReaL), aggregated as a token-level mean.
+Language Reasoning", 2025; `ppo_actor_loss_fn` in AReaL), aggregated as a token-level mean by default; per-token
+weights give sequence-level aggregation (`sequence_level_weights`) and staleness down-weighting
+(`stale_token_weights`). Also here: dual clip, KL to a reference (`kl_penalty`), turn-level discounting for
+multi-turn rewards (`turn_segments`, `discounted_turn_returns`, `turn_level_advantages`). See docs/learner.md.
 """
 
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
 __all__ = [
     "group_advantages",
     "decoupled_ppo_loss",
+    "kl_penalty",
+    "turn_segments",
+    "discounted_turn_returns",
+    "turn_level_advantages",
+    "sequence_level_weights",
+    "stale_token_weights",
     "token_logprobs",
     "entropy_from_logits",
     "shift_right",
@@ -88,8 +98,13 @@ def decoupled_ppo_loss(
     behav_imp_weight_cap: Optional[float] = 5.0,
     naive: bool = False,
     denominator: Optional[float | Tensor] = None,
+    dual_clip_c: Optional[float] = None,
+    token_weights: Optional[Tensor] = None,
+    ref_logp: Optional[Tensor] = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k1",
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """AReaL's decoupled PPO policy loss, token-level mean.
+    """AReaL's decoupled PPO policy loss, token-level mean (or any weighting through ``token_weights``).
 
     With ``r = exp(logp - prox_logp)`` and ``w = exp(prox_logp - behav_logp)`` (no gradient through ``w``)::
 
@@ -117,6 +132,14 @@ def decoupled_ppo_loss(
         denominator: divide the masked sum by this instead of the mask count. Pass the token count of the whole
             batch when the batch is split into micro-batches, so the micro-batch losses sum to the batch's
             token-level mean.
+        dual_clip_c: dual-clip PPO (Ye et al. 2020): for ``A < 0`` the token loss is also bounded above by
+            ``-c * A`` (``c > 1``), so a huge ratio on a bad token cannot blow the loss up. None: off.
+        token_weights: per-token multipliers of the token losses (no gradient), applied before the sum. Sequence-
+            level aggregation passes ``1 / tokens of the sequence`` (see `sequence_level_weights`) with
+            ``denominator`` = number of sequences; staleness down-weighting multiplies in here too.
+        ref_logp, kl_coef, kl_estimator: adds ``kl_coef * KL(current || reference)`` per token (estimator
+            ``k1`` or ``k3``, see `kl_penalty`), aggregated with the same weights and denominator, on every masked
+            token (the behaviour-weight cap does not filter it). Off when ``kl_coef == 0`` or ``ref_logp`` is None.
 
     Returns:
         ``(loss, stats)``. ``loss`` is a scalar. ``stats`` are detached scalar tensors, each a mean over the
@@ -128,6 +151,8 @@ def decoupled_ppo_loss(
         - ``approx_kl``: mean of ``prox_logp - logp`` (``behav_logp - logp`` when naive), the k1 estimate of
           KL(old || current) on the sampled tokens;
         - ``ratio_mean``: mean PPO ratio ``r``;
+        - ``dual_clip_frac``: fraction of tokens where the dual clip was the active bound (0 when off);
+        - ``kl_ref``: mean per-token KL estimate to the reference model (0 when off);
         - ``n_tokens``: number of masked tokens (float).
     """
     mask = mask.bool()
@@ -154,6 +179,14 @@ def decoupled_ppo_loss(
     pg2 = -advantages * clipped
     pg = torch.maximum(pg1, pg2)
     clip_mask = (pg2.detach() > pg1.detach()) & mask
+    if dual_clip_c is not None:
+        if dual_clip_c <= 1.0:
+            raise ValueError(f"dual_clip_c must be > 1, got {dual_clip_c}")
+        pg3 = -advantages * dual_clip_c  # only binds where A < 0 (for A >= 0 it is >= 0 >= pg)
+        dual_mask = (advantages < 0) & (pg3 < pg.detach()) & mask
+        pg = torch.where(advantages < 0, torch.minimum(pg, pg3), pg)
+    else:
+        dual_mask = torch.zeros_like(mask)
 
     if naive:
         keep = mask
@@ -164,9 +197,25 @@ def decoupled_ppo_loss(
         keep = mask if behav_imp_weight_cap is None else mask & (weight <= behav_imp_weight_cap)
         weight = torch.where(keep, weight, zero)
     loss_tok = pg * weight
+    if token_weights is not None:
+        if token_weights.shape != logp.shape:
+            raise ValueError(f"token_weights {tuple(token_weights.shape)} do not match logp {tuple(logp.shape)}")
+        tw = torch.where(mask, token_weights.detach().to(logp.dtype), zero)
+        loss_tok = loss_tok * tw
+    else:
+        tw = None
     if denominator is None:
         denominator = mask.sum().clamp(min=1)
-    loss = torch.where(keep, loss_tok, zero).sum() / denominator
+    total = torch.where(keep, loss_tok, zero).sum()
+    kl_tok = None
+    if kl_coef and ref_logp is not None:
+        if ref_logp.shape != logp.shape:
+            raise ValueError(f"ref_logp {tuple(ref_logp.shape)} does not match logp {tuple(logp.shape)}")
+        # Masked positions may hold garbage: feed them equal values (KL 0) so exp() stays finite in both passes.
+        safe_ref = torch.where(mask, ref_logp.detach().to(logp.dtype), logp.detach())
+        kl_tok = torch.where(mask, kl_penalty(logp, safe_ref, kl_estimator), zero)
+        total = total + kl_coef * (kl_tok * tw if tw is not None else kl_tok).sum()
+    loss = total / denominator
 
     with torch.no_grad():
         n = mask.sum()
@@ -180,9 +229,120 @@ def decoupled_ppo_loss(
             "capped_frac": (mask & ~keep).sum().to(torch.float32) / n_f,
             "approx_kl": torch.where(mask, -log_ratio, zero).sum().to(torch.float32) / n_f,
             "ratio_mean": torch.where(mask, ratio, zero).sum().to(torch.float32) / n_f,
+            "dual_clip_frac": dual_mask.sum().to(torch.float32) / n_f,
+            "kl_ref": (kl_tok.detach().sum().to(torch.float32) / n_f)
+            if kl_tok is not None
+            else torch.zeros((), dtype=torch.float32, device=logp.device),
             "n_tokens": n.to(torch.float32),
         }
     return loss, stats
+
+
+def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str = "k1") -> Tensor:
+    """Per-token estimate of KL(current || reference) from the sampled tokens' log-probs (Schulman's estimators).
+
+    With ``d = ref_logp - logp``: ``k1 = -d`` (unbiased, can be negative, high variance); ``k3 = exp(d) - d - 1``
+    (unbiased for samples from the current policy, always >= 0, lower variance). Gradient flows through ``logp``.
+    """
+    d = ref_logp - logp
+    if estimator == "k1":
+        return -d
+    if estimator == "k3":
+        return torch.expm1(d) - d
+    raise ValueError(f"kl_estimator must be 'k1' or 'k3', got {estimator!r}")
+
+
+def turn_segments(loss_mask: Sequence[int] | np.ndarray) -> list[tuple[int, int]]:
+    """``[start, end)`` of every maximal run of set loss-mask positions: one run per generated turn (an agent puts
+    context tokens, e.g. feedback, between turns)."""
+    m = np.asarray(loss_mask).astype(bool).reshape(-1)
+    if not m.any():
+        return []
+    d = np.diff(np.concatenate([[0], m.astype(np.int8), [0]]))
+    return list(zip(np.flatnonzero(d == 1).tolist(), np.flatnonzero(d == -1).tolist()))
+
+
+def discounted_turn_returns(turn_rewards: Sequence[float], gamma: float) -> np.ndarray:
+    """``G_t = r_t + gamma * G_{t+1}`` (reward-to-go over turns), float64 ``[n_turns]``."""
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"turn discount must be in [0, 1], got {gamma}")
+    r = np.asarray(turn_rewards, dtype=np.float64).reshape(-1)
+    out = np.zeros_like(r)
+    acc = 0.0
+    for t in range(len(r) - 1, -1, -1):
+        acc = r[t] + gamma * acc
+        out[t] = acc
+    return out
+
+
+def turn_level_advantages(
+    returns: Sequence[np.ndarray],
+    group_ids: Sequence[str],
+    *,
+    std_norm: bool = True,
+    eps: float = 1e-6,
+) -> list[np.ndarray]:
+    """Group-normalised per-turn advantages for multi-turn trajectories.
+
+    ``returns[i]`` holds trajectory ``i``'s reward-to-go at each of its turns (`discounted_turn_returns`). The
+    baseline of a group is the mean of its trajectories' first-turn returns ``G_0`` (what the prompt is worth);
+    turn ``t`` of trajectory ``i`` gets ``(G_t - mean) / (std + eps)``, so a turn that leads to an earlier success
+    is credited more than the turns before it. ``std`` is taken over *all* turn returns of the group (not only
+    ``G_0``): a group whose first-turn returns are equal can still differ at later turns, and dividing those
+    differences by ``eps`` would blow them up. A group whose returns are all equal gets 0. Returns one float32
+    array per trajectory.
+    """
+    if len(returns) != len(group_ids):
+        raise ValueError(f"{len(returns)} return arrays for {len(group_ids)} group ids")
+    stats: dict[str, tuple[float, float]] = {}
+    for g in dict.fromkeys(group_ids):
+        members = [np.asarray(returns[i], np.float64) for i, x in enumerate(group_ids) if x == g]
+        first = np.array([r[0] if len(r) else 0.0 for r in members])
+        pooled = np.concatenate([r for r in members if len(r)] or [np.zeros(1)])
+        stats[g] = (float(first.mean()), float(pooled.std()))
+    out = []
+    for r, g in zip(returns, group_ids):
+        mean, std = stats[g]
+        a = np.asarray(r, dtype=np.float64) - mean
+        if std_norm and std > 0:
+            a = a / (std + eps)
+        out.append(a.astype(np.float32))
+    return out
+
+
+def sequence_level_weights(loss_mask: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Per-token weights ``1 / (loss tokens of the sequence)`` on the loss mask (0 elsewhere): with these as
+    ``token_weights`` and ``denominator`` = number of sequences, the loss is the mean over sequences of each
+    sequence's token mean (``seq-mean-token-mean``) instead of the mean over all tokens."""
+    m = np.asarray(loss_mask).astype(bool).reshape(-1)
+    n = int(m.sum())
+    return np.where(m, 1.0 / max(n, 1), 0.0).astype(np.float32)
+
+
+def stale_token_weights(
+    versions: np.ndarray, loss_mask: np.ndarray, current_version: int, eta: int, mode: str, decay: float = 0.5
+) -> tuple[np.ndarray, np.ndarray]:
+    """Staleness at consumption, per token: tokens older than ``current_version - eta`` are dropped or down-weighted.
+
+    Returns ``(loss_mask, weights)``. ``mode``: ``"keep"`` (unchanged, weights 1), ``"drop"`` (stale tokens leave
+    the loss mask, so they count in neither the sum nor the token count), ``"downweight"`` (weight
+    ``decay ** (lag - eta)`` where ``lag = current_version - version``; they stay in the token count).
+    """
+    m = np.asarray(loss_mask).astype(bool)
+    w = np.ones(m.shape, np.float32)
+    if mode == "keep":
+        return m, w
+    lag = current_version - np.asarray(versions, dtype=np.int64)
+    excess = np.where(m, lag - eta, 0)
+    stale = m & (excess > 0)
+    if mode == "drop":
+        return m & ~stale, w
+    if mode == "downweight":
+        if not 0.0 <= decay <= 1.0:
+            raise ValueError(f"stale token decay must be in [0, 1], got {decay}")
+        w = np.where(stale, np.power(float(decay), np.maximum(excess, 0)), 1.0).astype(np.float32)
+        return m, w
+    raise ValueError(f"stale token mode must be 'keep', 'drop' or 'downweight', got {mode!r}")
 
 
 def shift_right(x: Tensor, fill: float = 0.0) -> Tensor:

@@ -1,4 +1,20 @@
-"""The learner worker: buffers finished groups, trains on B groups per step, publishes weights."""
+"""The learner worker: buffers finished groups, trains on B groups per step, publishes weights, checkpoints.
+
+Checkpoint and resume. Every ``checkpoint_every`` steps (and after the last one) the engine saves weights,
+optimizer, LR scheduler and RNG, plus `checkpoint_state()`: groups consumed, the data position and the staleness
+counters. The data position is, per rollout worker, one past the highest prompt-stream position among the groups
+the learner has consumed (rollout workers stamp ``metadata["prompt_pos"] = [worker, position]`` on every
+trajectory). On resume the learner loads the checkpoint, the controller's gate starts at its version with
+``version * B`` groups accepted, and each rollout worker's prompt stream seeks to its position.
+
+What "no accepted trajectory trained twice or skipped" means here: a trajectory counts as accepted once a step
+that made it into a checkpoint trained on it. Those are never trained again (trajectories are not persisted and
+their prompts lie behind the resume position). Groups that were in flight at the crash -- being generated, sitting
+in the learner's buffer, or consumed by steps after the last checkpoint -- are lost like groups dropped for
+staleness: their prompts at or past the resume position are drawn again and sampled afresh; those behind it (they
+started before a younger consumed group) are skipped, as filtered or stale-dropped prompts are in a run without a
+crash.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +23,26 @@ import collections
 import logging
 import os
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Optional
 
 from arl.api.engine import LearnerEngine
 from arl.api.types import Trajectory
+from arl.learner.validation import group_problem
 
 logger = logging.getLogger("arl.learner")
+
+
+def staleness_counts(batch: list[Trajectory], version: int) -> dict[int, int]:
+    """Generated tokens of `batch` by staleness (`version` minus the version that produced them): the per-token
+    histogram the benchmarks report (metrics keys `stale_tokens_<k>`)."""
+    import numpy as np
+
+    gen = [t.versions[t.loss_mask.astype(bool)] for t in batch]
+    gen = [v for v in gen if len(v)]
+    if not gen:
+        return {}
+    counts = np.bincount(np.maximum(version - np.concatenate(gen).astype(np.int64), 0))
+    return {k: int(n) for k, n in enumerate(counts) if n}
 
 
 class LearnerWorker:
@@ -27,6 +57,10 @@ class LearnerWorker:
         weights_dir: str,
         keep_versions: int = 3,
         max_head_offpolicyness: int | None = None,
+        checkpoint_dir: Optional[str] = None,
+        checkpoint_every: int = 0,
+        keep_checkpoints: int = 2,
+        vocab_size: Optional[int] = None,
     ) -> None:
         self.engine = engine
         self.pull = pull
@@ -41,12 +75,34 @@ class LearnerWorker:
         self._exported: collections.deque[str] = collections.deque()
         self.stats = {"groups_received": 0, "trajectories_received": 0, "steps": 0, "idle_seconds": 0.0,
                       "train_seconds": 0.0, "staleness_violations": 0, "stale_groups_dropped": 0}
+        self.checkpoint_dir = checkpoint_dir
+        self.checkpoint_every = max(0, int(checkpoint_every))
+        self.keep_checkpoints = max(1, int(keep_checkpoints))
+        self.groups_consumed = 0
+        self.data_position: dict[str, int] = {}  # rollout worker index -> next prompt-stream position
+        # accounting (every received group ends up trained, dropped as stale or invalid, or still buffered)
+        self.vocab_size = vocab_size
+        self.stats.update(trained_groups=0, trained_trajectories=0, stale_trajectories_dropped=0,
+                          invalid_groups=0, trained_twice=0)
+        self._trained_ids: set[str] = set()
+        self._in_step = 0  # groups of the step being trained (taken from the buffer, not yet counted as trained)
+        self._last_invalid_log = -1e9
+        self.waiting_on = "starting"  # reported in heartbeats; the controller logs it if this role goes silent
         os.makedirs(weights_dir, exist_ok=True)
 
     async def receive(self) -> None:
         while True:
             msg_type, group = await self.pull.recv()
             if msg_type != "traj" or not group:
+                continue
+            problem = group_problem(group, vocab_size=self.vocab_size, version=self.engine.version)
+            if problem is not None:  # never train on it; give its budget back like a stale drop
+                self.stats["invalid_groups"] += 1
+                if time.monotonic() - self._last_invalid_log >= 1.0:
+                    self._last_invalid_log = time.monotonic()
+                    logger.warning("dropped an invalid trajectory group (%s); %d so far", problem,
+                                   self.stats["invalid_groups"])
+                await self._send("groups_dropped", {"n": 1, "reason": "invalid"})
                 continue
             self.buffer.append(group)
             self.stats["groups_received"] += 1
@@ -61,6 +117,7 @@ class LearnerWorker:
         keep = [g for g in self.buffer if min(t.min_version() for t in g) >= oldest_ok]
         dropped = len(self.buffer) - len(keep)
         if dropped:
+            self.stats["stale_trajectories_dropped"] += sum(len(g) for g in self.buffer) - sum(len(g) for g in keep)
             self.buffer = collections.deque(keep)
             self.stats["stale_groups_dropped"] += dropped
         return dropped
@@ -75,18 +132,82 @@ class LearnerWorker:
                 await self._send("groups_dropped", {"n": dropped, "reason": "stale"})
             if len(self.buffer) >= self.batch_size:
                 break
+            self.waiting_on = f"waiting for a batch ({len(self.buffer)}/{self.batch_size} groups buffered)"
             self._arrived.clear()
             await self._arrived.wait()
         groups = [self.buffer.popleft() for _ in range(self.batch_size)]
+        for g in groups:
+            self._note_consumed(g)
         return [t for g in groups for t in g], time.monotonic() - t0
+
+    def _note_consumed(self, group: list[Trajectory]) -> None:
+        self.groups_consumed += 1
+        pos = group[0].metadata.get("prompt_pos") if group else None
+        if isinstance(pos, (list, tuple)) and len(pos) == 2:
+            try:
+                w, p = str(int(pos[0])), int(pos[1])
+            except (TypeError, ValueError):
+                return
+            self.data_position[w] = max(self.data_position.get(w, 0), p + 1)
+
+    # -- checkpoints ---------------------------------------------------------------------------------------
+    def checkpoint_state(self) -> dict:
+        """What a resume needs besides the engine's own state (JSON-safe)."""
+        counters = {k: v for k, v in self.stats.items() if isinstance(v, (int, float))}  # staleness, accounting
+        return {"groups_consumed": self.groups_consumed, "data_position": dict(self.data_position),
+                "batch_size": self.batch_size, "counters": counters}
+
+    def restore(self, state: dict) -> None:
+        """Take back `checkpoint_state()` after the engine loaded its checkpoint."""
+        self.groups_consumed = int(state.get("groups_consumed", 0))
+        self.data_position = {str(k): int(v) for k, v in dict(state.get("data_position", {})).items()}
+        for k, v in dict(state.get("counters", {})).items():
+            if k in self.stats:
+                self.stats[k] = v
+
+    async def resume(self) -> Optional[int]:
+        """Load the latest checkpoint under ``checkpoint_dir`` (engine state, then `restore`) and export its
+        weights as ``v{version}.safetensors`` for the inference workers; returns the version, or None (and
+        changes nothing) when there is no checkpoint."""
+        from arl.learner.checkpoint import latest_checkpoint
+
+        if not self.checkpoint_dir or latest_checkpoint(self.checkpoint_dir) is None:
+            return None
+        state = await asyncio.to_thread(self.engine.load, self.checkpoint_dir)
+        self.restore(state or {})
+        v = self.engine.version
+        path = os.path.join(self.weights_dir, f"v{v}.safetensors")
+        await asyncio.to_thread(self.engine.export_weights, path)
+        self._exported.append(path)
+        logger.info("resumed from checkpoint v%d (%d groups consumed, data position %s)", v, self.groups_consumed,
+                    self.data_position)
+        return v
+
+    async def maybe_checkpoint(self, force: bool = False) -> Optional[str]:
+        v = self.engine.version
+        if not self.checkpoint_dir or not self.checkpoint_every:
+            return None
+        if not force and v % self.checkpoint_every:
+            return None
+        t0 = time.monotonic()
+        path = await asyncio.to_thread(self.engine.save, self.checkpoint_dir,  # type: ignore[call-arg]
+                                       client_state=self.checkpoint_state(), keep_last=self.keep_checkpoints)
+        logger.info("checkpoint v%d written to %s in %.2fs", v, path, time.monotonic() - t0)
+        return path
 
     async def train(self) -> None:
         while self.engine.version < self.total_steps:
             batch, waited = await self.next_batch()
             self.stats["idle_seconds"] += waited
+            stale_tokens = staleness_counts(batch, self.engine.version)
             t0 = time.monotonic()
+            self.waiting_on = f"train step {self.engine.version + 1} ({len(batch)} trajectories)"
+            self._in_step = len(set(t.group_id.split(":", 1)[0] for t in batch))
             metrics = await asyncio.to_thread(self.engine.train_step, batch)
+            self._count_trained(batch)
+            self._in_step = 0
             path = os.path.join(self.weights_dir, f"v{self.engine.version}.safetensors")
+            self.waiting_on = f"exporting weights v{self.engine.version}"
             await asyncio.to_thread(self.engine.export_weights, path)
             train_s = time.monotonic() - t0
             self.stats["train_seconds"] += train_s
@@ -101,9 +222,22 @@ class LearnerWorker:
                            buffered_groups=len(self.buffer),
                            staleness_violations=self.stats["staleness_violations"],
                            stale_groups_dropped=self.stats["stale_groups_dropped"])
+            metrics.update({f"stale_tokens_{k}": float(n) for k, n in stale_tokens.items()})
+            await self.maybe_checkpoint(force=self.engine.version >= self.total_steps)
             await self._send("weights_published", {"version": self.engine.version, "path": path,
                                                    "metrics": metrics})
             self._prune(path)
+
+    def _count_trained(self, batch: list[Trajectory]) -> None:
+        """Count what a finished step trained on; a group id seen in an earlier step counts as trained twice."""
+        ids = set(t.group_id.split(":", 1)[0] for t in batch)  # the rollout worker's group id prefix
+        twice = len(ids & self._trained_ids)
+        if twice:
+            logger.error("%d groups of this batch were trained on before", twice)
+        self._trained_ids |= ids
+        self.stats["trained_twice"] += twice
+        self.stats["trained_groups"] += len(ids)
+        self.stats["trained_trajectories"] += len(batch)
 
     def _prune(self, newest: str) -> None:
         self._exported.append(newest)
@@ -115,4 +249,9 @@ class LearnerWorker:
                 pass
 
     def heartbeat_stats(self) -> dict:
-        return {**self.stats, "buffered_groups": len(self.buffer), "version": self.engine.version}
+        waiting = self.waiting_on if self.engine.version < self.total_steps else (
+            f"nothing: all {self.total_steps} steps done")
+        return {**self.stats, "buffered_groups": len(self.buffer), "version": self.engine.version,
+                "buffered_trajectories": sum(len(g) for g in self.buffer), "waiting_on": waiting,
+                "in_step_groups": self._in_step,
+                "transport": dict(getattr(self.pull, "stats", {}))}

@@ -6,6 +6,7 @@ The tokenizer is character-level (a `tokenizers` WordLevel model over single cha
     user message       -> "<|user|>{content}"
     assistant message  -> "<|assistant|>{content}<eos>"
     system message     -> "{content}" (plain text prefix)
+    tool message       -> "<|user|><tool_response>{content}</tool_response>" (a tool's observation, hermes style)
     add_generation_prompt=True appends "<|assistant|>"
 
 so `[{"role": "user", "content": "12+7="}]` with a generation prompt renders as `<|user|>12+7=<|assistant|>`
@@ -33,12 +34,14 @@ USER_TOKEN = "<|user|>"
 ASSISTANT_TOKEN = "<|assistant|>"
 SPECIAL_TOKENS = [PAD_TOKEN, EOS_TOKEN, UNK_TOKEN, USER_TOKEN, ASSISTANT_TOKEN]  # ids 0..4 in this order
 CHARS = string.digits + string.ascii_letters + " +-*/=.,!?:'()\n"
+TOOL_CHARS = '<>{}[]"_#%^&|;$@~`\\'  # extra characters hermes-style tool calls need: build_char_tokenizer(TOOL_CHARS)
 
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
     "{%- if message['role'] == 'user' -%}" + USER_TOKEN + "{{ message['content'] }}"
     "{%- elif message['role'] == 'assistant' -%}" + ASSISTANT_TOKEN + "{{ message['content'] }}" + EOS_TOKEN +
     "{%- elif message['role'] == 'system' -%}{{ message['content'] }}"
+    "{%- elif message['role'] == 'tool' -%}" + USER_TOKEN + "<tool_response>{{ message['content'] }}</tool_response>"
     "{%- else -%}{{ raise_exception('unknown chat role: ' + message['role']) }}"
     "{%- endif -%}"
     "{%- endfor -%}"

@@ -1,7 +1,13 @@
 """Client side of the inference workers: routing, request ids, timeouts.
 
 Requests go to the worker with the least outstanding work (requested new tokens), except that the turns of one
-session stay on the worker that served the session before (its prefix may still be cached there).
+session stay on the worker that served the session before (its prefix may still be cached there). The sticky
+mapping is forgotten when the policy version changes (learned from the responses' `output_versions`, or told with
+`set_version`): after an update no worker holds a prefix computed by the current policy, so balance wins again.
+
+A worker that is lost (the controller says so with `worker_lost`, or a request to it times out) gets no new
+requests, and its outstanding requests are re-sent to the remaining workers under the same wire id: whichever
+answer comes first is used, a later duplicate is dropped and counted as "late".
 """
 
 from __future__ import annotations
@@ -33,21 +39,63 @@ def to_request(item: Any) -> GenerateRequest:
     )
 
 
-class InferenceClient:
-    """Sends GenerateRequests over ZMQ and matches responses back to their callers."""
+_TIMEOUT = object()  # what an attempt's future holds when its time ran out
 
-    def __init__(self, dealers: list[Any], request_timeout: float = 60.0, max_sessions: int = 100_000) -> None:
+
+def _expire(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(_TIMEOUT)
+
+
+class _Pending:
+    """One request in flight: its wire form (for re-sending), the worker it sits on, and its weight in the load."""
+
+    __slots__ = ("future", "idx", "work", "wire", "attempts")
+
+    def __init__(self, future: asyncio.Future, wire: GenerateRequest, work: int) -> None:
+        self.future = future
+        self.wire = wire
+        self.work = work
+        self.idx = -1
+        self.attempts = 0
+
+
+class InferenceClient:
+    """Sends GenerateRequests over ZMQ and matches responses back to their callers.
+
+    Args:
+        dealers: one connected DEALER per inference worker (index = worker index).
+        request_timeout: seconds one attempt may wait for its answer.
+        max_sessions: sticky sessions remembered (LRU).
+        max_attempts: sends of one request in all (a timed-out attempt is re-sent to another live worker while
+            attempts remain; re-sends after a worker is lost do not count).
+    """
+
+    def __init__(self, dealers: list[Any], request_timeout: float = 60.0, max_sessions: int = 100_000,
+                 max_attempts: int = 2) -> None:
         if not dealers:
             raise ValueError("InferenceClient needs at least one inference worker")
         self._dealers = dealers
         self._timeout = request_timeout
+        self._max_attempts = max(1, max_attempts)
         self._load = [0] * len(dealers)
-        self._pending: dict[str, tuple[asyncio.Future, int, int]] = {}
+        self._alive = [True] * len(dealers)
+        self._pending: dict[str, _Pending] = {}
         self._sticky: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._max_sessions = max_sessions
+        self._version = -1
         self._ids = itertools.count()
         self._tasks: list[asyncio.Task] = []
         self.stats = collections.Counter()
+
+    @property
+    def version(self) -> int:
+        """Newest policy version seen in a response (or set with `set_version`); -1 before any."""
+        return self._version
+
+    @property
+    def alive(self) -> list[int]:
+        return [i for i, a in enumerate(self._alive) if a]
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._recv_loop(i)) for i in range(len(self._dealers))]
@@ -56,16 +104,31 @@ class InferenceClient:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for fut, _, _ in self._pending.values():
-            if not fut.done():
-                fut.set_result(None)
+        for p in self._pending.values():
+            if not p.future.done():
+                p.future.set_result(None)
         self._pending.clear()
 
-    def _choose(self, session_id: Optional[str]) -> int:
+    def set_version(self, version: int) -> None:
+        """A newer policy version: forget the sticky sessions (no worker holds a current-policy prefix)."""
+        if version > self._version:
+            if self._version >= 0 and self._sticky:
+                self.stats["sticky_resets"] += 1
+                self._sticky.clear()
+            self._version = version
+
+    def _choose(self, session_id: Optional[str], exclude: int = -1) -> int:
+        """Sticky worker of the session if it is alive, else the live worker with the least outstanding work."""
         if session_id is not None and session_id in self._sticky:
-            self._sticky.move_to_end(session_id)
-            return self._sticky[session_id]
-        idx = min(range(len(self._dealers)), key=self._load.__getitem__)
+            idx = self._sticky[session_id]
+            if self._alive[idx] and idx != exclude:
+                self._sticky.move_to_end(session_id)
+                return idx
+            del self._sticky[session_id]
+        live = [i for i, a in enumerate(self._alive) if a and i != exclude]
+        if not live:
+            return -1
+        idx = min(live, key=self._load.__getitem__)
         if session_id is not None:
             self._sticky[session_id] = idx
             if len(self._sticky) > self._max_sessions:
@@ -75,28 +138,83 @@ class InferenceClient:
     def end_session(self, session_id: str) -> None:
         self._sticky.pop(session_id, None)
 
+    async def _send(self, p: _Pending, idx: int) -> None:
+        """Put `p` on worker `idx` (moving its load there) and send it."""
+        if p.idx >= 0:
+            self._load[p.idx] -= p.work
+        p.idx = idx
+        p.attempts += 1
+        self._load[idx] += p.work
+        await self._dealers[idx].send("gen_req", p.wire)
+        self.stats["sent"] += 1
+
+    async def worker_lost(self, idx: int) -> None:
+        """Stop routing to worker `idx` and re-send its outstanding requests to the others (idempotent)."""
+        if not 0 <= idx < len(self._dealers) or not self._alive[idx]:
+            return
+        self._alive[idx] = False
+        self.stats["workers_lost"] += 1
+        for sid in [s for s, i in self._sticky.items() if i == idx]:
+            del self._sticky[sid]
+        stranded = [p for p in self._pending.values() if p.idx == idx and not p.future.done()]
+        logger.warning("inference worker %d lost: re-sending its %d outstanding requests to workers %s", idx,
+                       len(stranded), self.alive)
+        for p in stranded:
+            target = self._choose(p.wire.session_id)
+            if target < 0:
+                p.future.set_result(GenerateResponse(qid=p.wire.qid, error="no inference worker left"))
+                continue
+            p.attempts -= 1  # a re-send after a loss is not the request's fault: it does not use up an attempt
+            await self._send(p, target)
+            self.stats["resent_lost"] += 1
+
     async def generate(self, req: GenerateRequest) -> GenerateResponse:
-        idx = self._choose(req.session_id)
         wire_id = f"{next(self._ids)}"
-        work = req.gconfig.n * req.gconfig.max_new_tokens
-        fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._pending[wire_id] = (fut, idx, work)
-        self._load[idx] += work
+        loop = asyncio.get_running_loop()
         wire = GenerateRequest(qid=wire_id, input_ids=req.input_ids, gconfig=req.gconfig, session_id=req.session_id)
+        p = _Pending(loop.create_future(), wire, req.gconfig.n * req.gconfig.max_new_tokens)
+        idx = self._choose(req.session_id)
+        if idx < 0:
+            return GenerateResponse(qid=req.qid, error="no inference worker left")
+        self._pending[wire_id] = p
         try:
-            await self._dealers[idx].send("gen_req", wire)
-            self.stats["sent"] += 1
-            resp = await asyncio.wait_for(fut, self._timeout)
-        except asyncio.TimeoutError:
-            self.stats["timeout"] += 1
-            return GenerateResponse(qid=req.qid, error=f"no response from inference worker {idx} in {self._timeout}s")
+            await self._send(p, idx)
+            while True:
+                # One timer per attempt that resolves the attempt's future with _TIMEOUT (not wait_for + shield:
+                # three futures and their callbacks per request, on the hottest path of a rollout worker).
+                timer = loop.call_later(self._timeout, _expire, p.future)
+                try:
+                    resp = await p.future
+                finally:
+                    timer.cancel()
+                if resp is not _TIMEOUT:
+                    break
+                target = self._choose(req.session_id, exclude=p.idx)
+                if p.attempts < self._max_attempts and target >= 0:
+                    logger.warning("request %s: no answer from inference worker %d in %.0fs; re-sending to %d",
+                                   wire_id, p.idx, self._timeout, target)
+                    self.stats["resent_timeout"] += 1
+                    p.future = loop.create_future()  # the next attempt's; a late answer to the first still counts
+                    await self._send(p, target)
+                    continue
+                self.stats["timeout"] += 1
+                return GenerateResponse(qid=req.qid,
+                                        error=f"no response from inference worker {p.idx} in {self._timeout}s")
         finally:
-            if self._pending.pop(wire_id, None) is not None:
-                self._load[idx] -= work
+            if self._pending.pop(wire_id, None) is not None and p.idx >= 0:
+                self._load[p.idx] -= p.work
         if resp is None:
             return GenerateResponse(qid=req.qid, error="inference client closed")
         resp.qid = req.qid
         return resp
+
+    def _observe_versions(self, resp: GenerateResponse) -> None:
+        newest = -1
+        for s in resp.samples:
+            if len(s.output_versions):
+                newest = max(newest, int(s.output_versions.max()))
+        if newest > self._version:
+            self.set_version(newest)
 
     async def _recv_loop(self, idx: int) -> None:
         dealer = self._dealers[idx]
@@ -105,12 +223,13 @@ class InferenceClient:
             if msg_type != "gen_resp":
                 self.stats["unexpected"] += 1
                 continue
-            entry = self._pending.pop(resp.qid, None)
-            if entry is None:
-                self.stats["late"] += 1  # timed out already, or a duplicate
+            p = self._pending.get(resp.qid)
+            if p is None or p.future.done():
+                self.stats["late"] += 1  # timed out already, or a duplicate after a re-send
                 continue
-            fut, i, work = entry
-            self._load[i] -= work
-            if not fut.done():
-                fut.set_result(resp)
+            del self._pending[resp.qid]
+            self._load[p.idx] -= p.work
+            p.idx = -1
+            self._observe_versions(resp)
+            p.future.set_result(resp)
             self.stats["received"] += 1

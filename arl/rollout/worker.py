@@ -11,6 +11,7 @@ import asyncio
 import collections
 import itertools
 import logging
+import os
 import random
 import time
 from typing import Any, Awaitable, Callable, Optional, Sequence
@@ -18,6 +19,11 @@ from typing import Any, Awaitable, Callable, Optional, Sequence
 from arl.api.agent import Agent, EnvironmentService
 from arl.api.types import GenerateResponse, Trajectory
 from arl.rollout.client import InferenceClient, to_request
+from arl.rollout.env_groups import EnvGroupSpec
+from arl.rollout.filters import apply_filters
+from arl.rollout.ledger import EngineLog, TokenLedgerError, verify_trajectory
+from arl.rollout.guards import EnvCallError, GuardedEnv, call_with_deadline
+from arl.utils.histogram import LogHistogram
 
 logger = logging.getLogger("arl.rollout")
 
@@ -25,26 +31,45 @@ SendFn = Callable[[str, dict], Awaitable[None]]
 
 
 class PromptStream:
-    """Endless shuffled passes over the training rows; each worker takes every k-th row of a pass."""
+    """Endless shuffled passes over the training rows; each worker takes every k-th row of a pass.
+
+    Pass ``e`` is shuffled by its own RNG seeded with ``(seed, e)``, so the stream can jump to any position
+    (`seek`, used when a run resumes from a checkpoint or a rollout worker restarts) without replaying it.
+    """
 
     def __init__(self, rows: Sequence[dict], seed: int, shard: int = 0, num_shards: int = 1) -> None:
         if not rows:
             raise ValueError("the training data set is empty")
         self._rows = list(rows)
-        self._rng = random.Random(seed)
         self._shard, self._num_shards = shard, num_shards
-        self._it = iter(())
+        self._seed = seed
+        self._it: Any = iter(())
         self.epoch = 0
+        self.position = 0  # prompts drawn so far: the data position a checkpoint records
+
+    def _pass(self, epoch: int) -> list[int]:
+        order = list(range(len(self._rows)))
+        random.Random(f"{self._seed}:{epoch}").shuffle(order)
+        return order[self._shard :: self._num_shards] or order
+
+    def seek(self, position: int) -> None:
+        """Continue as if ``position`` prompts had been drawn."""
+        if position < 0:
+            raise ValueError(f"prompt position must be >= 0, got {position}")
+        per_pass = len(self._pass(0))
+        epoch, offset = divmod(int(position), per_pass)
+        mine = self._pass(epoch)
+        self._it = (self._rows[i] for i in mine[offset:])
+        self.epoch = epoch + 1
+        self.position = int(position)
 
     def __next__(self) -> dict:
+        self.position += 1
         for _ in range(2):
             try:
                 return next(self._it)
             except StopIteration:
-                order = list(range(len(self._rows)))
-                self._rng.shuffle(order)
-                mine = order[self._shard :: self._num_shards] or order
-                self._it = (self._rows[i] for i in mine)
+                self._it = (self._rows[i] for i in self._pass(self.epoch))
                 self.epoch += 1
         raise RuntimeError("unreachable")
 
@@ -55,8 +80,10 @@ async def run_agent(
     env: EnvironmentService,
     client: InferenceClient,
     timeout: float,
+    engine_log: Optional[EngineLog] = None,
 ) -> list[Trajectory]:
-    """Run one collect_trajectory with its own queues, bridged to the inference client, under a deadline."""
+    """Run one collect_trajectory with its own queues, bridged to the inference client, under a deadline.
+    `engine_log` records every request/response pair (for the token ledger check)."""
     obs_q: asyncio.Queue = asyncio.Queue()
     act_q: asyncio.Queue = asyncio.Queue()
 
@@ -67,7 +94,10 @@ async def run_agent(
             qid = item[0] if isinstance(item, tuple) and item else getattr(item, "qid", "?")
             await act_q.put(GenerateResponse(qid=str(qid), error=f"bad request: {e}"))
             return
-        await act_q.put(await client.generate(req))
+        resp = await client.generate(req)
+        if engine_log is not None:
+            engine_log.add(req, resp)
+        await act_q.put(resp)
 
     async def bridge() -> None:
         inflight: set[asyncio.Task] = set()
@@ -82,7 +112,8 @@ async def run_agent(
 
     bridge_task = asyncio.create_task(bridge())
     try:
-        trajs = await asyncio.wait_for(agent.collect_trajectory(prompt, env, obs_q, act_q), timeout)
+        # not asyncio.wait_for: an agent that swallows its cancellation must not hang the worker past its deadline
+        trajs = await call_with_deadline(agent.collect_trajectory(prompt, env, obs_q, act_q), timeout)
     finally:
         bridge_task.cancel()
         await asyncio.gather(bridge_task, return_exceptions=True)
@@ -93,6 +124,20 @@ async def run_agent(
         if not isinstance(t, Trajectory):
             raise TypeError(f"collect_trajectory must return a list of Trajectory, got {type(t).__name__}")
     return trajs
+
+
+def trajectory_stats(trajs: Sequence[Trajectory]) -> dict[str, float]:
+    """Sums over `trajs` of their numeric metadata (tool calls, turns, void turns, solved, ...) and rewards, so
+    the controller can report per-trajectory means."""
+    out: collections.Counter = collections.Counter()
+    for t in trajs:
+        out["reward"] += float(t.reward)
+        out["length"] += len(t.input_ids)
+        out["generated_tokens"] += int(t.num_generated)
+        for k, v in t.metadata.items():
+            if isinstance(v, (bool, int, float)) and k not in ("prompt_pos",):
+                out[k] += float(v)
+    return dict(out)
 
 
 class RolloutWorker:
@@ -112,6 +157,11 @@ class RolloutWorker:
         trajectory_timeout: float,
         eval_concurrency: int = 64,
         seed: int = 0,
+        env_timeout: Optional[float] = None,
+        env_groups: Optional[EnvGroupSpec] = None,
+        filter_void_turns: bool = False,
+        filter_uniform_groups: bool = False,
+        verify_token_ledger: bool = False,
     ) -> None:
         self.index = index
         self._make_agent, self._make_eval_agent, self._make_env = make_agent, make_eval_agent, make_env
@@ -120,22 +170,47 @@ class RolloutWorker:
         self._client = client
         self._send = send_control
         self._push = push_group
-        self._capacity = capacity
         self._timeout = trajectory_timeout
         self._eval_concurrency = eval_concurrency
         self._seed = seed
         self._group_ids = itertools.count()
+        # group ids stay unique across restarts of this worker (the learner normalises advantages per group id)
+        self._incarnation = os.urandom(3).hex()
+        self._env_timeout = env_timeout if env_timeout else trajectory_timeout
+        self.env_stats: collections.Counter = collections.Counter()  # shared by every GuardedEnv of this worker
+        # env groups: one env instance per trajectory, same seed within a group (pooled when configured)
+        spec = env_groups or EnvGroupSpec({"env": make_env}, group_size=1)
+        self._env_pool = spec.pool(wrap=lambda e: GuardedEnv(e, self._env_timeout, self.env_stats), base_seed=seed)
+        if self._env_pool.capacity is not None:
+            capacity = min(capacity, self._env_pool.capacity)
+        self._filters = {"void_turns": filter_void_turns, "uniform_groups": filter_uniform_groups}
+        self._verify_ledger = verify_token_ledger
+        self.traj_stats: collections.Counter = collections.Counter()  # numeric trajectory metadata, summed
         self._running: set[asyncio.Task] = set()
         self._wanted = 0  # acquire requests the controller has not granted yet
         self._wake = asyncio.Event()
+        self._capacity = capacity
         self.stats: collections.Counter = collections.Counter()
         self.drop_reasons: collections.Counter = collections.Counter()
+        # admission latency: gate_acquire sent -> gate_grant received, per admitted group (FIFO matching)
+        self._acquires: collections.deque[list] = collections.deque()  # [time sent, groups not yet granted]
+        self.admission = LogHistogram()
 
     # -- controller commands -------------------------------------------------------------------------------
     def on_grant(self, n: int) -> None:
         self._wanted = max(0, self._wanted - n)
+        now, left = time.monotonic(), n
+        while left and self._acquires:
+            entry = self._acquires[0]
+            take = min(left, entry[1])
+            self.admission.add(now - entry[0], take)
+            entry[1] -= take
+            left -= take
+            if entry[1] == 0:
+                self._acquires.popleft()
         for _ in range(n):
-            t = asyncio.create_task(self._run_group(next(self._prompts)))
+            prompt = next(self._prompts)
+            t = asyncio.create_task(self._run_group(prompt, self._prompts.position - 1))
             self._running.add(t)
             t.add_done_callback(self._group_finished)
 
@@ -149,39 +224,61 @@ class RolloutWorker:
             want = self._capacity - len(self._running) - self._wanted
             if want > 0:
                 self._wanted += want
+                self._acquires.append([time.monotonic(), want])
                 await self._send("gate_acquire", {"want": want})
             self._wake.clear()
             await self._wake.wait()
 
     # -- one prompt group ------------------------------------------------------------------------------------
-    async def _run_group(self, prompt: dict) -> None:
-        gid = f"w{self.index}g{next(self._group_ids)}"
+    async def _run_group(self, prompt: dict, prompt_pos: int = -1) -> None:
+        gid = f"w{self.index}.{self._incarnation}g{next(self._group_ids)}"
         t0 = time.monotonic()
         reason, trajs = "accepted", []
-        env: Optional[EnvironmentService] = None
+        env: Any = None
+        stats: dict[str, float] = {}
+        n_raw = 0
+        log = EngineLog() if self._verify_ledger else None
         try:
-            env = self._make_env()
-            await asyncio.wait_for(env.reset(seed=self._seed, options=dict(prompt)), self._timeout)
-            trajs = await run_agent(self._make_agent(), prompt, env, self._client, self._timeout)
-            if not trajs:
+            env = await self._env_pool.acquire(options=dict(prompt), timeout=self._env_timeout,
+                                               seed=None if self._env_pool.pooled else self._seed)
+            trajs = await run_agent(self._make_agent(), prompt, env, self._client, self._timeout, log)
+            if env.failure is not None:  # the agent caught an env failure and went on: its rewards are made up
+                reason = env.failure
+            elif not trajs:
                 reason = "filtered"
+            else:
+                if log is not None:
+                    await self._check_ledger(trajs, log)
+                stats, n_raw = trajectory_stats(trajs), len(trajs)
+                trajs, dropped, counts = apply_filters(trajs, **self._filters)
+                self.stats["void_trajectories_dropped"] += counts["void_trajectories"]
+                stats["void_trajectories_dropped"] = counts["void_trajectories"]
+                if dropped:
+                    reason = dropped
+        except EnvCallError as e:
+            reason = e.reason
+            logger.warning("group %s (prompt %s) dropped: %s", gid, prompt.get("id"), e)
+        except TokenLedgerError:
+            reason = "error:TokenLedgerError"
         except asyncio.TimeoutError:
-            reason = "timeout"
+            reason = (env.failure if env is not None and env.failure else None) or "timeout"
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - one bad trajectory must not take the worker down
-            reason = f"error:{type(e).__name__}"
+            reason = (env.failure if env is not None and env.failure else None) or f"error:{type(e).__name__}"
             logger.warning("group %s (prompt %s) failed: %s: %s", gid, prompt.get("id"), type(e).__name__, e)
         finally:
             if env is not None:
                 try:
-                    await asyncio.wait_for(env.close(), 5.0)
+                    await asyncio.wait_for(self._env_pool.release(env), 5.0)
                 except Exception:  # noqa: BLE001
                     pass
+        self.traj_stats.update(stats)
         accepted = reason == "accepted"
         if accepted:
             for t in trajs:
                 t.group_id = f"{gid}:{t.group_id}"
+                t.metadata["prompt_pos"] = [self.index, prompt_pos]  # the learner's checkpoint keeps data position
             await self._push(trajs)
             self.stats["trajectories"] += len(trajs)
         else:
@@ -196,8 +293,22 @@ class RolloutWorker:
                 "n_traj": len(trajs),
                 "reward_sum": float(sum(rewards)),
                 "seconds": time.monotonic() - t0,
+                "traj_stats": stats,  # sums of numeric trajectory metadata, before filters
+                "n_traj_raw": n_raw,
             },
         )
+
+    async def _check_ledger(self, trajs: Sequence[Trajectory], log: EngineLog) -> None:
+        """Token ledger check: a drift is a bug in the agent or the stack, so it stops the run (loudly)."""
+        for t in trajs:
+            try:
+                verify_trajectory(t, log)
+            except TokenLedgerError as e:
+                self.stats["ledger_failures"] += 1
+                logger.error("%s", e)
+                await self._send("error", {"message": f"rollout{self.index}: {e}"})
+                raise
+        self.stats["ledger_checked"] += len(trajs)
 
     # -- evaluation ----------------------------------------------------------------------------------------
     async def evaluate(self, version: int, max_prompts: int = 0) -> dict:
@@ -207,18 +318,23 @@ class RolloutWorker:
         results: list[dict] = []
         errors = collections.Counter()
         versions: list[int] = []
+        stats: collections.Counter = collections.Counter()
 
         async def one(row: dict) -> None:
             async with sem:
-                env = self._make_env()
+                env = GuardedEnv(self._make_env(), self._env_timeout, self.env_stats)
                 try:
                     await env.reset(seed=self._seed, options=dict(row))
-                    trajs = await run_agent(self._make_eval_agent(), row, env, self._client, self._timeout)
+                    log = EngineLog() if self._verify_ledger else None
+                    trajs = await run_agent(self._make_eval_agent(), row, env, self._client, self._timeout, log)
+                    if trajs and log is not None:
+                        await self._check_ledger(trajs[:1], log)
                     if trajs:
+                        stats.update(trajectory_stats(trajs[:1]))
                         results.append(trajs[0].metadata)
                         versions.extend(int(v) for v in trajs[0].versions[trajs[0].loss_mask.astype(bool)])
                 except Exception as e:  # noqa: BLE001
-                    errors[type(e).__name__] += 1
+                    errors[getattr(e, "reason", None) or type(e).__name__] += 1
                 finally:
                     await env.close()
 
@@ -234,6 +350,7 @@ class RolloutWorker:
             "first_acc": first / n if n else 0.0,
             "solved_acc": solved / n if n else 0.0,
             "mean_turns": sum(turns) / len(turns) if turns else 0.0,
+            "traj_means": {k: v / len(results) for k, v in sorted(stats.items())} if results else {},
             "errors": dict(errors),
             "token_versions": [min(versions), max(versions)] if versions else [],
             "seconds": time.monotonic() - t0,
@@ -241,14 +358,31 @@ class RolloutWorker:
 
     def heartbeat_stats(self) -> dict:
         return {
+            "prompt_position": getattr(self._prompts, "position", None),  # a restarted worker resumes here
             "running": len(self._running),
             "wanted": self._wanted,
             **{k: int(v) for k, v in self.stats.items()},
             "drop_reasons": dict(self.drop_reasons),
+            "traj_stats": dict(self.traj_stats),
             "client": dict(self._client.stats),
+            "env": {k: int(v) for k, v in self.env_stats.items()},
+            "waiting_on": self.waiting_on(),
+            "admission_p99_ms": self.admission.quantile(0.99) * 1000 if self.admission.total else None,
+            "admission_hist": self.admission.to_list(),
         }
+
+    def waiting_on(self) -> str:
+        """What this worker waits for, for the controller's log if it goes silent."""
+        outstanding = len(getattr(self._client, "_pending", ()))
+        return (f"{len(self._running)} groups running ({outstanding} inference requests outstanding, "
+                f"{self.env_stats['env_calls_in_flight']} env calls in flight); "
+                f"{self._wanted} groups awaiting a gate grant")
 
     async def close(self) -> None:
         for t in list(self._running):
             t.cancel()
         await asyncio.gather(*self._running, return_exceptions=True)
+        try:
+            await asyncio.wait_for(self._env_pool.close(), 5.0)
+        except Exception:  # noqa: BLE001
+            pass

@@ -81,6 +81,7 @@ CONTROL_TYPES = frozenset(
         "eval_done",
         "eval",
         "groups_dropped",
+        "worker_lost",
     }
 )
 MESSAGE_TYPES = TYPED_TYPES | CONTROL_TYPES

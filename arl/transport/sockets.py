@@ -1,4 +1,5 @@
-"""asyncio sockets over zmq.asyncio that speak the codec's frames.
+"""asyncio sockets over pyzmq that speak the codec's frames (non-blocking calls; waiting watches ZMQ_FD with
+``loop.add_reader``, see ``_Socket.__init__``; the Context is a zmq.asyncio one, so raw asyncio sockets mix in).
 
 One zmq Context per process (``context()``). Each socket:
 
@@ -23,6 +24,7 @@ Patterns: Router (bind) <-> Dealer (connect) for request/response; Push -> Pull 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import time
@@ -51,6 +53,8 @@ logger = logging.getLogger("arl.transport")
 DEFAULT_HWM = 10_000  # messages queued per peer before backpressure (Dealer/Push) or drops (Router/Pub)
 _WARN_INTERVAL_S = 1.0
 _MAX_FAST_STREAK = 64  # receives served from the queue without yielding to the event loop
+# plain ints: pyzmq's enum flags cost microseconds per `&` and per call on this hot path
+_DONTWAIT, _EVENTS, _POLLIN, _POLLOUT = int(zmq.DONTWAIT), int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT)
 
 
 class SocketClosed(ConnectionError):
@@ -105,12 +109,18 @@ class _Socket:
         sock.setsockopt(zmq.RCVHWM, hwm)
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * max_bytes + TAG_SIZE)
         self._sock = sock
-        # A plain (non-asyncio) view of the same socket for the non-blocking fast paths: a message that is already
-        # queued is taken without creating a Future; only an empty queue (or a full one, on send) goes through
-        # zmq.asyncio. See _recv_parts / _try_send for how the two stay in step.
+        # Every operation goes through a plain (non-asyncio) view of the socket with DONTWAIT: a message that is
+        # already queued is taken without creating a Future. Waiting (empty queue on recv, full queue on send)
+        # watches the socket's ZMQ_FD with loop.add_reader and wakes one waiter per ready direction: a fraction
+        # of the per-message cost of zmq.asyncio's generic future machinery (measured: scripts/bench_transport.py).
+        # ZMQ_FD only signals that ZMQ_EVENTS may have changed, and reading ZMQ_EVENTS (or a send/recv) consumes
+        # the signal, so after every operation with someone waiting, _wake() re-reads ZMQ_EVENTS itself.
         self._sync = zmq.Socket.shadow(sock.underlying)
-        self._recv_waiting = 0
-        self._send_waiting = 0
+        self._fd = self._sync.getsockopt(zmq.FD)
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._watching = False
+        self._recv_waiters: collections.deque[asyncio.Future] = collections.deque()
+        self._send_waiters: collections.deque[asyncio.Future] = collections.deque()
         self._fast_streak = 0
         self._secret = secret
         self._max_bytes = max_bytes
@@ -148,6 +158,15 @@ class _Socket:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            self._unwatch()
+            for fut in (*self._recv_waiters, *self._send_waiters):
+                if not fut.done():
+                    try:
+                        fut.set_exception(SocketClosed(f"{self.name} was closed"))
+                    except RuntimeError:  # its event loop is closed already
+                        pass
+            self._recv_waiters.clear()
+            self._send_waiters.clear()
             self._sock.close(linger=0)
 
     def __enter__(self):
@@ -194,54 +213,104 @@ class _Socket:
         else:
             self._suppressed += 1
 
-    def _raise_if_closed(self, op: str) -> None:
-        """zmq.asyncio cancels pending futures on close: report that as SocketClosed, unless the task itself
-        is being cancelled."""
-        task = asyncio.current_task()
-        if self._closed and (task is None or not task.cancelling()):
-            raise SocketClosed(f"{self.name} was closed during {op}") from None
+    # ----------------------------------------------------------------- waiting on the ZMQ_FD
+
+    def _watch(self) -> asyncio.AbstractEventLoop:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            self._unwatch()
+            self._loop = loop
+        if not self._watching:
+            loop.add_reader(self._fd, self._wake)
+            self._watching = True
+        return loop
+
+    def _unwatch(self) -> None:
+        if self._watching and self._loop is not None and not self._loop.is_closed():
+            try:
+                self._loop.remove_reader(self._fd)
+            except (ValueError, OSError, RuntimeError):
+                pass
+        self._watching = False
+
+    def _wake(self) -> None:
+        """Read ZMQ_EVENTS (re-arming ZMQ_FD) and wake the first waiter of each direction that is ready."""
+        if self._closed:
+            return
+        try:
+            events = self._sync.get(_EVENTS)
+        except zmq.ZMQError:
+            return
+        if events & _POLLIN:
+            _wake_first(self._recv_waiters)
+        if events & _POLLOUT:
+            _wake_first(self._send_waiters)
+
+    async def _wait(self, waiters: collections.deque, op: str, checked: bool = False) -> None:
+        """Until the socket may be ready for `op` (a wake can be spurious: callers retry the operation).
+        `checked`: the caller read ZMQ_EVENTS (not ready) just now, with no await since, so the FD will signal."""
+        loop = self._watch()
+        fut = loop.create_future()
+        waiters.append(fut)
+        if not checked:
+            self._wake()  # the edge may have been consumed before we started watching
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self._wake()  # we were woken but will not act on it: pass the wake on
+            raise
+        finally:
+            try:
+                waiters.remove(fut)
+            except ValueError:
+                pass
+        if self._closed:
+            raise SocketClosed(f"{self.name} was closed during {op}")
 
     async def _recv_parts(self) -> list:
         if self._closed:
             raise SocketClosed(f"{self.name} is closed")
-        if self._fast_streak < _MAX_FAST_STREAK:
-            try:
-                parts = self._sync.recv_multipart(zmq.DONTWAIT)
-            except zmq.Again:
-                pass
-            else:
-                self._fast_streak += 1
-                if self._send_waiting:  # our recv may have consumed the edge a pending send waits for
-                    self._sock.get(zmq.EVENTS)
-                return parts
-        else:  # let other tasks run now and then, even while messages keep arriving
+        if self._fast_streak >= _MAX_FAST_STREAK:  # let other tasks run now and then, even while messages keep coming
             self._fast_streak = 0
             await asyncio.sleep(0)
-        self._fast_streak = 0
-        self._recv_waiting += 1
-        try:
-            return await self._sock.recv_multipart(copy=True)
-        except asyncio.CancelledError:
-            self._raise_if_closed("recv")
-            raise
-        except zmq.ZMQError as e:
-            if self._closed or e.errno == zmq.ENOTSOCK:
-                raise SocketClosed(f"{self.name} is closed") from None
-            raise
-        finally:
-            self._recv_waiting -= 1
+            if self._closed:
+                raise SocketClosed(f"{self.name} is closed")
+        # Try the queue at once only when a message is likely (the last receive found one, or we were just woken):
+        # a receive on an empty queue raises zmq.Again, which costs several times a ZMQ_EVENTS check.
+        likely = self._fast_streak > 0
+        while True:
+            try:
+                if not likely and not self._sync.get(_EVENTS) & _POLLIN:
+                    self._fast_streak = 0
+                    await self._wait(self._recv_waiters, "recv", checked=True)
+                    likely = True
+                    continue
+                parts = self._sync.recv_multipart(_DONTWAIT, copy=True)
+            except zmq.Again:
+                self._fast_streak = 0
+                likely = False
+                continue
+            except zmq.ZMQError as e:
+                if self._closed or e.errno == zmq.ENOTSOCK:
+                    raise SocketClosed(f"{self.name} is closed") from None
+                raise
+            self._fast_streak += 1
+            if self._recv_waiters or self._send_waiters:  # our recv may have consumed the edge they wait for
+                self._wake()
+            return parts
 
     def _try_send(self, parts: Any, multipart: bool) -> bool:
         """Non-blocking send; False if the queue is full (zmq.Again). Other ZMQErrors propagate."""
         try:
             if multipart:
-                self._sync.send_multipart(parts, zmq.DONTWAIT, copy=True)
+                self._sync.send_multipart(parts, _DONTWAIT, copy=True)
             else:
-                self._sync.send(parts, zmq.DONTWAIT, copy=True)
+                self._sync.send(parts, _DONTWAIT, copy=True)
         except zmq.Again:
             return False
-        if self._recv_waiting:  # our send may have consumed the edge a pending recv waits for
-            self._sock.get(zmq.EVENTS)
+        if self._recv_waiters or self._send_waiters:  # our send may have consumed the edge they wait for
+            self._wake()
         return True
 
     async def _recv_single(self) -> tuple[str, Any]:
@@ -261,16 +330,16 @@ class _Socket:
         if self._closed:
             raise SocketClosed(f"{self.name} is closed")
         frame = self._encode(msg_type, payload)
-        if not self._try_send(frame, False):
-            self._send_waiting += 1
-            try:
-                await self._sock.send(frame, copy=True)
-            except asyncio.CancelledError:
-                self._raise_if_closed("send")
-                raise
-            finally:
-                self._send_waiting -= 1
+        while not self._try_send(frame, False):
+            await self._wait(self._send_waiters, "send")
         self.stats["sent"] += 1
+
+
+def _wake_first(waiters: collections.deque) -> None:
+    for fut in waiters:
+        if not fut.done():
+            fut.set_result(None)
+            return
 
 
 def _with_timeout(coro: Any, timeout: Optional[float]) -> Any:

@@ -104,8 +104,9 @@ async def test_single_step_trajectories():
         assert t.versions.tolist() == [-1] * len(PROMPT_IDS) + [5 + i] * len(o)
     assert [t.reward for t in trajs] == [1.0, 0.0, 1.0, 0.0]
     assert [t.metadata["solved"] for t in trajs] == [True, False, True, False]
-    assert trajs[0].metadata == {"turns": 1, "first_correct": True, "solved": True, "termination": "stop",
-                                 "prompt_id": "12+7"}
+    meta = dict(trajs[0].metadata)
+    assert meta.pop("token_ledger") == [["prompt", 0, len(PROMPT_IDS)], ["engine", len(PROMPT_IDS), len(trajs[0].input_ids)]]
+    assert meta == {"turns": 1, "first_correct": True, "solved": True, "termination": "stop", "prompt_id": "12+7"}
     assert trajs[3].metadata["termination"] == "length" and trajs[0].turn_rewards == [1.0]
 
 

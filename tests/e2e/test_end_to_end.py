@@ -22,6 +22,7 @@ SMALL = [
     "eval.every_n_steps=2",
     "progress=false",
     "startup_timeout=240",
+    "rollout.verify_token_ledger=true",  # every trajectory = engine tokens + declared insertions, or the run fails
 ]
 
 
@@ -70,6 +71,14 @@ def assert_clean_run(proc: subprocess.CompletedProcess, run_dir: str, steps: int
     return train
 
 
+def assert_ledger_checked(run_dir: str) -> dict:
+    """The token ledger check ran on the trajectories (rollout0's counters in the last eval record's role stats)."""
+    evals = [m for m in read_metrics(run_dir) if m["type"] == "eval"]
+    stats = evals[-1].get("roles", {}).get("rollout0", {})
+    assert stats.get("ledger_checked", 0) > 0 and stats.get("ledger_failures", 0) == 0, stats
+    return stats
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("eta", [0, 2])
 def test_trains_with_every_role_as_a_process_and_bounded_staleness(tmp_path, model_cache, eta):
@@ -84,6 +93,7 @@ def test_trains_with_every_role_as_a_process_and_bounded_staleness(tmp_path, mod
         assert m["n_seqs"] >= 2 * 4
     if eta == 0:
         assert all(m["head_offpolicyness"] == 0 for m in train)
+    assert_ledger_checked(run_dir)
     logs = os.listdir(os.path.join(run_dir, "logs"))
     assert sorted(logs) == ["inference0.log", "learner.log", "rollout0.log"]
     with open(os.path.join(run_dir, "logs", "learner.log")) as f:
@@ -137,6 +147,30 @@ def test_user_agent_from_outside_the_package(tmp_path, model_cache):
                               "total_train_steps=2", *SMALL], str(tmp_path / "runs"), model_cache,
                              cwd=str(user_dir))
     assert_clean_run(proc, run_dir, 2)
+    assert_ledger_checked(run_dir)
+
+
+@pytest.mark.slow
+def test_tool_agent_with_env_groups_filters_and_ledger(tmp_path, model_cache):
+    """The tool agent (calculator + sandboxed python) through every role, with pooled env groups (2 tags), the
+    void-turn and success-rate filters and the ledger check. The a+b model writes no tool calls (its tokenizer
+    lacks the characters); the tool-calc experiment is the learning demo."""
+    args = ["agent.name=tool-agent", "agent.args={tools: [calculator, python], max_turns: 2, max_total_tokens: 64,"
+            " answer_regex: '\\d', tool_kwargs: {python: {timeout: 2.0}}}", "rollout.num_env_groups=4",
+            "rollout.tags=[math,math2]", "rollout.env_configs={math2: {name: math, args: {timeout: 10.0}}}",
+            "rollout.max_env_num_per_worker=16", "rollout.filter_void_turns=true",
+            "rollout.filter_uniform_groups=true", "total_train_steps=2", *SMALL]
+    proc, run_dir = run_main(args, str(tmp_path), model_cache)
+    train = assert_clean_run(proc, run_dir, 2)
+    assert_ledger_checked(run_dir)
+    # each train record carries the means over the groups finished since the previous one (none, if the groups a
+    # step trains on were all in before the previous record): together they cover at least the trained groups
+    rollouts = [m["rollout"] for m in train if m["rollout"]]
+    assert sum(r["n_traj"] for r in rollouts) >= 2 * 2 * 4, [m["rollout"] for m in train]
+    for r in rollouts:
+        assert "tool_calls" in r and "void_turns" in r, r
+    evals = [m for m in read_metrics(run_dir) if m["type"] == "eval"]
+    assert "tool_calls" in evals[-1]["traj_means"]
 
 
 def test_bad_key_and_unknown_agent_fail_fast():

@@ -1,0 +1,632 @@
+"""SGLang backend (`inference.backend=sglang`): the inference worker launches, supervises and drives an SGLang server.
+
+Why it is built this way (schema and semantics read from SGLang 0.5.23's `http_server.py` / `io_struct.py`):
+
+* **Token-in, token-out.** `POST /generate` with `input_ids`, `sampling_params` and `return_logprob: true`; the
+  answer's `output_ids` and `meta_info.output_token_logprobs` (`[[logprob, token_id, text|null], ...]`) are the
+  sample; `meta_info.finish_reason.type` is `stop` | `length` | `abort`. Text is never decoded and re-encoded.
+  One HTTP request per sample (n samples of one prompt share its prefix through SGLang's radix cache). SGLang's
+  logprobs are `log_softmax(logits / T)` of the drawn token (T = 1 for greedy), the same convention as the embedded
+  engine and the learner.
+* **Per-token versions come from SGLang itself.** `/update_weights_from_disk` takes a `weight_version` string; every
+  answer carries `meta_info.weight_versions`, spans `{version, start, end}` over the output tokens that say which
+  weights made each token (a request that spans an update has two spans). The version SGLang starts with is
+  "default" and maps to this engine's initial version.
+* **Weight updates without dropping a request** (`pause_mode`):
+  - `retract` (default): `/pause_generation {"mode": "retract"}` stops the scheduler at a step boundary and moves
+    in-flight requests (with their tokens so far) back to the waiting queue, freeing their KV;
+    `/update_weights_from_disk` loads the new weights and flushes the radix cache (allowed while paused);
+    `/continue_generation` resumes and the requests are re-prefilled (prompt + tokens so far) under the new
+    weights: KV RECOMPUTED, and no later request can reuse a prefix cached under the old weights.
+  - `in_place`: the requests stay in the running batch and keep their KV (computed by the old weights, like the
+    embedded engine): the cheapest pause. The update must not flush (SGLang refuses a flush while requests sit in
+    the batch), so prefixes cached under the old weights stay in the radix cache and later requests sharing them
+    reuse old-weight KV until they are evicted or `/flush_cache` runs on an idle server.
+  - `abort` (fallback for servers without the modes above): every in-flight request is aborted and comes back with
+    its tokens so far; the engine re-submits prompt + those tokens for the remaining budget once the new weights
+    are in. Nothing is lost or restarted from scratch; the prefix is re-prefilled (KV recomputed).
+  New requests that arrive during an update are held by SGLang until `/continue_generation`.
+* **Weights from the learner's export.** SGLang loads a directory; the learner writes one safetensors file per
+  version. The engine builds `weights_dir/v<version>/` with the file hard-linked (or symlinked) as
+  `model.safetensors` next to links to the base model's config and tokenizer files, and keeps the last two.
+* **Supervision.** `SGLangServer` starts `python -m sglang.launch_server ...` in its own process group with
+  PR_SET_PDEATHSIG (a `kill -9` of the worker takes the server with it; SGLang's own children die with their
+  parent), waits for `/health`, and stops the group on close. A health watcher polls `/health` (not during an
+  update: a paused server does not answer it) and the process; when the server is gone, in-flight requests get an
+  error and `wait_failed()` returns, so the inference worker exits and the controller fails over.
+* Bad input gets a `GenerateResponse` with `error`, never an exception; every HTTP call has a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from arl.api.types import GenerateRequest, GenerateResponse, GenerationConfig, SampleOutput
+
+logger = logging.getLogger("arl.inference")
+
+PAUSE_MODES = ("in_place", "retract", "abort")
+# files of the base model directory linked into every per-version weights directory
+_MODEL_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                     "special_tokens_map.json", "chat_template.jinja", "tokenizer.model", "vocab.json", "merges.txt")
+# flags that make sglang 0.5.x run on a CPU (see DESIGN.md): torch-native attention, no CUDA graphs
+CPU_SERVER_ARGS = ("--attention-backend", "torch_native", "--disable-cuda-graph", "--skip-server-warmup",
+                   "--mem-fraction-static", "0.1", "--max-total-tokens", "65536")
+
+
+class SGLangError(RuntimeError):
+    """An SGLang call that failed (HTTP status, transport error, or a malformed answer)."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:  # in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _tail(path: str, n: int = 30) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 16384))
+            return "\n".join(f.read().decode("utf-8", "replace").splitlines()[-n:])
+    except OSError as e:
+        return f"<no log: {e}>"
+
+
+def server_command(*, model_path: str, host: str, port: int, device: str, seed: int, python: str = "",
+                   max_running_requests: int = 0, context_length: int = 0,
+                   extra_args: Sequence[str] = ()) -> list[str]:
+    """The `sglang.launch_server` command line for one server (CPU flags added when `device` is cpu)."""
+    cmd = [python or sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host,
+           "--port", str(port), "--device", device, "--random-seed", str(seed)]
+    if max_running_requests > 0:
+        cmd += ["--max-running-requests", str(max_running_requests)]
+    if context_length > 0:
+        cmd += ["--context-length", str(context_length)]
+    if device == "cpu":
+        cmd += list(CPU_SERVER_ARGS)
+    return cmd + list(extra_args)
+
+
+def server_gpus(index: int, gpus_per_server: int, first_gpu: int = 0, visible: str = "") -> str:
+    """CUDA_VISIBLE_DEVICES of server `index`: GPUs first + index*g .. first + index*g + g - 1, counted within
+    `visible` (the launcher's own CUDA_VISIBLE_DEVICES) when that is set."""
+    slots = [first_gpu + index * gpus_per_server + k for k in range(gpus_per_server)]
+    ids = [v.strip() for v in visible.split(",") if v.strip()]
+    if ids and max(slots) >= len(ids):
+        raise ValueError(f"sglang server {index} needs GPUs {slots}, but CUDA_VISIBLE_DEVICES={visible!r} has only "
+                         f"{len(ids)}")
+    return ",".join(ids[k] if ids else str(k) for k in slots)
+
+
+class SGLangServer:
+    """An SGLang server process owned by this worker: started, health-checked, and stopped with it."""
+
+    def __init__(self, cmd: Sequence[str], *, host: str, port: int, log_path: str,
+                 env: Optional[dict[str, str]] = None) -> None:
+        self.cmd = list(cmd)
+        self.host, self.port = host, port
+        self.log_path = log_path
+        self.env = dict(env or {})
+        self.proc: Optional[subprocess.Popen] = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> "SGLangServer":
+        """Spawn the server (call from the main thread: PR_SET_PDEATHSIG is tied to the spawning thread)."""
+        os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
+        log = open(self.log_path, "ab", buffering=0)
+        env = dict(os.environ)
+        env.update(self.env)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        try:
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=env, start_new_session=True,
+                                         preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+        finally:
+            log.close()
+        logger.info("started sglang server (pid %d) on %s, log %s", self.proc.pid, self.base_url, self.log_path)
+        return self
+
+    def exit_code(self) -> Optional[int]:
+        return None if self.proc is None else self.proc.poll()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait_ready(self, timeout: float) -> None:
+        """Block until GET /health answers 200; raises with the log tail if the server exits or times out."""
+        deadline = time.monotonic() + timeout
+        while True:
+            code = self.exit_code()
+            if code is not None:
+                raise SGLangError(f"sglang server exited with code {code} while starting; last lines of "
+                                  f"{self.log_path}:\n{_tail(self.log_path)}")
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError, ValueError):
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise SGLangError(f"sglang server not healthy within {timeout:.0f}s; last lines of "
+                                  f"{self.log_path}:\n{_tail(self.log_path)}")
+            time.sleep(0.5)
+
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM the server's process group, SIGKILL what is left after `grace` seconds. Idempotent."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                self.proc.wait(timeout=wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+
+def _version_of(tag: Any, initial: int) -> int:
+    """SGLang's weight_version string -> our int version ("default", SGLang's start-up tag, is the initial one)."""
+    try:
+        return int(str(tag))
+    except (TypeError, ValueError):
+        return initial
+
+
+class SGLangEngine:
+    """`InferenceEngine` over an SGLang HTTP server (see the module docstring for the protocol).
+
+    Args:
+        base_url: the server, e.g. http://127.0.0.1:30000.
+        model_path: the base HF model directory (config and tokenizer files for per-version weight dirs).
+        version: policy version of the weights the server starts with.
+        server: the supervised server process, if this engine owns one (stopped on close, watched for exit).
+        pause_mode: "retract" (KV recomputed), "in_place" (KV kept) or "abort" (abort + resubmit the prefix).
+        weights_dir: where per-version weight directories are built (default: a `sglang-weights` folder next
+            to the learner's file).
+        max_context_len: prompts at least this long are refused (0: leave it to the server).
+        request_timeout: seconds one /generate call may take; control_timeout: for pause/update/continue.
+        health_interval / max_health_failures: the watcher polls /health every interval; this many failures in a
+            row (or the server process exiting) mark the engine failed.
+        empty_device_cache: pass `torch_empty_cache` on resume (GPU servers).
+    """
+
+    def __init__(self, base_url: str, *, model_path: str = "", version: int = 0, name: str = "sglang",
+                 server: Optional[SGLangServer] = None, pause_mode: str = "retract", weights_dir: str = "",
+                 max_context_len: int = 0, request_timeout: float = 3600.0, control_timeout: float = 600.0,
+                 health_interval: float = 5.0, max_health_failures: int = 3, empty_device_cache: bool = False,
+                 max_connections: int = 1024) -> None:
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
+        self.base_url = base_url.rstrip("/")
+        self.model_path = model_path
+        self.name = name
+        self.server = server
+        self.pause_mode = pause_mode
+        self.weights_dir = weights_dir
+        self.max_context_len = int(max_context_len)
+        self.request_timeout = float(request_timeout)
+        self.control_timeout = float(control_timeout)
+        self.health_interval = float(health_interval)
+        self.max_health_failures = int(max_health_failures)
+        self.empty_device_cache = bool(empty_device_cache)
+        self.max_connections = int(max_connections)
+        self._initial_version = int(version)
+        self._version = int(version)
+        self._session: Any = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._health_task: Optional[asyncio.Task] = None
+        self._update_lock: Optional[asyncio.Lock] = None
+        self._failed: Optional[str] = None
+        self._failed_event: Optional[asyncio.Event] = None
+        self._closed = False
+        self._updating = False
+        self._abort_epoch = 0  # bumped by each abort-mode update: an abort seen after it is resubmitted
+        self._built_dirs: list[str] = []
+        self._inflight = 0
+        self._counters = {"requests": 0, "samples": 0, "tokens_generated": 0, "requests_refused": 0,
+                          "requests_failed": 0, "resubmits": 0, "weight_updates": 0, "health_failures": 0}
+        self._last_update_s = 0.0
+        self._busy_s = 0.0
+        self._busy_since: Optional[float] = None
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def start(self) -> None:
+        """Open the HTTP session and start the health watcher (done implicitly by the first call)."""
+        await self._ensure_session()
+
+    async def agenerate(self, req: GenerateRequest) -> GenerateResponse:
+        """`req.gconfig.n` samples of `req.input_ids`. Never raises: failures come back as `error`."""
+        qid = getattr(req, "qid", "?")
+        try:
+            err = self._check_request(req)
+        except Exception as e:  # noqa: BLE001 - anything odd about the request is the caller's input error
+            err = f"invalid request: {type(e).__name__}: {e}"
+        if err is None and self._closed:
+            err = "engine closed"
+        if err is None and self._failed:
+            err = f"sglang server failed: {self._failed}"
+        if err is not None:
+            self._counters["requests_refused"] += 1
+            return GenerateResponse(qid=qid, samples=[], error=err)
+        await self._ensure_session()
+        self._counters["requests"] += 1
+        self._enter()
+        try:
+            results = await asyncio.gather(*(self._sample(req, i) for i in range(req.gconfig.n)),
+                                           return_exceptions=True)
+        finally:
+            self._leave()
+        samples: list[SampleOutput] = []
+        errors: list[str] = []
+        for r in results:
+            if isinstance(r, SampleOutput):
+                samples.append(r)
+            elif isinstance(r, asyncio.CancelledError):
+                raise r
+            else:
+                errors.append(f"{type(r).__name__}: {r}" if not isinstance(r, SGLangError) else str(r))
+        if errors:
+            self._counters["requests_failed"] += 1
+            return GenerateResponse(qid=qid, samples=samples, error=f"sglang: {errors[0]}")
+        self._counters["samples"] += len(samples)
+        return GenerateResponse(qid=qid, samples=samples)
+
+    async def update_weights(self, source: str, version: int) -> None:
+        """Pause the server (per `pause_mode`), load `source` as `version`, resume. Raises (old weights and
+        version kept) if SGLang refuses the update; generation is resumed either way."""
+        await self._ensure_session()
+        assert self._update_lock is not None
+        async with self._update_lock:
+            path = await asyncio.to_thread(self._weights_path, str(source), int(version))
+            t0 = time.perf_counter()
+            self._updating = True
+            try:
+                if self.pause_mode == "abort":
+                    self._abort_epoch += 1
+                await self._post("/pause_generation", {"mode": self.pause_mode}, self.control_timeout)
+                try:
+                    body = {"model_path": path, "weight_version": str(int(version)),
+                            "flush_cache": self.pause_mode != "in_place"}
+                    data = await self._post("/update_weights_from_disk", body, self.control_timeout,
+                                            accept=(200, 400))
+                    if not isinstance(data, dict) or not data.get("success"):
+                        msg = data.get("message") if isinstance(data, dict) else data
+                        raise SGLangError(f"update_weights_from_disk({path}) failed: {msg}")
+                    self._version = int(version)
+                finally:
+                    await self._post("/continue_generation", {"torch_empty_cache": self.empty_device_cache},
+                                     self.control_timeout)
+            finally:
+                self._updating = False
+            self._last_update_s = time.perf_counter() - t0
+            self._counters["weight_updates"] += 1
+            logger.info("%s: loaded %s as version %d in %.3fs (pause mode %s)", self.name, path, version,
+                        self._last_update_s, self.pause_mode)
+            self._prune_built()
+
+    async def pause(self) -> None:
+        await self._ensure_session()
+        await self._post("/pause_generation", {"mode": self.pause_mode}, self.control_timeout)
+
+    async def resume(self) -> None:
+        await self._ensure_session()
+        await self._post("/continue_generation", {"torch_empty_cache": self.empty_device_cache},
+                         self.control_timeout)
+
+    async def wait_failed(self) -> str:
+        """Returns (with the reason) once the server is gone for good; the worker then exits and is failed over."""
+        await self._ensure_session()
+        assert self._failed_event is not None
+        await self._failed_event.wait()
+        return self._failed or "unknown"
+
+    async def close(self) -> None:
+        """Stop the health watcher, close the HTTP session, stop the owned server. Idempotent."""
+        self._closed = True
+        if self._health_task is not None:
+            self._health_task.cancel()
+            await asyncio.gather(self._health_task, return_exceptions=True)
+            self._health_task = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        if self.server is not None:
+            await asyncio.to_thread(self.server.stop)
+
+    def stats(self) -> dict[str, Any]:
+        busy = self._busy_s + (time.monotonic() - self._busy_since if self._busy_since is not None else 0.0)
+        return {"name": self.name, "backend": "sglang", "version": self._version, **self._counters,
+                "running_requests": self._inflight, "busy_s": busy, "last_update_s": self._last_update_s,
+                "pause_mode": self.pause_mode, "failed": self._failed, "closed": self._closed}
+
+    # ------------------------------------------------------------------ requests
+
+    def _check_request(self, req: GenerateRequest) -> Optional[str]:
+        if not isinstance(req, GenerateRequest):
+            return f"expected a GenerateRequest, got {type(req).__name__}"
+        g = req.gconfig
+        if not isinstance(g, GenerationConfig):
+            return f"gconfig must be a GenerationConfig, got {type(g).__name__}"
+        try:
+            g.validate()
+        except ValueError as e:
+            return f"invalid GenerationConfig: {e}"
+        if len(req.input_ids) == 0:
+            return "empty prompt (input_ids has no tokens)"
+        if int(req.input_ids.min()) < 0:
+            return "negative token id in input_ids"
+        if self.max_context_len and len(req.input_ids) >= self.max_context_len:
+            return (f"prompt too long: {len(req.input_ids)} tokens, the engine's max_context_len is "
+                    f"{self.max_context_len}")
+        return None
+
+    @staticmethod
+    def sampling_params(g: GenerationConfig, done: int = 0, max_new: int = 0) -> dict[str, Any]:
+        """SGLang `sampling_params` for the rest of a sample that already has `done` tokens (of `max_new`)."""
+        p: dict[str, Any] = {"max_new_tokens": (max_new or g.max_new_tokens) - done,
+                             "min_new_tokens": max(0, g.min_new_tokens - done)}
+        if g.greedy:
+            p["temperature"] = 0.0  # SGLang: temperature < 1e-6 means top_k = 1 (greedy)
+        else:
+            p.update(temperature=float(g.temperature), top_p=float(g.top_p), top_k=g.top_k if g.top_k > 0 else -1)
+        if g.stop_token_ids:
+            p["stop_token_ids"] = [int(t) for t in g.stop_token_ids]
+        return p
+
+    async def _sample(self, req: GenerateRequest, index: int) -> SampleOutput:
+        prompt = [int(t) for t in req.input_ids]
+        g = req.gconfig
+        ids: list[int] = []
+        logps: list[float] = []
+        versions: list[int] = []
+        max_new = g.max_new_tokens  # like the embedded engine: prompt + output stop at max_context_len ("length")
+        if self.max_context_len:
+            max_new = min(max_new, self.max_context_len - len(prompt))
+        while True:
+            epoch = self._abort_epoch
+            body = {"rid": f"{self.name}-{uuid.uuid4().hex}", "input_ids": prompt + ids,
+                    "sampling_params": self.sampling_params(g, len(ids), max_new), "return_logprob": True}
+            submitted_version = self._version
+            data = await self._post("/generate", body, self.request_timeout)
+            out_ids, out_lp, out_v, finish = self._parse_generate(data, submitted_version)
+            ids += out_ids
+            logps += out_lp
+            versions += out_v
+            self._counters["tokens_generated"] += len(out_ids)
+            if finish == "abort" and len(ids) < max_new and (epoch != self._abort_epoch or self._updating):
+                self._counters["resubmits"] += 1  # aborted for a weight update: go on from the prefix
+                continue
+            return SampleOutput(output_ids=np.asarray(ids, np.int32), output_logprobs=np.asarray(logps, np.float32),
+                                output_versions=np.asarray(versions, np.int32), finish_reason=finish)
+
+    def _parse_generate(self, data: Any, submitted_version: int) -> tuple[list[int], list[float], list[int], str]:
+        """output ids, logprobs, per-token versions and finish reason of one /generate answer."""
+        if isinstance(data, list) and len(data) == 1:
+            data = data[0]
+        if not isinstance(data, dict) or not isinstance(data.get("meta_info"), dict):
+            raise SGLangError(f"malformed /generate answer: {str(data)[:200]}")
+        meta = data["meta_info"]
+        ids = [int(t) for t in data.get("output_ids") or []]
+        lp_rows = meta.get("output_token_logprobs") or []
+        if len(lp_rows) != len(ids):
+            raise SGLangError(f"/generate answer has {len(ids)} output_ids but {len(lp_rows)} logprobs")
+        logps = [float(row[0]) for row in lp_rows]
+        if any(int(row[1]) != t for row, t in zip(lp_rows, ids)):
+            raise SGLangError("/generate answer's logprob token ids differ from its output_ids")
+        fr = meta.get("finish_reason")
+        kind = fr.get("type") if isinstance(fr, dict) else fr
+        finish = kind if kind in ("stop", "length", "abort") else ("length" if kind is None else "abort")
+        versions = self._token_versions(meta, len(ids), submitted_version)
+        return ids, logps, versions, finish
+
+    def _token_versions(self, meta: dict, n: int, submitted_version: int) -> list[int]:
+        spans = meta.get("weight_versions")
+        if isinstance(spans, list) and spans:
+            out = [submitted_version] * n
+            for s in spans:
+                v = _version_of(s.get("version"), self._initial_version)
+                for k in range(max(0, int(s.get("start", 0))), min(n, int(s.get("end", n)))):
+                    out[k] = v
+            return out
+        tag = meta.get("weight_version")
+        return [_version_of(tag, self._initial_version) if tag is not None else submitted_version] * n
+
+    # ------------------------------------------------------------------ weights
+
+    def _weights_path(self, source: str, version: int) -> str:
+        """A directory SGLang can load for `source`: itself if it is one, else a per-version dir around the file."""
+        src = Path(source)
+        if src.is_dir():
+            return str(src.resolve())
+        if not src.is_file():
+            raise FileNotFoundError(f"weights source {source} does not exist")
+        root = Path(self.weights_dir) if self.weights_dir else src.resolve().parent / "sglang-weights"
+        d = root / f"v{version}"
+        if d.exists():
+            shutil.rmtree(d)
+        d.mkdir(parents=True)
+        target = d / "model.safetensors"
+        try:
+            os.link(src.resolve(), target)  # a hard link survives the learner pruning its file
+        except OSError:
+            target.symlink_to(src.resolve())
+        if self.model_path:
+            for name in _MODEL_SIDE_FILES:
+                f = Path(self.model_path) / name
+                if f.is_file():
+                    (d / name).symlink_to(f.resolve())
+        self._built_dirs.append(str(d))
+        return str(d)
+
+    def _prune_built(self, keep: int = 2) -> None:
+        while len(self._built_dirs) > keep:
+            shutil.rmtree(self._built_dirs.pop(0), ignore_errors=True)
+
+    # ------------------------------------------------------------------ HTTP
+
+    async def _ensure_session(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._session is not None and self._loop is loop:
+            return
+        import aiohttp
+
+        if self._session is not None:  # used from a new event loop (e.g. successive asyncio.run): start afresh
+            if self._health_task is not None and not self._loop.is_closed():
+                self._health_task.cancel()
+            self._health_task = None
+            if not self._loop.is_closed():
+                try:
+                    await self._session.close()
+                except Exception:  # noqa: BLE001 - the session belongs to another loop
+                    pass
+        self._loop = loop
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self.max_connections))
+        self._update_lock = asyncio.Lock()
+        self._failed_event = asyncio.Event()
+        if self._failed:
+            self._failed_event.set()
+        if self.health_interval > 0:
+            self._health_task = asyncio.create_task(self._watch_health())
+
+    async def _post(self, path: str, body: dict, timeout: float, accept: tuple[int, ...] = (200,)) -> Any:
+        import aiohttp
+
+        try:
+            async with self._session.post(self.base_url + path, json=body,
+                                          timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                text = await r.text()
+                if r.status not in accept:
+                    raise SGLangError(f"POST {path} -> HTTP {r.status}: {text[:300]}")
+                try:
+                    return json.loads(text) if text else {}
+                except json.JSONDecodeError:
+                    return {"text": text}
+        except asyncio.TimeoutError:
+            raise SGLangError(f"POST {path}: no answer from {self.base_url} in {timeout:.0f}s") from None
+        except aiohttp.ClientError as e:
+            raise SGLangError(f"POST {path}: {type(e).__name__}: {e}") from None
+
+    async def _health_ok(self) -> bool:
+        import aiohttp
+
+        try:
+            async with self._session.get(self.base_url + "/health",
+                                         timeout=aiohttp.ClientTimeout(total=max(5.0, self.health_interval))) as r:
+                return r.status == 200
+        except (asyncio.TimeoutError, aiohttp.ClientError):
+            return False
+
+    async def _watch_health(self) -> None:
+        failures = 0
+        while not self._closed:
+            await asyncio.sleep(self.health_interval)
+            if self.server is not None and self.server.exit_code() is not None:
+                self._fail(f"sglang server exited with code {self.server.exit_code()}")
+                return
+            if self._updating:  # a paused server does not answer /health
+                continue
+            if await self._health_ok():
+                failures = 0
+                continue
+            failures += 1
+            self._counters["health_failures"] += 1
+            logger.warning("%s: /health failed (%d in a row)", self.name, failures)
+            if failures >= self.max_health_failures:
+                self._fail(f"/health failed {failures} times in a row")
+                return
+
+    def _fail(self, reason: str) -> None:
+        if self._failed is None:
+            logger.error("%s: %s", self.name, reason)
+            self._failed = reason
+        if self._failed_event is not None:
+            self._failed_event.set()
+
+    def _enter(self) -> None:
+        if self._inflight == 0:
+            self._busy_since = time.monotonic()
+        self._inflight += 1
+
+    def _leave(self) -> None:
+        self._inflight -= 1
+        if self._inflight == 0 and self._busy_since is not None:
+            self._busy_s += time.monotonic() - self._busy_since
+            self._busy_since = None
+
+
+def launch_sglang_engine(*, model_path: str, device: str, seed: int, name: str, index: int = 0, run_dir: str = "",
+                         max_batch_size: int = 0, max_context_len: int = 0, python: str = "",
+                         server_args: Sequence[str] = (), pause_mode: str = "retract", gpus_per_server: int = 1,
+                         first_gpu: int = 0,
+                         startup_timeout: float = 600.0, request_timeout: float = 3600.0,
+                         health_interval: float = 5.0, host: str = "127.0.0.1",
+                         command: Optional[Sequence[str]] = None) -> SGLangEngine:
+    """Start this worker's SGLang server (blocking until /health answers) and return an engine driving it.
+
+    GPU servers get CUDA_VISIBLE_DEVICES = the `gpus_per_server` GPUs of this worker's group (first_gpu +
+    index * g ..., counted within CUDA_VISIBLE_DEVICES when it is set); pass `--tp-size g` in `server_args` to
+    shard one server over them. `command` replaces the launch command
+    (tests start a fake server this way).
+    """
+    port = free_port(host)
+    cmd = list(command) if command is not None else server_command(
+        model_path=model_path, host=host, port=port, device=device, seed=seed, python=python,
+        max_running_requests=max_batch_size, extra_args=server_args)
+    cmd = [c.replace("{port}", str(port)) for c in cmd]
+    env: dict[str, str] = {}
+    if device == "cpu":
+        env.update(SGLANG_USE_CPU_ENGINE="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    elif gpus_per_server > 0:
+        env["CUDA_VISIBLE_DEVICES"] = server_gpus(index, gpus_per_server, first_gpu,
+                                                  os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+    log_dir = os.path.join(run_dir, "logs") if run_dir else os.path.join(os.getcwd(), "sglang-logs")
+    server = SGLangServer(cmd, host=host, port=port, log_path=os.path.join(log_dir, f"{name}-sglang.log"), env=env)
+    server.start()
+    try:
+        server.wait_ready(startup_timeout)
+    except BaseException:
+        server.stop()
+        raise
+    weights_dir = os.path.join(run_dir, "sglang-weights", name) if run_dir else ""
+    return SGLangEngine(server.base_url, model_path=model_path, version=0, name=name, server=server,
+                        pause_mode=pause_mode, weights_dir=weights_dir, max_context_len=max_context_len,
+                        request_timeout=request_timeout, health_interval=health_interval,
+                        empty_device_cache=device.startswith("cuda"))

@@ -1,0 +1,139 @@
+"""Padding-free forward passes for HF causal LMs: several sequences in one row, attention kept inside each.
+
+How transformers 5 supports packed rows, and what this module adds:
+
+- ``position_ids`` restarting at 0 per sequence give every sequence its own rotary positions. With
+  ``attention_mask=None``, ``masking_utils.find_packed_sequence_indices`` detects the restarts and
+  ``create_causal_mask`` builds a block-diagonal causal mask (sdpa/eager/flex). That is correct but dense: a
+  ``[T, T]`` mask and ``T^2`` attention work for a row of ``T`` tokens, more than the padded layout costs.
+- ``flash_attention_2/3`` take ``cu_seq_lens_q/k`` + ``max_length_q/k`` (`TransformersKwargs`) and run varlen
+  kernels (GPU only).
+- Here: an attention function registered under ``"arl_varlen"`` (`AttentionInterface.register`) that splits the row
+  at ``cu_seq_lens_q`` (or at the restarts of ``position_ids``) and runs causal SDPA on each sequence, so the work
+  is ``sum(L_i^2)`` as in varlen flash attention, on any device. Its mask function returns None when there is no
+  padding mask (nothing to materialise) and defers to the sdpa mask otherwise, so padded batches still work.
+
+`enable_varlen_attention(model)` switches a model whose implementation is sdpa or eager to ``arl_varlen`` (flash
+attention models keep theirs: they already read ``cu_seq_lens_*``). `packed_forward_kwargs(mb)` builds the model
+keyword arguments for a packed `MicroBatch`. The attention implementation is a runtime setting, not saved by
+``save_pretrained``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from arl.learner.batching import MicroBatch
+
+__all__ = ["VARLEN_ATTENTION", "register_varlen_attention", "enable_varlen_attention", "packed_forward_kwargs"]
+
+VARLEN_ATTENTION = "arl_varlen"
+_registered = False
+
+
+def _segments_from_positions(position_ids: torch.Tensor) -> Optional[list[int]]:
+    """Boundaries (cumulative lengths) of the sequences in a ``[1, T]`` row of restarting position ids, or None
+    if the row holds a single sequence."""
+    pos = position_ids.reshape(-1)
+    starts = torch.nonzero(pos[1:] != pos[:-1] + 1).reshape(-1) + 1
+    if starts.numel() == 0:
+        return None
+    return [0, *starts.tolist(), int(pos.numel())]
+
+
+def _varlen_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Per-sequence causal SDPA on a packed row; plain SDPA otherwise. Shapes as transformers' attention
+    functions: query ``[B, H, T, D]`` in, ``[B, T, H, D]`` out."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    cu = kwargs.pop("cu_seq_lens_q", None)
+    kwargs.pop("cu_seq_lens_k", None)
+    kwargs.pop("max_length_q", None)
+    kwargs.pop("max_length_k", None)
+    bounds: Optional[list[int]] = None
+    q_len = query.shape[2]
+    if query.shape[0] == 1 and attention_mask is None and q_len > 1 and q_len == key.shape[2]:
+        if cu is not None:
+            bounds = [int(x) for x in cu.tolist()]
+        elif kwargs.get("position_ids") is not None:
+            bounds = _segments_from_positions(kwargs["position_ids"])
+    if not bounds or len(bounds) <= 2:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if bounds[-1] != q_len:
+        raise ValueError(f"cu_seq_lens end at {bounds[-1]} but the packed row has {q_len} tokens")
+    kwargs.pop("is_causal", None)
+    # split (not slicing): its backward concatenates the pieces' gradients once, where each slice's backward
+    # would materialise a zero tensor of the whole row
+    lens = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+    outs = []
+    for q, k, v in zip(query.split(lens, dim=2), key.split(lens, dim=2), value.split(lens, dim=2)):
+        o, _ = sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling, is_causal=True,
+                                      **kwargs)
+        outs.append(o)
+    return torch.cat(outs, dim=1), None
+
+
+def _varlen_mask(*args: Any, **kwargs: Any) -> Optional[torch.Tensor]:
+    """No 2D padding mask: nothing to build (the attention function handles causality and packing). Otherwise the
+    usual sdpa mask."""
+    from transformers.masking_utils import sdpa_mask
+
+    if kwargs.get("attention_mask") is None:
+        return None
+    return sdpa_mask(*args, **kwargs)
+
+
+def register_varlen_attention() -> None:
+    """Register ``arl_varlen`` with transformers' attention and mask interfaces (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(VARLEN_ATTENTION, _varlen_attention)
+    AttentionMaskInterface.register(VARLEN_ATTENTION, _varlen_mask)
+    _registered = True
+
+
+def enable_varlen_attention(model: torch.nn.Module) -> str:
+    """Make ``model`` attend per sequence on packed rows; returns the implementation now in use."""
+    cfg = getattr(model, "config", None)
+    current = getattr(cfg, "_attn_implementation", None)
+    if current is not None and str(current).startswith("flash_attention"):
+        return str(current)  # varlen kernels already read cu_seq_lens_*
+    register_varlen_attention()
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(VARLEN_ATTENTION)
+    elif cfg is not None:
+        cfg._attn_implementation = VARLEN_ATTENTION
+    return VARLEN_ATTENTION
+
+
+def packed_forward_kwargs(mb: MicroBatch) -> dict[str, Any]:
+    """Model keyword arguments for a packed micro-batch: restarting ``position_ids``, no attention mask, and the
+    flash-attention varlen metadata (read by ``arl_varlen`` and by flash attention)."""
+    assert mb.packed and mb.position_ids is not None and mb.cu_seqlens is not None
+    cu = mb.cu_seqlens.to(device=mb.input_ids.device, dtype=torch.int32)
+    max_len = int(mb.seq_lens.max())
+    return {
+        "input_ids": mb.input_ids,
+        "position_ids": mb.position_ids,
+        "attention_mask": None,
+        "cu_seq_lens_q": cu,
+        "cu_seq_lens_k": cu,
+        "max_length_q": max_len,
+        "max_length_k": max_len,
+    }

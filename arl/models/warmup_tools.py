@@ -1,0 +1,247 @@
+"""Supervised warm-up of the tiny model for tool calling (the "tool-calc" experiment), and its cached builder.
+
+The a+b warm-up (`arl.models.warmup`) teaches `prompt -> answer<eos>`; here the model also has to learn the
+hermes call format and to read the tool's observation. Each warm-up example is rendered exactly as the tool
+agent renders a rollout (same prompt ids, same observation tokens from the chat template), with the loss on the
+assistant turns only:
+
+    tool example   (p_tool):   prompt | <tool_call>{"name": "calculator", "arguments": {"expression": "23+17"}}
+                               </tool_call><eos> | <|user|><tool_response>40</tool_response><|assistant|> | 40<eos>
+    direct example (1-p_tool): prompt | 40<eos>
+
+Some tool examples use the python tool (`print(23+17)`) instead. The mix leaves RL something to discover: direct
+answers to two-digit problems are mostly wrong for a 0.5M-parameter model, calculator answers mostly right, so
+reward and tool calls per trajectory both go up as RL shifts the policy toward the tool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from arl.envs.math import exact_number_match
+from arl.models.warmup import INFO_FILE, MARKER, greedy_generate
+
+logger = logging.getLogger(__name__)
+
+TOOL_WARMUP_FORMAT = "arl-tiny-tool-warmup-v2"
+
+
+def tool_agent_for(tokenizer: Any, **kw: Any) -> Any:
+    """The ToolAgent whose rendering the warm-up copies (calculator + python, hermes parser)."""
+    from arl.agents.tool_agent import ToolAgent
+    from arl.api import GenerationConfig
+
+    kw.setdefault("tools", ["calculator", "python"])
+    return ToolAgent(tokenizer, GenerationConfig(max_new_tokens=96), group_size=1, **kw)
+
+
+def render_example(agent: Any, row: dict, mode: str) -> tuple[list[int], list[int]]:
+    """(token ids, loss mask) of one warm-up conversation; `mode` is "direct", "calculator" or "python"."""
+    tok = agent.tokenizer
+    eos = tok.eos_token_id
+    ids: list[int] = list(agent.prompt_ids(row))
+    mask = [0] * len(ids)
+
+    def said(text: str) -> None:
+        t = list(tok.encode(text, add_special_tokens=False)) + [eos]
+        ids.extend(t)
+        mask.extend([1] * len(t))
+
+    if mode != "direct":
+        args = {"expression": row["expression"]} if mode == "calculator" else {"code": f"print({row['expression']})"}
+        said(agent.parser.format_call(mode, args))
+        obs = agent.obs_encoder.encode([{"role": "tool", "content": str(row["answer"])}])
+        ids.extend(obs)
+        mask.extend([0] * len(obs))
+    said(str(row["answer"]))
+    return ids, mask
+
+
+def build_examples(agent: Any, rows: Sequence[dict], p_tool: float, p_python: float,
+                   seed: int) -> list[tuple[list[int], list[int]]]:
+    rng = random.Random(seed)
+    out = []
+    for r in rows:
+        mode = "direct"
+        if rng.random() < p_tool:
+            mode = "python" if rng.random() < p_python else "calculator"
+        out.append(render_example(agent, r, mode))
+    return out
+
+
+async def _tool_turns(agent: Any, texts: list[str]) -> list[tuple[str, Any]]:
+    """For each first-turn text: ("answer", text) | ("tool", observation ids) | ("void", None)."""
+    outs: list[tuple[str, Any]] = []
+    for text in texts:
+        parsed = agent.parser.parse(text)
+        if parsed.attempted and not parsed.unclosed:
+            results = await agent.toolset.call_all(parsed.calls)
+            contents = [r.content for r in results] + [f"Error: {e}" for e in parsed.errors]
+            outs.append(("tool", agent.obs_encoder.encode([{"role": "tool", "content": c} for c in contents])))
+        elif parsed.unclosed or not parsed.content.strip():
+            outs.append(("void", None))
+        else:
+            outs.append(("answer", parsed.content))
+    return outs
+
+
+@torch.no_grad()
+def tool_policy_eval(model: Any, agent: Any, rows: Sequence[dict], batch_size: int = 128) -> dict[str, float]:
+    """Greedy two-turn rollouts (a tool call, then an answer) with real tool execution (the python tool runs in
+    its sandbox). Returns accuracy and the fraction of first turns that called a tool."""
+    tok = agent.tokenizer
+    was_training = model.training
+    model.eval()
+    correct = calls = 0
+    try:
+        for s in range(0, len(rows), batch_size):
+            chunk = rows[s: s + batch_size]
+            prompts = [list(agent.prompt_ids(r)) for r in chunk]
+            first = greedy_generate(model, prompts, 96, tok.eos_token_id, tok.pad_token_id)
+            texts = [tok.decode(o, skip_special_tokens=True) for o in first]
+            kinds = asyncio.run(_tool_turns(agent, texts))
+            second_idx = [i for i, (k, _) in enumerate(kinds) if k == "tool"]
+            calls += len(second_idx)
+            ctx = [prompts[i] + list(first[i]) + list(kinds[i][1]) for i in second_idx]
+            second = greedy_generate(model, ctx, 8, tok.eos_token_id, tok.pad_token_id) if ctx else []
+            answers = {i: tok.decode(o, skip_special_tokens=True) for i, o in zip(second_idx, second)}
+            for i, (k, v) in enumerate(kinds):
+                text = v if k == "answer" else answers.get(i)
+                if text is not None:
+                    correct += exact_number_match(text, str(chunk[i]["answer"]))
+    finally:
+        model.train(was_training)
+    return {"accuracy": correct / len(rows), "tool_call_rate": calls / len(rows)}
+
+
+def warmup_tool_sft(model: Any, agent: Any, train_rows: Sequence[dict], eval_rows: Sequence[dict], *,
+                    target_acc: float = 0.3, max_steps: int = 1500, batch_size: int = 32, lr: float = 2e-3,
+                    p_tool: float = 0.4, p_python: float = 0.2, eval_every: int = 100,
+                    seed: int = 0) -> dict[str, Any]:
+    """Masked SFT on rendered conversations until the greedy tool-policy accuracy reaches `target_acc`."""
+    examples = build_examples(agent, train_rows, p_tool, p_python, seed)
+    pad = agent.tokenizer.pad_token_id
+    rng = random.Random(seed)
+    device = next(model.parameters()).device
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50))
+    history: list[dict[str, float]] = []
+    ev: dict[str, float] = {"accuracy": 0.0, "tool_call_rate": 0.0}
+    order: list[int] = []
+    step, loss_val = 0, float("nan")
+    t0 = time.perf_counter()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model.train()
+        while step < max_steps:
+            if len(order) < batch_size:
+                more = list(range(len(examples)))
+                rng.shuffle(more)
+                order.extend(more)
+            idx, order = order[:batch_size], order[batch_size:]
+            width = max(len(examples[i][0]) for i in idx)
+            ids = torch.full((len(idx), width), pad, dtype=torch.long)
+            labels = torch.full((len(idx), width), -100, dtype=torch.long)
+            att = torch.zeros((len(idx), width), dtype=torch.long)
+            for row, i in enumerate(idx):
+                seq, m = examples[i]
+                t = torch.as_tensor(seq)
+                ids[row, : len(seq)] = t
+                labels[row, : len(seq)] = torch.where(torch.as_tensor(m, dtype=torch.bool), t, torch.tensor(-100))
+                att[row, : len(seq)] = 1
+            out = model(input_ids=ids.to(device), attention_mask=att.to(device), labels=labels.to(device))
+            opt.zero_grad(set_to_none=True)
+            out.loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            step += 1
+            loss_val = float(out.loss.detach())
+            if step % eval_every == 0 or step == max_steps:
+                ev = tool_policy_eval(model, agent, eval_rows)
+                history.append({"step": step, "loss": loss_val, **ev})
+                logger.info("tool warm-up step %d loss %.3f greedy acc %.3f tool calls %.2f", step, loss_val,
+                            ev["accuracy"], ev["tool_call_rate"])
+                model.train()
+                if ev["accuracy"] >= target_acc:
+                    break
+    model.eval()
+    return {"steps": step, "seconds": time.perf_counter() - t0, **ev, "reached_target": ev["accuracy"] >= target_acc,
+            "target_acc": target_acc, "final_loss": loss_val, "history": history}
+
+
+def cached_model_dir(cache_dir: str, prefix: str, settings: dict[str, Any], build: Callable[[str], dict]) -> str:
+    """`cache_dir/<prefix>-<hash of settings>`, built once by `build(tmp_dir) -> info` under a file lock, written
+    to a temporary folder and renamed into place after a marker file (a crashed build is never reused)."""
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    cache_dir = os.path.abspath(os.path.expanduser(cache_dir))
+    final = os.path.join(cache_dir, f"{prefix}-{digest}")
+    if os.path.exists(os.path.join(final, MARKER)):
+        return final
+    os.makedirs(cache_dir, exist_ok=True)
+    with open(os.path.join(cache_dir, f"{prefix}-{digest}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.exists(os.path.join(final, MARKER)):
+            return final
+        tmp = f"{final}.tmp-{os.getpid()}"
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            info = build(tmp)
+            with open(os.path.join(tmp, INFO_FILE), "w") as f:
+                json.dump({"settings": settings, **info}, f, indent=2)
+            with open(os.path.join(tmp, MARKER), "w") as f:
+                f.write("ok\n")
+            if os.path.exists(final):
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def get_warm_tool_model(cache_dir: str, *, seed: int = 0, target_acc: float = 0.3, max_steps: int = 1500,
+                        num_threads: Optional[int] = None, p_tool: float = 0.4, p_python: float = 0.2,
+                        test_size: int = 200, data_seed: int = 0, **_: Any) -> str:
+    """Path of the tiny model (char tokenizer with TOOL_CHARS) warmed up on word problems with tool calls. The
+    signature matches `model.warmup` ("arl.models.warmup_tools:get_warm_tool_model")."""
+    from arl.data.word_problems import make_word_problem_splits
+    from arl.models.tiny import CHARS, TOOL_CHARS, build_char_tokenizer, build_tiny_model, save_model_dir
+
+    model_kwargs = {"max_position_embeddings": 512}
+    settings = {"format": TOOL_WARMUP_FORMAT, "seed": seed, "target_acc": target_acc, "max_steps": max_steps,
+                "p_tool": p_tool, "p_python": p_python, "test_size": test_size, "data_seed": data_seed,
+                "chars": CHARS + TOOL_CHARS, "model_kwargs": model_kwargs}
+
+    def build(tmp: str) -> dict:
+        old = torch.get_num_threads()
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        try:
+            train, test = make_word_problem_splits(test_size=test_size, seed=data_seed)
+            tok = build_char_tokenizer(TOOL_CHARS)
+            model = build_tiny_model(len(tok), seed=seed, pad_token_id=tok.pad_token_id,
+                                     eos_token_id=tok.eos_token_id, **model_kwargs)
+            agent = tool_agent_for(tok)
+            logger.info("warming up the tiny tool model into %s", tmp)
+            result = warmup_tool_sft(model, agent, train, test[:100], target_acc=target_acc, max_steps=max_steps,
+                                     p_tool=p_tool, p_python=p_python, seed=seed)
+            if not result["reached_target"]:
+                logger.warning("tool warm-up stopped at %d steps with greedy accuracy %.3f < target %.3f",
+                               result["steps"], result["accuracy"], target_acc)
+            save_model_dir(model, tok, tmp)
+            return {"num_params": sum(p.numel() for p in model.parameters()), **result}
+        finally:
+            torch.set_num_threads(old)
+
+    return cached_model_dir(cache_dir, "tiny-tools", settings, build)

@@ -1,0 +1,260 @@
+"""Environment groups (ROLL style): every trajectory gets its own env instance; the `group_size` envs of one group
+share their env type (tag), config and seed, so their trajectories are comparable for group advantages.
+
+Config (`rollout.*`):
+    num_env_groups         env groups over all rollout workers (0: one fresh group per prompt group, no pool)
+    group_size             envs per group = trajectories per prompt (0: agent.group_size)
+    tags                   env types, each a registered env name or a key of `env_configs` (empty: [env.name])
+    num_groups_partition   groups per tag (empty: an even split, the first tags get the remainder)
+    max_env_num_per_worker most env instances one rollout worker may hold (0: no limit)
+
+Global group g has tag `partition_groups(...)[g]` and lives on rollout worker `g % num_workers`. Its k-th episode
+is reset with seed `group_seed(base, g, k)`, the same for all its members. Groups are pooled: a finished prompt
+group hands its EnvGroup back and the next one resets it (members are reused, never shared by two trajectories
+at once). Validation (eval) uses a group of one at temperature 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from typing import Any, Callable, Optional, Sequence
+
+from arl.api.agent import EnvironmentService
+
+__all__ = ["partition_groups", "group_seed", "worker_groups", "check_env_capacity", "EnvGroup", "EnvGroupPool",
+           "EnvGroupSpec", "tag_factories", "worker_spec"]
+
+EnvFactory = Callable[[], EnvironmentService]
+
+
+def partition_groups(num_env_groups: int, tags: Sequence[str],
+                     num_groups_partition: Optional[Sequence[int]] = None) -> list[str]:
+    """The tag of each global group index. Default partition: as even as possible, earlier tags first."""
+    if num_env_groups < 1:
+        raise ValueError(f"num_env_groups must be >= 1, got {num_env_groups}")
+    tags = list(tags)
+    if not tags:
+        raise ValueError("env groups need at least one tag")
+    if len(set(tags)) != len(tags):
+        raise ValueError(f"tags must be unique, got {tags}")
+    if num_groups_partition:
+        parts = [int(n) for n in num_groups_partition]
+        if len(parts) != len(tags):
+            raise ValueError(f"num_groups_partition has {len(parts)} entries for {len(tags)} tags {tags}")
+        if any(n < 0 for n in parts) or sum(parts) != num_env_groups:
+            raise ValueError(f"num_groups_partition {parts} must be non-negative and sum to num_env_groups="
+                             f"{num_env_groups}")
+    else:
+        base, rest = divmod(num_env_groups, len(tags))
+        parts = [base + (i < rest) for i in range(len(tags))]
+    return [t for t, n in zip(tags, parts) for _ in range(n)]
+
+
+def group_seed(base_seed: int, group_index: int, episode: int) -> int:
+    """A 31-bit seed, the same for every member of group `group_index` in its `episode`-th reset."""
+    h = hashlib.sha256(f"{base_seed}:{group_index}:{episode}".encode()).digest()
+    return int.from_bytes(h[:4], "little") & 0x7FFFFFFF
+
+
+def worker_groups(num_env_groups: int, num_workers: int, worker: int) -> list[int]:
+    """Global group indices hosted by rollout worker `worker` (round robin)."""
+    return list(range(worker, num_env_groups, num_workers))
+
+
+def check_env_capacity(num_env_groups: int, num_workers: int, group_size: int, max_env_num_per_worker: int) -> None:
+    """Raise ValueError if some worker would hold more than `max_env_num_per_worker` env instances."""
+    if max_env_num_per_worker <= 0 or num_env_groups <= 0:
+        return
+    most = max(len(worker_groups(num_env_groups, num_workers, w)) for w in range(num_workers))
+    if most * group_size > max_env_num_per_worker:
+        raise ValueError(
+            f"env groups: a rollout worker would hold {most} groups x {group_size} envs = {most * group_size} > "
+            f"max_env_num_per_worker={max_env_num_per_worker}; raise rollout.num_workers or "
+            f"max_env_num_per_worker, or lower num_env_groups")
+
+
+class EnvGroup(EnvironmentService):
+    """`size` env instances of one tag that are reset together with one seed and the same options.
+
+    Agents that know about groups take `await group.member(i)` for trajectory i (members beyond `size` are made
+    on demand, e.g. for tree leaves, and reset the same way). For agents that use the env they are given as
+    one env, `step`/`reset` act on member 0 (and reset all members).
+    """
+
+    def __init__(self, make_env: EnvFactory, size: int, tag: str = "", index: int = -1) -> None:
+        if size < 1:
+            raise ValueError(f"EnvGroup size must be >= 1, got {size}")
+        self._make_env = make_env
+        self.size = size
+        self.tag = tag
+        self.index = index
+        self.members: list[EnvironmentService] = []
+        self.seed: Optional[int] = None
+        self.options: Optional[dict[str, Any]] = None
+        self.episodes = 0  # episodes handed out by a pool (it derives the next seed from it)
+        self._was_reset = False
+        self._lock = asyncio.Lock()
+
+    async def reset(self, seed: Optional[int] = None, options: Optional[dict[str, Any]] = None) -> tuple[Any, dict]:
+        """Reset every member with the same seed and options (a None seed keeps the group's current one)."""
+        if seed is not None:
+            self.seed = int(seed)
+        self.options = dict(options) if options is not None else None
+        self._was_reset = True
+        async with self._lock:
+            if not self.members:
+                self.members.append(self._make_env())
+            results = await asyncio.gather(*(m.reset(seed=self.seed, options=self._opts()) for m in self.members))
+        return results[0]
+
+    def _opts(self) -> Optional[dict[str, Any]]:
+        return dict(self.options) if self.options is not None else None
+
+    async def member(self, i: int) -> EnvironmentService:
+        """Member `i` (its own instance), made and reset like the others if it does not exist yet."""
+        if i < 0:
+            raise IndexError(f"env group member index must be >= 0, got {i}")
+        async with self._lock:
+            while len(self.members) <= i:
+                env = self._make_env()
+                if self._was_reset:
+                    await env.reset(seed=self.seed, options=self._opts())
+                self.members.append(env)
+            return self.members[i]
+
+    async def fill(self) -> None:
+        """Make all `size` members now (pools do this once, so each trajectory finds its env ready)."""
+        await self.member(self.size - 1)
+
+    async def step(self, action: Any) -> tuple[Any, float, bool, bool, dict]:
+        return await (await self.member(0)).step(action)
+
+    @property
+    def failure(self) -> Optional[str]:
+        """The first member failure recorded by a deadline guard (`GuardedEnv.failure`), if any."""
+        return next((f for f in (getattr(m, "failure", None) for m in self.members) if f), None)
+
+    async def close(self) -> None:
+        members, self.members = self.members, []
+        await asyncio.gather(*(m.close() for m in members), return_exceptions=True)
+
+
+class EnvGroupPool:
+    """The env groups of one rollout worker. `acquire()` hands out a free group (oldest released first) and
+    resets it with its next seed; `release()` takes it back. With no fixed groups (`group_indices` empty) every
+    acquire makes a fresh group that release closes (the behaviour without env groups)."""
+
+    def __init__(self, factories: dict[str, EnvFactory], group_tags: Sequence[str], group_size: int,
+                 group_indices: Sequence[int] = (), base_seed: int = 0, default_tag: str = "") -> None:
+        if group_indices and len(group_indices) != len(group_tags):
+            raise ValueError("group_indices and group_tags must have the same length")
+        missing = sorted({t for t in group_tags if t not in factories} | ({default_tag} - set(factories)
+                                                                           if not group_indices else set()))
+        if missing:
+            raise ValueError(f"no env factory for tags {missing}; known: {sorted(factories)}")
+        self.factories = factories
+        self.group_size = group_size
+        self.base_seed = base_seed
+        self.default_tag = default_tag
+        self.pooled = bool(group_indices)
+        self._free: asyncio.Queue = asyncio.Queue()
+        self.groups = [EnvGroup(factories[t], group_size, tag=t, index=g) for t, g in zip(group_tags, group_indices)]
+        for g in self.groups:
+            self._free.put_nowait(g)
+        self._fresh = 0
+
+    @property
+    def capacity(self) -> Optional[int]:
+        """How many groups can run at once (None: unbounded)."""
+        return len(self.groups) if self.pooled else None
+
+    async def acquire(self, options: Optional[dict[str, Any]] = None, timeout: Optional[float] = None,
+                      seed: Optional[int] = None) -> EnvGroup:
+        """A group reset for a new episode: all members get the same seed (`seed`, or the group's next one).
+        `timeout` bounds the wait for a free pooled group; env calls get their deadlines from the wrapper the
+        pool's factories apply (the rollout worker's `GuardedEnv`)."""
+        if self.pooled:
+            group = await asyncio.wait_for(self._free.get(), timeout)
+            if len(group.members) < self.group_size:
+                try:
+                    await group.fill()
+                except BaseException:
+                    self._free.put_nowait(group)
+                    raise
+        else:
+            group = EnvGroup(self.factories[self.default_tag], self.group_size, tag=self.default_tag,
+                             index=-1 - self._fresh)
+            self._fresh += 1
+        s = seed if seed is not None else group_seed(self.base_seed, group.index, group.episodes)
+        group.episodes += 1
+        try:
+            await group.reset(seed=s, options=options)
+        except BaseException:
+            await self.release(group)
+            raise
+        return group
+
+    async def release(self, group: EnvGroup) -> None:
+        """Hand a group back (pooled) or close it (fresh). A pooled group whose env failed gets new members."""
+        if self.pooled and group in self.groups:
+            if group.failure is not None:
+                await group.close()
+            self._free.put_nowait(group)
+        else:
+            await group.close()
+
+    async def close(self) -> None:
+        await asyncio.gather(*(g.close() for g in self.groups), return_exceptions=True)
+
+
+class EnvGroupSpec:
+    """What one rollout worker needs to build its `EnvGroupPool`: env factories by tag, and its groups (global
+    indices and tags; empty: no pool, a fresh group per prompt group of `default_tag`)."""
+
+    def __init__(self, factories: dict[str, EnvFactory], group_size: int, group_indices: Sequence[int] = (),
+                 group_tags: Sequence[str] = (), default_tag: str = "") -> None:
+        self.factories = dict(factories)
+        self.group_size = int(group_size)
+        self.group_indices = list(group_indices)
+        self.group_tags = list(group_tags)
+        self.default_tag = default_tag or (self.group_tags[0] if self.group_tags else next(iter(self.factories)))
+
+    def pool(self, wrap: Callable[[EnvironmentService], EnvironmentService] = lambda e: e,
+             base_seed: int = 0) -> EnvGroupPool:
+        """The pool, with every env instance passed through `wrap` (the worker's deadline guard)."""
+        factories = {t: (lambda f=f: wrap(f())) for t, f in self.factories.items()}
+        return EnvGroupPool(factories, self.group_tags, self.group_size, self.group_indices, base_seed=base_seed,
+                            default_tag=self.default_tag)
+
+
+def tag_factories(tags: Sequence[str], make_env: Callable[..., EnvironmentService], default_name: str,
+                  default_args: dict[str, Any], env_configs: Optional[dict[str, Any]] = None) -> dict[str, EnvFactory]:
+    """Env factory per tag: `env_configs[tag]` = {"name": registered env, "args": {...}}, else the tag is a
+    registered env name (with `default_args` when it is the experiment's env.name)."""
+    env_configs = env_configs or {}
+    out: dict[str, EnvFactory] = {}
+    for tag in tags:
+        spec = dict(env_configs.get(tag) or {})
+        name = str(spec.get("name", tag))
+        args = dict(spec.get("args", default_args if name == default_name and tag not in env_configs else {}))
+        out[tag] = lambda name=name, args=args: make_env(name, **args)
+    return out
+
+
+def worker_spec(*, make_env: Callable[..., EnvironmentService], env_name: str, env_args: dict[str, Any],
+                group_size: int, num_env_groups: int = 0, tags: Sequence[str] = (),
+                num_groups_partition: Sequence[int] = (), max_env_num_per_worker: int = 0,
+                env_configs: Optional[dict[str, Any]] = None, num_workers: int = 1, worker: int = 0) -> EnvGroupSpec:
+    """The `EnvGroupSpec` of rollout worker `worker` from the `rollout.*` settings (see the module docstring)."""
+    tags = list(tags) or [env_name]
+    factories = tag_factories(tags, make_env, env_name, env_args, env_configs)
+    if num_env_groups <= 0:
+        return EnvGroupSpec(factories, group_size, default_tag=tags[0])
+    check_env_capacity(num_env_groups, num_workers, group_size, max_env_num_per_worker)
+    all_tags = partition_groups(num_env_groups, tags, list(num_groups_partition) or None)
+    mine = worker_groups(num_env_groups, num_workers, worker)
+    if not mine:
+        raise ValueError(f"rollout worker {worker} has no env group: num_env_groups={num_env_groups} < "
+                         f"rollout.num_workers={num_workers}")
+    return EnvGroupSpec(factories, group_size, mine, [all_tags[g] for g in mine])

@@ -1,0 +1,309 @@
+"""Benchmark of the embedded engine: continuous batching vs HF `generate` on static batches, and weight-update pauses.
+
+Measured side by side in one run, on the same model and the same requests:
+
+* **Throughput on a long-tailed workload.** Output lengths are drawn from a heavy-tailed (Pareto) distribution
+  clipped to [min_len, max_len] (default 4..256); EOS is disabled so every request produces exactly its length.
+  Continuous batching (`TorchEngine`, at most `batch_size` rows, all requests submitted at once) against
+  HuggingFace `model.generate` on static batches of `batch_size` requests in arrival order (a batch runs until its
+  longest member is done, as static batching must). Tokens/s counts only the tokens each request asked for. A third
+  line runs our engine on the same static batches, to separate the scheduling effect from the implementation.
+* **Weight-update pause.** While requests are decoding, `update_weights` is called repeatedly; the pause is the
+  time the decode loop stood still (read the safetensors file, copy into the model), as the engine reports it, and
+  the caller-side latency (wait for the step boundary + load). For the tiny model and for a Qwen2-0.5B-shaped model
+  with random weights (bf16, 494M parameters; only the update pause is measured there, generation on CPU is slow).
+
+Usage: python scripts/bench_engine.py [--num-requests 256 --batch-size 32 ...]; `--qwen none` skips the 0.5B part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from arl.api.types import GenerateRequest, GenerationConfig  # noqa: E402
+from arl.inference.torch_engine import TorchEngine  # noqa: E402
+
+# Qwen2-0.5B's shape (config.json of Qwen/Qwen2-0.5B); weights are random.
+QWEN2_05B_SHAPE = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                       num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                       rope_theta=1_000_000.0, tie_word_embeddings=True, use_sliding_window=False)
+
+
+def long_tailed_lengths(n: int, lo: int, hi: int, alpha: float, seed: int) -> list[int]:
+    """Pareto(alpha) scaled to start at `lo`, clipped to `hi`: most requests are short, a few are very long."""
+    rng = np.random.default_rng(seed)
+    x = lo * (1.0 + rng.pareto(alpha, size=n))
+    return [int(v) for v in np.clip(np.floor(x), lo, hi)]
+
+
+def make_prompts(n: int, vocab: int, lo: int, hi: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed + 1)
+    return [rng.integers(5, vocab, size=int(rng.integers(lo, hi + 1))).astype(np.int32) for _ in range(n)]
+
+
+def tiny_model(vocab: int, hidden: int, layers: int, seed: int) -> torch.nn.Module:
+    from arl.models.tiny import build_tiny_model
+
+    model = build_tiny_model(vocab, hidden_size=hidden, num_layers=layers, num_heads=4, intermediate_size=2 * hidden,
+                             max_position_embeddings=1024, seed=seed, eos_token_id=None)
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def qwen2_05b_model() -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(**QWEN2_05B_SHAPE, dtype="bfloat16")
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = Qwen2ForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    return model.to(torch.bfloat16).eval()
+
+
+def save_weights(model: torch.nn.Module, path: str, scale: float = 1.0) -> None:
+    """Write the state dict as safetensors (tied duplicates left out, as the engine accepts)."""
+    from safetensors.torch import save_file
+
+    seen: set[int] = set()
+    sd = {}
+    for k, v in model.state_dict().items():
+        if v.data_ptr() in seen:
+            continue
+        seen.add(v.data_ptr())
+        sd[k] = (v * scale if v.is_floating_point() else v).contiguous()
+    save_file(sd, path)
+
+
+# ----------------------------------------------------------------------------------------------- throughput
+
+async def run_continuous(engine: TorchEngine, prompts: list[np.ndarray], lengths: list[int],
+                         temperature: float) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    resps = await asyncio.gather(*(
+        engine.agenerate(GenerateRequest(qid=str(i), input_ids=p,
+                                         gconfig=GenerationConfig(max_new_tokens=n, temperature=temperature)))
+        for i, (p, n) in enumerate(zip(prompts, lengths))))
+    dt = time.perf_counter() - t0
+    for r, n in zip(resps, lengths):
+        assert r.error is None and len(r.samples[0].output_ids) == n, (r.error, n)
+    return dt, sum(lengths)
+
+
+async def run_engine_static(engine: TorchEngine, prompts: list[np.ndarray], lengths: list[int], batch: int,
+                            temperature: float) -> tuple[float, int]:
+    """Our engine fed one static batch at a time (every member runs to the batch's longest length)."""
+    t0 = time.perf_counter()
+    for s in range(0, len(prompts), batch):
+        ps, ls = prompts[s:s + batch], lengths[s:s + batch]
+        longest = max(ls)
+        await asyncio.gather(*(
+            engine.agenerate(GenerateRequest(qid=f"s{s}-{i}", input_ids=p,
+                                             gconfig=GenerationConfig(max_new_tokens=longest, temperature=temperature)))
+            for i, p in enumerate(ps)))
+    return time.perf_counter() - t0, sum(lengths)
+
+
+@torch.inference_mode()
+def run_hf_static(model: torch.nn.Module, prompts: list[np.ndarray], lengths: list[int], batch: int,
+                  temperature: float, pad_id: int) -> tuple[float, int]:
+    """HF `generate` on static batches: left padding, each batch runs to its longest requested length."""
+    t0 = time.perf_counter()
+    for s in range(0, len(prompts), batch):
+        ps, ls = prompts[s:s + batch], lengths[s:s + batch]
+        width = max(len(p) for p in ps)
+        ids = torch.full((len(ps), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(ps), width), dtype=torch.long)
+        for i, p in enumerate(ps):
+            ids[i, width - len(p):] = torch.from_numpy(p.astype(np.int64))
+            mask[i, width - len(p):] = 1
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(ls),
+                             do_sample=True, temperature=temperature, top_k=0, top_p=1.0, pad_token_id=pad_id,
+                             eos_token_id=None)
+        assert out.shape[1] == width + max(ls), out.shape
+    return time.perf_counter() - t0, sum(lengths)
+
+
+# ----------------------------------------------------------------------------------------------- update pause
+
+async def measure_update_pause(engine: TorchEngine, paths: list[str], prompts: list[np.ndarray], max_new: int,
+                               updates: int, settle_steps: int = 2) -> dict[str, Any]:
+    """Call update_weights `updates` times while `prompts` are decoding; every request must come back whole."""
+    tasks = [asyncio.create_task(engine.agenerate(GenerateRequest(
+        qid=f"u{i}", input_ids=p, gconfig=GenerationConfig(max_new_tokens=max_new, temperature=1.0))))
+        for i, p in enumerate(prompts)]
+    stall_ms: list[float] = []
+    caller_ms: list[float] = []
+    in_flight: list[int] = []
+    v0 = engine.version
+    for k in range(updates):
+        target = engine.stats()["steps"] + settle_steps
+        deadline = time.monotonic() + 600
+        while engine.stats()["steps"] < target and time.monotonic() < deadline:
+            if all(t.done() for t in tasks):
+                break  # nothing left in flight: the update still measures the swap, with no rows to keep
+            await asyncio.sleep(0.001)
+        in_flight.append(engine.stats()["running"])
+        t0 = time.perf_counter()
+        await engine.update_weights(paths[k % len(paths)], v0 + k + 1)
+        caller_ms.append((time.perf_counter() - t0) * 1000)
+        stall_ms.append(engine.stats()["last_update_s"] * 1000)
+    resps = await asyncio.gather(*tasks)
+    lost = sum(1 for r in resps if r.error is not None or len(r.samples[0].output_ids) != max_new)
+    versions = sorted({int(v) for r in resps for s in r.samples for v in s.output_versions})
+    return {
+        "updates": updates,
+        "rows_in_flight_at_update": in_flight,
+        "pause_ms_all": [round(x, 3) for x in stall_ms],
+        "pause_ms_median": statistics.median(stall_ms),
+        "pause_ms_max": max(stall_ms),
+        "caller_ms_median": statistics.median(caller_ms),
+        "caller_ms_max": max(caller_ms),
+        "requests": len(resps),
+        "requests_lost_or_cut": lost,
+        "token_versions_seen": versions,
+    }
+
+
+# ----------------------------------------------------------------------------------------------- main
+
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--batch-size", type=int, default=32, help="static batch size = continuous max_batch_size")
+    ap.add_argument("--min-len", type=int, default=4)
+    ap.add_argument("--max-len", type=int, default=256)
+    ap.add_argument("--alpha", type=float, default=1.2, help="Pareto tail index of the output lengths")
+    ap.add_argument("--prompt-len", type=int, nargs=2, default=[8, 32])
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=82)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--updates", type=int, default=5, help="weight updates per model in the pause measurement")
+    ap.add_argument("--qwen", choices=["0.5b", "none"], default="0.5b",
+                    help="also measure the update pause of a Qwen2-0.5B-shaped random model")
+    ap.add_argument("--skip-engine-static", action="store_true", help="skip the engine-on-static-batches line")
+    ap.add_argument("--json", default="", help="also write the results to this JSON file")
+    return ap.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    lengths = long_tailed_lengths(args.num_requests, args.min_len, args.max_len, args.alpha, args.seed)
+    prompts = make_prompts(args.num_requests, args.vocab, args.prompt_len[0], args.prompt_len[1], args.seed)
+    max_ctx = args.prompt_len[1] + args.max_len + 1
+    model = tiny_model(args.vocab, args.hidden, args.layers, args.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    res: dict[str, Any] = {
+        "workload": {"requests": args.num_requests, "batch_size": args.batch_size,
+                     "len_min": min(lengths), "len_median": float(np.median(lengths)),
+                     "len_mean": float(np.mean(lengths)), "len_p90": float(np.percentile(lengths, 90)),
+                     "len_max": max(lengths), "alpha": args.alpha, "tokens": sum(lengths),
+                     "model_params": n_params, "threads": args.threads},
+    }
+    print(f"workload: {args.num_requests} requests, output lengths {min(lengths)}..{max(lengths)} "
+          f"(median {np.median(lengths):.0f}, mean {np.mean(lengths):.1f}, p90 {np.percentile(lengths, 90):.0f}), "
+          f"batch {args.batch_size}, model {n_params / 1e6:.2f}M params, {args.threads} torch thread(s)", flush=True)
+
+    # warm-up of both paths (first-call allocations, lazy imports)
+    warm_p, warm_l = prompts[:4], [4] * 4
+    run_hf_static(model, warm_p, warm_l, 4, args.temperature, 0)
+    engine = TorchEngine(model, pad_token_id=0, eos_token_id=None, max_batch_size=args.batch_size,
+                         max_context_len=max_ctx, seed=args.seed, name="bench")
+
+    async def engine_part() -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        await run_continuous(engine, warm_p, warm_l, args.temperature)
+        dt, tok = await run_continuous(engine, prompts, lengths, args.temperature)
+        out["continuous"] = {"seconds": dt, "tokens": tok, "tokens_per_s": tok / dt,
+                             "decode_forwards": engine.stats()["decode_forwards"]}
+        if not args.skip_engine_static:
+            dt, tok = await run_engine_static(engine, prompts, lengths, args.batch_size, args.temperature)
+            out["engine_static"] = {"seconds": dt, "tokens": tok, "tokens_per_s": tok / dt}
+        return out
+
+    res.update(asyncio.run(engine_part()))
+    dt, tok = run_hf_static(model, prompts, lengths, args.batch_size, args.temperature, 0)
+    res["hf_static"] = {"seconds": dt, "tokens": tok, "tokens_per_s": tok / dt}
+    res["ratio_continuous_vs_hf_static"] = res["continuous"]["tokens_per_s"] / res["hf_static"]["tokens_per_s"]
+    print(f"continuous batching (TorchEngine):   {res['continuous']['tokens_per_s']:9.1f} tok/s "
+          f"({res['continuous']['seconds']:.2f} s)")
+    if "engine_static" in res:
+        res["ratio_continuous_vs_engine_static"] = (res["continuous"]["tokens_per_s"]
+                                                    / res["engine_static"]["tokens_per_s"])
+        print(f"static batches (TorchEngine):        {res['engine_static']['tokens_per_s']:9.1f} tok/s "
+              f"({res['engine_static']['seconds']:.2f} s)")
+    print(f"static batches (HF generate):        {res['hf_static']['tokens_per_s']:9.1f} tok/s "
+          f"({res['hf_static']['seconds']:.2f} s)")
+    print(f"RATIO continuous / HF static: {res['ratio_continuous_vs_hf_static']:.2f}x"
+          + (f"   (continuous / engine static: {res['ratio_continuous_vs_engine_static']:.2f}x)"
+             if "engine_static" in res else ""), flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="arl-bench-") as tmp:
+        paths = [os.path.join(tmp, f"tiny{k}.safetensors") for k in range(2)]
+        for k, p in enumerate(paths):
+            save_weights(model, p, scale=1.0 + 0.01 * k)
+
+        async def tiny_pause() -> dict[str, Any]:
+            return await measure_update_pause(engine, paths, prompts[:args.batch_size], min(64, args.max_len),
+                                              args.updates)
+
+        res["update_tiny"] = asyncio.run(tiny_pause())
+        asyncio.run(engine.close())
+        u = res["update_tiny"]
+        print(f"weight update, tiny model ({n_params / 1e6:.2f}M params): pause median {u['pause_ms_median']:.2f} ms, "
+              f"max {u['pause_ms_max']:.2f} ms; caller latency median {u['caller_ms_median']:.2f} ms "
+              f"({u['updates']} updates, {u['rows_in_flight_at_update'][0]} rows in flight, "
+              f"{u['requests_lost_or_cut']} requests lost)", flush=True)
+
+        if args.qwen == "0.5b":
+            t0 = time.perf_counter()
+            big = qwen2_05b_model()
+            qpath = os.path.join(tmp, "qwen.safetensors")
+            save_weights(big, qpath)
+            big_params = sum(p.numel() for p in big.parameters())
+            build_s = time.perf_counter() - t0
+            beng = TorchEngine(big, pad_token_id=0, eos_token_id=None, max_batch_size=4, max_context_len=64,
+                               seed=args.seed, name="bench-qwen")
+
+            async def qwen_pause() -> dict[str, Any]:
+                qp = make_prompts(2, 1000, 8, 8, args.seed)
+                return await measure_update_pause(beng, [qpath], qp, 48, args.updates, settle_steps=1)
+
+            res["update_qwen2_0.5b"] = {"params": big_params, "dtype": "bfloat16",
+                                        "file_bytes": os.path.getsize(qpath), "build_s": build_s,
+                                        **asyncio.run(qwen_pause())}
+            asyncio.run(beng.close())
+            u = res["update_qwen2_0.5b"]
+            print(f"weight update, Qwen2-0.5B-shaped ({big_params / 1e6:.0f}M params, bf16, "
+                  f"{u['file_bytes'] / 2**20:.0f} MiB file): pause median {u['pause_ms_median']:.1f} ms, "
+                  f"max {u['pause_ms_max']:.1f} ms; caller latency median {u['caller_ms_median']:.1f} ms "
+                  f"({u['updates']} updates, {u['requests_lost_or_cut']} requests lost)", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,257 @@
+"""Learner benchmark, side by side in one run:
+
+1. packed vs padded micro-batches: tokens/s of `DeepSpeedLearner.train_step` on the same batch of long-tailed
+   sequence lengths (log-normal generation lengths), same token budget per micro-batch. "padded" is the learner's
+   padded path (token-budget micro-batches, longest first, right padding); "padded (arrival order)" pads fixed-size
+   micro-batches in the order the trajectories arrived, as a loader without length grouping would.
+2. DeepSpeed vs plain torch: seconds per optimizer step of `DeepSpeedLearner.train_step` vs a hand-written
+   plain-torch step doing the same work (same packed micro-batches, proximal-logprob recompute, decoupled PPO loss,
+   entropy metric, backward, grad clipping, AdamW) on the same model and batch.
+
+Steps of the variants alternate (A B A B ...) so machine noise hits both; medians are reported, of wall time and
+of this process's CPU time (one torch thread: CPU seconds are what the step costs, and they barely move when other
+processes compete for the cores, while wall seconds do). Ratios are given for both.
+
+    python scripts/bench_learner.py                      # defaults (a few minutes on 2 cores)
+    python scripts/bench_learner.py --tiny               # seconds: the smoke test's sizes
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from arl.api.types import Trajectory  # noqa: E402
+
+
+def long_tailed_batch(n: int, vocab: int, prompt_len: tuple[int, int], gen_median: float, gen_sigma: float,
+                      max_len: int, groups: int, seed: int = 0) -> list[Trajectory]:
+    """``n`` trajectories, prompt length uniform in ``prompt_len``, generation length log-normal (long tail),
+    total length capped at ``max_len``; behaviour logprobs near uniform; ``groups`` prompt groups."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        p = int(rng.integers(prompt_len[0], prompt_len[1] + 1))
+        g = int(min(max_len - p, max(1, round(rng.lognormal(math.log(gen_median), gen_sigma)))))
+        ids = rng.integers(1, vocab, size=p + g)
+        mask = np.r_[np.zeros(p), np.ones(g)]
+        lp = np.where(mask > 0, -math.log(vocab) + rng.normal(0, 0.2, p + g), 0.0)
+        ver = np.where(mask > 0, 0, -1)
+        out.append(Trajectory(ids, mask, lp, ver, float(rng.integers(0, 2)), f"g{i % groups}"))
+    return out
+
+
+def make_model(vocab: int, hidden: int, layers: int, heads: int, max_pos: int, seed: int = 0) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2,
+                                        num_hidden_layers=layers, num_attention_heads=heads,
+                                        num_key_value_heads=heads, max_position_embeddings=max_pos, pad_token_id=0))
+
+
+class PlainTorchLearner:
+    """The learner's step in plain torch (no DeepSpeed): packed micro-batches, proximal recompute, decoupled PPO
+    loss with the batch token count as denominator, entropy metric, backward, clip, AdamW."""
+
+    def __init__(self, model: torch.nn.Module, lr: float, grad_clip: float, max_tokens_per_mb: int) -> None:
+        from arl.learner.packing import enable_varlen_attention
+
+        enable_varlen_attention(model)
+        self.model = model
+        self.opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99))
+        self.grad_clip = grad_clip
+        self.max_tokens_per_mb = max_tokens_per_mb
+
+    def _logits(self, mb: Any) -> torch.Tensor:
+        from arl.learner.packing import packed_forward_kwargs
+
+        return self.model(**packed_forward_kwargs(mb), use_cache=False).logits
+
+    def train_step(self, batch: list[Trajectory]) -> dict[str, float]:
+        from arl.learner.batching import build_packed_micro_batches
+        from arl.learner.ppo import (decoupled_ppo_loss, entropy_from_logits, group_advantages, shift_right,
+                                     token_logprobs)
+
+        t0 = time.perf_counter()
+        adv = group_advantages(torch.tensor([t.reward for t in batch]), [t.group_id for t in batch])
+        mbs = build_packed_micro_batches(batch, self.max_tokens_per_mb, adv.tolist())
+        n_tok = float(sum(mb.n_loss_tokens for mb in mbs))
+        self.model.eval()
+        with torch.no_grad():
+            prox = [token_logprobs(self._logits(mb), mb.input_ids) for mb in mbs]
+        self.model.train()
+        ent = 0.0
+        for mb, p in zip(mbs, prox):
+            logits = self._logits(mb)
+            logp = token_logprobs(logits, mb.input_ids)
+            loss, _ = decoupled_ppo_loss(logp, p, mb.logprobs, mb.advantages, mb.loss_mask, denominator=n_tok)
+            with torch.no_grad():
+                ent += float(shift_right(entropy_from_logits(logits.detach()))[mb.loss_mask].sum())
+            loss.backward()
+        if self.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return {"step_seconds": time.perf_counter() - t0, "n_tokens": n_tok}
+
+
+def alternate(fns: dict[str, Callable[[], tuple[float, float]]], repeats: int,
+              warmup: int = 1) -> dict[str, dict[str, list[float]]]:
+    """Call each fn ``warmup`` times, then ``repeats`` rounds of all of them in turn; wall and CPU seconds per
+    call: ``{name: {"wall": [...], "cpu": [...]}}``."""
+    for _ in range(warmup):
+        for f in fns.values():
+            f()
+    out: dict[str, dict[str, list[float]]] = {k: {"wall": [], "cpu": []} for k in fns}
+    for _ in range(repeats):
+        for k, f in fns.items():
+            wall, cpu = f()
+            out[k]["wall"].append(wall)
+            out[k]["cpu"].append(cpu)
+    return out
+
+
+def timed(fn: Callable[[], Any]) -> Callable[[], tuple[float, float]]:
+    def run() -> tuple[float, float]:
+        t0, c0 = time.perf_counter(), time.process_time()
+        fn()
+        return time.perf_counter() - t0, time.process_time() - c0
+
+    return run
+
+
+def medians(times: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, float]]:
+    return {k: {c: statistics.median(v[c]) for c in ("wall", "cpu")} for k, v in times.items()}
+
+
+def padded_arrival_order_step(lrn: Any, batch: list[Trajectory], per_mb: int) -> Callable[[], Any]:
+    """A step of the padded learner whose micro-batches are fixed-size slices in arrival order (no grouping)."""
+    from arl.learner import batching
+
+    orig = batching.split_by_token_budget
+
+    def split(lengths: Any, budget: int) -> list[list[int]]:
+        return [list(range(i, min(i + per_mb, len(lengths)))) for i in range(0, len(lengths), per_mb)]
+
+    def step() -> Any:
+        batching.split_by_token_budget = split
+        try:
+            return lrn.train_step(batch)
+        finally:
+            batching.split_by_token_budget = orig
+
+    return step
+
+
+def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seqs", type=int, default=128, help="trajectories per batch")
+    ap.add_argument("--groups", type=int, default=16)
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, nargs=2, default=[16, 48])
+    ap.add_argument("--gen-median", type=float, default=48.0)
+    ap.add_argument("--gen-sigma", type=float, default=1.0)
+    ap.add_argument("--max-len", type=int, default=1024)
+    ap.add_argument("--max-tokens-per-mb", type=int, default=4096)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--tiny", action="store_true", help="tiny sizes (smoke test)")
+    ap.add_argument("--json", default="", help="also write the results here")
+    args = ap.parse_args(argv)
+    if args.tiny:
+        args.seqs, args.groups, args.vocab, args.hidden, args.layers = 12, 3, 32, 32, 1
+        args.prompt_len, args.gen_median, args.max_len, args.max_tokens_per_mb, args.repeats = [2, 4], 6.0, 64, 96, 1
+    torch.set_num_threads(args.threads)
+    from arl.learner.deepspeed_engine import DeepSpeedLearner
+
+    batch = long_tailed_batch(args.seqs, args.vocab, tuple(args.prompt_len), args.gen_median, args.gen_sigma,
+                              args.max_len, args.groups)
+    lens = np.array([len(t.input_ids) for t in batch])
+    real = int(lens.sum())
+    base = make_model(args.vocab, args.hidden, args.layers, args.heads, args.max_len)
+    n_params = sum(p.numel() for p in base.parameters())
+    common = dict(lr=1e-5, grad_clip=1.0, max_tokens_per_mb=args.max_tokens_per_mb)
+    packed = DeepSpeedLearner(copy.deepcopy(base), packing=True, **common)
+    padded = DeepSpeedLearner(copy.deepcopy(base), packing=False, **common)
+    per_mb = max(1, args.max_tokens_per_mb // int(lens.max()))
+    # same peak micro-batch size as the budget allows for the longest sequence
+    plain = PlainTorchLearner(copy.deepcopy(base), lr=1e-5, grad_clip=1.0, max_tokens_per_mb=args.max_tokens_per_mb)
+
+    print(f"model: Llama hidden {args.hidden} x {args.layers} layers, {n_params:,} parameters, vocab {args.vocab}; "
+          f"{args.threads} torch thread(s)")
+    print(f"batch: {len(batch)} sequences, {real:,} tokens; lengths min {lens.min()} median {int(np.median(lens))} "
+          f"p90 {int(np.percentile(lens, 90))} max {lens.max()} (log-normal generation, sigma {args.gen_sigma}); "
+          f"micro-batch budget {args.max_tokens_per_mb} tokens")
+
+    pad_info: dict[str, Any] = {}
+
+    def record(name: str, lrn: Any, fn: Callable[[], Any]) -> Callable[[], Any]:
+        def run() -> Any:
+            m = fn()
+            pad_info[name] = m.get("pad_frac", 0.0)
+            return m
+
+        return run
+
+    times = alternate({
+        "packed": timed(record("packed", packed, lambda: packed.train_step(batch))),
+        "padded": timed(record("padded", padded, lambda: padded.train_step(batch))),
+        "padded_arrival": timed(record("padded_arrival", padded, padded_arrival_order_step(padded, batch, per_mb))),
+    }, args.repeats)
+    med = medians(times)
+    tps = {k: {c: real / v[c] for c in v} for k, v in med.items()}
+    print("\n1. packed vs padded (DeepSpeedLearner.train_step, median of "
+          f"{args.repeats} steps each, alternating)")
+    print(f"   {'':38s} {'wall s':>7s} {'cpu s':>7s} {'tokens/s (wall)':>16s} {'(cpu)':>8s}  padding")
+    for k in ("packed", "padded", "padded_arrival"):
+        label = {"packed": "packed", "padded": "padded (length-grouped)",
+                 "padded_arrival": f"padded (arrival order, {per_mb}/micro-batch)"}[k]
+        print(f"   {label:38s} {med[k]['wall']:7.3f} {med[k]['cpu']:7.3f} {tps[k]['wall']:16.0f} "
+              f"{tps[k]['cpu']:8.0f}  {pad_info.get(k, 0):.1%}")
+    r_pad = {c: tps["packed"][c] / tps["padded"][c] for c in ("wall", "cpu")}
+    r_arr = {c: tps["packed"][c] / tps["padded_arrival"][c] for c in ("wall", "cpu")}
+    print(f"   packed/padded tokens/s: {r_pad['cpu']:.2f}x (cpu) / {r_pad['wall']:.2f}x (wall) vs length-grouped "
+          f"padding; {r_arr['cpu']:.2f}x (cpu) / {r_arr['wall']:.2f}x (wall) vs arrival-order padding "
+          "(target >= 1.5)")
+
+    ds_plain = alternate({
+        "deepspeed": timed(lambda: packed.train_step(batch)),
+        "plain": timed(lambda: plain.train_step(batch)),
+    }, args.repeats)
+    med2 = medians(ds_plain)
+    ratio = {c: med2["deepspeed"][c] / med2["plain"][c] for c in ("wall", "cpu")}
+    print(f"\n2. DeepSpeed (ZeRO 0, gloo) vs plain torch, same packed batch, median of {args.repeats} steps: "
+          f"cpu {med2['deepspeed']['cpu']:.3f} vs {med2['plain']['cpu']:.3f} s/step -> {ratio['cpu']:.3f}x; "
+          f"wall {med2['deepspeed']['wall']:.3f} vs {med2['plain']['wall']:.3f} -> {ratio['wall']:.3f}x "
+          "(target <= 1.1)")
+    result = {
+        "params": n_params, "seqs": len(batch), "tokens": real, "len_max": int(lens.max()),
+        "len_median": float(np.median(lens)), "s_per_step": med, "tokens_per_s": tps,
+        "pad_frac": pad_info, "packed_over_padded": r_pad, "packed_over_padded_arrival": r_arr,
+        "deepspeed_s": med2["deepspeed"], "plain_s": med2["plain"], "deepspeed_over_plain": ratio,
+        "raw": {"packing": times, "deepspeed_vs_plain": ds_plain},
+    }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()

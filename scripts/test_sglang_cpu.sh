@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Runs the real-SGLang tests (pytest -m sglang_real) against an SGLang server on the CPU.
+#
+# SGLang has no CPU kernel wheel, but its server runs on the CPU with the torch-native attention backend once an
+# import-only stub of `sgl_kernel` is on PYTHONPATH (tests/sglang_stub/, never put on the path of the default
+# suite). The recipe (see DESIGN.md, "Facts measured on this machine"):
+#   1. a separate venv (default ~/.cache/arl/venv-sglang, override with ARL_SGLANG_VENV) with torch==2.14.1 and
+#      torchvision==0.29.1 (sglang imports torchvision at start-up; PyPI's torchvision does not import beside the
+#      CPU torch 2.13.0 file, this pair installs from the machine's local wheel store and runs on the CPU),
+#   2. sglang==0.5.23 installed with --no-deps, then its pure-Python runtime dependencies under a constraint that
+#      keeps torch at 2.14.1 (CUDA-only kernel packages are left out),
+#   3. the tests, with the stub and the repository on PYTHONPATH.
+# The venv is reused when its recipe did not change (a stamp file holds the recipe's hash). Usage:
+#   bash scripts/test_sglang_cpu.sh [extra pytest args]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+PY=${PYTHON:-python3}
+VENV=${ARL_SGLANG_VENV:-$HOME/.cache/arl/venv-sglang}
+SGLANG_VERSION=${ARL_SGLANG_VERSION:-0.5.23}
+
+# Pure-Python (or CPU-wheel) runtime dependencies of sglang's HTTP server + scheduler on the generate path.
+DEPS=(
+  "transformers==5.19.0" dill soundfile "tokenizers==0.23.2" safetensors numpy aiohttp fastapi "uvicorn>=0.51" uvloop orjson
+  msgspec pydantic python-multipart pyzmq psutil requests setproctitle pybase64 partial_json_parser
+  "prometheus-client>=0.20.0" packaging regex tqdm pillow einops interegular "xgrammar==0.2.7"
+  "llguidance>=1.7.6,<2.0.0" "openai==2.8.0" "openai-harmony==0.0.4" "anthropic>=0.20.0" tiktoken
+  "sentencepiece==0.2.1" xxhash zstandard watchfiles distro easydict "blobfile==3.0.0" scipy "msgpack"
+  huggingface_hub "compressed-tensors==0.18.0" gguf "mistral_common>=1.11.5" "smg-grpc-servicer>=0.9.0"
+  "apache-tvm-ffi==0.1.11" ninja nvidia-ml-py "python-dateutil<3" IPython
+  pytest pytest-asyncio pytest-timeout
+)
+TORCH=("torch==2.14.1" "torchvision==0.29.1")
+RECIPE="${TORCH[*]} sglang==$SGLANG_VERSION ${DEPS[*]}"
+STAMP="$VENV/.arl-recipe"
+HASH=$(printf '%s' "$RECIPE" | sha256sum | cut -d' ' -f1)
+
+t0=$(date +%s)
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$HASH" ]; then
+  echo "[sglang-cpu] building $VENV (sglang $SGLANG_VERSION, ${TORCH[*]})"
+  rm -rf "$VENV"
+  "$PY" -m venv "$VENV"
+  CONS=$(mktemp)
+  echo "${TORCH[0]}" > "$CONS"
+  PIP=("$VENV/bin/pip" install -q --disable-pip-version-check -c "$CONS")
+  "${PIP[@]}" "${TORCH[@]}"
+  "${PIP[@]}" --no-deps "sglang==$SGLANG_VERSION"
+  "${PIP[@]}" "${DEPS[@]}"
+  rm -f "$CONS"
+  echo "$HASH" > "$STAMP"
+  echo "[sglang-cpu] venv ready in $(( $(date +%s) - t0 ))s ($(du -sh "$VENV" | cut -f1))"
+else
+  echo "[sglang-cpu] reusing $VENV"
+fi
+
+t1=$(date +%s)
+export PYTHONPATH="$ROOT/tests/sglang_stub:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export ARL_SGLANG_REAL=1 SGLANG_USE_CPU_ENGINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# the launcher test runs the training entry point with the project's own venv (DeepSpeed is not in this one)
+export ARL_MAIN_PYTHON=${ARL_MAIN_PYTHON:-$ROOT/.venv/bin/python}
+set +e
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider -m sglang_real tests/inference/test_sglang_real.py "$@"
+rc=$?
+set -e
+echo "[sglang-cpu] tests finished with exit code $rc in $(( $(date +%s) - t1 ))s (total $(( $(date +%s) - t0 ))s)"
+exit $rc

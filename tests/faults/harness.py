@@ -1,0 +1,196 @@
+"""Shared pieces of the fault tests: start a real run in the background, find its processes, read its records.
+
+Every fault test appends one JSON line to `$ARL_FAULT_RESULTS` (when set) saying what it injected and what the
+run's final accounting was; scripts/fault_report.py prints the table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Callable, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MAIN = os.path.join(ROOT, "training", "main_async_ppo.py")
+
+TINY = [
+    "learner.batch_size=2",
+    "agent.group_size=4",
+    "rollout.max_concurrent_rollouts=8",
+    "eval.max_prompts=8",
+    "eval.every_n_steps=0",
+    "progress=false",
+    "startup_timeout=240",
+]
+
+
+HOLD_MODULE = '''
+"""The math single-step agent, except that a group with tokens of policy version >= ARL_TEST_HOLD_FROM waits for
+the file ARL_TEST_RELEASE before it is returned: the run cannot train past that version until the test says so."""
+import asyncio
+import os
+
+from arl.agents.math_single_step import MathSingleStepAgent
+from arl.api import register_agent
+
+RELEASE = os.environ["ARL_TEST_RELEASE"]
+HOLD_FROM = int(os.environ["ARL_TEST_HOLD_FROM"])
+
+
+class HoldAgent(MathSingleStepAgent):
+    async def collect_trajectory(self, prompt, env, obs_queue, act_queue):
+        trajs = await super().collect_trajectory(prompt, env, obs_queue, act_queue)
+        if any(len(t.versions) and int(t.versions.max()) >= HOLD_FROM for t in trajs):
+            while not os.path.exists(RELEASE):
+                await asyncio.sleep(0.1)
+        return trajs
+
+
+register_agent("hold-math", HoldAgent)
+'''
+
+
+class Hold:
+    """Keeps a run from training past step `hold_from` until `release()`: the test's injections happen while the
+    run is known to be training, however fast the machine is."""
+
+    def __init__(self, tmp_dir: str, hold_from: int) -> None:
+        self.dir = os.path.join(tmp_dir, "hold")
+        os.makedirs(self.dir, exist_ok=True)
+        with open(os.path.join(self.dir, "hold_agent.py"), "w") as f:
+            f.write(HOLD_MODULE)
+        self.flag = os.path.join(self.dir, "release")
+        self.args = ["imports=[hold_agent]", "agent.name=hold-math"]
+        self.env = {"ARL_TEST_RELEASE": self.flag, "ARL_TEST_HOLD_FROM": str(hold_from),
+                    "PYTHONPATH": os.pathsep.join([self.dir, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+
+    def release(self) -> None:
+        open(self.flag, "w").close()
+
+
+def start_run(run_root: str, cache: str, extra: list[str], cwd: str = ROOT,
+              env: Optional[dict[str, str]] = None) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, MAIN, f"run_dir={run_root}", "run_name=run", f"model.cache_dir={cache}", *TINY, *extra]
+    full_env = {**os.environ, **(env or {})}
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env)
+    return proc, os.path.join(run_root, "run")
+
+
+def finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"run did not finish in {timeout}s\nstderr:\n{err[-5000:]}")
+    return proc.returncode, out, err
+
+
+def wait_for(pred: Callable[[], bool], proc: subprocess.Popen, timeout: float = 600, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"run exited ({proc.returncode}) while waiting for {what}\n{err[-5000:]}")
+        if pred():
+            return
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:  # a line being written
+                pass
+    return out
+
+
+def train_steps(run_dir: str) -> list[int]:
+    return [m["step"] for m in read_metrics(run_dir) if m.get("type") == "train"]
+
+
+def summary(run_dir: str) -> dict:
+    recs = [m for m in read_metrics(run_dir) if m.get("type") == "summary"]
+    assert recs, "the run wrote no summary record"
+    return recs[-1]
+
+
+def addresses(run_dir: str) -> dict:
+    with open(os.path.join(run_dir, "addresses.json")) as f:
+        return json.load(f)
+
+
+def role_pids(run_dir: str) -> dict[str, int]:
+    """role name (inference0, learner0, rollout1, ...) -> pid of this run's live role processes."""
+    pids = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if "arl.launcher.worker" in argv and run_dir in argv:
+            role = argv[argv.index("--role") + 1] + argv[argv.index("--index") + 1]
+            pids[role] = int(pid)
+    return pids
+
+
+def log_text(run_dir: str, name: str) -> str:
+    with open(os.path.join(run_dir, "logs", f"{name}.log"), errors="replace") as f:
+        return f.read()
+
+
+def assert_no_leftovers(run_dir: str) -> None:
+    time.sleep(0.5)
+    assert role_pids(run_dir) == {}
+
+
+def assert_accounting(s: dict) -> None:
+    """Nothing accepted was lost or trained twice: every group the controller accepted reached the learner, and
+    each one the learner received was trained, dropped (stale/invalid) or is still buffered."""
+    learner = s["learner"]
+    assert s.get("lost_accepted_groups") == 0, s
+    assert learner["trained_twice"] == 0, s
+    assert s.get("learner_balance") == 0, s
+
+
+def record(test: str, fault: str, injected: int, run_dir: str, finished: bool, **extra) -> None:
+    """Append this test's figures to $ARL_FAULT_RESULTS (a jsonl file) for scripts/fault_report.py."""
+    path = os.environ.get("ARL_FAULT_RESULTS")
+    if not path:
+        return
+    try:
+        s = summary(run_dir)
+    except (AssertionError, OSError):
+        s = {}
+    row = {"test": test, "fault": fault, "injected": injected, "finished": finished,
+           "accepted_groups": s.get("accepted_groups"), "accepted_trajectories": s.get("accepted_trajectories"),
+           "learner": s.get("learner", {}), "lost_accepted_groups": s.get("lost_accepted_groups"),
+           "learner_balance": s.get("learner_balance"), "steps": s.get("steps"), "faults": s.get("faults", []),
+           "groups": s.get("groups", {}), **extra}
+    with open(path, "a") as f:
+        f.write(json.dumps(row, default=str) + "\n")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()

@@ -1,0 +1,332 @@
+"""A fake SGLang server for the default test suite: the HTTP schema of SGLang 0.5.23, a toy model behind it.
+
+The endpoints, field names and answers follow SGLang's `srt/entrypoints/http_server.py` and
+`srt/managers/io_struct.py` (GenerateReqInput, SamplingParams, PauseGenerationReqInput, ContinueGenerationReqInput,
+UpdateWeightFromDiskReqInput, AbortReq) and what the real server returned on this machine:
+
+    POST /generate {"rid"?, "input_ids": [int], "sampling_params": {...}, "return_logprob": bool, ...}
+      -> {"text", "output_ids": [int], "meta_info": {"id", "finish_reason": {"type": "stop", "matched": id} |
+          {"type": "length", "length": n} | {"type": "abort", "message"}, "prompt_tokens", "weight_version",
+          "output_token_logprobs": [[logprob, id, null]], "completion_tokens", "cached_tokens",
+          "weight_versions": [{"version", "start", "end"}], ...}}         (a list of n such dicts when n > 1)
+    POST /pause_generation {"mode": "abort" | "retract" | "in_place"}   -> {"message", "status": "ok"}
+    POST /continue_generation {"torch_empty_cache": bool}               -> {"message", "status": "ok"}
+    POST /update_weights_from_disk {"model_path", "weight_version"?, "flush_cache"?, "abort_all_requests"?, ...}
+      -> {"success", "message", "num_paused_requests"} (HTTP 400 when not successful)
+    POST /abort_request {"rid", "abort_all"}, GET /health, GET /model_info, POST /flush_cache
+
+Unknown request fields are refused (HTTP 400), so a misspelt field in the client fails a test. Semantics copied:
+a paused server holds new requests until continue; `in_place` keeps requests in the batch (a flush is refused while
+any runs, which fails the update call), `retract` and `abort` empty it; an update while not paused waits until no
+request runs (SGLang's writer lock).
+
+The toy model: greedy next token = (3 * last + shift) % vocab, logprob -0.05 * shift; `shift` = 1 + (sum of every
+tensor in the weights directory's *.safetensors, rounded) % 7. Sampling (temperature > 0) adds 0 or 1 at random.
+Run standalone: `python -m tests.inference.fake_sglang --model-path DIR --port P` (used to test supervision).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import glob
+import os
+import random
+import uuid
+from typing import Any, Optional
+
+import numpy as np
+from aiohttp import web
+
+GENERATE_KEYS = {"rid", "session_id", "text", "input_ids", "input_embeds", "sampling_params", "return_logprob",
+                 "logprob_start_len", "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "stream",
+                 "log_metrics", "return_hidden_states", "lora_path", "custom_logit_processor", "priority",
+                 "extra_key", "routed_dp_rank", "bootstrap_host", "bootstrap_port", "bootstrap_room"}
+SAMPLING_KEYS = {"max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
+                 "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema",
+                 "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
+                 "spaces_between_special_tokens", "no_stop_trim", "stream_interval", "logit_bias", "sampling_seed",
+                 "custom_params"}
+UPDATE_KEYS = {"rid", "model_path", "load_format", "abort_all_requests", "weight_version", "is_async",
+               "torch_empty_cache", "keep_pause", "recapture_cuda_graph", "token_step", "flush_cache", "manifest"}
+PAUSE_KEYS = {"rid", "mode"}
+CONTINUE_KEYS = {"rid", "torch_empty_cache"}
+ABORT_KEYS = {"rid", "abort_all", "finished_reason", "abort_message", "weight_versions"}
+
+
+def shift_of(model_path: str) -> int:
+    """The toy model's parameter, from the weights directory (raises if it holds no safetensors)."""
+    from safetensors.numpy import load_file
+
+    files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_path}")
+    total = 0.0
+    for f in files:
+        for v in load_file(f).values():
+            total += float(np.asarray(v, dtype=np.float64).sum())
+    return 1 + int(round(abs(total))) % 7
+
+
+def toy_next(last: int, shift: int, vocab: int) -> int:
+    return (3 * last + shift) % vocab
+
+
+def toy_greedy(prompt: list[int], n: int, shift: int, vocab: int) -> list[int]:
+    out, last = [], prompt[-1]
+    for _ in range(n):
+        last = toy_next(last, shift, vocab)
+        out.append(last)
+    return out
+
+
+class _Req:
+    def __init__(self, rid: str, prompt: list[int], params: dict[str, Any]) -> None:
+        self.rid = rid
+        self.prompt = prompt
+        self.params = params
+        self.ids: list[int] = []
+        self.logps: list[float] = []
+        self.versions: list[str] = []
+        self.aborted = False
+        self.retractions = 0
+
+
+class FakeSGLang:
+    def __init__(self, model_path: str, *, vocab: int = 64, step_s: float = 0.002, seed: int = 0) -> None:
+        self.model_path = model_path
+        self.vocab = vocab
+        self.step_s = step_s
+        self.shift = shift_of(model_path)
+        self.weight_version = "default"
+        self.paused = False
+        self.pause_mode: Optional[str] = None
+        self.healthy = True
+        self.running: dict[str, _Req] = {}
+        self.log: list[tuple[str, dict]] = []  # (path, body) of every POST, in order
+        self._unpaused = asyncio.Event()
+        self._unpaused.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._rng = random.Random(seed)
+        self._runner: Optional[web.AppRunner] = None
+        self.base_url = ""
+
+    # ------------------------------------------------------------------ lifecycle
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/health_generate", self.health)
+        app.router.add_get("/model_info", self.model_info)
+        app.router.add_route("*", "/generate", self.generate)
+        app.router.add_post("/pause_generation", self.pause_generation)
+        app.router.add_post("/continue_generation", self.continue_generation)
+        app.router.add_post("/update_weights_from_disk", self.update_weights_from_disk)
+        app.router.add_post("/abort_request", self.abort_request)
+        app.router.add_route("*", "/flush_cache", self.flush_cache)
+        return app
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        self._runner = web.AppRunner(self.app())
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.base_url = f"http://{host}:{port}"
+        return self.base_url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    def posts(self, path: str) -> list[dict]:
+        return [b for p, b in self.log if p == path]
+
+    # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _bad(msg: str, status: int = 400) -> web.Response:
+        return web.json_response({"error": {"message": msg, "type": "invalid_request_error", "code": status}},
+                                 status=status)
+
+    async def _body(self, request: web.Request, allowed: set[str], path: str) -> tuple[Optional[dict], Any]:
+        try:
+            body = await request.json() if request.can_read_body else {}
+        except ValueError:
+            return None, self._bad("body is not JSON")
+        if not isinstance(body, dict):
+            return None, self._bad("body must be a JSON object")
+        unknown = set(body) - allowed
+        if unknown:
+            return None, self._bad(f"unknown fields {sorted(unknown)}", 422)
+        self.log.append((path, body))
+        return body, None
+
+    def _set_version(self, version: str) -> None:
+        self.weight_version = version
+
+    # ------------------------------------------------------------------ endpoints
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.healthy and not self.paused else 503)
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"model_path": self.model_path, "weight_version": self.weight_version,
+                                  "is_generation": True})
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        ok = not self.running
+        return web.Response(text="Cache flushed." if ok else "Cache not flushed.", status=200 if ok else 400)
+
+    async def generate(self, request: web.Request) -> web.Response:
+        body, err = await self._body(request, GENERATE_KEYS, "/generate")
+        if err is not None:
+            return err
+        ids = body.get("input_ids")
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
+            return self._bad("input_ids must be a non-empty list of ints")
+        if any(not 0 <= t < self.vocab for t in ids):
+            return self._bad(f"The input_ids {ids} contains values greater than the vocab size ({self.vocab}).")
+        params = body.get("sampling_params") or {}
+        unknown = set(params) - SAMPLING_KEYS
+        if unknown:
+            return self._bad(f"unknown sampling params {sorted(unknown)}", 422)
+        n = int(params.get("n", 1))
+        rid = body.get("rid") or uuid.uuid4().hex
+        outs = await asyncio.gather(*(self._run(f"{rid}-{k}" if n > 1 else rid, ids, params,
+                                                bool(body.get("return_logprob"))) for k in range(n)))
+        return web.json_response(outs if n > 1 else outs[0])
+
+    async def _run(self, rid: str, prompt: list[int], p: dict, return_logprob: bool) -> dict:
+        await self._unpaused.wait()  # a paused server holds new requests (TokenizerManager.is_pause_cond)
+        req = _Req(rid, prompt, p)
+        self.running[rid] = req
+        self._idle.clear()
+        max_new = int(p.get("max_new_tokens", 128))
+        min_new = int(p.get("min_new_tokens", 0))
+        stops = set(p.get("stop_token_ids") or [])
+        greedy = float(p.get("temperature", 1.0)) < 1e-6 or int(p.get("top_k", -1)) == 1
+        finish: dict[str, Any] = {"type": "length", "length": max_new}
+        try:
+            while len(req.ids) < max_new:
+                while self.paused and self.pause_mode in ("in_place", "retract") and not req.aborted:
+                    await self._unpaused.wait()
+                if req.aborted:
+                    finish = {"type": "abort", "message": "Abort before prefill" if not req.ids else "Aborted"}
+                    break
+                await asyncio.sleep(self.step_s)
+                if req.aborted:
+                    finish = {"type": "abort", "message": "Aborted"}
+                    break
+                if self.paused and self.pause_mode in ("in_place", "retract"):
+                    continue  # paused during the step: the token is made after continue_generation
+                last = req.ids[-1] if req.ids else prompt[-1]
+                tok = toy_next(last, self.shift, self.vocab)
+                if not greedy:
+                    tok = (tok + self._rng.randint(0, 1)) % self.vocab
+                req.ids.append(tok)
+                req.logps.append(-0.05 * self.shift)
+                req.versions.append(self.weight_version)
+                if tok in stops and len(req.ids) >= min_new:
+                    finish = {"type": "stop", "matched": tok}
+                    break
+        finally:
+            self.running.pop(rid, None)
+            if not self.running:
+                self._idle.set()
+        spans: list[dict[str, Any]] = []
+        for k, v in enumerate(req.versions):
+            if spans and spans[-1]["version"] == v:
+                spans[-1]["end"] = k + 1
+            else:
+                spans.append({"version": v, "start": k, "end": k + 1})
+        if not spans:
+            spans = [{"version": self.weight_version, "start": 0, "end": 0}]
+        meta: dict[str, Any] = {"id": rid, "finish_reason": finish, "prompt_tokens": len(prompt),
+                                "weight_version": self.weight_version, "num_retractions": req.retractions,
+                                "reasoning_tokens": 0, "completion_tokens": len(req.ids), "cached_tokens": 0,
+                                "weight_versions": spans, "e2e_latency": 0.0}
+        if return_logprob:
+            meta["input_token_logprobs"] = []
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.logps, req.ids)]
+            meta["output_token_logprobs_length"] = len(req.ids)
+        return {"text": "", "output_ids": list(req.ids), "meta_info": meta}
+
+    def _abort_all(self) -> None:
+        for r in self.running.values():
+            r.aborted = True
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        body, err = await self._body(request, PAUSE_KEYS, "/pause_generation")
+        if err is not None:
+            return err
+        mode = body.get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            return self._bad(f"mode must be abort, retract or in_place, got {mode!r}", 422)
+        self.paused, self.pause_mode = True, mode
+        self._unpaused.clear()
+        if mode == "abort":
+            self._abort_all()
+            await self._idle.wait()
+        elif mode == "retract":
+            for r in self.running.values():
+                r.retractions += 1
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        body, err = await self._body(request, CONTINUE_KEYS, "/continue_generation")
+        if err is not None:
+            return err
+        self.paused, self.pause_mode = False, None
+        self._unpaused.set()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body, err = await self._body(request, ABORT_KEYS, "/abort_request")
+        if err is not None:
+            return err
+        if body.get("abort_all"):
+            self._abort_all()
+        elif body.get("rid") in self.running:
+            self.running[body["rid"]].aborted = True
+        return web.Response(status=200)
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        body, err = await self._body(request, UPDATE_KEYS, "/update_weights_from_disk")
+        if err is not None:
+            return err
+        if "model_path" not in body:
+            return self._bad("model_path is required", 422)
+        if body.get("abort_all_requests"):
+            self._abort_all()
+        if not self.paused:
+            await self._idle.wait()  # SGLang takes its writer lock: waits for in-flight requests to finish
+        try:
+            shift = shift_of(str(body["model_path"]))
+        except Exception as e:  # noqa: BLE001
+            return web.json_response({"success": False, "message": f"Failed to get weights iterator: {e}.",
+                                      "num_paused_requests": 0}, status=400)
+        self.shift = shift
+        self.model_path = str(body["model_path"])
+        if body.get("weight_version") is not None:
+            self._set_version(str(body["weight_version"]))
+        if body.get("flush_cache", True) and self.running and self.pause_mode == "in_place":
+            return web.json_response({"success": False, "num_paused_requests": 0, "message": (
+                "Weights were updated, but the cache was not flushed because requests are still running or "
+                "queued. Retract or finish them, then call /flush_cache.")}, status=400)
+        return web.json_response({"success": True, "message": "Succeeded to update model weights.",
+                                  "num_paused_requests": 0})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--step-s", type=float, default=0.002)
+    args, _ = ap.parse_known_args()
+    fake = FakeSGLang(args.model_path, step_s=args.step_s)
+    web.run_app(fake.app(), host=args.host, port=args.port, print=None)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,269 @@
+"""The SGLang backend against the real SGLang server on the CPU (tiny model). Run by scripts/test_sglang_cpu.sh.
+
+Skipped unless ARL_SGLANG_REAL=1 and sglang is importable (the script builds a separate venv with SGLang and puts
+the test-only `sgl_kernel` stub on PYTHONPATH). Checks: greedy tokens equal the embedded engine's on the same
+weights; after update_weights_from_disk the outputs follow the new weights and carry the new version; requests in
+flight during an update complete (KV kept with pause_mode in_place, recomputed with retract).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.sglang_real,
+    pytest.mark.skipif(os.environ.get("ARL_SGLANG_REAL") != "1" or importlib.util.find_spec("sglang") is None,
+                       reason="real SGLang tests run via scripts/test_sglang_cpu.sh"),
+]
+
+torch.set_num_threads(1)
+
+MAX_NEW = 120
+
+
+def _export(model: torch.nn.Module, path: str) -> str:
+    """One safetensors file of the full state dict, as the learner exports it."""
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from arl.inference.sglang_engine import launch_sglang_engine
+    from arl.models.tiny import build_char_tokenizer, build_tiny_model, save_model_dir
+
+    root = tmp_path_factory.mktemp("sglang-real")
+    tok = build_char_tokenizer()
+    old = build_tiny_model(len(tok), seed=0, max_position_embeddings=512)
+    new = build_tiny_model(len(tok), seed=1, max_position_embeddings=512)
+    base = save_model_dir(old, tok, str(root / "model"))
+    new_file = _export(new, str(root / "v1.safetensors"))
+    loop = asyncio.new_event_loop()  # the engine's HTTP session lives on one loop for the whole module
+    engine = launch_sglang_engine(model_path=base, device="cpu", seed=0, name="sgl", run_dir=str(root / "run"),
+                                  max_batch_size=32, max_context_len=512, startup_timeout=300, health_interval=5)
+    yield {"engine": engine, "old": old, "new": new, "new_file": new_file, "base": base, "tok": tok, "root": root,
+           "run": loop.run_until_complete}
+    loop.run_until_complete(engine.close())
+    loop.close()
+
+
+def torch_greedy(model: torch.nn.Module, prompts: list[list[int]], max_new: int, eos: int = 1):
+    """The embedded engine's greedy samples of `prompts` (same weights, same stop rules)."""
+    from arl.api.types import GenerateRequest, GenerationConfig
+    from arl.inference.torch_engine import TorchEngine
+
+    async def go():
+        engine = TorchEngine(model, pad_token_id=0, eos_token_id=eos, max_batch_size=64, max_context_len=512)
+        rs = await asyncio.gather(*(engine.agenerate(GenerateRequest(
+            qid=str(i), input_ids=np.asarray(p, np.int32), gconfig=GenerationConfig(greedy=True,
+                                                                                   max_new_tokens=max_new)))
+            for i, p in enumerate(prompts)))
+        await engine.close()
+        return [r.samples[0] for r in rs]
+
+    return asyncio.run(go())
+
+
+def encode(tok, texts: list[str]) -> list[list[int]]:
+    return [list(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=False)) for t in texts]
+
+
+def sglang_generate(setup, prompts: list[list[int]], max_new: int, update=None):
+    """Greedy samples from the SGLang engine; `update` (a coroutine factory) runs while they are in flight."""
+    from arl.api.types import GenerateRequest, GenerationConfig
+
+    engine = setup["engine"]
+
+    async def go():
+        tasks = [asyncio.create_task(engine.agenerate(GenerateRequest(
+            qid=str(i), input_ids=np.asarray(p, np.int32), gconfig=GenerationConfig(greedy=True,
+                                                                                   max_new_tokens=max_new))))
+            for i, p in enumerate(prompts)]
+        if update is not None:
+            await asyncio.sleep(0.3)
+            await update()
+        return await asyncio.gather(*tasks)
+
+    return setup["run"](go())
+
+
+PROMPTS = ["12+7=", "3+4=", "40+9=", "hello", "Tell me a story", "0+0=", "25+25=", "9+"]
+
+
+def test_greedy_tokens_equal_the_embedded_engine(setup):
+    engine, tok = setup["engine"], setup["tok"]
+    prompts = encode(tok, PROMPTS)
+    ref = torch_greedy(setup["old"], prompts, 24)
+    got = sglang_generate(setup, prompts, 24)
+    for r, s in zip(got, ref):
+        assert r.error is None, r.error
+        g = r.samples[0]
+        assert g.output_ids.tolist() == s.output_ids.tolist()
+        assert g.finish_reason == s.finish_reason
+        np.testing.assert_allclose(g.output_logprobs, s.output_logprobs, atol=2e-3)
+        assert g.output_versions.tolist() == [0] * len(g.output_ids)
+
+
+def _long_prompts(setup, model_key: str) -> list[list[int]]:
+    """Prompts whose greedy output under the old weights runs the full MAX_NEW tokens (no early EOS), so an update
+    lands in the middle of them."""
+    tok = setup["tok"]
+    cands = encode(tok, [f"{a}+{b}=" for a in range(0, 50, 3) for b in range(0, 50, 7)])
+    outs = torch_greedy(setup[model_key], cands, MAX_NEW)
+    long = [p for p, s in zip(cands, outs) if s.finish_reason == "length"]
+    if len(long) < 2:
+        pytest.skip("the random tiny model ends every candidate early; no long request to update under")
+    return long[:6]
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract", "abort"])
+def test_update_in_flight_completes_and_new_weights_follow(setup, mode):
+    engine = setup["engine"]
+    engine.pause_mode = mode
+    prompts = _long_prompts(setup, "old")
+    version = {"in_place": 1, "retract": 2, "abort": 3}[mode]
+    # each mode starts from the old weights
+    if engine.version != 0:
+        setup["run"](engine.update_weights(_export(setup["old"], str(setup["root"] / "v0.safetensors")), 0))
+
+    async def update():
+        await engine.update_weights(setup["new_file"], version)
+
+    resps = sglang_generate(setup, prompts, MAX_NEW, update)
+    old_ref = torch_greedy(setup["old"], prompts, MAX_NEW)
+    spanned = 0
+    for p, r, o in zip(prompts, resps, old_ref):
+        assert r.error is None, r.error
+        s = r.samples[0]
+        v = s.output_versions.tolist()
+        assert v == sorted(v) and set(v) <= {0, version}
+        assert s.finish_reason in ("length", "stop")
+        n_old = v.count(0)
+        ids = s.output_ids.tolist()
+        assert ids[:n_old] == o.output_ids.tolist()[:n_old]  # made by the old weights
+        if 0 < n_old < len(ids):
+            spanned += 1
+            if mode != "in_place":  # KV recomputed: the rest is the new model's greedy continuation of the prefix
+                cont = torch_greedy(setup["new"], [p + ids[:n_old]], len(ids) - n_old)[0]
+                assert ids[n_old:] == cont.output_ids.tolist()
+    assert spanned >= 1, "no request was in flight across the update"
+    if mode == "abort":
+        assert engine.stats()["resubmits"] >= spanned  # aborted mid-way, then resubmitted from the prefix
+    if mode == "in_place":  # in_place keeps old-weight prefixes in the radix cache until a flush on an idle server
+        import urllib.request
+
+        with urllib.request.urlopen(urllib.request.Request(engine.base_url + "/flush_cache", method="POST"),
+                                    timeout=30) as r:
+            assert r.status == 200
+    # after the update: outputs follow the new weights and carry the new version
+    prompts = encode(setup["tok"], PROMPTS)
+    got = sglang_generate(setup, prompts, 16)
+    ref = torch_greedy(setup["new"], prompts, 16)
+    for r, s in zip(got, ref):
+        assert r.samples[0].output_ids.tolist() == s.output_ids.tolist()
+        assert r.samples[0].output_versions.tolist() == [version] * len(s.output_ids)
+
+
+def _children(pid: int) -> list[int]:
+    """Every descendant of `pid` (from /proc)."""
+    parents: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            parents.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        for c in parents.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_launcher_with_sglang_backend_survives_kill_9_of_a_worker(setup, tmp_path):
+    """The real launcher, two inference workers each with its own SGLang server: kill -9 of one worker takes its
+    server down with it, its requests go to the other worker, and the run finishes its steps with exit 0."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    main_python = os.environ.get("ARL_MAIN_PYTHON", "")
+    if not main_python or not os.access(main_python, os.X_OK):
+        pytest.skip("ARL_MAIN_PYTHON (the project's venv python, with DeepSpeed) is not set")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    run_dir = str(tmp_path / "runs" / "run")
+    steps = 4
+    cmd = [main_python, os.path.join(root, "training", "main_async_ppo.py"), f"run_dir={tmp_path / 'runs'}",
+           "run_name=run", f"model.path={setup['base']}", f"total_train_steps={steps}",
+           "inference.backend=sglang", f"inference.sglang_python={sys.executable}", "inference.num_workers=2",
+           "learner.batch_size=2", "agent.group_size=4", "rollout.max_concurrent_rollouts=8", "eval.max_prompts=16",
+           "eval.every_n_steps=0", "progress=false", "startup_timeout=400",
+           "agent.args.filter_uniform_groups=false"]  # random weights: every group is all-wrong; keep them
+    proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+
+    def records() -> list[dict]:
+        try:
+            with open(metrics) as f:
+                return [json.loads(line) for line in f if line.strip()]
+        except FileNotFoundError:
+            return []
+
+    try:
+        deadline = time.monotonic() + 600
+        while not any(m["type"] == "train" for m in records()):
+            assert proc.poll() is None, proc.communicate()[1][-4000:]
+            assert time.monotonic() < deadline, "no training step in 600 s"
+            time.sleep(0.5)
+        victim = None
+        for d in os.listdir("/proc"):
+            if d.isdigit():
+                try:
+                    with open(f"/proc/{d}/cmdline", "rb") as f:
+                        argv = f.read().decode(errors="replace").split("\0")
+                except OSError:
+                    continue
+                if "arl.launcher.worker" in argv and run_dir in argv and "inference" in argv and "1" in argv \
+                        and argv[argv.index("--index") + 1] == "1":
+                    victim = int(d)
+        assert victim is not None
+        server_tree = _children(victim)
+        assert server_tree, "the inference worker has no SGLang server child"
+        os.kill(victim, signal.SIGKILL)
+        end = time.monotonic() + 60
+        while any(_alive(p) for p in server_tree) and time.monotonic() < end:
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in server_tree), "the SGLang server outlived its worker"
+        out, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-4000:]
+    recs = records()
+    assert [m["step"] for m in recs if m["type"] == "train"] == list(range(1, steps + 1))
+    assert [m["servers"] for m in recs if m["type"] == "worker_lost"] == [[1]]
+    last_eval = [m for m in recs if m["type"] == "eval"][-1]
+    assert last_eval["version"] == steps and last_eval["token_versions"] == [steps, steps]

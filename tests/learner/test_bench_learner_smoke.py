@@ -1,0 +1,28 @@
+"""scripts/bench_learner.py runs end to end at tiny sizes (no timing thresholds: the machine is shared)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+
+import pytest
+
+pytest.importorskip("deepspeed")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_bench_learner_tiny(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("bench_learner", os.path.join(ROOT, "scripts", "bench_learner.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "r.json"
+    res = mod.main(["--tiny", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert "packed/padded tokens/s" in text and "DeepSpeed (ZeRO 0, gloo) vs plain torch" in text
+    assert json.loads(out.read_text())["tokens"] == res["tokens"] > 0
+    for key in ("packed_over_padded", "packed_over_padded_arrival", "deepspeed_over_plain"):
+        assert all(math.isfinite(v) and v > 0 for v in res[key].values()), key
+    assert res["pad_frac"]["packed"] == 0.0 and res["pad_frac"]["padded"] > 0.0

@@ -1,0 +1,163 @@
+"""DeepSpeedLearner options against hand-computed references: sequence-level aggregation, staleness at
+consumption (drop / down-weight), KL to the frozen initial weights, turn-level discount, LR schedule."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("deepspeed")
+
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from arl.api.types import Trajectory  # noqa: E402
+from arl.learner.batching import build_micro_batches  # noqa: E402
+from arl.learner.deepspeed_engine import DeepSpeedLearner  # noqa: E402
+from arl.learner.ppo import decoupled_ppo_loss, group_advantages, stale_token_weights, token_logprobs  # noqa: E402
+
+torch.set_num_threads(1)
+VOCAB = 32
+
+
+def tiny(seed=0):
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=4, pad_token_id=0))
+
+
+def traj(prompt, gen, *, version=0, reward=0.0, gid="g", lp=-3.0, turn_rewards=None):
+    ids = list(prompt) + list(gen)
+    mask = [0] * len(prompt) + [1] * len(gen)
+    return Trajectory(ids, mask, [lp if m else 0.0 for m in mask], [version if m else -1 for m in mask], reward, gid,
+                      turn_rewards=list(turn_rewards or []))
+
+
+def on_policy(model, trajs):
+    """Set behaviour logprobs to the model's own (so w = r = 1 on the first pass and loss = -weighted mean A)."""
+    model.eval()
+    with torch.no_grad():
+        for t in trajs:
+            ids = torch.from_numpy(t.input_ids.astype(np.int64))[None]
+            lp = token_logprobs(model(input_ids=ids, use_cache=False).logits, ids)[0].numpy()
+            t.logprobs = np.where(t.loss_mask.astype(bool), lp, 0.0).astype(np.float32)
+    model.train()
+    return trajs
+
+
+def test_sequence_level_aggregation_by_hand():
+    base = tiny(1)
+    batch = on_policy(base, [traj([1, 2], [3], reward=1.0, gid="a"), traj([1, 2], [4, 5, 6, 7], reward=0.0, gid="a"),
+                             traj([5], [6, 7], reward=2.0, gid="b"), traj([5], [8, 9, 9], reward=0.0, gid="b")])
+    # std-normalised group advantages are +1 / -1 in both groups; sequence tokens 1, 4, 2, 3
+    adv = [1.0, -1.0, 1.0, -1.0]
+    n = [1, 4, 2, 3]
+    tok = DeepSpeedLearner(copy.deepcopy(base), lr=1e-3, loss_agg="token")
+    seq = DeepSpeedLearner(copy.deepcopy(base), lr=1e-3, loss_agg="seq")
+    m_tok, m_seq = tok.train_step(batch), seq.train_step(batch)
+    assert m_tok["loss"] == pytest.approx(-sum(a * k for a, k in zip(adv, n)) / sum(n), abs=1e-5)  # = 0.2
+    assert m_seq["loss"] == pytest.approx(-sum(adv) / 4, abs=1e-5)  # = 0
+    assert m_tok["imp_weight_mean"] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_stale_tokens_drop_matches_hand_masked_batch():
+    base = tiny(2)
+    v = 10
+    batch = [traj([1, 2], [3, 4, 5], version=v - 1, reward=1.0, gid="a"),
+             traj([1, 2], [6, 7], version=v - 4, reward=0.0, gid="a"),
+             traj([3], [8, 9], version=v, reward=1.0, gid="b"),
+             traj([3], [9, 9, 9], version=v - 2, reward=0.0, gid="b")]
+    batch[0].versions[-1] = v - 3  # one stale token inside a fresh trajectory
+    # eta = 2: tokens with lag > 2 are stale: traj 1 (lag 4, 2 tokens) and traj 0's last token (lag 3)
+    hand = copy.deepcopy(batch)
+    for t in hand:
+        t.loss_mask = (t.loss_mask.astype(bool) & (v - t.versions <= 2)).astype(np.int8)
+    drop = DeepSpeedLearner(copy.deepcopy(base), lr=1e-3, version=v, max_head_offpolicyness=2, stale_tokens="drop",
+                            grad_clip=0.0)
+    ref = DeepSpeedLearner(copy.deepcopy(base), lr=1e-3, version=v, grad_clip=0.0)
+    m_drop, m_ref = drop.train_step(batch), ref.train_step(hand)
+    assert m_drop["stale_token_frac"] == pytest.approx(3 / 10)
+    assert m_drop["n_tokens"] == m_ref["n_tokens"] == 7.0
+    assert m_drop["loss"] == pytest.approx(m_ref["loss"], rel=1e-6, abs=1e-8)
+    assert m_drop["head_offpolicyness"] == 4.0  # reported as received, before the drop
+    for (n, a), b in zip(drop.module.state_dict().items(), ref.module.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-7, msg=n)
+    keep = DeepSpeedLearner(copy.deepcopy(base), lr=1e-3, version=v, max_head_offpolicyness=2)
+    m_keep = keep.train_step(batch)
+    assert m_keep["stale_token_frac"] == pytest.approx(3 / 10) and m_keep["n_tokens"] == 10.0
+
+
+def test_stale_tokens_downweight_matches_plain_torch():
+    base = tiny(3)
+    v = 6
+    batch = [traj([1, 2], [3, 4], version=v - 3, reward=1.0, gid="a"), traj([1], [5, 6, 7], version=v, gid="a"),
+             traj([2, 2], [9], version=v - 5, reward=1.0, gid="b"), traj([4], [8, 8], version=v - 1, gid="b")]
+    lrn = DeepSpeedLearner(copy.deepcopy(base), lr=1e-3, version=v, max_head_offpolicyness=1,
+                           stale_tokens="downweight", stale_token_decay=0.5, packing=False)
+    m = lrn.train_step(batch)
+    # plain torch reference: weights 0.5**(lag - eta) = 0.25 (lag 3), 1, 0.0625 (lag 5), 1; token-level mean
+    model = copy.deepcopy(base).train()
+    adv = group_advantages(torch.tensor([t.reward for t in batch]), [t.group_id for t in batch]).tolist()
+    w = [stale_token_weights(t.versions, t.loss_mask, v, 1, "downweight", 0.5)[1] for t in batch]
+    assert [float(x[-1]) for x in w] == [0.25, 1.0, 0.0625, 1.0]
+    (mb,) = build_micro_batches(batch, 4096, adv, token_weights=w)
+    logp = token_logprobs(model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits, mb.input_ids)
+    ref, _ = decoupled_ppo_loss(logp, logp.detach(), mb.logprobs, mb.advantages, mb.loss_mask,
+                                token_weights=mb.token_weights)
+    assert m["loss"] == pytest.approx(ref.item(), rel=1e-5, abs=1e-7)
+    assert m["stale_token_frac"] == pytest.approx(3 / 8)
+
+
+def test_kl_to_frozen_initial_weights():
+    base = tiny(4)
+    batch = [traj([1, 2], [3, 4, 5], reward=1.0, gid="a"), traj([1, 2], [6, 7], reward=0.0, gid="a")]
+    lrn = DeepSpeedLearner(copy.deepcopy(base), lr=3e-2, kl_coef=0.5, kl_estimator="k3", grad_clip=0.0)
+    no_kl = DeepSpeedLearner(copy.deepcopy(base), lr=3e-2, grad_clip=0.0)
+    m0, n0 = lrn.train_step(batch), no_kl.train_step(batch)
+    assert m0["kl_ref"] == pytest.approx(0.0, abs=1e-6)  # reference == current weights at the first step
+    assert m0["loss"] == pytest.approx(n0["loss"], abs=1e-6)
+    for _ in range(3):
+        m = lrn.train_step(batch)
+    assert m["kl_ref"] > 1e-4  # k3 >= 0, and the policy moved away from the reference
+    for k, v in lrn.ref_model.state_dict().items():  # the reference stays frozen at the initial weights
+        assert torch.equal(v, base.state_dict()[k]), k
+    assert all(not p.requires_grad for p in lrn.ref_model.parameters())
+    assert DeepSpeedLearner(copy.deepcopy(base), lr=1e-3).ref_model is None  # no copy when KL is off
+
+
+def test_turn_level_discount_advantages():
+    base = tiny(5)
+    # traj A: two turns (tokens 5,6 | context 3 | token 7), turn rewards (0, 1), gamma 0.5 -> returns (0.5, 1);
+    # traj B: one turn, reward 0 -> (0). Baseline 0.25, pooled std sqrt(1/6):
+    # A turn 1 = 0.25/s, A turn 2 = 0.75/s, B = -0.25/s
+    a = Trajectory([1, 2, 5, 6, 3, 7], [0, 0, 1, 1, 0, 1], [0, 0, -3, -3, 0, -3], [-1, -1, 0, 0, -1, 0], 0.5, "g",
+                   turn_rewards=[0.0, 1.0])
+    b = Trajectory([1, 2, 5], [0, 0, 1], [0, 0, -3], [-1, -1, 0], 0.0, "g", turn_rewards=[0.0])
+    lrn = DeepSpeedLearner(copy.deepcopy(base), lr=1e-3, turn_discount=0.5)
+    m = lrn.train_step([a, b])
+    s = math.sqrt(1 / 6)
+    assert m["adv_abs_mean"] == pytest.approx((2 * 0.25 / s + 0.75 / s + 0.25 / s) / 4, rel=1e-4)
+    assert m["turn_reward_mismatch"] == 0.0
+    bad = Trajectory([1, 2, 5], [0, 0, 1], [0, 0, -3], [-1, -1, 0], 1.0, "h", turn_rewards=[0.0, 1.0])
+    m2 = lrn.train_step([a, b, bad])  # mismatched turn rewards fall back to the scalar reward, counted
+    assert m2["turn_reward_mismatch"] == 1.0 and math.isfinite(m2["loss"])
+
+
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_lr_schedule_warmup_then_cosine(zero_stage):
+    base = tiny(6)
+    lrn = DeepSpeedLearner(copy.deepcopy(base), lr=1e-3, lr_schedule="cosine", warmup_steps=2, total_steps=4,
+                           zero_stage=zero_stage)
+    batch = [traj([1, 2], [3, 4], reward=1.0, gid="a"), traj([1, 2], [5], reward=0.0, gid="a")]
+    lrs = [lrn.train_step(batch)["lr"] for _ in range(5)]
+    assert lrs == pytest.approx([5e-4, 1e-3, 1e-3, 5e-4, 0.0], abs=1e-12)
+
+
+def test_bad_options_raise():
+    for kw in (dict(loss_agg="x"), dict(kl_estimator="k2"), dict(dual_clip_c=0.5), dict(stale_tokens="drop"),
+               dict(packed_attention="flash"), dict(lr_schedule="step"), dict(turn_discount=2.0)):
+        with pytest.raises(ValueError):
+            DeepSpeedLearner(tiny(0), **kw)

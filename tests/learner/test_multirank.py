@@ -1,0 +1,57 @@
+"""Two learner ranks over gloo on CPU (torchrun): each rank trains on its share of every batch (whole groups);
+both end with the same weights, equal to one rank training on the whole batches."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("deepspeed")
+
+from safetensors.torch import load_file  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return env
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_two_gloo_ranks_equal_weights_and_match_one_rank(tmp_path, zero_stage):
+    script = os.path.join(HERE, "_train_fixed.py")
+    two, one = str(tmp_path / "two"), str(tmp_path / "one")
+    common = ["--steps", "3", "--ranks", "--zero-stage", str(zero_stage)]
+    r2 = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                         "127.0.0.1", "--master_port", str(_free_port()), script, "--out", two, *common],
+                        capture_output=True, text=True, timeout=400, env=_env())
+    assert r2.returncode == 0, r2.stdout[-3000:] + r2.stderr[-3000:]
+    r1 = subprocess.run([sys.executable, script, "--out", one, *common], capture_output=True, text=True,
+                        timeout=400, env=_env())
+    assert r1.returncode == 0, r1.stdout[-3000:] + r1.stderr[-3000:]
+    # both ranks trained 3 steps on 12 sequences per step (6 each)
+    for rank in (0, 1):
+        assert f"rank {rank} step 3:" in r2.stdout
+    w0, w1 = load_file(f"{two}.rank0"), load_file(f"{two}.rank1")
+    ref = load_file(f"{one}.rank0")
+    full = load_file(f"{two}.full")
+    for k in ref:
+        assert torch.equal(w0[k], w1[k]), k  # the ranks agree exactly
+        torch.testing.assert_close(w0[k], ref[k], rtol=1e-5, atol=1e-6)  # and match one rank up to float order
+        assert torch.equal(full[k], w0[k]), k
+    assert all(torch.equal(ref[k], v) for k, v in load_file(f"{one}.full").items())

@@ -1,0 +1,138 @@
+"""InferenceClient routing: least outstanding work, sticky sessions reset on a new policy version, failover."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Optional
+
+import numpy as np
+import pytest
+import pytest_asyncio
+
+from arl.api.types import GenerateRequest, GenerateResponse, GenerationConfig, SampleOutput
+from arl.rollout.client import InferenceClient
+
+
+class FakeDealer:
+    """In-memory stand-in for a DEALER to one inference worker; `answer()` replies to a request it received."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.sent: list[GenerateRequest] = []
+        self._inbox: asyncio.Queue = asyncio.Queue()
+        self.got = asyncio.Event()
+
+    async def send(self, msg_type: str, payload: Any) -> None:
+        assert msg_type == "gen_req"
+        self.sent.append(payload)
+        self.got.set()
+
+    async def recv(self) -> tuple[str, Any]:
+        return await self._inbox.get()
+
+    def answer(self, req: GenerateRequest, version: int = 0, ntok: int = 2) -> None:
+        sample = SampleOutput(output_ids=np.arange(ntok), output_logprobs=np.zeros(ntok),
+                              output_versions=np.full(ntok, version), finish_reason="length")
+        self._inbox.put_nowait(("gen_resp", GenerateResponse(qid=req.qid, samples=[sample])))
+
+
+def gen(qid: str, session: Optional[str] = None, max_new: int = 4) -> GenerateRequest:
+    return GenerateRequest(qid=qid, input_ids=np.array([1, 2, 3]), gconfig=GenerationConfig(max_new_tokens=max_new),
+                           session_id=session)
+
+
+async def until(cond, timeout: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not cond():
+        assert loop.time() < end, "condition not reached"
+        await asyncio.sleep(0.001)
+
+
+@pytest_asyncio.fixture
+async def setup():
+    dealers = [FakeDealer(0), FakeDealer(1)]
+    client = InferenceClient(dealers, request_timeout=5.0)
+    client.start()
+    yield client, dealers
+    await client.close()
+
+
+@pytest.mark.asyncio
+async def test_least_load_and_sticky_sessions_reset_on_new_version(setup):
+    client, (d0, d1) = setup
+    t_a = asyncio.create_task(client.generate(gen("a", session="s1", max_new=100)))
+    await until(lambda: len(d0.sent) == 1)
+    t_b = asyncio.create_task(client.generate(gen("b", session="s2")))  # d0 is busier: goes to d1
+    await until(lambda: len(d1.sent) == 1)
+    d0.answer(d0.sent[0], version=0)
+    d1.answer(d1.sent[0], version=0)
+    assert (await t_a).qid == "a" and (await t_b).qid == "b"
+    # same version: session s2 stays on d1 even though both are idle now
+    t = asyncio.create_task(client.generate(gen("c", session="s2")))
+    await until(lambda: len(d1.sent) == 2)
+    d1.answer(d1.sent[1], version=0)
+    await t
+    # a response made by version 1: the sticky map is forgotten
+    t = asyncio.create_task(client.generate(gen("d", session="s1")))
+    await until(lambda: len(d0.sent) == 2)
+    d0.answer(d0.sent[1], version=1)
+    await t
+    assert client.version == 1 and client.stats["sticky_resets"] == 1
+    # s2 is routed afresh by load: d1 is loaded with a long request, so s2 goes to d0 now
+    long = asyncio.create_task(client.generate(gen("e", max_new=1000)))
+    await until(lambda: len(d0.sent) + len(d1.sent) == 5)
+    busy = d0 if len(d0.sent) == 3 else d1
+    idle = d1 if busy is d0 else d0
+    n_idle = len(idle.sent)
+    t = asyncio.create_task(client.generate(gen("f", session="s2")))
+    await until(lambda: len(idle.sent) == n_idle + 1)
+    idle.answer(idle.sent[-1], version=1)
+    busy.answer(busy.sent[-1], version=1)
+    await asyncio.gather(t, long)
+
+
+@pytest.mark.asyncio
+async def test_lost_worker_requests_are_resent_and_answered(setup):
+    client, (d0, d1) = setup
+    tasks = [asyncio.create_task(client.generate(gen(f"q{i}", session=f"s{i}"))) for i in range(6)]
+    await until(lambda: len(d0.sent) + len(d1.sent) == 6)
+    assert len(d0.sent) == 3 and len(d1.sent) == 3
+    stranded = list(d1.sent)
+    await client.worker_lost(1)
+    await until(lambda: len(d0.sent) == 6)
+    assert [r.qid for r in d0.sent[3:]] == [r.qid for r in stranded]  # same wire ids, now on worker 0
+    for r in d0.sent:
+        d0.answer(r)
+    resps = await asyncio.gather(*tasks)
+    assert [r.qid for r in resps] == [f"q{i}" for i in range(6)] and all(r.error is None for r in resps)
+    assert client.stats["resent_lost"] == 3 and client.alive == [0]
+    # a late answer from the lost worker is dropped; new requests (and its sessions) avoid it
+    d1.answer(stranded[0])
+    await until(lambda: client.stats["late"] == 1)
+    t = asyncio.create_task(client.generate(gen("x", session="s1")))
+    await until(lambda: len(d0.sent) == 7)
+    d0.answer(d0.sent[-1])
+    assert (await t).error is None and len(d1.sent) == 3
+    await client.worker_lost(1)  # idempotent
+    await client.worker_lost(0)
+    r = await client.generate(gen("y"))
+    assert r.error == "no inference worker left"
+
+
+@pytest.mark.asyncio
+async def test_timed_out_request_is_resent_to_another_worker():
+    d0, d1 = FakeDealer(0), FakeDealer(1)
+    client = InferenceClient([d0, d1], request_timeout=0.2, max_attempts=2)
+    client.start()
+    t = asyncio.create_task(client.generate(gen("slow")))
+    await until(lambda: len(d0.sent) == 1)
+    await until(lambda: len(d1.sent) == 1)  # no answer from 0 within the timeout: re-sent to 1
+    d1.answer(d1.sent[0])
+    r = await t
+    assert r.error is None and client.stats["resent_timeout"] == 1
+    # out of attempts: the caller gets an error, never a hang
+    t = asyncio.create_task(client.generate(gen("lost")))
+    r = await t
+    assert r.error is not None and "no response" in r.error and client.stats["timeout"] == 1
+    await client.close()

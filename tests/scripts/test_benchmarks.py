@@ -1,0 +1,70 @@
+"""Smoke tests: every benchmark script runs end to end at tiny sizes (figures are not checked: no wall-clock
+thresholds in tests; the scripts' own numbers live in docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPTS = os.path.join(ROOT, "scripts")
+
+pytestmark = pytest.mark.slow
+
+
+def run_script(name: str, args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, name), *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{name} exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def test_bench_transport_smoke(tmp_path):
+    out = tmp_path / "rows.json"
+    run_script("bench_transport.py", ["--payloads", "16", "256", "--concurrency", "1", "4", "--seconds", "0.2",
+                                      "--json", str(out)])
+    rows = json.loads(out.read_text())
+    assert {(r["payload"], r["level"], r["concurrency"]) for r in rows} == {
+        (p, lv, c) for p in (16, 256) for lv in ("client", "agent") for c in (1, 4)}
+    assert all(r["n"] > 0 and r["rt_per_s"] > 0 for r in rows)
+
+
+SIM_TINY = ["--servers", "4", "--servers-per-process", "2", "--rollout-workers", "1", "--steps", "2", "--batch", "2",
+            "--group-size", "2", "--time-scale", "0.01", "--len-median", "30", "--max-new-tokens", "300",
+            "--tool-latency", "0.2"]
+
+
+def test_bench_async_sim_smoke(tmp_path):
+    out = tmp_path / "async.json"
+    proc = run_script("bench_async.py", ["--engine", "sim", *SIM_TINY, "--out", str(tmp_path / "runs"),
+                                         "--json", str(out)])
+    assert "async/sync throughput" in proc.stdout
+    res = json.loads(out.read_text())["runs"]["4"]
+    assert res["sync"]["steps"] == res["async"]["steps"] == 2
+    assert res["sync"]["max_staleness"] == 0 and res["async"]["max_staleness"] <= 4
+    assert res["ratio"] > 0
+
+
+def test_bench_async_torch_smoke(tmp_path):
+    out = tmp_path / "async.json"
+    run_script("bench_async.py", ["--engine", "torch", "--steps", "1", "--batch", "1", "--group-size", "2",
+                                  "--max-turns", "2",
+                                  "--out", str(tmp_path / "runs"), "--json", str(out)], timeout=900)
+    res = json.loads(out.read_text())["runs"]["1"]
+    assert res["sync"]["steps"] == res["async"]["steps"] == 1 and res["ratio"] > 0
+
+
+def test_scale_run_smoke(tmp_path):
+    out = tmp_path / "scale.json"
+    run_script("scale_run.py", ["--duration", "3", "--warmup", "0", "--groups", "8", "--group-size", "2",
+                                "--rollout-workers", "2", "--servers", "4", "--servers-per-process", "2",
+                                "--batch", "2", "--time-scale", "0.02", "--out", str(tmp_path / "runs"),
+                                "--json", str(out)])
+    res = json.loads(out.read_text())
+    assert not res["error"]
+    assert {"controller", "inference0", "inference1", "learner", "rollout0", "rollout1"} <= set(res["procs"])
+    assert 0 <= res["servers_busy"] <= 1 and res["controller_cpu_share"] >= 0

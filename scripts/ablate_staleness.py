@@ -125,7 +125,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     if bad:
         ap.error(f"unrecognised arguments {bad} (overrides must be key=value)")
     results: list[dict[str, Any]] = []
-    t0 = time.monotonic()
     if args.from_runs:
         args.run_root = args.from_runs
         with open(os.path.join(args.run_root, "results.json")) as f:

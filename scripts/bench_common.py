@@ -100,25 +100,12 @@ async def run_monitored(cfg: ExperimentConfig, run_dir: str, *, sample_every: fl
                         proc_every: float = 2.0, duration: Optional[float] = None,
                         timeout: float = 3600.0) -> RunRecord:
     """Run `cfg` through the Controller; with `duration`, stop that many seconds after the gate opened."""
-    from arl.launcher.controller import Controller
+    from arl.launcher.local import make_controller
 
     os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
     with open(os.path.join(run_dir, "config.yaml"), "w") as f:
         f.write(to_yaml(cfg))
-    ctl = Controller(
-        run_dir=run_dir,
-        num_inference=cfg.inference.num_workers,
-        num_rollout=cfg.rollout.num_workers,
-        batch_size=cfg.learner.batch_size,
-        max_head_offpolicyness=cfg.max_head_offpolicyness,
-        max_concurrent_rollouts=cfg.rollout.max_concurrent_rollouts,
-        total_train_steps=cfg.total_train_steps,
-        eval_every=cfg.eval.every_n_steps,
-        eval_max_prompts=cfg.eval.max_prompts,
-        startup_timeout=cfg.startup_timeout,
-        progress=False,
-        servers_per_process=cfg.inference.servers_per_process,
-    )
+    ctl = make_controller(cfg, run_dir, progress=False)
     ctl.bind()
     samples: list[dict] = []
     state: dict[str, Any] = {"t_open": None}

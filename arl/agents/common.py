@@ -35,6 +35,15 @@ def new_id(prefix: str) -> str:
     return f"{prefix}#{uuid.uuid4().hex[:12]}"
 
 
+async def start_prompt(tokenizer: Any, prompt: dict[str, Any], env: Any) -> tuple[str, str, list[int]]:
+    """The opening every single-prompt math agent shares: reset `env` with the row's answer and encode the row's
+    chat. Returns (prompt id, a fresh group id, prompt token ids)."""
+    pid = str(prompt.get("id", "prompt"))
+    prompt_ids = encode_chat(tokenizer, row_messages(prompt), add_generation_prompt=True)
+    await env.reset(options={"answer": prompt.get("answer")})
+    return pid, new_id(pid), prompt_ids
+
+
 # ------------------------------------------------------------------------------------------- request/response
 
 

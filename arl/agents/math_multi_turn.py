@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Optional
 
-from arl.agents.common import encode_chat, env_for, generate, new_id, row_messages
+from arl.agents.common import encode_chat, env_for, generate, new_id, start_prompt
 from arl.agents.math_single_step import _with_eos_stop, is_uniform
 from arl.api import (
     Agent,
@@ -114,10 +114,7 @@ class MathMultiTurnAgent(Agent):
         obs_queue: asyncio.Queue,
         act_queue: asyncio.Queue,
     ) -> list[Trajectory]:
-        pid = str(prompt.get("id", "prompt"))
-        group_id = new_id(pid)
-        prompt_ids = encode_chat(self.tokenizer, row_messages(prompt), add_generation_prompt=True)
-        await env.reset(options={"answer": prompt.get("answer")})
+        pid, group_id, prompt_ids = await start_prompt(self.tokenizer, prompt, env)
         chains = [asyncio.ensure_future(self._chain(i, prompt_ids, pid, group_id, env, obs_queue, act_queue))
                   for i in range(self.group_size)]
         try:

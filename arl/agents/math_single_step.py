@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from arl.agents.common import encode_chat, env_for, generate, new_id, row_messages
+from arl.agents.common import env_for, generate, new_id, start_prompt
 from arl.api import (
     Agent,
     EnvironmentService,
@@ -53,10 +53,7 @@ class MathSingleStepAgent(Agent):
         obs_queue: asyncio.Queue,
         act_queue: asyncio.Queue,
     ) -> list[Trajectory]:
-        pid = str(prompt.get("id", "prompt"))
-        group_id = new_id(pid)
-        prompt_ids = encode_chat(self.tokenizer, row_messages(prompt), add_generation_prompt=True)
-        await env.reset(options={"answer": prompt.get("answer")})
+        pid, group_id, prompt_ids = await start_prompt(self.tokenizer, prompt, env)
         req = GenerateRequest(qid=new_id(pid), input_ids=prompt_ids, gconfig=self.gconfig)
         resp = await generate(obs_queue, act_queue, req)
 

@@ -40,7 +40,7 @@ import dataclasses
 import re
 from typing import Any, Optional, Sequence
 
-from arl.agents.common import encode_chat, env_for, generate, new_id, row_messages
+from arl.agents.common import env_for, generate, new_id, row_messages
 from arl.agents.math_single_step import _with_eos_stop, is_uniform
 from arl.api import (
     Agent,
@@ -52,7 +52,7 @@ from arl.api import (
     TrajectoryBuilder,
     register_agent,
 )
-from arl.tools.base import ToolCall, ToolResult, ToolSet
+from arl.tools.base import ToolResult, ToolSet
 from arl.tools.parsers import ParsedOutput, get_parser
 
 TERMINATIONS = ("answered", "void_turn", "max_turns", "turn_budget", "total_budget", "observation_budget", "abort")

@@ -59,6 +59,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from arl.api.types import GenerateRequest, GenerateResponse, GenerationConfig, SampleOutput
+from arl.inference.requests import check_request
 
 logger = logging.getLogger("arl.inference")
 
@@ -275,10 +276,7 @@ class SGLangEngine:
     async def agenerate(self, req: GenerateRequest) -> GenerateResponse:
         """`req.gconfig.n` samples of `req.input_ids`. Never raises: failures come back as `error`."""
         qid = getattr(req, "qid", "?")
-        try:
-            err = self._check_request(req)
-        except Exception as e:  # noqa: BLE001 - anything odd about the request is the caller's input error
-            err = f"invalid request: {type(e).__name__}: {e}"
+        err = check_request(req, max_context_len=self.max_context_len)
         if err is None and self._closed:
             err = "engine closed"
         if err is None and self._failed:
@@ -378,25 +376,6 @@ class SGLangEngine:
                 "pause_mode": self.pause_mode, "failed": self._failed, "closed": self._closed}
 
     # ------------------------------------------------------------------ requests
-
-    def _check_request(self, req: GenerateRequest) -> Optional[str]:
-        if not isinstance(req, GenerateRequest):
-            return f"expected a GenerateRequest, got {type(req).__name__}"
-        g = req.gconfig
-        if not isinstance(g, GenerationConfig):
-            return f"gconfig must be a GenerationConfig, got {type(g).__name__}"
-        try:
-            g.validate()
-        except ValueError as e:
-            return f"invalid GenerationConfig: {e}"
-        if len(req.input_ids) == 0:
-            return "empty prompt (input_ids has no tokens)"
-        if int(req.input_ids.min()) < 0:
-            return "negative token id in input_ids"
-        if self.max_context_len and len(req.input_ids) >= self.max_context_len:
-            return (f"prompt too long: {len(req.input_ids)} tokens, the engine's max_context_len is "
-                    f"{self.max_context_len}")
-        return None
 
     @staticmethod
     def sampling_params(g: GenerationConfig, done: int = 0, max_new: int = 0) -> dict[str, Any]:

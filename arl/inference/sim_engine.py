@@ -54,7 +54,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from arl.api.types import GenerateRequest, GenerateResponse, GenerationConfig, SampleOutput
+from arl.api.types import GenerateRequest, GenerateResponse, SampleOutput
+from arl.inference.requests import check_request
 
 logger = logging.getLogger("arl.inference")
 
@@ -172,10 +173,8 @@ class SimEngine:
     async def agenerate(self, req: GenerateRequest) -> GenerateResponse:
         """Answer after the simulated decode time. Never raises for bad input: returns a response with ``error``."""
         qid = getattr(req, "qid", "?")
-        try:
-            err = self._check_request(req)
-        except Exception as e:  # noqa: BLE001 - anything odd about the request is the caller's input error
-            err = f"invalid request: {type(e).__name__}: {e}"
+        err = check_request(req, max_context_len=self.max_context_len, vocab_size=self.vocab_size,
+                            max_batch_size=self.max_batch_size)
         if err is None and self._closed:
             err = ENGINE_CLOSED
         if err is not None:
@@ -285,29 +284,6 @@ class SimEngine:
         return (self.step_base_s + self.step_per_token_s * batch) * self.time_scale
 
     # ------------------------------------------------------------------ request intake
-
-    def _check_request(self, req: GenerateRequest) -> Optional[str]:
-        if not isinstance(req, GenerateRequest):
-            return f"expected a GenerateRequest, got {type(req).__name__}"
-        g = req.gconfig
-        if not isinstance(g, GenerationConfig):
-            return f"gconfig must be a GenerationConfig, got {type(g).__name__}"
-        try:
-            g.validate()
-        except ValueError as e:
-            return f"invalid GenerationConfig: {e}"
-        ids = req.input_ids
-        if len(ids) == 0:
-            return "empty prompt (input_ids has no tokens)"
-        if len(ids) >= self.max_context_len:
-            return (f"prompt too long: {len(ids)} tokens, the engine's max_context_len is {self.max_context_len} "
-                    f"(prompt + at least one generated token must fit)")
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= self.vocab_size:
-            return f"token id out of vocabulary range [0, {self.vocab_size}): min {lo}, max {hi}"
-        if g.n > self.max_batch_size:
-            return f"n={g.n} samples exceeds the engine's max_batch_size {self.max_batch_size}"
-        return None
 
     def _bind_loop(self) -> asyncio.AbstractEventLoop:
         loop = asyncio.get_running_loop()

@@ -50,6 +50,7 @@ from safetensors.torch import load_file
 from transformers import DynamicCache
 
 from arl.api.types import GenerateRequest, GenerateResponse, GenerationConfig, SampleOutput
+from arl.inference.requests import check_request
 
 logger = logging.getLogger("arl.inference")
 
@@ -239,10 +240,8 @@ class TorchEngine:
     async def agenerate(self, req: GenerateRequest) -> GenerateResponse:
         """Generate ``req.gconfig.n`` samples. Never raises for bad input: returns a response with ``error``."""
         qid = getattr(req, "qid", "?")
-        try:
-            err = self._check_request(req)
-        except Exception as e:  # noqa: BLE001 - anything odd about the request is the caller's input error
-            err = f"invalid request: {type(e).__name__}: {e}"
+        err = check_request(req, max_context_len=self.max_context_len, vocab_size=self.vocab_size,
+                            max_batch_size=self.max_batch_size)
         if err is not None:
             with self._cv:
                 self._requests_refused += 1
@@ -354,29 +353,6 @@ class TorchEngine:
         }
 
     # ------------------------------------------------------------------ validation (caller side)
-
-    def _check_request(self, req: GenerateRequest) -> Optional[str]:
-        if not isinstance(req, GenerateRequest):
-            return f"expected a GenerateRequest, got {type(req).__name__}"
-        g = req.gconfig
-        if not isinstance(g, GenerationConfig):
-            return f"gconfig must be a GenerationConfig, got {type(g).__name__}"
-        try:
-            g.validate()
-        except ValueError as e:
-            return f"invalid GenerationConfig: {e}"
-        ids = req.input_ids
-        if len(ids) == 0:
-            return "empty prompt (input_ids has no tokens)"
-        if len(ids) >= self.max_context_len:
-            return (f"prompt too long: {len(ids)} tokens, the engine's max_context_len is {self.max_context_len} "
-                    f"(prompt + at least one generated token must fit)")
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= self.vocab_size:
-            return f"token id out of vocabulary range [0, {self.vocab_size}): min {lo}, max {hi}"
-        if g.n > self.max_batch_size:
-            return f"n={g.n} samples exceeds the engine's max_batch_size {self.max_batch_size}"
-        return None
 
     # ------------------------------------------------------------------ decode thread
 

@@ -63,10 +63,13 @@ def prepare_model(cfg: ExperimentConfig) -> str:
     )
 
 
-async def _run(cfg: ExperimentConfig, run_dir: str) -> dict:
+def make_controller(cfg: ExperimentConfig, run_dir: str, **overrides: Any) -> Controller:
+    """The run's Controller with every setting taken from `cfg` (`overrides` replace some: the benchmarks turn
+    the progress bar off); the shared secret, if any, goes to the roles through their environment, never into
+    config.yaml."""
     bind_host = effective_bind_host(cfg.bind_host)
     secret = resolve_secret(cfg.secret, bind_host)
-    ctl = Controller(
+    kwargs: dict[str, Any] = dict(
         run_dir=run_dir,
         num_inference=cfg.inference.num_workers,
         num_rollout=cfg.rollout.num_workers,
@@ -90,8 +93,15 @@ async def _run(cfg: ExperimentConfig, run_dir: str) -> dict:
         bind_host=bind_host,
         max_bytes=cfg.max_message_bytes,
     )
-    if secret is not None:  # the roles get it from their environment; config.yaml does not keep it
+    kwargs.update(overrides)
+    ctl = Controller(**kwargs)
+    if secret is not None:
         ctl.procs.env[SECRET_ENV] = secret.decode("utf-8")
+    return ctl
+
+
+async def _run(cfg: ExperimentConfig, run_dir: str) -> dict:
+    ctl = make_controller(cfg, run_dir)
     ctl.bind()
     loop = asyncio.get_running_loop()
     main_task = asyncio.current_task()

@@ -14,7 +14,7 @@ import os
 import random
 import shutil
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -120,59 +120,77 @@ def warmup_sft(
     """
     if not train_rows:
         raise ValueError("warmup_sft needs training rows")
-    encoded = [encode_sft_row(tokenizer, r) for r in train_rows]
-    pad = tokenizer.pad_token_id
+    examples = []
+    for r in train_rows:
+        p, t = encode_sft_row(tokenizer, r)
+        examples.append((p + t, [0] * len(p) + [1] * len(t)))
+
+    def evaluate() -> dict[str, float]:
+        return {"accuracy": greedy_accuracy(model, tokenizer, eval_rows, max_new_tokens=max_new_tokens)}
+
+    return masked_sft(model, examples, tokenizer.pad_token_id, evaluate, target_acc=target_acc, max_steps=max_steps,
+                      batch_size=batch_size, lr=lr, eval_every=eval_every, seed=seed, log_name="warm-up")
+
+
+def masked_sft(model: Any, examples: Sequence[tuple[list[int], list[int]]], pad_token_id: int,
+               evaluate: Callable[[], dict[str, float]], *, target_acc: float, max_steps: int, batch_size: int,
+               lr: float, eval_every: int, seed: int, lr_warmup_steps: int = 0,
+               log_name: str = "warm-up") -> dict[str, Any]:
+    """The warm-up loop both tiny-model recipes share: shuffled passes over `examples` (token ids, loss mask),
+    AdamW with gradient clipping (and an optional linear LR warm-up), `evaluate()` every `eval_every` steps until
+    its "accuracy" reaches `target_acc` or `max_steps` is reached.
+
+    Returns {"steps", "seconds", "reached_target", "target_acc", "final_loss", "history", **last evaluation}.
+    """
     rng = random.Random(seed)
     order: list[int] = []
     device = next(model.parameters()).device
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = (torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / lr_warmup_steps))
+             if lr_warmup_steps else None)
     history: list[dict[str, float]] = []
-    acc, step, loss_val = 0.0, 0, float("nan")
+    ev: dict[str, float] = {"accuracy": 0.0}
+    step, loss_val = 0, float("nan")
     t0 = time.perf_counter()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model.train()
         while step < max_steps:
             if len(order) < batch_size:
-                more = list(range(len(encoded)))
+                more = list(range(len(examples)))
                 rng.shuffle(more)
                 order.extend(more)
             idx, order = order[:batch_size], order[batch_size:]
-            seqs = [encoded[i][0] + encoded[i][1] for i in idx]
-            width = max(len(s) for s in seqs)
-            ids = torch.full((len(idx), width), pad, dtype=torch.long)
+            width = max(len(examples[i][0]) for i in idx)
+            ids = torch.full((len(idx), width), pad_token_id, dtype=torch.long)
             labels = torch.full((len(idx), width), -100, dtype=torch.long)
-            mask = torch.zeros((len(idx), width), dtype=torch.long)
+            att = torch.zeros((len(idx), width), dtype=torch.long)
             for row, i in enumerate(idx):
-                p, t = encoded[i]
-                n = len(p) + len(t)
-                ids[row, :n] = torch.as_tensor(p + t)
-                labels[row, len(p):n] = torch.as_tensor(t)
-                mask[row, :n] = 1
-            out = model(input_ids=ids.to(device), attention_mask=mask.to(device), labels=labels.to(device))
+                seq, m = examples[i]
+                t = torch.as_tensor(seq)
+                ids[row, : len(seq)] = t
+                labels[row, : len(seq)] = torch.where(torch.as_tensor(m, dtype=torch.bool), t, torch.tensor(-100))
+                att[row, : len(seq)] = 1
+            out = model(input_ids=ids.to(device), attention_mask=att.to(device), labels=labels.to(device))
             opt.zero_grad(set_to_none=True)
             out.loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
+            if sched is not None:
+                sched.step()
             step += 1
             loss_val = float(out.loss.detach())
             if step % eval_every == 0 or step == max_steps:
-                acc = greedy_accuracy(model, tokenizer, eval_rows, max_new_tokens=max_new_tokens)
-                history.append({"step": step, "loss": loss_val, "accuracy": acc})
-                logger.info("warm-up step %d loss %.3f greedy acc %.3f", step, loss_val, acc)
+                ev = evaluate()
+                history.append({"step": step, "loss": loss_val, **ev})
+                logger.info("%s step %d loss %.3f %s", log_name, step, loss_val,
+                            " ".join(f"{k} {v:.3f}" for k, v in ev.items()))
                 model.train()
-                if acc >= target_acc:
+                if ev["accuracy"] >= target_acc:
                     break
     model.eval()
-    return {
-        "steps": step,
-        "seconds": time.perf_counter() - t0,
-        "accuracy": acc,
-        "reached_target": acc >= target_acc,
-        "target_acc": target_acc,
-        "final_loss": loss_val,
-        "history": history,
-    }
+    return {"steps": step, "seconds": time.perf_counter() - t0, **ev, "reached_target": ev["accuracy"] >= target_acc,
+            "target_acc": target_acc, "final_loss": loss_val, "history": history}
 
 
 def warm_model_settings(**kw: Any) -> dict[str, Any]:
@@ -209,43 +227,55 @@ def get_warm_model(
         eval_every=eval_every, max_operand=max_operand, test_size=test_size, data_seed=data_seed,
         model_kwargs=dict(sorted((model_kwargs or {}).items())), chars=CHARS,
     )
-    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
-    cache_dir = os.path.abspath(os.path.expanduser(cache_dir))
-    final = os.path.join(cache_dir, f"tiny-{digest}")
-    if os.path.exists(os.path.join(final, MARKER)):
-        return final
-    os.makedirs(cache_dir, exist_ok=True)
-    with open(os.path.join(cache_dir, f"tiny-{digest}.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if os.path.exists(os.path.join(final, MARKER)):  # built by another process while we waited
-            return final
+
+    def build(tmp: str) -> dict:
         old_threads = torch.get_num_threads()
         if num_threads:
             torch.set_num_threads(num_threads)
-        tmp = f"{final}.tmp-{os.getpid()}"
         try:
-            shutil.rmtree(tmp, ignore_errors=True)
             train, test = make_arith_splits(max_operand=max_operand, test_size=test_size, seed=data_seed)
             tok = build_char_tokenizer()
             model = build_tiny_model(len(tok), seed=seed, pad_token_id=tok.pad_token_id,
                                      eos_token_id=tok.eos_token_id, **(model_kwargs or {}))
-            logger.info("warming up the tiny model into %s", final)
+            logger.info("warming up the tiny model into %s", cache_dir)
             result = warmup_sft(model, tok, train, target_acc=target_acc, max_steps=max_steps,
                                 batch_size=batch_size, lr=lr, eval_rows=test, seed=seed, eval_every=eval_every)
             if not result["reached_target"]:
                 logger.warning("tiny-model warm-up stopped at %d steps with greedy accuracy %.3f < target %.3f",
                                result["steps"], result["accuracy"], target_acc)
             save_model_dir(model, tok, tmp)
+            return {"num_params": sum(p.numel() for p in model.parameters()), **result}
+        finally:
+            if num_threads:
+                torch.set_num_threads(old_threads)
+
+    return cached_model_dir(cache_dir, "tiny", settings, build)
+
+
+def cached_model_dir(cache_dir: str, prefix: str, settings: dict[str, Any], build: Callable[[str], dict]) -> str:
+    """`cache_dir/<prefix>-<hash of settings>`, built once by `build(tmp_dir) -> info` under a file lock, written
+    to a temporary folder and renamed into place after a marker file (a crashed build is never reused)."""
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    cache_dir = os.path.abspath(os.path.expanduser(cache_dir))
+    final = os.path.join(cache_dir, f"{prefix}-{digest}")
+    if os.path.exists(os.path.join(final, MARKER)):
+        return final
+    os.makedirs(cache_dir, exist_ok=True)
+    with open(os.path.join(cache_dir, f"{prefix}-{digest}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.exists(os.path.join(final, MARKER)):
+            return final
+        tmp = f"{final}.tmp-{os.getpid()}"
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            info = build(tmp)
             with open(os.path.join(tmp, INFO_FILE), "w") as f:
-                json.dump({"settings": settings, "num_params": sum(p.numel() for p in model.parameters()),
-                           **result}, f, indent=2)
+                json.dump({"settings": settings, **info}, f, indent=2)
             with open(os.path.join(tmp, MARKER), "w") as f:
                 f.write("ok\n")
-            if os.path.exists(final):  # leftover of a crashed build (no marker)
+            if os.path.exists(final):
                 shutil.rmtree(final)
             os.rename(tmp, final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-            if num_threads:
-                torch.set_num_threads(old_threads)
     return final

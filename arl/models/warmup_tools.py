@@ -17,20 +17,14 @@ reward and tool calls per trajectory both go up as RL shifts the policy toward t
 from __future__ import annotations
 
 import asyncio
-import fcntl
-import hashlib
-import json
 import logging
-import os
 import random
-import shutil
-import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
 from arl.envs.math import exact_number_match
-from arl.models.warmup import INFO_FILE, MARKER, greedy_generate
+from arl.models.warmup import cached_model_dir, greedy_generate, masked_sft
 
 logger = logging.getLogger(__name__)
 
@@ -131,83 +125,9 @@ def warmup_tool_sft(model: Any, agent: Any, train_rows: Sequence[dict], eval_row
                     seed: int = 0) -> dict[str, Any]:
     """Masked SFT on rendered conversations until the greedy tool-policy accuracy reaches `target_acc`."""
     examples = build_examples(agent, train_rows, p_tool, p_python, seed)
-    pad = agent.tokenizer.pad_token_id
-    rng = random.Random(seed)
-    device = next(model.parameters()).device
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50))
-    history: list[dict[str, float]] = []
-    ev: dict[str, float] = {"accuracy": 0.0, "tool_call_rate": 0.0}
-    order: list[int] = []
-    step, loss_val = 0, float("nan")
-    t0 = time.perf_counter()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model.train()
-        while step < max_steps:
-            if len(order) < batch_size:
-                more = list(range(len(examples)))
-                rng.shuffle(more)
-                order.extend(more)
-            idx, order = order[:batch_size], order[batch_size:]
-            width = max(len(examples[i][0]) for i in idx)
-            ids = torch.full((len(idx), width), pad, dtype=torch.long)
-            labels = torch.full((len(idx), width), -100, dtype=torch.long)
-            att = torch.zeros((len(idx), width), dtype=torch.long)
-            for row, i in enumerate(idx):
-                seq, m = examples[i]
-                t = torch.as_tensor(seq)
-                ids[row, : len(seq)] = t
-                labels[row, : len(seq)] = torch.where(torch.as_tensor(m, dtype=torch.bool), t, torch.tensor(-100))
-                att[row, : len(seq)] = 1
-            out = model(input_ids=ids.to(device), attention_mask=att.to(device), labels=labels.to(device))
-            opt.zero_grad(set_to_none=True)
-            out.loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            step += 1
-            loss_val = float(out.loss.detach())
-            if step % eval_every == 0 or step == max_steps:
-                ev = tool_policy_eval(model, agent, eval_rows)
-                history.append({"step": step, "loss": loss_val, **ev})
-                logger.info("tool warm-up step %d loss %.3f greedy acc %.3f tool calls %.2f", step, loss_val,
-                            ev["accuracy"], ev["tool_call_rate"])
-                model.train()
-                if ev["accuracy"] >= target_acc:
-                    break
-    model.eval()
-    return {"steps": step, "seconds": time.perf_counter() - t0, **ev, "reached_target": ev["accuracy"] >= target_acc,
-            "target_acc": target_acc, "final_loss": loss_val, "history": history}
-
-
-def cached_model_dir(cache_dir: str, prefix: str, settings: dict[str, Any], build: Callable[[str], dict]) -> str:
-    """`cache_dir/<prefix>-<hash of settings>`, built once by `build(tmp_dir) -> info` under a file lock, written
-    to a temporary folder and renamed into place after a marker file (a crashed build is never reused)."""
-    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
-    cache_dir = os.path.abspath(os.path.expanduser(cache_dir))
-    final = os.path.join(cache_dir, f"{prefix}-{digest}")
-    if os.path.exists(os.path.join(final, MARKER)):
-        return final
-    os.makedirs(cache_dir, exist_ok=True)
-    with open(os.path.join(cache_dir, f"{prefix}-{digest}.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if os.path.exists(os.path.join(final, MARKER)):
-            return final
-        tmp = f"{final}.tmp-{os.getpid()}"
-        try:
-            shutil.rmtree(tmp, ignore_errors=True)
-            info = build(tmp)
-            with open(os.path.join(tmp, INFO_FILE), "w") as f:
-                json.dump({"settings": settings, **info}, f, indent=2)
-            with open(os.path.join(tmp, MARKER), "w") as f:
-                f.write("ok\n")
-            if os.path.exists(final):
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return masked_sft(model, examples, agent.tokenizer.pad_token_id, lambda: tool_policy_eval(model, agent, eval_rows),
+                      target_acc=target_acc, max_steps=max_steps, batch_size=batch_size, lr=lr,
+                      eval_every=eval_every, seed=seed, lr_warmup_steps=50, log_name="tool warm-up")
 
 
 def get_warm_tool_model(cache_dir: str, *, seed: int = 0, target_acc: float = 0.3, max_steps: int = 1500,

@@ -148,6 +148,9 @@ class LearnerConfig:
     eps_clip: float = field(0.2, "PPO clip range.")
     behav_imp_weight_cap: float = field(5.0, "Decoupled PPO: tokens with behaviour weight above this are masked.")
     naive_ppo: bool = field(False, "Use standard PPO against behaviour logprobs (staleness ablation).")
+    ppo_minibatches: int = field(1, "Optimizer steps per batch: after one proximal-logprob recompute the batch is "
+                                    "split into this many minibatches (equal tokens), one step each; > 1 gives the "
+                                    "decoupled clip a trust region to enforce (AReaL's ppo_n_minibatches).")
     adv_std_norm: bool = field(True, "Divide group advantages by the group std.")
     threads: int = field(0, "torch threads of the learner; 0 = share the cores between roles.")
     keep_weight_versions: int = field(3, "Exported weight files kept in the run directory.")
@@ -328,6 +331,7 @@ def validate(cfg: Any) -> None:
         (cfg.learner.batch_size >= cfg.learner.num_ranks,
          "learner.batch_size must be >= learner.num_ranks (every rank trains on whole prompt groups)"),
         (cfg.learner.checkpoint_every >= 0, "learner.checkpoint_every must be >= 0"),
+        (cfg.learner.ppo_minibatches >= 1, "learner.ppo_minibatches must be >= 1"),
         (cfg.learner.backend in ("deepspeed", "sim"),
          f"learner.backend must be 'deepspeed' or 'sim', got {cfg.learner.backend!r}"),
         (cfg.rollout.num_workers >= 1, "rollout.num_workers must be >= 1"),

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import json
 import logging
 import math
@@ -146,6 +147,29 @@ def ensure_distributed() -> None:
                 os.environ.pop(k, None)
 
 
+def _n_scored_seqs(mb: MicroBatch) -> int:
+    """Sequences of a micro-batch with at least one loss token (the count sequence-level aggregation divides by)."""
+    if not mb.packed:
+        return int((mb.loss_mask.sum(-1) > 0).sum())
+    bounds = mb.cu_seqlens.tolist()
+    return int(sum(bool(mb.loss_mask[0, s:e].any()) for s, e in zip(bounds[:-1], bounds[1:])))
+
+
+def split_minibatches(lengths: Sequence[int], k: int) -> list[list[int]]:
+    """Indices of `lengths` in `min(k, n)` minibatches of nearly equal token counts (longest first onto the
+    lightest; each list in arrival order). Deterministic, so a resumed run splits the same way."""
+    k = max(1, min(int(k), len(lengths)))
+    if k == 1:
+        return [list(range(len(lengths)))]
+    loads = [0] * k
+    parts: list[list[int]] = [[] for _ in range(k)]
+    for i in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
+        b = min(range(k), key=lambda m: (loads[m], m))
+        parts[b].append(i)
+        loads[b] += lengths[i]
+    return [sorted(p) for p in parts]
+
+
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0):
     """LR multiplier per optimizer step ``k`` (0-based): linear warm-up over ``warmup_steps`` (from ``1/warmup``
     to 1), then ``constant``, ``linear`` decay or ``cosine`` decay down to ``min_lr_ratio`` at ``total_steps``."""
@@ -215,6 +239,7 @@ class DeepSpeedLearner:
         eps_clip: float = 0.2,
         behav_imp_weight_cap: Optional[float] = 5.0,
         naive_ppo: bool = False,
+        ppo_minibatches: int = 1,
         adv_std_norm: bool = True,
         temperature: float = 1.0,
         version: int = 0,
@@ -269,6 +294,9 @@ class DeepSpeedLearner:
             raise ValueError(f"stale_tokens must be 'keep', 'drop' or 'downweight', got {stale_tokens!r}")
         if stale_tokens != "keep" and max_head_offpolicyness is None:
             raise ValueError("stale_tokens='drop'/'downweight' needs max_head_offpolicyness (eta)")
+        if not isinstance(ppo_minibatches, int) or ppo_minibatches < 1:
+            raise ValueError(f"ppo_minibatches must be an int >= 1, got {ppo_minibatches!r}")
+        self.ppo_minibatches = ppo_minibatches
         lr_fn = lr_lambda(lr_schedule, int(warmup_steps), int(total_steps), float(min_lr_ratio))
         self.packing = bool(packing)
         self.packed_attention = packed_attention
@@ -434,6 +462,17 @@ class DeepSpeedLearner:
             weights.append(w)
         return out, (weights if need_w else None), n_stale
 
+    def _optimizer_step(self) -> float:
+        """engine.step() at a gradient accumulation boundary; returns the gradient norm before clipping."""
+        manual = None
+        if self.zero_stage == 0 and not self.bf16:
+            manual = self._grad_norm_stage0()  # client AdamW exposes no norm; grads are all-reduced here
+        self.engine.step()
+        grad_norm = self.engine.get_global_grad_norm()
+        if grad_norm is None or manual is not None:
+            grad_norm = manual if manual is not None else float("nan")
+        return float(grad_norm.item() if isinstance(grad_norm, torch.Tensor) else grad_norm)
+
     def _grad_norm_stage0(self) -> float:
         sq = 0.0
         for p in self.engine.module.parameters():
@@ -452,47 +491,62 @@ class DeepSpeedLearner:
         rewards = torch.tensor([t.reward for t in batch], dtype=torch.float32)
         adv, turn_mismatch = self._advantages(batch, rewards)
         trajs, tok_w, n_stale = self._token_masks_and_weights(batch)
-        if self.packing:
-            built = build_packed_micro_batches(trajs, self.max_tokens_per_mb, adv, token_weights=tok_w)
-        else:
-            built = build_micro_batches(trajs, self.max_tokens_per_mb, adv, pad_token_id=self.pad_token_id,
-                                        token_weights=tok_w)
-        mbs = [mb.to(self.device) for mb in built]
-        n_real_mbs = len(mbs)
+        # PPO minibatches (AReaL's ppo_n_minibatches): one proximal recompute for the whole batch, then one
+        # optimizer step per minibatch, so from the second step on the decoupled ratio pi/pi_prox moves off 1 and
+        # its clip bounds the update (a trust region); with one step per batch the ratio is exactly 1.
+        n_mini = self.ppo_minibatches
+        if n_mini > 1:  # every rank splits into the same number, and no minibatch is empty on any rank
+            n_mini = min(n_mini, int(-self._all_reduce([-float(len(trajs))], op="max")[0]))
+        parts = split_minibatches([len(t.input_ids) for t in trajs], n_mini)
+        groups: list[list[MicroBatch]] = []
+        for idx in parts:
+            sub_t, sub_a = [trajs[i] for i in idx], [adv[i] for i in idx]
+            sub_w = [tok_w[i] for i in idx] if tok_w is not None else None
+            if self.packing:
+                built = build_packed_micro_batches(sub_t, self.max_tokens_per_mb, sub_a, token_weights=sub_w)
+            else:
+                built = build_micro_batches(sub_t, self.max_tokens_per_mb, sub_a, pad_token_id=self.pad_token_id,
+                                            token_weights=sub_w)
+            groups.append([mb.to(self.device) for mb in built])
+        mbs = [mb for g in groups for mb in g]
+        local_mb_tokens = [float(sum(mb.n_loss_tokens for mb in g)) for g in groups]
+        local_mb_seqs = [float(sum(_n_scored_seqs(mb) for mb in g)) for g in groups]
         local_tokens = sum(mb.n_loss_tokens for mb in mbs)
-        local_seqs = sum(int((mb.loss_mask.sum(-1) > 0).sum()) if not mb.packed else
-                         int(sum(bool(mb.loss_mask[0, s:e].any())
-                                 for s, e in zip(mb.cu_seqlens[:-1].tolist(), mb.cu_seqlens[1:].tolist())))
-                         for mb in mbs)
         fwd_tokens = sum(mb.padded_tokens for mb in mbs)
         real_tokens = sum(mb.real_tokens for mb in mbs)
         all_gen = np.concatenate([t.versions[t.loss_mask.astype(bool)] for t in batch]) if batch else np.zeros(0)
         vmin = float(all_gen.min()) if all_gen.size else math.inf  # staleness as received, before any drop
         vmax = float(all_gen.max()) if all_gen.size else -math.inf
 
-        # Global (all ranks) token / sequence / micro-batch counts.
-        global_tokens, global_seqs = self._all_reduce([float(local_tokens), float(local_seqs)])
+        # Global (all ranks) token / sequence counts, per minibatch.
+        red_counts = self._all_reduce([float(local_tokens), *local_mb_tokens, *local_mb_seqs])
+        global_tokens, mb_tokens, mb_seqs = red_counts[0], red_counts[1:1 + n_mini], red_counts[1 + n_mini:]
         if self.world_size > 1:
-            max_mbs, neg_vmin, vmax = self._all_reduce([float(n_real_mbs), -vmin, vmax], op="max")
-            vmin = -neg_vmin
-            while len(mbs) < int(max_mbs):  # ZeRO-2/3 reduce in every backward: equal backward counts per rank
-                mbs.append(mbs[0].empty_like())
+            maxes = self._all_reduce([-vmin, vmax, *(float(len(g)) for g in groups)], op="max")
+            vmin, vmax = -maxes[0], maxes[1]
+            template = mbs[0]
+            for g, m in zip(groups, maxes[2:]):  # ZeRO-2/3 reduce in every backward: equal backward counts per rank
+                while len(g) < int(m):
+                    g.append(template.empty_like())
+            mbs = [mb for g in groups for mb in g]
         # Each rank's loss is sum/global_count * world_size: DeepSpeed averages gradients over ranks.
-        global_count = global_tokens if self.loss_agg == "token" else global_seqs
-        denom = max(global_count, 1.0) / self.world_size
+        counts = mb_tokens if self.loss_agg == "token" else mb_seqs
+        denoms = [max(c, 1.0) / self.world_size for c in counts]
 
-        prox = self.compute_logprobs(mbs)
+        prox = self.compute_logprobs(mbs)  # before any update: every minibatch shares one proximal policy
         refs = self.compute_ref_logprobs(mbs)
+        bounds = set(itertools.accumulate(len(g) for g in groups))  # index after each minibatch's last micro-batch
+        mb_denom = [d for g, d in zip(groups, denoms) for _ in g]
 
         self.engine.module.train()
         sums = {k: 0.0 for k in ("loss", "clip_frac", "capped_frac", "approx_kl", "entropy", "dual_clip_frac",
                                  "kl_ref")}
         imp_sum = 0.0
         kept_tokens = 0.0
-        grad_norm_manual: Optional[float] = None
+        grad_norms: list[float] = []
         lr_used = float(self.optimizer.param_groups[0]["lr"])
         for i, (mb, prox_lp, ref_lp) in enumerate(zip(mbs, prox, refs)):
-            last = i == len(mbs) - 1
+            last = (i + 1) in bounds
             self.engine.set_gradient_accumulation_boundary(last)
             logits = self._forward_logits(mb)
             logp = token_logprobs(logits, mb.input_ids, self.temperature)
@@ -505,7 +559,7 @@ class DeepSpeedLearner:
                 eps_clip=self.eps_clip,
                 behav_imp_weight_cap=self.behav_imp_weight_cap,
                 naive=self.naive_ppo,
-                denominator=denom,
+                denominator=mb_denom[i],
                 dual_clip_c=self.dual_clip_c,
                 token_weights=mb.token_weights,
                 ref_logp=ref_lp,
@@ -525,19 +579,14 @@ class DeepSpeedLearner:
                 sums["loss"] += float(loss.detach())  # summed over ranks below, / world_size
             self.engine.backward(loss)
             del logits, logp, loss
-        if self.zero_stage == 0 and not self.bf16:
-            grad_norm_manual = self._grad_norm_stage0()  # client AdamW exposes no norm; grads are all-reduced here
-        self.engine.step()
+            if last:
+                grad_norms.append(self._optimizer_step())
         self._version += 1
-
-        grad_norm = self.engine.get_global_grad_norm()
-        if grad_norm is None or (self.zero_stage == 0 and not self.bf16):
-            grad_norm = grad_norm_manual if grad_norm_manual is not None else float("nan")
-        grad_norm = float(grad_norm.item() if isinstance(grad_norm, torch.Tensor) else grad_norm)
+        grad_norm = sum(grad_norms) / len(grad_norms)
 
         # Reward / advantage statistics over the global batch.
         r = rewards.double()
-        a_abs_tok = sum(float(mb.advantages[mb.loss_mask].abs().sum()) for mb in mbs[:n_real_mbs])
+        a_abs_tok = sum(float(mb.advantages[mb.loss_mask].abs().sum()) for mb in mbs)  # padding micro-batches add 0
         red = self._all_reduce(
             [
                 float(len(batch)),
@@ -567,7 +616,7 @@ class DeepSpeedLearner:
         r_std = math.sqrt(max(r_sq / n_seqs - r_mean**2, 0.0))
         elapsed = time.perf_counter() - t0
         out = {
-            "loss": loss_sum / self.world_size,
+            "loss": loss_sum / self.world_size / n_mini,  # mean over the minibatches' losses
             "reward_mean": r_mean,
             "reward_std": r_std,
             "adv_abs_mean": a_abs / tok,
@@ -735,6 +784,7 @@ def learner_from_config(model: torch.nn.Module, cfg: Any, version: int = 0) -> D
         eps_clip=lc.eps_clip,
         behav_imp_weight_cap=lc.behav_imp_weight_cap,
         naive_ppo=lc.naive_ppo,
+        ppo_minibatches=lc.ppo_minibatches,
         adv_std_norm=lc.adv_std_norm,
         temperature=cfg.gen.temperature,
         version=version,
@@ -751,6 +801,6 @@ def learner_from_config(model: torch.nn.Module, cfg: Any, version: int = 0) -> D
         stale_token_decay=lc.stale_token_decay,
         lr_schedule=lc.lr_schedule,
         warmup_steps=lc.warmup_steps,
-        total_steps=cfg.total_train_steps,
+        total_steps=cfg.total_train_steps * lc.ppo_minibatches,  # the schedule counts optimizer steps
         min_lr_ratio=lc.min_lr_ratio,
     )

@@ -1,0 +1,77 @@
+"""PPO minibatches: one proximal recompute per batch, one optimizer step per minibatch."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("deepspeed")
+
+from arl.learner.deepspeed_engine import DeepSpeedLearner, split_minibatches  # noqa: E402
+from tests.learner.test_learner_features import on_policy, tiny, traj  # noqa: E402
+
+
+def batch(seed: int = 0, groups: int = 3, size: int = 4) -> list:
+    rng = np.random.default_rng(seed)
+    out = []
+    for g in range(groups):
+        for i in range(size):
+            gen = rng.integers(1, 32, size=int(rng.integers(3, 12))).tolist()
+            out.append(traj(rng.integers(1, 32, size=4).tolist(), gen, reward=float(rng.random() < 0.5),
+                            gid=f"g{g}"))
+    return out
+
+
+def test_split_is_balanced_deterministic_and_complete():
+    lengths = [50, 10, 40, 30, 20, 60, 5]
+    parts = split_minibatches(lengths, 3)
+    assert sorted(i for p in parts for i in p) == list(range(7)) and parts == split_minibatches(lengths, 3)
+    loads = [sum(lengths[i] for i in p) for p in parts]
+    assert max(loads) - min(loads) <= 15 and all(p == sorted(p) for p in parts)
+    assert split_minibatches(lengths, 1) == [list(range(7))]
+    assert len(split_minibatches([3, 4], 5)) == 2  # never an empty minibatch
+
+
+def test_steps_per_batch_and_clip_only_binds_with_several():
+    trajs = batch()
+    model = tiny()
+    on_policy(model, trajs)
+    one = DeepSpeedLearner(copy.deepcopy(model), lr=3e-2, seed=0)
+    four = DeepSpeedLearner(copy.deepcopy(model), lr=3e-2, seed=0, ppo_minibatches=4)
+    m1, m4 = one.train_step(trajs), four.train_step(trajs)
+    assert one.version == four.version == 1  # one policy version per batch either way
+    assert one.engine.global_steps == 1 and four.engine.global_steps == 4
+    assert m1["clip_frac"] == 0.0  # one step: pi == pi_prox where the gradient is taken, the ratio is exactly 1
+    assert m4["clip_frac"] > 0.0  # later minibatches see pi move off pi_prox: the clip is a trust region
+    assert m4["n_seqs"] == m1["n_seqs"] == len(trajs) and m4["n_tokens"] == m1["n_tokens"]
+
+
+def test_minibatch_steps_equal_sequential_steps_on_the_parts():
+    """Naive PPO does not use the proximal policy, so k minibatch steps on one batch must equal k train steps on
+    the parts (with the whole batch's advantages)."""
+    trajs = batch(seed=1)
+    model = tiny(seed=1)
+    on_policy(model, trajs)
+    kw = dict(lr=1e-2, seed=0, naive_ppo=True, max_tokens_per_mb=24)
+    a = DeepSpeedLearner(copy.deepcopy(model), ppo_minibatches=2, **kw)
+    b = DeepSpeedLearner(copy.deepcopy(model), **kw)
+    adv, _ = a._advantages(trajs, torch.tensor([t.reward for t in trajs]))
+    by_id = {id(t): v for t, v in zip(trajs, adv)}
+    b._advantages = lambda bt, rewards: ([by_id[id(t)] for t in bt], 0)
+    a.train_step(trajs)
+    for part in split_minibatches([len(t.input_ids) for t in trajs], 2):
+        b.train_step([trajs[i] for i in part])
+    wa, wb = a.module.state_dict(), b.module.state_dict()
+    moved = False
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-6)
+        moved |= not torch.equal(wa[k], model.state_dict()[k])
+    assert moved
+
+
+def test_bad_minibatch_count_raises():
+    with pytest.raises(ValueError, match="ppo_minibatches"):
+        DeepSpeedLearner(tiny(), ppo_minibatches=0)

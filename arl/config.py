@@ -81,6 +81,9 @@ class InferenceConfig:
                                             "dumped, and it is killed and treated as dead.")
     tolerate_worker_loss: bool = field(True, "An inference worker that dies (or stops heartbeating) is dropped and "
                                              "its requests re-sent to the others, while one remains; false: fatal.")
+    restart_on_failure: bool = field(True, "Restart a dropped inference worker process: it loads the newest "
+                                           "weights and rejoins the routing (needs tolerate_worker_loss).")
+    max_restarts: int = field(3, "Most restarts of inference worker processes in one run; later losses stay lost.")
     servers_per_process: int = field(1, "Inference servers one worker process hosts (>1: for the sim backend, "
                                         "so dozens of simulated servers fit a small machine).")
     sim_step_base_s: float = field(7.5e-3, "sim: seconds of a decode step at batch 0 (H100, 7B fit).")
@@ -338,6 +341,7 @@ def validate(cfg: Any) -> None:
         (cfg.rollout.max_concurrent_rollouts >= 1, "rollout.max_concurrent_rollouts must be >= 1"),
         (cfg.rollout.env_timeout > 0, "rollout.env_timeout must be > 0"),
         (cfg.rollout.max_restarts >= 0, "rollout.max_restarts must be >= 0"),
+        (cfg.inference.max_restarts >= 0, "inference.max_restarts must be >= 0"),
         (min(cfg.rollout.heartbeat_timeout, cfg.inference.heartbeat_timeout, cfg.learner.heartbeat_timeout) > 0,
          "heartbeat timeouts must be > 0"),
         (cfg.max_message_bytes >= 1024, "max_message_bytes must be >= 1024"),

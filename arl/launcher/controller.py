@@ -67,6 +67,8 @@ class Controller:
         heartbeat_timeouts: Optional[dict[str, float]] = None,
         restart_rollout: bool = True,
         max_restarts: int = 3,
+        restart_inference: bool = False,
+        max_inference_restarts: int = 3,
         secret: Optional[bytes] = None,
         bind_host: str = "127.0.0.1",
         max_bytes: Optional[int] = None,
@@ -127,6 +129,9 @@ class Controller:
         self.heartbeat_timeouts.update(heartbeat_timeouts or {})
         self.restart_rollout, self.max_restarts = restart_rollout, max_restarts
         self.restarts = 0
+        self.restart_inference, self.max_inference_restarts = restart_inference, max_inference_restarts
+        self.inference_restarts = 0
+        self._rejoining: set[int] = set()  # restarted inference servers not yet routed to again
         self._restarted_at: dict[str, float] = {}  # process name -> when it was restarted (until it registers)
         self._secret, self._bind_host, self._max_bytes = secret, bind_host, max_bytes
         self.stack_dump_wait = stack_dump_wait
@@ -238,6 +243,9 @@ class Controller:
             expected = self.num_inference + self.num_rollout + 1
             all_up = all_up or registered >= expected
             late = [n for n, t in self._restarted_at.items() if time.monotonic() - t > self.startup_timeout]
+            for name in [n for n in late if self._inference_servers(n)]:  # the run goes on without it
+                late.remove(name)
+                self._give_up_inference(name, f"did not register within {self.startup_timeout}s of its restart")
             if late:
                 self.fail(f"restarted roles did not register within {self.startup_timeout}s: {late}")
                 return
@@ -385,7 +393,71 @@ class Controller:
                 await self.router.send(ident, "worker_lost", {"role": "inference", "indices": servers})
         for v in sorted(self._published):  # a version only the lost worker had not acked is complete now
             await self._check_loaded(v)
+        await self._restart_inference(name, servers)
         return True
+
+    async def _restart_inference(self, name: str, servers: list[int]) -> None:
+        """Start dropped inference process `name` again, if configured and under the cap. Its servers stay out of
+        the routing and the weight acks until they registered and loaded the newest version (`_rejoin`)."""
+        if not servers or not self.restart_inference or self.inference_restarts >= self.max_inference_restarts:
+            return
+        child = self.procs.children.get(name)
+        if child is None:
+            return
+        if child.proc.poll() is None:
+            child.expected_exit = True
+            _signal_group(child.proc.pid, signal.SIGKILL)
+            await asyncio.to_thread(child.proc.wait, 10.0)
+        self.inference_restarts += 1
+        self._rejoining.update(servers)
+        self.procs.respawn(name)
+        self._restarted_at[name] = time.monotonic()
+        logger.warning("restarted inference process %s (restart %d of at most %d); servers %s rejoin once they "
+                       "loaded the newest weights", name, self.inference_restarts, self.max_inference_restarts,
+                       servers)
+        fault = {"kind": "inference_restart", "role": name, "servers": servers, "restarts": self.inference_restarts}
+        self.faults.append(fault)
+        self.metrics.write({"type": "worker_restarted", "elapsed": time.monotonic() - self._t_start, **fault})
+
+    def _give_up_inference(self, name: str, reason: str) -> None:
+        """A restarted inference process that did not come back: kill it and leave its servers lost."""
+        self._restarted_at.pop(name, None)
+        self._rejoining.difference_update(self._inference_servers(name))
+        child = self.procs.children.get(name)
+        if child is not None:
+            child.expected_exit = True
+            if child.proc.poll() is None:
+                _signal_group(child.proc.pid, signal.SIGKILL)
+        logger.error("restarted inference process %s %s; the run goes on without it", name, reason)
+        self.metrics.write({"type": "fault", "kind": "inference_restart_failed", "role": name, "reason": reason,
+                            "elapsed": time.monotonic() - self._t_start})
+
+    async def _send_rejoin_weights(self, server: int) -> None:
+        """A restarted server registered: have it load the newest published version (or rejoin at once if the
+        run has published none: it started with the initial weights)."""
+        if not self._published:
+            await self._rejoin(server)
+            return
+        v = max(self._published)
+        await self.router.send(self.peers[("inference", server)], "update_weights",
+                               {"version": v, "path": self._published[v]})
+
+    async def _rejoin(self, server: int) -> None:
+        """Route to restarted server `server` again: back in the weight-ack set, and the rollout workers connect
+        to its new address."""
+        self._rejoining.discard(server)
+        self.lost_inference.discard(server)
+        self.last_seen[("inference", server)] = time.monotonic()
+        address = self.addresses["inference"][server]
+        logger.warning("inference server %d is back (at %s) with version %s", server, address,
+                       max(self._published) if self._published else 0)
+        self.metrics.write({"type": "worker_back", "role": "inference", "server": server, "address": address,
+                            "elapsed": time.monotonic() - self._t_start})
+        for r in range(self.num_rollout):
+            ident = self.peers.get(("rollout", r))
+            if ident is not None:
+                await self.router.send(ident, "worker_back", {"role": "inference", "index": server,
+                                                              "address": address})
 
     def _is_registered(self, name: str) -> bool:
         return any(f"{r}{i}" == name or (r == "learner" and name == "learner") for r, i in self.peers)
@@ -451,6 +523,9 @@ class Controller:
             if key[0] == "rollout" and key[1] in self._prompt_positions:
                 ack["prompt_position"] = self._prompt_positions[key[1]]
             await self.router.send(ident, "ack", ack)
+            if key[0] == "inference" and key[1] in self._rejoining:
+                self._restarted_at.pop(self._inference_process(key[1]), None)
+                await self._send_rejoin_weights(key[1])
             await self._answer_lookups()
             await self._maybe_start()
             if restarted and key == ("rollout", 0):  # evaluations it was running died with it: ask again
@@ -593,6 +668,13 @@ class Controller:
         return sum(fracs) / len(fracs) if fracs else None
 
     async def _on_loaded(self, version: int, index: int) -> None:
+        if index in self._rejoining:  # a restarted server caught up: rejoin, unless a newer version came out since
+            if self._published and version < max(self._published):
+                await self._send_rejoin_weights(index)
+                return
+            self._loaded[version].add(index)
+            await self._rejoin(index)
+            return
         self._loaded[version].add(index)
         await self._check_loaded(version)
 
@@ -682,7 +764,8 @@ class Controller:
                "failure": (self._failure or "")[:2000], "steps": self.gate.version,
                "groups": dict(self._group_reasons), "accepted_groups": self.accepted_groups,
                "accepted_trajectories": self.accepted_trajectories, "lost_in_flight_groups": self.lost_groups,
-               "running_groups": self.gate.running, "rollout_restarts": self.restarts, "learner": learner,
+               "running_groups": self.gate.running, "rollout_restarts": self.restarts,
+               "inference_restarts": self.inference_restarts, "learner": learner,
                "env": dict(env), "transport": transport, "faults": list(self.faults)}
         if ls:
             received = int(ls.get("groups_received") or 0)

@@ -89,6 +89,8 @@ def make_controller(cfg: ExperimentConfig, run_dir: str, **overrides: Any) -> Co
                             "rollout": cfg.rollout.heartbeat_timeout},
         restart_rollout=cfg.rollout.restart_on_failure,
         max_restarts=cfg.rollout.max_restarts,
+        restart_inference=cfg.inference.restart_on_failure and cfg.inference.tolerate_worker_loss,
+        max_inference_restarts=cfg.inference.max_restarts,
         secret=secret,
         bind_host=bind_host,
         max_bytes=cfg.max_message_bytes,

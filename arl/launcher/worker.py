@@ -343,7 +343,12 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
 
     ctl.handlers["gate_grant"] = on_grant
     ctl.handlers["eval"] = on_eval
+    async def on_worker_back(p: dict) -> None:  # the controller restarted an inference server: route to it again
+        if p.get("role") == "inference":
+            client.worker_back(int(p["index"]), Dealer().connect(str(p["address"])))
+
     ctl.handlers["worker_lost"] = on_worker_lost
+    ctl.handlers["worker_back"] = on_worker_back
     ack = await ctl.request("register", {"role": "rollout", "index": index, "pid": os.getpid()}, "ack",
                             cfg.startup_timeout)
     if ack.get("prompt_position"):  # resuming a run: continue this worker's prompt stream where it stood

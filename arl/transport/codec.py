@@ -82,6 +82,7 @@ CONTROL_TYPES = frozenset(
         "eval",
         "groups_dropped",
         "worker_lost",
+        "worker_back",
     }
 )
 MESSAGE_TYPES = TYPED_TYPES | CONTROL_TYPES

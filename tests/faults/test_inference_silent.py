@@ -28,7 +28,8 @@ def test_stopped_inference_worker_is_dropped_and_the_run_goes_on(tmp_path, model
     assert "Python stacks of inference1" in err and "process state T" in err
     assert "most recent call first" in log_text(run_dir, "inference1")
     s = summary(run_dir)
-    (fault,) = s["faults"]
+    fault, restart = s["faults"]  # named and dumped, then dropped and restarted (inference.restart_on_failure)
+    assert restart["kind"] == "inference_restart" and restart["servers"] == [1]
     assert fault["role"] == "inference1" and fault["process_state"] == "T" and fault["stacks_dumped"]
     assert [m["process"] for m in read_metrics(run_dir) if m.get("type") == "worker_lost"] == ["inference1"]
     assert_accounting(s)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import collections
 
-import numpy as np
 import pytest
 
 from arl.agents.tool_agent import ToolAgent
@@ -15,8 +14,8 @@ from arl.models.tiny import TOOL_CHARS, build_char_tokenizer
 from arl.rollout.env_groups import worker_spec
 from arl.rollout.ledger import EngineLog, TokenLedgerError, verify_trajectory
 from arl.rollout.worker import PromptStream, RolloutWorker, run_agent
-from tests.agents.test_tool_agent import call, out, text_of, turns_script
-from tests.rollout.test_guards import FakeClient
+from tests.agents.test_tool_agent import call, turns_script
+from tests.rollout.test_guards import FakeClient, run_groups
 
 TOK = build_char_tokenizer(TOOL_CHARS)
 PROMPT = {"id": "p1", "prompt": "Tom has 12 apples and gets 7 more. How many?", "answer": "19"}
@@ -150,15 +149,6 @@ def make_worker(rows, sent, pushed, agent, **kw):
     return RolloutWorker(index=0, make_agent=agent, make_eval_agent=agent, make_env=SeedEnv,
                          prompts=PromptStream(rows, seed=0), test_rows=rows, client=FakeClient(), send_control=send,
                          push_group=push, capacity=8, trajectory_timeout=5.0, env_timeout=1.0, **kw)
-
-
-async def run_groups(worker, n):
-    worker.on_grant(n)
-    for _ in range(500):
-        if not worker._running:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("groups did not finish")
 
 
 @pytest.mark.asyncio

@@ -373,7 +373,8 @@ class Controller:
         """Drop inference process `name` if the run can go on without it; False: the loss is fatal."""
         if not self._can_lose_inference(name):
             return False
-        servers = [s for s in self._inference_servers(name) if s not in self.lost_inference]
+        # a restarted process that dies before it rejoined is lost again (and may be restarted again)
+        servers = [s for s in self._inference_servers(name) if s not in self.lost_inference or s in self._rejoining]
         child = self.procs.children.get(name)
         if child is not None:
             child.expected_exit = True

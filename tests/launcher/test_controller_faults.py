@@ -98,3 +98,52 @@ async def test_grants_to_an_unregistered_identity_are_not_held(tmp_path):
     await ctl._grant()
     assert ctl._held == collections.Counter()
     ctl.metrics.close()
+
+
+@pytest.mark.asyncio
+async def test_inference_restart_rejoins_only_with_the_newest_weights(tmp_path):
+    ctl = Controller(run_dir=str(tmp_path), num_inference=2, num_rollout=1, batch_size=2, max_head_offpolicyness=3,
+                     max_concurrent_rollouts=8, total_train_steps=10, eval_every=0, eval_max_prompts=4,
+                     startup_timeout=60, progress=False, tolerate_inference_loss=True, restart_inference=True,
+                     max_inference_restarts=2)
+    ctl.router = FakeRouter()
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    try:
+        for i in (0, 1):
+            await feed(ctl, f"i{i}".encode(), "register", {"role": "inference", "index": i, "address": f"tcp://a:{i}"})
+        await feed(ctl, b"r0", "register", {"role": "rollout", "index": 0})
+        await feed(ctl, b"L", "register", {"role": "learner", "index": 0, "address": "tcp://l:1"})
+        ctl._published[3] = "/w/v3"
+        ctl.procs.spawn("inference1", sleeper, str(tmp_path / "i1.log"))
+        ctl.procs.children["inference1"].proc.kill()
+        ctl.procs.children["inference1"].proc.wait()
+        assert await ctl._lose_inference("inference1", "exited with code -9")
+        assert ctl.lost_inference == {1} and ctl._rejoining == {1} and ctl.inference_restarts == 1
+        assert ctl.procs.children["inference1"].proc.poll() is None  # respawned
+        sent = lambda: [(i, t, p) for i, t, p in ctl.router.sent]  # noqa: E731
+        assert (b"r0", "worker_lost", {"role": "inference", "indices": [1]}) in sent()
+        # it registers at a new address: told to load the newest version; still out of the routing
+        await feed(ctl, b"i1b", "register", {"role": "inference", "index": 1, "address": "tcp://b:1"})
+        assert sent()[-1] == (b"i1b", "update_weights", {"version": 3, "path": "/w/v3"})
+        # v4 came out meanwhile: its ack of v3 is not enough, it is told to load v4
+        ctl._published[4] = "/w/v4"
+        await feed(ctl, b"i1b", "weights_loaded", {"version": 3, "index": 1})
+        assert sent()[-1] == (b"i1b", "update_weights", {"version": 4, "path": "/w/v4"}) and 1 in ctl.lost_inference
+        await feed(ctl, b"i1b", "weights_loaded", {"version": 4, "index": 1})
+        assert ctl.lost_inference == set() and ctl._rejoining == set()
+        assert sent()[-1] == (b"r0", "worker_back", {"role": "inference", "index": 1, "address": "tcp://b:1"})
+        # it dies again after rejoining: lost and restarted again (cap 2); then the cap holds
+        ctl.procs.children["inference1"].proc.kill()
+        ctl.procs.children["inference1"].proc.wait()
+        assert await ctl._lose_inference("inference1", "exited with code -9") and ctl.inference_restarts == 2
+        ctl.procs.children["inference1"].proc.kill()  # the restart dies before it registered
+        ctl.procs.children["inference1"].proc.wait()
+        assert await ctl._lose_inference("inference1", "died while starting")  # lost again, over the cap
+        assert ctl.inference_restarts == 2 and ctl.procs.children["inference1"].proc.poll() is not None
+        kinds = [json.loads(line)["type"] for line in open(tmp_path / "metrics.jsonl")]
+        assert kinds == ["worker_lost", "worker_restarted", "worker_back", "worker_lost", "worker_restarted",
+                         "worker_lost"]
+        assert ctl.accounting()["inference_restarts"] == 2
+    finally:
+        ctl.procs.terminate(1.0)
+        ctl.metrics.close()

@@ -54,16 +54,21 @@ WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 def _install_hook(workdir):
     root = os.path.realpath(workdir)
     allowed_files = {"/dev/null"}
+    # reads: the working directory and the standard library (lazy imports); nothing else of the machine's files
+    read_roots = (root, os.path.realpath(os.path.dirname(os.__file__)))
     state = {"busy": False}
     realpath, join, sep = os.path.realpath, os.path.join, os.sep
 
-    def inside(path):
-        if isinstance(path, int):
-            return True  # an already open descriptor
+    def resolve(path):
         if isinstance(path, bytes):
             path = path.decode(errors="replace")
-        full = realpath(join(root, str(path)))
-        return full == root or full.startswith(root + sep) or full in allowed_files
+        return realpath(join(root, str(path)))
+
+    def inside(path, roots=(root,)):
+        if isinstance(path, int):
+            return True  # an already open descriptor
+        full = resolve(path)
+        return full in allowed_files or any(full == r or full.startswith(r + sep) for r in roots)
 
     def hook(event, args):
         if state["busy"]:
@@ -78,14 +83,22 @@ def _install_hook(workdir):
             path, mode, flags = (list(args) + [None, None])[:3]
             writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
                 isinstance(flags, int) and flags & WRITE_FLAGS)
-            if writes:
-                state["busy"] = True
-                try:
-                    ok = inside(path)
-                finally:
-                    state["busy"] = False
-                if not ok:
-                    raise PermissionError(f"sandbox: writing {path!r} outside the working directory is not allowed")
+            state["busy"] = True
+            try:
+                ok = inside(path) if writes else inside(path, read_roots)
+            finally:
+                state["busy"] = False
+            if not ok:
+                what = "writing" if writes else "reading"
+                raise PermissionError(f"sandbox: {what} {path!r} outside the working directory is not allowed")
+        elif event in ("os.listdir", "os.scandir") and args and args[0] is not None:
+            state["busy"] = True
+            try:
+                ok = inside(args[0], read_roots)
+            finally:
+                state["busy"] = False
+            if not ok:
+                raise PermissionError(f"sandbox: listing {args[0]!r} outside the working directory is not allowed")
         elif event in PATH_EVENTS and args:
             state["busy"] = True
             try:
@@ -123,7 +136,8 @@ def main():
     os.environ.clear()
     os.environ.update({"HOME": workdir, "TMPDIR": workdir, "PATH": ""})
     for name in ("resource", "fcntl", "json"):  # modules the runner used; the code may not reach them by import
-        sys.modules.pop(name, None)
+        if name not in cfg.get("preload", []):  # (unless preloaded for it: json is)
+            sys.modules.pop(name, None)
     _install_hook(workdir)
     import traceback
 

@@ -14,15 +14,17 @@ Layers, strongest first (what is used depends on the machine; `sandbox_capabilit
    allocation raises MemoryError), file size, open files, and RLIMIT_NPROC = 0 (no new processes or threads;
    not enforced for root, hence layer 2).
 4. A Python audit hook (defence in depth, Python level only): refuses fork/exec/subprocess/os.system, socket
-   creation and connects, ctypes, writing or renaming files outside the temp dir, and the usual ways of
-   reaching the hook (gc.get_objects, replacing __code__).
+   creation and connects, ctypes, writing or renaming files outside the temp dir, reading or listing files
+   outside the temp dir and the standard library, and the usual ways of reaching the hook (gc.get_objects,
+   replacing __code__).
 5. From outside: a wall-clock timeout kills the whole process group (SIGKILL); stdout+stderr are read up to
    `max_output_bytes` and the process is killed as soon as it writes more; the temp dir is removed afterwards.
 
 Honest limits: without `unshare` the network and process isolation rest on the audit hook and RLIMIT_NPROC,
 which native code could bypass if it could be loaded (ctypes is refused, the interpreter runs with -I -S, so
 site-packages are not importable by default); without root there is no uid drop, so files the worker's user can
-write outside /tmp are protected only by the audit hook. Reads are not restricted beyond file permissions.
+write outside /tmp are protected only by the audit hook. Reads outside the temp dir are refused by the audit
+hook (Python level); native code could bypass it, as above.
 For hostile workloads run the rollout worker itself in a container (gVisor, nsjail, bubblewrap).
 """
 

@@ -73,6 +73,19 @@ def test_writes_outside_its_dir_fail(sandbox, tmp_path):
     assert not target.exists() and not (tmp_path / "escape.txt").exists()
 
 
+def test_reads_outside_its_dir_fail(sandbox, tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("the key")
+    secret.chmod(0o644)  # world-readable: file permissions alone would let `nobody` read it
+    for code in [f"print(open({str(secret)!r}).read())", "print(open('/etc/passwd').read())",
+                 f"import os\nprint(os.listdir({str(tmp_path)!r}))", "print(open('../secret.txt').read())"]:
+        r, secs = run(sandbox, code)
+        assert not r.ok and "the key" not in r.stdout and "root:" not in r.stdout and secs < TIMEOUT, (code, r)
+    r, _ = run(sandbox, "import json, statistics\nopen('own.txt', 'w').write('7')\n"
+                        "print(open('own.txt').read(), statistics.mean([1, 2]))")
+    assert r.ok and r.stdout.split() == ["7", "1.5"], r  # its own files and the standard library stay readable
+
+
 def test_output_is_truncated_and_the_process_stopped(sandbox):
     r, secs = run(sandbox, "while True:\n    print('x' * 100)")
     assert r.output_truncated and len(r.stdout) <= 2048 and secs < TIMEOUT

@@ -206,8 +206,9 @@ class PythonSandbox:
                 bufs[key] += take
                 budget[0] -= len(chunk)
                 if budget[0] < 0:
+                    # keep draining (and dropping) to EOF: a reader that stops pauses the pipe, and asyncio's
+                    # proc.wait() then waits for an EOF that never comes (seen: 5 s stalls on a loaded machine)
                     truncated.set()
-                    return
 
         async def feed() -> None:
             if stdin and proc.stdin is not None:

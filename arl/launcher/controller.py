@@ -17,7 +17,7 @@ import time
 from typing import Any, Optional
 
 from arl.launcher.forensics import request_stack_dump
-from arl.launcher.process import ProcessGroup, _signal_group, tail
+from arl.launcher.process import Child, ProcessGroup, _signal_group, tail
 from arl.launcher.security import advertised_address
 from arl.rollout.staleness import StalenessGate
 from arl.transport.sockets import Router, bind_random
@@ -319,10 +319,7 @@ class Controller:
         if ("rollout", index) not in self.peers:  # it failed while starting: a restart would fail the same way
             logger.error("%s failed (%s) before it registered; not restarting it", name, reason)
             return False
-        if child.proc.poll() is None:
-            child.expected_exit = True
-            _signal_group(child.proc.pid, signal.SIGKILL)
-            await asyncio.to_thread(child.proc.wait, 10.0)
+        await self._respawn(child)
         self.restarts += 1
         key = ("rollout", index)
         lost = self._held.pop(index, 0)
@@ -341,8 +338,6 @@ class Controller:
         if isinstance(old_stats.get("prompt_position"), int):  # the new one continues its prompt stream
             self._prompt_positions[index] = max(old_stats["prompt_position"], self._prompt_positions.get(index, 0))
         self._env_of_restarted.update({k: v for k, v in old_env.items() if k != "env_calls_in_flight"})
-        self.procs.respawn(name)
-        self._restarted_at[name] = time.monotonic()
         logger.warning("%s %s; restarted it (restart %d of at most %d); %d in-flight groups lost, their budget "
                        "returned; last lines of its log:\n%s", name, reason, self.restarts, self.max_restarts, lost,
                        tail(child.log_path, 10))
@@ -352,6 +347,23 @@ class Controller:
         self.metrics.write({"type": "worker_restarted", "elapsed": time.monotonic() - self._t_start, **fault})
         await self._grant()
         return True
+
+    async def _respawn(self, child: Child) -> None:
+        """Start `child`'s role again (killed first if it still runs: a hung one); its registration is timed from
+        now (`_restarted_at`)."""
+        if child.proc.poll() is None:
+            child.expected_exit = True
+            _signal_group(child.proc.pid, signal.SIGKILL)
+            await asyncio.to_thread(child.proc.wait, 10.0)
+        self.procs.respawn(child.name)
+        self._restarted_at[child.name] = time.monotonic()
+
+    async def _tell_rollouts(self, msg_type: str, payload: dict) -> None:
+        """Send a control message to every registered rollout worker."""
+        for r in range(self.num_rollout):
+            ident = self.peers.get(("rollout", r))
+            if ident is not None:
+                await self.router.send(ident, msg_type, payload)
 
     def _inference_process(self, server: int) -> str:
         return f"inference{server // self.servers_per_process}"
@@ -388,10 +400,7 @@ class Controller:
                        f"; last lines of its log:\n{tail(child.log_path, 10)}" if child is not None else "")
         self.metrics.write({"type": "worker_lost", "role": "inference", "process": name, "servers": servers,
                             "reason": reason, "remaining": remaining, "elapsed": time.monotonic() - self._t_start})
-        for r in range(self.num_rollout):
-            ident = self.peers.get(("rollout", r))
-            if ident is not None:
-                await self.router.send(ident, "worker_lost", {"role": "inference", "indices": servers})
+        await self._tell_rollouts("worker_lost", {"role": "inference", "indices": servers})
         for v in sorted(self._published):  # a version only the lost worker had not acked is complete now
             await self._check_loaded(v)
         await self._restart_inference(name, servers)
@@ -405,14 +414,9 @@ class Controller:
         child = self.procs.children.get(name)
         if child is None:
             return
-        if child.proc.poll() is None:
-            child.expected_exit = True
-            _signal_group(child.proc.pid, signal.SIGKILL)
-            await asyncio.to_thread(child.proc.wait, 10.0)
+        await self._respawn(child)
         self.inference_restarts += 1
         self._rejoining.update(servers)
-        self.procs.respawn(name)
-        self._restarted_at[name] = time.monotonic()
         logger.warning("restarted inference process %s (restart %d of at most %d); servers %s rejoin once they "
                        "loaded the newest weights", name, self.inference_restarts, self.max_inference_restarts,
                        servers)
@@ -454,11 +458,7 @@ class Controller:
                        max(self._published) if self._published else 0)
         self.metrics.write({"type": "worker_back", "role": "inference", "server": server, "address": address,
                             "elapsed": time.monotonic() - self._t_start})
-        for r in range(self.num_rollout):
-            ident = self.peers.get(("rollout", r))
-            if ident is not None:
-                await self.router.send(ident, "worker_back", {"role": "inference", "index": server,
-                                                              "address": address})
+        await self._tell_rollouts("worker_back", {"role": "inference", "index": server, "address": address})
 
     def _is_registered(self, name: str) -> bool:
         return any(f"{r}{i}" == name or (r == "learner" and name == "learner") for r, i in self.peers)

@@ -341,12 +341,12 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
             for i in p.get("indices", []):
                 await client.worker_lost(int(i))
 
-    ctl.handlers["gate_grant"] = on_grant
-    ctl.handlers["eval"] = on_eval
     async def on_worker_back(p: dict) -> None:  # the controller restarted an inference server: route to it again
         if p.get("role") == "inference":
             client.worker_back(int(p["index"]), Dealer().connect(str(p["address"])))
 
+    ctl.handlers["gate_grant"] = on_grant
+    ctl.handlers["eval"] = on_eval
     ctl.handlers["worker_lost"] = on_worker_lost
     ctl.handlers["worker_back"] = on_worker_back
     ack = await ctl.request("register", {"role": "rollout", "index": index, "pid": os.getpid()}, "ack",

@@ -511,7 +511,6 @@ class DeepSpeedLearner:
         mbs = [mb for g in groups for mb in g]
         local_mb_tokens = [float(sum(mb.n_loss_tokens for mb in g)) for g in groups]
         local_mb_seqs = [float(sum(_n_scored_seqs(mb) for mb in g)) for g in groups]
-        local_tokens = sum(mb.n_loss_tokens for mb in mbs)
         fwd_tokens = sum(mb.padded_tokens for mb in mbs)
         real_tokens = sum(mb.real_tokens for mb in mbs)
         all_gen = np.concatenate([t.versions[t.loss_mask.astype(bool)] for t in batch]) if batch else np.zeros(0)
@@ -519,8 +518,9 @@ class DeepSpeedLearner:
         vmax = float(all_gen.max()) if all_gen.size else -math.inf
 
         # Global (all ranks) token / sequence counts, per minibatch.
-        red_counts = self._all_reduce([float(local_tokens), *local_mb_tokens, *local_mb_seqs])
-        global_tokens, mb_tokens, mb_seqs = red_counts[0], red_counts[1:1 + n_mini], red_counts[1 + n_mini:]
+        red_counts = self._all_reduce([*local_mb_tokens, *local_mb_seqs])
+        mb_tokens, mb_seqs = red_counts[:n_mini], red_counts[n_mini:]
+        global_tokens = sum(mb_tokens)
         if self.world_size > 1:
             maxes = self._all_reduce([-vmin, vmax, *(float(len(g)) for g in groups)], op="max")
             vmin, vmax = -maxes[0], maxes[1]

@@ -42,10 +42,15 @@ def to_request(item: Any) -> GenerateRequest:
 _TIMEOUT = object()  # what an attempt's future holds when its time ran out
 
 
+def _expire(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(_TIMEOUT)
+
+
 class _Pending:
     """One request in flight: its wire form (for re-sending), the worker it sits on, and its weight in the load."""
 
-    __slots__ = ("future", "idx", "work", "wire", "attempts", "deadline")
+    __slots__ = ("future", "idx", "work", "wire", "attempts")
 
     def __init__(self, future: asyncio.Future, wire: GenerateRequest, work: int) -> None:
         self.future = future
@@ -53,7 +58,6 @@ class _Pending:
         self.work = work
         self.idx = -1
         self.attempts = 0
-        self.deadline = 0.0  # loop time at which the current attempt times out
 
 
 class InferenceClient:
@@ -82,7 +86,6 @@ class InferenceClient:
         self._version = -1
         self._ids = itertools.count()
         self._tasks: list[asyncio.Task] = []
-        self._sweeper: Optional[asyncio.Task] = None
         self.stats = collections.Counter()
 
     @property
@@ -98,10 +101,9 @@ class InferenceClient:
         self._tasks = [asyncio.create_task(self._recv_loop(i)) for i in range(len(self._dealers))]
 
     async def close(self) -> None:
-        tasks = [*self._tasks, *([self._sweeper] if self._sweeper is not None else [])]
-        for t in tasks:
+        for t in self._tasks:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         for p in self._pending.values():
             if not p.future.done():
                 p.future.set_result(None)
@@ -142,7 +144,6 @@ class InferenceClient:
             self._load[p.idx] -= p.work
         p.idx = idx
         p.attempts += 1
-        p.deadline = asyncio.get_running_loop().time() + self._timeout
         self._load[idx] += p.work
         await self._dealers[idx].send("gen_req", p.wire)
         self.stats["sent"] += 1
@@ -195,12 +196,16 @@ class InferenceClient:
         if idx < 0:
             return GenerateResponse(qid=req.qid, error="no inference worker left")
         self._pending[wire_id] = p
-        if self._sweeper is None or self._sweeper.done():
-            self._sweeper = loop.create_task(self._sweep())
         try:
             await self._send(p, idx)
             while True:
-                resp = await p.future  # the sweeper sets _TIMEOUT once the attempt's deadline passed
+                # One timer per attempt that resolves the attempt's future with _TIMEOUT (not wait_for + shield:
+                # three futures and their callbacks per request, on the hottest path of a rollout worker).
+                timer = loop.call_later(self._timeout, _expire, p.future)
+                try:
+                    resp = await p.future
+                finally:
+                    timer.cancel()
                 if resp is not _TIMEOUT:
                     break
                 target = self._choose(req.session_id, exclude=p.idx)
@@ -221,19 +226,6 @@ class InferenceClient:
             return GenerateResponse(qid=req.qid, error="inference client closed")
         resp.qid = req.qid
         return resp
-
-    async def _sweep(self) -> None:
-        """Time out attempts whose deadline passed: one task scanning the pending requests a few times per timeout
-        instead of a timer per request (a timer's heap push and cancel were ~10% of a round trip's client CPU,
-        scripts/bench_transport.py). An attempt times out between `request_timeout` and 1.25x that."""
-        loop = asyncio.get_running_loop()
-        period = min(max(self._timeout / 4, 0.001), 1.0)
-        while True:
-            await asyncio.sleep(period)
-            now = loop.time()
-            for p in list(self._pending.values()):
-                if p.deadline <= now and not p.future.done():
-                    p.future.set_result(_TIMEOUT)
 
     def _observe_versions(self, resp: GenerateResponse) -> None:
         newest = -1

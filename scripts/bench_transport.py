@@ -13,6 +13,10 @@ Printed per payload and level: round trips/s with C requests in flight (per roll
 process), the latency p50/p99 at concurrency 1 (the overhead of one round trip, nothing queued), and the CPU
 time per round trip of each process (user + system, all threads, ZMQ's I/O thread included). On a shared
 machine the wall-clock rate mostly measures the other tenants; the CPU per round trip says what the code costs.
+
+For scale, the same run first measures the machine's floor: a bare blocking pyzmq DEALER/ROUTER ping-pong
+between two processes with a frame of the same size (no asyncio, no codec, no ARL), and the summary prints how
+much ARL's round trip adds to it. ``--transport ipc`` runs both over a Unix socket instead of loopback TCP.
 """
 
 from __future__ import annotations
@@ -68,14 +72,53 @@ class NullEngine:
 # -------------------------------------------------------------------------------------------------- server
 
 
-def serve() -> int:
+def serve_bare(address: str) -> int:
+    """Reference server: a blocking ROUTER that answers each request with a frame of the size it asks for (no
+    asyncio, no codec) until told 'q'."""
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(address)
+    print(sock.getsockopt(zmq.LAST_ENDPOINT).decode(), flush=True)
+    replies: dict[bytes, bytes] = {}
+    while True:
+        parts = sock.recv_multipart()  # [identity, request frame, reply size]
+        if parts[1] == b"q":
+            return 0
+        reply = replies.get(parts[2])
+        if reply is None:
+            reply = replies[parts[2]] = bytes(int(parts[2]))
+        sock.send_multipart([parts[0], reply])
+
+
+def bare_pingpong(sock: Any, frame: bytes, reply_size: int, seconds: float) -> dict[str, float]:
+    """Blocking DEALER side of the reference ping-pong: `frame` out, `reply_size` bytes back, one at a time."""
+    lat = []
+    size = str(reply_size).encode()
+    t_end = time.perf_counter() + 0.2 + seconds
+    t_measure = t_end - seconds
+    while True:
+        t0 = time.perf_counter()
+        if t0 >= t_end:
+            break
+        sock.send_multipart([frame, size])
+        sock.recv()
+        if t0 >= t_measure:
+            lat.append(time.perf_counter() - t0)
+    us = np.array(lat) * 1e6
+    return {"p50_us": float(np.percentile(us, 50)), "p99_us": float(np.percentile(us, 99)), "n": len(lat),
+            "rt_per_s": len(lat) / seconds}
+
+
+def serve(bind: str = "") -> int:
     """Server process: print the ROUTER address, answer until stdin closes (the parent went away)."""
     from arl.inference.worker import InferenceWorker
     from arl.transport.sockets import Router
 
     async def main() -> None:
         router = Router()
-        address = router.bind_random()
+        address = router.bind(bind) if bind else router.bind_random()
         async def no_control(msg_type: str, payload: dict) -> None:
             return None
         worker = InferenceWorker(index=0, engine=NullEngine(), router=router, send_control=no_control)
@@ -92,12 +135,12 @@ def serve() -> int:
     return 0
 
 
-def start_server() -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve"], stdin=subprocess.PIPE,
+def start_server(*args: str) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), *args], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     address = proc.stdout.readline().strip()
-    if not address.startswith("tcp://"):
+    if not address.startswith(("tcp://", "ipc://")):
         proc.kill()
         raise RuntimeError(f"server did not start (got {address!r})")
     return proc, address
@@ -205,7 +248,38 @@ async def run_client(address: str, server_pid: int, payloads: list[int], levels:
     return rows
 
 
-def summarise(rows: list[dict]) -> list[str]:
+def wire_sizes(payload: int) -> tuple[bytes, int]:
+    """ARL's request frame for `payload` tokens, and the size of its reply frame (what the reference sends)."""
+    from arl.transport.codec import encode
+
+    req = make_request(payload)
+    n = req.gconfig.max_new_tokens
+    reply = GenerateResponse(qid="0", samples=[SampleOutput(np.zeros(n, np.int32), np.zeros(n, np.float32),
+                                                            np.zeros(n, np.int32), finish_reason="length")])
+    return encode("gen_req", req), len(encode("gen_resp", reply))
+
+
+def measure_floor(address: str, payloads: list[int], seconds: float) -> dict[int, dict]:
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 30_000)  # a reference server that died fails the run instead of hanging it
+    sock.connect(address)
+    out = {}
+    try:
+        for payload in payloads:
+            frame, reply_size = wire_sizes(payload)
+            out[payload] = r = bare_pingpong(sock, frame, reply_size, seconds)
+            print(f"  payload {payload:5d}  bare pyzmq ping-pong (the machine's floor): {r['rt_per_s']:9.0f} rt/s  "
+                  f"p50 {r['p50_us']:7.0f} us  p99 {r['p99_us']:7.0f} us", flush=True)
+        sock.send_multipart([b"q", b"0"])
+    finally:
+        sock.close()
+    return out
+
+
+def summarise(rows: list[dict], floor: dict[int, dict]) -> list[str]:
     lines = []
     for payload in sorted({r["payload"] for r in rows}):
         for level in ("client", "agent"):
@@ -215,45 +289,71 @@ def summarise(rows: list[dict]) -> list[str]:
             best = max(sel, key=lambda r: r["rt_per_s"])
             one = min(sel, key=lambda r: r["concurrency"])
             cpu = max(best["client_cpu_us"], best["server_cpu_us"])
+            base = floor.get(payload)
+            added = (f" = bare pyzmq's {base['p50_us']:.0f} us + {one['p50_us'] - base['p50_us']:.0f} us of ARL"
+                     if base else "")
             lines.append(f"payload {payload:5d} tokens, {level:6s}: {best['rt_per_s']:8.0f} rt/s per rollout worker "
                          f"({best['concurrency']} in flight); overhead at {one['concurrency']} in flight: "
-                         f"p50 {one['p50_us']:.0f} us, p99 {one['p99_us']:.0f} us; CPU per round trip: client "
-                         f"{best['client_cpu_us']:.0f} us, server {best['server_cpu_us']:.0f} us "
+                         f"p50 {one['p50_us']:.0f} us{added}, p99 {one['p99_us']:.0f} us; CPU per round trip: "
+                         f"client {best['client_cpu_us']:.0f} us, server {best['server_cpu_us']:.0f} us "
                          f"(-> {1e6 / cpu:.0f} rt/s if each side had a core to itself)")
     return lines
 
 
+def _stop(proc: subprocess.Popen) -> None:
+    assert proc.stdin is not None
+    proc.stdin.close()
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--serve", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--serve-bare", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--payloads", type=int, nargs="+", default=[16, 4096], help="tokens per request and response")
     ap.add_argument("--levels", nargs="+", default=["client", "agent"], choices=["client", "agent"])
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64], help="requests in flight")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256], help="requests in flight")
     ap.add_argument("--seconds", type=float, default=2.0, help="measurement time per point")
+    ap.add_argument("--transport", choices=["tcp", "ipc"], default="tcp", help="loopback TCP or a Unix socket")
+    ap.add_argument("--no-floor", action="store_true", help="skip the bare pyzmq reference")
     ap.add_argument("--json", default="", help="also write the rows to this file")
     args = ap.parse_args(argv)
-    if args.serve:
-        return serve()
+    if args.serve is not None:
+        return serve(args.serve)
+    if args.serve_bare is not None:
+        return serve_bare(args.serve_bare)
     import platform
+    import tempfile
 
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; "
-          f"python {platform.python_version()}", flush=True)
-    proc, address = start_server()
-    try:
-        rows = asyncio.run(run_client(address, proc.pid, args.payloads, args.levels, args.concurrency, args.seconds))
-    finally:
-        assert proc.stdin is not None
-        proc.stdin.close()
+          f"python {platform.python_version()}; transport {args.transport}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="arl-bench-") as tmp:
+        def address(name: str) -> str:
+            return f"ipc://{tmp}/{name}" if args.transport == "ipc" else "tcp://127.0.0.1:*"
+
+        floor: dict[int, dict] = {}
+        if not args.no_floor:
+            bare, bare_address = start_server("--serve-bare", address("bare"))
+            try:
+                floor = measure_floor(bare_address, args.payloads, args.seconds)
+            finally:
+                _stop(bare)
+        proc, server_address = start_server("--serve", address("arl"))
         try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+            rows = asyncio.run(run_client(server_address, proc.pid, args.payloads, args.levels, args.concurrency,
+                                          args.seconds))
+        finally:
+            _stop(proc)
     print("\nsummary")
-    for line in summarise(rows):
+    for line in summarise(rows, floor):
         print("  " + line)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"floor": floor, "rows": rows}, f, indent=1)
     return 0
 
 

@@ -50,7 +50,9 @@ async def start_prompt(tokenizer: Any, prompt: dict[str, Any], env: Any) -> tupl
 class QueueClient:
     """Sends `GenerateRequest`s on `obs_queue` and hands each `GenerateResponse` from `act_queue` to the request
     with the same qid, so several concurrent chains can share one queue pair and responses may come back in any
-    order. A reader task runs only while requests are pending. Responses for unknown qids are logged and dropped.
+    order. A reader task runs only while requests are pending (it is stopped one event-loop iteration after the
+    last answer, so an agent that sends its next request straight away keeps it). Responses for unknown qids are
+    logged and dropped.
     """
 
     def __init__(self, obs_queue: asyncio.Queue, act_queue: asyncio.Queue) -> None:
@@ -58,27 +60,39 @@ class QueueClient:
         self.act_queue = act_queue
         self._pending: dict[str, asyncio.Future] = {}
         self._reader: Optional[asyncio.Task] = None
+        self._idle: Optional[asyncio.Handle] = None  # the scheduled stop of an idle reader
 
     async def generate(self, req: GenerateRequest) -> GenerateResponse:
         if not isinstance(req, GenerateRequest):
             raise TypeError(f"generate() takes a GenerateRequest, got {type(req).__name__}")
         if req.qid in self._pending:
             raise ValueError(f"qid {req.qid!r} is already in flight on this queue pair; qids must be unique")
+        direct = getattr(self.obs_queue, "generate", None)
+        if direct is not None:  # the rollout worker's queue answers directly (arl.api.agent.Agent)
+            return await direct(req)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
         self._pending[req.qid] = fut
         try:
             await self.obs_queue.put(req)
+            if self._idle is not None:
+                self._idle.cancel()
+                self._idle = None
             if self._reader is None or self._reader.done():
                 self._reader = loop.create_task(self._read(), name="arl-agent-act-reader")
             return await fut
         finally:
             self._pending.pop(req.qid, None)
-            if not self._pending and self._reader is not None:
-                # Forget the reader now, not when its cancellation is processed: another chain may send a
-                # request before that happens and must start a fresh reader (else its response is never read).
-                self._reader.cancel()
-                self._reader = None
+            if not self._pending and self._reader is not None and self._idle is None:
+                self._idle = loop.call_soon(self._stop_idle_reader)
+
+    def _stop_idle_reader(self) -> None:
+        self._idle = None
+        if not self._pending and self._reader is not None:
+            # Forget the reader now, not when its cancellation is processed: another chain may send a request
+            # before that happens and must start a fresh reader (else its response is never read).
+            self._reader.cancel()
+            self._reader = None
 
     async def _read(self) -> None:
         while self._pending:
@@ -96,6 +110,9 @@ class QueueClient:
             fut.set_result(resp)
 
     async def close(self) -> None:
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
         if self._reader is not None and not self._reader.done():
             self._reader.cancel()
             try:

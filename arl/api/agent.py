@@ -28,6 +28,10 @@ class Agent(abc.ABC):
 
     Put a `GenerateRequest` (or the AReaL-style tuple `(qid, token_ids, gconfig)`) on `obs_queue`; the matching
     `GenerateResponse` arrives on `act_queue`. Return `[]` to drop the prompt.
+
+    An `obs_queue` may also offer ``async generate(req) -> GenerateResponse``: the same request and answer without
+    the trip through `act_queue` (the rollout worker's does; ``arl.agents.common.generate`` uses it when present,
+    which saves two event-loop wakes per turn). Agents that use the queues directly need not care.
     """
 
     @abc.abstractmethod

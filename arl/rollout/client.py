@@ -228,10 +228,11 @@ class InferenceClient:
         return resp
 
     def _observe_versions(self, resp: GenerateResponse) -> None:
+        # A sample's versions never decrease (weights only move forward), so its last token has its newest.
         newest = -1
         for s in resp.samples:
             if len(s.output_versions):
-                newest = max(newest, int(s.output_versions.max()))
+                newest = max(newest, int(s.output_versions[-1]))
         if newest > self._version:
             self.set_version(newest)
 

@@ -74,6 +74,38 @@ class PromptStream:
         raise RuntimeError("unreachable")
 
 
+class _ObsQueue(asyncio.Queue):
+    """The obs_queue of one collect_trajectory. A put starts the request at once (no task has to read the queue)
+    and its answer goes to the act_queue; ``generate`` is the direct path (see ``arl.api.agent.Agent``), which
+    skips the act_queue. Unbounded, as a plain queue would be."""
+
+    def __init__(self, client: InferenceClient, act_queue: asyncio.Queue, engine_log: Optional[EngineLog]) -> None:
+        super().__init__()
+        self._client = client
+        self._act = act_queue
+        self._log = engine_log
+        self.inflight: set[asyncio.Task] = set()
+
+    async def generate(self, item: Any) -> GenerateResponse:
+        try:
+            req = to_request(item)
+        except (TypeError, ValueError) as e:
+            qid = item[0] if isinstance(item, tuple) and item else getattr(item, "qid", "?")
+            return GenerateResponse(qid=str(qid), error=f"bad request: {e}")
+        resp = await self._client.generate(req)
+        if self._log is not None:
+            self._log.add(req, resp)
+        return resp
+
+    async def _answer(self, item: Any) -> None:
+        self._act.put_nowait(await self.generate(item))
+
+    def put_nowait(self, item: Any) -> None:
+        t = asyncio.get_running_loop().create_task(self._answer(item))
+        self.inflight.add(t)
+        t.add_done_callback(self.inflight.discard)
+
+
 async def run_agent(
     agent: Agent,
     prompt: dict,
@@ -84,39 +116,14 @@ async def run_agent(
 ) -> list[Trajectory]:
     """Run one collect_trajectory with its own queues, bridged to the inference client, under a deadline.
     `engine_log` records every request/response pair (for the token ledger check)."""
-    obs_q: asyncio.Queue = asyncio.Queue()
     act_q: asyncio.Queue = asyncio.Queue()
-
-    async def answer(item: Any) -> None:
-        try:
-            req = to_request(item)
-        except (TypeError, ValueError) as e:
-            qid = item[0] if isinstance(item, tuple) and item else getattr(item, "qid", "?")
-            await act_q.put(GenerateResponse(qid=str(qid), error=f"bad request: {e}"))
-            return
-        resp = await client.generate(req)
-        if engine_log is not None:
-            engine_log.add(req, resp)
-        await act_q.put(resp)
-
-    async def bridge() -> None:
-        inflight: set[asyncio.Task] = set()
-        try:
-            while True:
-                t = asyncio.create_task(answer(await obs_q.get()))
-                inflight.add(t)
-                t.add_done_callback(inflight.discard)
-        finally:
-            for t in list(inflight):
-                t.cancel()
-
-    bridge_task = asyncio.create_task(bridge())
+    obs_q = _ObsQueue(client, act_q, engine_log)
     try:
         # not asyncio.wait_for: an agent that swallows its cancellation must not hang the worker past its deadline
         trajs = await call_with_deadline(agent.collect_trajectory(prompt, env, obs_q, act_q), timeout)
     finally:
-        bridge_task.cancel()
-        await asyncio.gather(bridge_task, return_exceptions=True)
+        for t in list(obs_q.inflight):
+            t.cancel()
     if trajs is None:
         return []
     trajs = list(trajs)

@@ -5,6 +5,9 @@ Frame layout
     frame = body                      (no secret)
     frame = body + HMAC-SHA256(secret, body)   (32-byte tag appended when a secret is configured)
 
+A zmq message carries one or more frames (a batch: ``arl.transport.sockets`` sends what one event-loop iteration
+queued for a peer as one message); each frame is a whole envelope, encoded, tagged and decoded on its own.
+
 Arrays travel as ``{"dtype": "int32" | "float32" | "int8", "data": <bin, little-endian>}``; a decoded array is a
 read-only ``np.frombuffer`` view of the received bytes (copy it before writing into it).
 

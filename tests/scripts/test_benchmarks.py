@@ -23,14 +23,18 @@ def run_script(name: str, args: list[str], timeout: float = 600) -> subprocess.C
     return proc
 
 
-def test_bench_transport_smoke(tmp_path):
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_bench_transport_smoke(tmp_path, transport):
     out = tmp_path / "rows.json"
-    run_script("bench_transport.py", ["--payloads", "16", "256", "--concurrency", "1", "4", "--seconds", "0.2",
-                                      "--json", str(out)])
-    rows = json.loads(out.read_text())
+    proc = run_script("bench_transport.py", ["--payloads", "16", "256", "--concurrency", "1", "4", "--seconds", "0.2",
+                                             "--transport", transport, "--json", str(out)])
+    res = json.loads(out.read_text())
+    rows = res["rows"]
     assert {(r["payload"], r["level"], r["concurrency"]) for r in rows} == {
         (p, lv, c) for p in (16, 256) for lv in ("client", "agent") for c in (1, 4)}
     assert all(r["n"] > 0 and r["rt_per_s"] > 0 for r in rows)
+    assert sorted(res["floor"]) == ["16", "256"] and all(f["n"] > 0 for f in res["floor"].values())
+    assert "of ARL" in proc.stdout  # the summary sets ARL's latency against the bare pyzmq floor
 
 
 SIM_TINY = ["--servers", "4", "--servers-per-process", "2", "--rollout-workers", "1", "--steps", "2", "--batch", "2",

@@ -29,7 +29,7 @@ async def _serve_echo(router: Router, n: int) -> None:
         assert msg_type == "gen_req"
         k = len(req.input_ids)
         sample = SampleOutput(req.input_ids[::-1], np.full(k, -1.0), np.full(k, 7), "stop")
-        assert await router.send(ident, "gen_resp", GenerateResponse(req.qid, [sample] * req.gconfig.n))
+        await router.send(ident, "gen_resp", GenerateResponse(req.qid, [sample] * req.gconfig.n))
 
 
 async def test_bind_random_loopback():
@@ -59,7 +59,7 @@ async def test_dealer_router_request_response():
         await dealer.send("heartbeat", {"role": "rollout", "index": 0})
         ident, msg_type, payload = await router.recv(timeout=T)
         assert (ident, msg_type, payload) == (b"rollout-0", "heartbeat", {"role": "rollout", "index": 0})
-        assert await router.send(ident, "ack", None)
+        await router.send(ident, "ack", None)
         assert await dealer.recv(timeout=T) == ("ack", {})
         assert dealer.stats == {"received": 21, "sent": 21, "malformed": 0}
         assert router.stats == {"received": 21, "sent": 21, "malformed": 0, "dropped": 0}
@@ -160,7 +160,7 @@ async def test_router_survives_garbage(caplog):
             [msgpack.packb({"type": "ack", "v": codec.PROTOCOL_VERSION + 1, "payload": {}})],  # wrong version
             [msgpack.packb({"type": "rm -rf", "v": codec.PROTOCOL_VERSION, "payload": {}})],  # unknown type
             [codec.encode("heartbeat", {"pad": "x" * 5000})],  # over the Router's max_bytes
-            [b"a", b"b"],  # becomes a 3-part message at the Router: [identity, a, b]
+            [good, b"b"],  # a batch [identity, good, b] with a bad frame: dropped whole, both frames counted
             [b""],  # empty frame
         ]
         with caplog.at_level(logging.WARNING, logger="arl.transport"):
@@ -169,12 +169,12 @@ async def test_router_survives_garbage(caplog):
             await raw.send(good)  # same pipe, so it arrives after all the garbage
             ident, msg_type, req = await router.recv(timeout=T)
         assert msg_type == "gen_req" and req.qid == "good"
-        assert router.stats["malformed"] == len(garbage) and router.stats["received"] == 1
+        assert router.stats["malformed"] == len(garbage) + 1 and router.stats["received"] == 1
         warnings = [r for r in caplog.records if r.name == "arl.transport"]
         assert 1 <= len(warnings) < len(garbage)  # logged, but rate-limited
 
         # a raw peer can still be answered, and a well-behaved Dealer too
-        assert await router.send(ident, "ack", {"ok": True})
+        await router.send(ident, "ack", {"ok": True})
         assert codec.decode(await asyncio.wait_for(raw.recv(), T)) == ("ack", {"ok": True})
         server = asyncio.create_task(_serve_echo(router, 1))
         await dealer.send("gen_req", GenerateRequest("after", [4, 5], GenerationConfig()))
@@ -187,21 +187,27 @@ async def test_router_survives_garbage(caplog):
         dealer.close()
 
 
-async def test_dealer_drops_multipart_and_garbage_replies():
+def _raw_router_and_dealer() -> tuple[zmq.Socket, Dealer]:
+    """A plain zmq ROUTER (to see and send exact multipart messages) and one of our Dealers connected to it."""
     raw = context().socket(zmq.ROUTER)
     raw.setsockopt(zmq.LINGER, 0)
     dealer = Dealer(identity=b"d1")
+    dealer.connect(f"tcp://127.0.0.1:{raw.bind_to_random_port('tcp://127.0.0.1')}")
+    return raw, dealer
+
+
+async def test_dealer_drops_garbage_and_any_batch_with_a_bad_frame():
+    raw, dealer = _raw_router_and_dealer()
     try:
-        port = raw.bind_to_random_port("tcp://127.0.0.1")
-        dealer.connect(f"tcp://127.0.0.1:{port}")
         await dealer.send("register", {"role": "x"})
         ident, frame = await asyncio.wait_for(raw.recv_multipart(), T)
         assert ident == b"d1" and codec.decode(frame) == ("register", {"role": "x"})
         await raw.send_multipart([ident, b"junk"])
-        await raw.send_multipart([ident, codec.encode("ack"), b"extra part"])
-        await raw.send_multipart([ident, codec.encode("ack", {"n": 1})])
+        await raw.send_multipart([ident, codec.encode("ack"), b"bad frame", codec.encode("ack", {"n": 2})])
+        await raw.send_multipart([ident, codec.encode("ack", {"n": 1}), codec.encode("ack", {"n": 3})])
         assert await dealer.recv(timeout=T) == ("ack", {"n": 1})
-        assert dealer.stats["malformed"] == 2
+        assert await dealer.recv(timeout=T) == ("ack", {"n": 3})
+        assert dealer.stats["malformed"] == 4 and dealer.stats["received"] == 2
     finally:
         raw.close(linger=0)
         dealer.close()
@@ -260,7 +266,8 @@ async def test_router_reply_to_unknown_peer_is_dropped_not_raised():
     router = Router()
     try:
         router.bind_random()
-        assert await router.send(b"nobody", "ack", {}) is False
+        await router.send(b"nobody", "ack", {})
+        await asyncio.sleep(0)  # the batch is flushed at the end of the loop iteration
         assert router.stats["dropped"] == 1 and router.stats["sent"] == 0
     finally:
         router.close()
@@ -343,6 +350,7 @@ async def test_concurrent_handlers_and_readers():
 async def test_blocked_send_ends_on_close():
     push = Push(hwm=1)
     push.bind_random()  # no puller: a send waits (backpressure) until one connects
+    await push.send("heartbeat", {})  # queued in the socket's batch, which finds no room when flushed
     sender = asyncio.create_task(push.send("heartbeat", {}))
     await asyncio.sleep(0.02)
     assert not sender.done()
@@ -351,3 +359,74 @@ async def test_blocked_send_ends_on_close():
         await asyncio.wait_for(sender, T)
     with pytest.raises(SocketClosed):
         await push.send("heartbeat", {})
+
+
+async def test_sends_of_one_iteration_go_as_one_message_of_at_most_max_batch_frames():
+    from arl.transport.sockets import _MAX_BATCH
+
+    raw, dealer = _raw_router_and_dealer()
+    try:
+        n = 2 * _MAX_BATCH + 3
+        for i in range(n):  # no await suspends here: all in one event-loop iteration
+            await dealer.send("heartbeat", {"i": i})
+        sizes, got = [], []
+        while len(got) < n:
+            ident, *frames = await asyncio.wait_for(raw.recv_multipart(), T)
+            assert ident == b"d1"
+            sizes.append(len(frames))
+            got += [codec.decode(f)[1]["i"] for f in frames]
+        assert sizes == [_MAX_BATCH, _MAX_BATCH, 3] and got == list(range(n))
+        assert dealer.stats["sent"] == n
+    finally:
+        raw.close(linger=0)
+        dealer.close()
+
+
+async def test_router_batches_replies_per_peer_and_counts_each_message():
+    router, a, b = Router(), Dealer(identity=b"a"), Dealer(identity=b"b")
+    try:
+        addr = router.bind_random()
+        for d in (a, b):
+            d.connect(addr)
+            await d.send("register", {})
+            await router.recv(timeout=T)
+        for i in range(5):  # interleaved, one iteration: one message to each peer
+            await router.send(b"a" if i % 2 else b"b", "ack", {"i": i})
+        await router.send(b"gone", "ack", {"i": -1})
+        got_b = [(await b.recv(timeout=T))[1]["i"] for _ in range(3)]
+        got_a = [(await a.recv(timeout=T))[1]["i"] for _ in range(2)]
+        assert got_b == [0, 2, 4] and got_a == [1, 3]
+        assert router.stats["sent"] == 5 and router.stats["dropped"] == 1
+        assert a.stats["received"] == 2 and b.stats["received"] == 3
+    finally:
+        for s in (router, a, b):
+            s.close()
+
+
+async def test_a_batch_too_big_for_the_peer_queue_waits_and_keeps_order():
+    """Backpressure with batching: a flush that finds the peer's queue full keeps the batch, later sends wait,
+    and everything arrives once, in order, when the reader catches up."""
+    push, pull = Push(hwm=1), Pull(hwm=1)
+    try:
+        pull.connect(push.bind_random())
+        n = 200
+        sender = asyncio.create_task(_send_all(push, n))
+        got = []
+        while len(got) < n:
+            msg_type, payload = await pull.recv(timeout=T)
+            got.append(payload["i"])
+            if len(got) % 50 == 0:
+                await asyncio.sleep(0.01)  # a slow reader: the sender must wait, not drop or reorder
+        await asyncio.wait_for(sender, T)
+        assert got == list(range(n)) and push.stats["sent"] == n
+    finally:
+        push.close()
+        pull.close()
+
+
+async def _send_all(sock: Push, n: int) -> None:
+    for i in range(n):
+        await sock.send("heartbeat", {"i": i})
+        if i % 7 == 0:
+            await asyncio.sleep(0)
+

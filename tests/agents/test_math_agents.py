@@ -267,3 +267,37 @@ async def test_queue_client_new_request_right_after_reader_cancel():
             resp = await client.generate(GenerateRequest(qid=f"b{i}", input_ids=[1]))
         assert resp.qid == f"b{i}"
     eng.cancel()
+
+
+@pytest.mark.asyncio
+async def test_queue_client_keeps_its_reader_between_back_to_back_requests_and_stops_it_when_idle():
+    obs, act = asyncio.Queue(), asyncio.Queue()
+    client = QueueClient(obs, act)
+
+    async def engine():
+        while True:
+            req = await obs.get()
+            await act.put(GenerateResponse(qid=req.qid))
+
+    eng = asyncio.create_task(engine())
+    try:
+        await client.generate(GenerateRequest(qid="a", input_ids=[1]))
+        reader = client._reader
+        await client.generate(GenerateRequest(qid="b", input_ids=[1]))  # sent in the same iteration: same reader
+        assert client._reader is reader and reader is not None
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert client._reader is None and reader.cancelled()  # idle for an iteration: stopped
+    finally:
+        eng.cancel()
+
+
+@pytest.mark.asyncio
+async def test_queue_client_takes_the_direct_path_when_the_obs_queue_offers_one():
+    class DirectQueue(asyncio.Queue):
+        async def generate(self, req):
+            return GenerateResponse(qid=req.qid, samples=[sample([42])])
+
+    obs, act = DirectQueue(), asyncio.Queue()
+    resp = await QueueClient(obs, act).generate(GenerateRequest(qid="d", input_ids=[1]))
+    assert resp.samples[0].output_ids.tolist() == [42] and obs.empty() and act.empty()

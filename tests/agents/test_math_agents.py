@@ -243,6 +243,13 @@ async def test_queue_client_out_of_order_and_unknown_qid():
     await client.close()
 
 
+async def _echo_engine(obs: asyncio.Queue, act: asyncio.Queue) -> None:
+    """Answers every request on `obs` with an empty response on `act`."""
+    while True:
+        req = await obs.get()
+        await act.put(GenerateResponse(qid=req.qid))
+
+
 @pytest.mark.asyncio
 async def test_queue_client_new_request_right_after_reader_cancel():
     """Chain A finishes (its reader is cancelled) and chain B sends in the same tick: B must still be answered."""
@@ -254,12 +261,7 @@ async def test_queue_client_new_request_right_after_reader_cancel():
     obs, act = asyncio.Queue(), asyncio.Queue()
     client = QueueClient(obs, act)
 
-    async def engine():
-        while True:
-            req = await obs.get()
-            await act.put(GenerateResponse(qid=req.qid))
-
-    eng = asyncio.create_task(engine())
+    eng = asyncio.create_task(_echo_engine(obs, act))
     for i in range(50):
         await client.generate(GenerateRequest(qid=f"a{i}", input_ids=[1]))
         # no await between A's finish (reader cancelled) and B's send
@@ -274,12 +276,7 @@ async def test_queue_client_keeps_its_reader_between_back_to_back_requests_and_s
     obs, act = asyncio.Queue(), asyncio.Queue()
     client = QueueClient(obs, act)
 
-    async def engine():
-        while True:
-            req = await obs.get()
-            await act.put(GenerateResponse(qid=req.qid))
-
-    eng = asyncio.create_task(engine())
+    eng = asyncio.create_task(_echo_engine(obs, act))
     try:
         await client.generate(GenerateRequest(qid="a", input_ids=[1]))
         reader = client._reader

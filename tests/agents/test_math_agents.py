@@ -253,11 +253,6 @@ async def _echo_engine(obs: asyncio.Queue, act: asyncio.Queue) -> None:
 @pytest.mark.asyncio
 async def test_queue_client_new_request_right_after_reader_cancel():
     """Chain A finishes (its reader is cancelled) and chain B sends in the same tick: B must still be answered."""
-    import asyncio
-
-    from arl.agents.common import QueueClient
-    from arl.api import GenerateRequest, GenerateResponse
-
     obs, act = asyncio.Queue(), asyncio.Queue()
     client = QueueClient(obs, act)
 

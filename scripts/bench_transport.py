@@ -16,7 +16,8 @@ machine the wall-clock rate mostly measures the other tenants; the CPU per round
 
 For scale, the same run first measures the machine's floor: a bare blocking pyzmq DEALER/ROUTER ping-pong
 between two processes with a frame of the same size (no asyncio, no codec, no ARL), and the summary prints how
-much ARL's round trip adds to it. ``--transport ipc`` runs both over a Unix socket instead of loopback TCP.
+much ARL's round trip adds to it. ``--transport ipc`` runs both over a Unix socket instead of loopback TCP; ``--busy-poll-us N`` makes both
+sides' event loops poll N microseconds before sleeping (config ``busy_poll_us``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from arl.api.types import GenerateRequest, GenerateResponse, GenerationConfig, SampleOutput  # noqa: E402
+from arl.transport.loop import run as run_loop  # noqa: E402
 
 
 class NullEngine:
@@ -111,7 +113,7 @@ def bare_pingpong(sock: Any, frame: bytes, reply_size: int, seconds: float) -> d
             "rt_per_s": len(lat) / seconds}
 
 
-def serve(bind: str = "") -> int:
+def serve(bind: str = "", busy_poll_us: float = 0.0) -> int:
     """Server process: print the ROUTER address, answer until stdin closes (the parent went away)."""
     from arl.inference.worker import InferenceWorker
     from arl.transport.sockets import Router
@@ -131,7 +133,7 @@ def serve(bind: str = "") -> int:
         task.cancel()
         router.close()
 
-    asyncio.run(main())
+    run_loop(main(), busy_poll_us)
     return 0
 
 
@@ -320,17 +322,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--seconds", type=float, default=2.0, help="measurement time per point")
     ap.add_argument("--transport", choices=["tcp", "ipc"], default="tcp", help="loopback TCP or a Unix socket")
     ap.add_argument("--no-floor", action="store_true", help="skip the bare pyzmq reference")
+    ap.add_argument("--busy-poll-us", type=float, default=0.0,
+                    help="both sides' event loops poll this long before sleeping (config busy_poll_us)")
     ap.add_argument("--json", default="", help="also write the rows to this file")
     args = ap.parse_args(argv)
     if args.serve is not None:
-        return serve(args.serve)
+        return serve(args.serve, args.busy_poll_us)
     if args.serve_bare is not None:
         return serve_bare(args.serve_bare)
     import platform
     import tempfile
 
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; "
-          f"python {platform.python_version()}; transport {args.transport}", flush=True)
+          f"python {platform.python_version()}; transport {args.transport}; busy poll {args.busy_poll_us:g} us",
+          flush=True)
     with tempfile.TemporaryDirectory(prefix="arl-bench-") as tmp:
         def address(name: str) -> str:
             return f"ipc://{tmp}/{name}" if args.transport == "ipc" else "tcp://127.0.0.1:*"
@@ -342,10 +347,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                 floor = measure_floor(bare_address, args.payloads, args.seconds)
             finally:
                 _stop(bare)
-        proc, server_address = start_server("--serve", address("arl"))
+        proc, server_address = start_server("--serve", address("arl"), "--busy-poll-us", str(args.busy_poll_us))
         try:
-            rows = asyncio.run(run_client(server_address, proc.pid, args.payloads, args.levels, args.concurrency,
-                                          args.seconds))
+            rows = run_loop(run_client(server_address, proc.pid, args.payloads, args.levels, args.concurrency,
+                                       args.seconds), args.busy_poll_us)
         finally:
             _stop(proc)
     print("\nsummary")

@@ -25,6 +25,9 @@ def test_cross_field_validation():
         parse_overrides(ExperimentConfig, ["max_head_offpolicyness=-1"])
     with pytest.raises(ConfigError, match="key=value"):
         parse_overrides(ExperimentConfig, ["learner.lr"])
+    with pytest.raises(ConfigError, match="busy_poll_us"):
+        parse_overrides(ExperimentConfig, ["busy_poll_us=-1"])
+    assert parse_overrides(ExperimentConfig, ["busy_poll_us=300"]).busy_poll_us == 300
 
 
 def test_help_lists_every_field_with_default():

@@ -19,6 +19,7 @@ from arl.config import ExperimentConfig, import_user_modules, load_yaml, resolve
 from arl.launcher.forensics import install_stack_dump_handler
 from arl.launcher.security import advertised_address, effective_bind_host, resolve_secret
 from arl.transport import sockets as _sockets
+from arl.transport.loop import run as run_loop
 
 logger = logging.getLogger("arl.worker")
 
@@ -470,11 +471,12 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     torch.set_num_threads(threads)
     torch.manual_seed(cfg.seed)
-    logger.info("starting %s%d (pid %d, %d torch threads)", args.role, args.index, os.getpid(), threads)
+    logger.info("starting %s%d (pid %d, %d torch threads%s)", args.role, args.index, os.getpid(), threads,
+                f", busy poll {cfg.busy_poll_us:g} us" if cfg.busy_poll_us > 0 else "")
     t0 = time.monotonic()
     if args.role == "learner" and int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ["RANK"]) > 0:
         return run_learner_follower(cfg)  # learner.num_ranks > 1 under torchrun: rank 0 runs the role
-    code = asyncio.run(amain(cfg, args.role, args.index, args.controller, args.run_dir))
+    code = run_loop(amain(cfg, args.role, args.index, args.controller, args.run_dir), cfg.busy_poll_us)
     logger.info("%s%d exiting with %d after %.1fs", args.role, args.index, code, time.monotonic() - t0)
     return code
 

@@ -144,10 +144,13 @@ def test_user_agent_from_outside_the_package(tmp_path, model_cache):
     user_dir.mkdir()
     (user_dir / "my_agents.py").write_text(textwrap.dedent(USER_MODULE))
     proc, run_dir = run_main(["imports=[my_agents]", "agent.name=user-short", "env.name=user-count",
-                              "total_train_steps=2", *SMALL], str(tmp_path / "runs"), model_cache,
-                             cwd=str(user_dir))
+                              "total_train_steps=2", "busy_poll_us=200", *SMALL], str(tmp_path / "runs"),
+                             model_cache, cwd=str(user_dir))
     assert_clean_run(proc, run_dir, 2)
     assert_ledger_checked(run_dir)
+    for role in ("inference0", "rollout0", "learner"):  # every role ran on the polling event loop
+        with open(os.path.join(run_dir, "logs", f"{role}.log")) as f:
+            assert "busy poll 200 us" in f.read(), role
 
 
 @pytest.mark.slow

@@ -1,7 +1,9 @@
 """Transport: the only package that imports zmq and msgpack.
 
 ``codec``: versioned msgpack envelopes with raw-bytes arrays and optional HMAC (``encode``/``decode``).
-``sockets``: asyncio Router/Dealer, Push/Pull, Pub/Sub that drop and count malformed input.
+``sockets``: asyncio Router/Dealer, Push/Pull, Pub/Sub that batch what one loop iteration sends to a peer and
+drop and count malformed input.
+``loop``: the opt-in event loop that polls before it sleeps (config ``busy_poll_us``).
 """
 
 from arl.transport.codec import (

@@ -19,7 +19,9 @@ receiver takes any number of frames and hands them out one message at a time, ea
 separately. Why: on small messages a zmq send costs mostly the wake-up of zmq's I/O thread (a cross-CPU wake on a
 VM costs the sender tens of microseconds), and a receive costs an event-loop wake; with many requests in flight
 one of each per iteration instead of per message multiplies the round trips per second
-(scripts/bench_transport.py). A lone request waits one loop iteration more (a zero-timeout poll).
+(scripts/bench_transport.py). A lone request waits one loop iteration more (a zero-timeout poll). A Dealer/Push
+batch that finds no room (or no peer yet) stays queued and later sends wait; if its event loop ends first, it goes
+out with the socket's next send in another loop, or at ``close()``.
 
 With ``secret`` every frame carries an HMAC-SHA256 tag and frames without a valid tag count as malformed.
 Frames up to ``max_bytes`` are decoded; larger ones are counted as malformed, and above ``2 * max_bytes`` libzmq
@@ -175,8 +177,9 @@ class _Socket:
 
     def close(self) -> None:
         if not self._closed:
-            if self._flush_handle is not None:  # what was sent before close() still goes out (best effort)
-                self._flush_handle.cancel()
+            if self._outbox:  # what was sent before close() still goes out (best effort)
+                if self._flush_handle is not None:
+                    self._flush_handle.cancel()
                 try:
                     self._flush()
                 except zmq.ZMQError:

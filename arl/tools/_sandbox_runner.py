@@ -59,15 +59,16 @@ def _install_hook(workdir):
     state = {"busy": False}
     realpath, join, sep = os.path.realpath, os.path.join, os.sep
 
-    def resolve(path):
-        if isinstance(path, bytes):
-            path = path.decode(errors="replace")
-        return realpath(join(root, str(path)))
-
     def inside(path, roots=(root,)):
         if isinstance(path, int):
             return True  # an already open descriptor
-        full = resolve(path)
+        if isinstance(path, bytes):
+            path = path.decode(errors="replace")
+        state["busy"] = True  # realpath's own filesystem calls raise audit events: let them through
+        try:
+            full = realpath(join(root, str(path)))
+        finally:
+            state["busy"] = False
         return full in allowed_files or any(full == r or full.startswith(r + sep) for r in roots)
 
     def hook(event, args):
@@ -83,30 +84,15 @@ def _install_hook(workdir):
             path, mode, flags = (list(args) + [None, None])[:3]
             writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
                 isinstance(flags, int) and flags & WRITE_FLAGS)
-            state["busy"] = True
-            try:
-                ok = inside(path) if writes else inside(path, read_roots)
-            finally:
-                state["busy"] = False
-            if not ok:
+            if not (inside(path) if writes else inside(path, read_roots)):
                 what = "writing" if writes else "reading"
                 raise PermissionError(f"sandbox: {what} {path!r} outside the working directory is not allowed")
         elif event in ("os.listdir", "os.scandir") and args and args[0] is not None:
-            state["busy"] = True
-            try:
-                ok = inside(args[0], read_roots)
-            finally:
-                state["busy"] = False
-            if not ok:
+            if not inside(args[0], read_roots):
                 raise PermissionError(f"sandbox: listing {args[0]!r} outside the working directory is not allowed")
         elif event in PATH_EVENTS and args:
-            state["busy"] = True
-            try:
-                paths = [a for a in args if isinstance(a, (str, bytes, os.PathLike))]
-                ok = all(inside(os.fspath(p)) for p in paths)
-            finally:
-                state["busy"] = False
-            if not ok:
+            paths = [a for a in args if isinstance(a, (str, bytes, os.PathLike))]
+            if not all(inside(os.fspath(p)) for p in paths):
                 raise PermissionError(f"sandbox: {event} outside the working directory is not allowed")
 
     sys.addaudithook(hook)

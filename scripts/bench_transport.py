@@ -16,8 +16,8 @@ machine the wall-clock rate mostly measures the other tenants; the CPU per round
 
 For scale, the same run first measures the machine's floor: a bare blocking pyzmq DEALER/ROUTER ping-pong
 between two processes with a frame of the same size (no asyncio, no codec, no ARL), and the summary prints how
-much ARL's round trip adds to it. ``--transport ipc`` runs both over a Unix socket instead of loopback TCP; ``--busy-poll-us N`` makes both
-sides' event loops poll N microseconds before sleeping (config ``busy_poll_us``).
+much ARL's round trip adds to it. ``--transport ipc`` runs both over a Unix socket instead of loopback TCP;
+``--busy-poll-us N`` makes both sides' event loops poll N microseconds before sleeping (config ``busy_poll_us``).
 """
 
 from __future__ import annotations
@@ -74,6 +74,11 @@ class NullEngine:
 # -------------------------------------------------------------------------------------------------- server
 
 
+def latency_percentiles(seconds: list[float]) -> dict[str, float]:
+    us = np.array(seconds) * 1e6
+    return {f"p{q}_us": float(np.percentile(us, q)) if len(us) else float("nan") for q in (50, 99)}
+
+
 def serve_bare(address: str) -> int:
     """Reference server: a blocking ROUTER that answers each request with a frame of the size it asks for (no
     asyncio, no codec) until told 'q'."""
@@ -108,9 +113,7 @@ def bare_pingpong(sock: Any, frame: bytes, reply_size: int, seconds: float) -> d
         sock.recv()
         if t0 >= t_measure:
             lat.append(time.perf_counter() - t0)
-    us = np.array(lat) * 1e6
-    return {"p50_us": float(np.percentile(us, 50)), "p99_us": float(np.percentile(us, 99)), "n": len(lat),
-            "rt_per_s": len(lat) / seconds}
+    return {**latency_percentiles(lat), "n": len(lat), "rt_per_s": len(lat) / seconds}
 
 
 def serve(bind: str = "", busy_poll_us: float = 0.0) -> int:
@@ -222,9 +225,8 @@ async def measure(client: Any, payload: int, concurrency: int, seconds: float, l
     n = max(count[0], 1)
     server_us = (_cpu_seconds(server_pid) - cpu[0]) / n * 1e6
     client_us = (time.process_time() - cpu[1]) / n * 1e6
-    lat = np.array(latencies) * 1e6
-    return {"rt_per_s": count[0] / elapsed, "client_cpu_us": client_us, "server_cpu_us": server_us, "p50_us": float(np.percentile(lat, 50)) if len(lat) else float("nan"),
-            "p99_us": float(np.percentile(lat, 99)) if len(lat) else float("nan"), "n": count[0]}
+    return {"rt_per_s": count[0] / elapsed, "client_cpu_us": client_us, "server_cpu_us": server_us,
+            **latency_percentiles(latencies), "n": count[0]}
 
 
 async def run_client(address: str, server_pid: int, payloads: list[int], levels: list[str], concurrency: list[int],

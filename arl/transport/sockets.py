@@ -106,6 +106,7 @@ def bind_random(sock: Any, host: str = "127.0.0.1") -> str:
 
 class _Socket:
     _kind: int = -1
+    _drops = False  # Router, Pub: a batch that cannot go is dropped and counted (stats["dropped"]), never waited for
 
     def __init__(
         self,
@@ -146,6 +147,8 @@ class _Socket:
         self._max_bytes = max_bytes
         self.name = name or type(self).__name__
         self.stats: dict[str, int] = {"received": 0, "sent": 0, "malformed": 0}
+        if self._drops:
+            self.stats["dropped"] = 0
         self.addresses: list[str] = []
         self._closed = False
         self._last_warn = -1e9
@@ -177,13 +180,10 @@ class _Socket:
 
     def close(self) -> None:
         if not self._closed:
-            if self._outbox:  # what was sent before close() still goes out (best effort)
-                if self._flush_handle is not None:
-                    self._flush_handle.cancel()
-                try:
-                    self._flush()
-                except zmq.ZMQError:
-                    pass
+            if self._flush_handle is not None:
+                self._flush_handle.cancel()
+            if self._outbox:  # what was sent before close() still goes out (best effort; _flush never raises)
+                self._flush()
             self._closed = True
             self._outbox.clear()
             if self._drainer is not None:
@@ -406,12 +406,12 @@ class _Socket:
             except zmq.ZMQError as e:  # a callback must not raise: the other peers' batches still go
                 ok = False
                 why = "peer unknown or gone" if e.errno == zmq.EHOSTUNREACH else f"{type(e).__name__}: {e}"
-                if e.errno != zmq.EHOSTUNREACH and "dropped" not in self.stats:
+                if not self._drops:  # a Dealer/Push that cannot send at all (closed): nothing to wait for
                     self._warn(f"dropped {len(frames)} message(s): {why}")
                     continue
             if ok:
                 self.stats["sent"] += len(frames)
-            elif "dropped" in self.stats:  # Router, Pub: never block on a peer
+            elif self._drops:  # Router, Pub: never block on a peer
                 self.stats["dropped"] += len(frames)
                 self._warn(f"dropped {len(frames)} message(s) to peer {(route or b'')[:16]!r}: {why}")
             else:  # Dealer, Push: keep them (backpressure) and send them when the peer has room
@@ -455,11 +455,11 @@ class Router(_Socket):
     """Server side of request/response: ``recv() -> (identity, type, payload)``, ``send(identity, type, payload)``."""
 
     _kind = zmq.ROUTER
+    _drops = True
 
     def __init__(self, **kw: Any) -> None:
         super().__init__(**kw)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable replies raise (we count them) instead of vanishing
-        self.stats["dropped"] = 0
 
     async def _recv_one(self) -> tuple[bytes, str, Any]:
         await self._yield_now_and_then()
@@ -523,10 +523,7 @@ class Pub(_Socket):
     """Broadcast side. Never blocks; subscribers that are not (yet) connected or too slow miss messages."""
 
     _kind = zmq.PUB
-
-    def __init__(self, **kw: Any) -> None:
-        super().__init__(**kw)
-        self.stats["dropped"] = 0
+    _drops = True
 
     async def send(self, msg_type: str, payload: Any = None) -> None:
         if self._closed:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import importlib
 import os
 from typing import Any, Optional, Sequence
@@ -68,10 +69,48 @@ class EnvConfig:
     args: dict[str, Any] = field(help="Extra keyword arguments for the environment's constructor.", factory=dict)
 
 
+class PauseMode(enum.StrEnum):
+    """How an SGLang server pauses for a weight update."""
+
+    retract = "retract"
+    in_place = "in_place"
+    abort = "abort"
+
+
+@dataclasses.dataclass
+class SimEngineConfig:
+    """The simulated inference engine (benchmarks): decode-step costs fitted to a 7B model on one H100."""
+
+    step_base_s: float = field(7.5e-3, "Seconds of a decode step at batch 0 (H100, 7B fit).")
+    step_per_token_s: float = field(8.0e-5, "Extra decode-step seconds per running sample.")
+    prefill_per_token_s: float = field(1.8e-5, "Prefill seconds per prompt token not cached.")
+    update_pause_s: float = field(1.0, "Seconds a weight update stalls decoding.")
+    time_scale: float = field(1.0, "Multiplies every simulated duration (<1 runs faster than real).")
+    len_median: float = field(600.0, "Median output length (log-normal, long-tailed).")
+    len_sigma: float = field(1.0, "Log-normal shape of output lengths (bigger: longer tail).")
+    vocab_size: int = field(32000, "Vocabulary size of the random output tokens.")
+
+
+@dataclasses.dataclass
+class SGLangConfig:
+    """One SGLang server per inference worker (GPU in production; the CPU recipe in tests)."""
+
+    python: str = field("", "Python that runs `-m sglang.launch_server` (empty: this one).")
+    args: list[str] = field(help="Extra launch_server arguments, e.g. [--tp-size,2] (device=cpu adds the CPU "
+                                 "recipe's flags itself).", factory=list)
+    pause_mode: PauseMode = field(PauseMode.retract, "Weight-update pause: retract (in-flight KV recomputed, cache "
+                                                     "flushed), in_place (KV kept), abort (abort + resubmit prefix).")
+    gpus_per_server: int = field(1, "GPUs of one server; worker i gets GPUs first+i*g .. first+i*g+g-1 "
+                                    "(CUDA_VISIBLE_DEVICES); 0 leaves it unset.")
+    first_gpu: int = field(0, "First GPU of the servers (1 keeps GPU 0 for the learner).")
+    startup_timeout: float = field(600.0, "Seconds the server may take to become healthy.")
+    request_timeout: float = field(3600.0, "Seconds one /generate call may take.")
+
+
 @dataclasses.dataclass
 class InferenceConfig:
-    backend: str = field("torch", "Engine backend: 'torch' (embedded PyTorch engine), 'sglang' (an SGLang server "
-                                  "per worker, GPU) or 'sim' (simulated).")
+    backend: str = field("torch", "Engine backend (a registered name): 'torch' (embedded PyTorch engine), "
+                                  "'sglang' (an SGLang server per worker, GPU) or 'sim' (simulated).")
     num_workers: int = field(1, "Number of inference worker processes.")
     max_batch_size: int = field(256, "Most sequences decoded together in one step.")
     max_context_len: int = field(256, "Prompt + generated tokens limit; longer prompts are refused.")
@@ -86,24 +125,8 @@ class InferenceConfig:
     max_restarts: int = field(3, "Most restarts of inference worker processes in one run; later losses stay lost.")
     servers_per_process: int = field(1, "Inference servers one worker process hosts (>1: for the sim backend, "
                                         "so dozens of simulated servers fit a small machine).")
-    sim_step_base_s: float = field(7.5e-3, "sim: seconds of a decode step at batch 0 (H100, 7B fit).")
-    sim_step_per_token_s: float = field(8.0e-5, "sim: extra decode-step seconds per running sample.")
-    sim_prefill_per_token_s: float = field(1.8e-5, "sim: prefill seconds per prompt token not cached.")
-    sim_update_pause_s: float = field(1.0, "sim: seconds a weight update stalls decoding.")
-    sim_time_scale: float = field(1.0, "sim: multiplies every simulated duration (<1 runs faster than real).")
-    sim_len_median: float = field(600.0, "sim: median output length (log-normal, long-tailed).")
-    sim_len_sigma: float = field(1.0, "sim: log-normal shape of output lengths (bigger: longer tail).")
-    sim_vocab_size: int = field(32000, "sim: vocabulary size of the random output tokens.")
-    sglang_python: str = field("", "sglang: Python that runs `-m sglang.launch_server` (empty: this one).")
-    sglang_args: list[str] = field(help="sglang: extra launch_server arguments, e.g. [--tp-size,2] "
-                                        "(device=cpu adds the CPU recipe's flags itself).", factory=list)
-    sglang_pause_mode: str = field("retract", "sglang: weight-update pause: retract (in-flight KV recomputed, "
-                                              "cache flushed), in_place (KV kept), abort (abort + resubmit prefix).")
-    sglang_gpus_per_server: int = field(1, "sglang: GPUs of one server; worker i gets GPUs first+i*g .. "
-                                           "first+i*g+g-1 (CUDA_VISIBLE_DEVICES); 0 leaves it unset.")
-    sglang_first_gpu: int = field(0, "sglang: first GPU of the servers (1 keeps GPU 0 for the learner).")
-    sglang_startup_timeout: float = field(600.0, "sglang: seconds the server may take to become healthy.")
-    sglang_request_timeout: float = field(3600.0, "sglang: seconds one /generate call may take.")
+    sim: SimEngineConfig = field(factory=SimEngineConfig)
+    sglang: SGLangConfig = field(factory=SGLangConfig)
 
 
 @dataclasses.dataclass
@@ -137,51 +160,111 @@ class RolloutConfig:
                                              "agent's declared insertions; a drift stops the run.")
 
 
+class LossAgg(enum.StrEnum):
+    token = "token"  # mean over every loss token of the batch
+    seq = "seq"  # mean over sequences of each sequence's token mean
+
+
+class KLEstimator(enum.StrEnum):
+    k1 = "k1"  # logp - ref
+    k3 = "k3"  # exp(ref - logp) - (ref - logp) - 1
+
+
+class StaleTokens(enum.StrEnum):
+    keep = "keep"
+    drop = "drop"
+    downweight = "downweight"
+
+
+class LRSchedule(enum.StrEnum):
+    constant = "constant"
+    linear = "linear"
+    cosine = "cosine"
+
+
+class PackedAttention(enum.StrEnum):
+    varlen = "varlen"  # per-sequence SDPA over the packed row
+    mask = "mask"  # transformers' block-diagonal mask from restarting position ids
+
+
 @dataclasses.dataclass
-class LearnerConfig:
-    batch_size: int = field(16, "B: prompt groups per training step.")
+class PPOConfig:
+    """The algorithm: decoupled PPO with group-normalised advantages (the PPO actor consumes this whole)."""
+
+    eps_clip: float = field(0.2, "PPO clip range.")
+    behav_imp_weight_cap: Optional[float] = field(5.0, "Decoupled PPO: tokens with behaviour weight above this are "
+                                                       "masked (null: no cap).")
+    naive_ppo: bool = field(False, "Use standard PPO against behaviour logprobs (staleness ablation).")
+    minibatches: int = field(1, "Optimizer steps per batch: after one proximal-logprob recompute the batch is split "
+                                "into this many minibatches (equal tokens), one step each; > 1 gives the decoupled "
+                                "clip a trust region to enforce (AReaL's ppo_n_minibatches).")
+    adv_std_norm: bool = field(True, "Divide group advantages by the group std.")
+    dual_clip_c: Optional[float] = field(None, "Dual-clip PPO bound c > 1 for negative advantages (null: off).")
+    loss_agg: LossAgg = field(LossAgg.token, "Loss aggregation: 'token' (mean over tokens) or 'seq' (mean of "
+                                             "sequence means).")
+    kl_coef: float = field(0.0, "KL penalty to a frozen copy of the initial weights (0: off, no copy kept).")
+    kl_estimator: KLEstimator = field(KLEstimator.k1, "KL estimator: 'k1' (logp - ref) or 'k3' "
+                                                      "(exp(ref-logp) - (ref-logp) - 1).")
+    turn_discount: Optional[float] = field(None, "Per-turn advantages from turn_rewards with this discount "
+                                                 "(null: one advantage per trajectory from its reward).")
+    stale_tokens: StaleTokens = field(StaleTokens.keep, "Tokens older than v - eta at consumption: 'keep', 'drop' "
+                                                        "or 'downweight'.")
+    stale_token_decay: float = field(0.5, "downweight: weight decay ** (lag - eta) for stale tokens.")
+
+
+@dataclasses.dataclass
+class OptimizerConfig:
+    """AdamW and its learning-rate schedule (the training engine consumes this whole)."""
+
     lr: float = field(1e-4, "AdamW learning rate.")
     betas: list[float] = field(help="AdamW betas.", factory=lambda: [0.9, 0.99])
     weight_decay: float = field(0.0, "AdamW weight decay.")
-    grad_clip: float = field(1.0, "Gradient clipping norm (DeepSpeed gradient_clipping).")
+    grad_clip: float = field(1.0, "Gradient clipping norm (0: off).")
+    lr_schedule: LRSchedule = field(LRSchedule.constant, "LR schedule after warm-up: 'constant', 'linear' or "
+                                                         "'cosine' (to min_lr_ratio at the last optimizer step).")
+    warmup_steps: int = field(0, "Linear LR warm-up steps.")
+    min_lr_ratio: float = field(0.0, "linear/cosine: final LR as a fraction of lr.")
+
+
+@dataclasses.dataclass
+class DeepSpeedConfig:
+    """DeepSpeed mechanics and micro-batching of the training engine."""
+
     zero_stage: int = field(0, "DeepSpeed ZeRO stage (0-3).")
-    offload_optimizer: bool = field(False, "DeepSpeed: offload optimizer states to CPU.")
+    offload_optimizer: bool = field(False, "Offload optimizer states to CPU (needs zero_stage >= 1).")
     bf16: bool = field(False, "Train in bf16.")
     max_tokens_per_mb: int = field(4096, "Token budget of one micro-batch.")
-    eps_clip: float = field(0.2, "PPO clip range.")
-    behav_imp_weight_cap: float = field(5.0, "Decoupled PPO: tokens with behaviour weight above this are masked.")
-    naive_ppo: bool = field(False, "Use standard PPO against behaviour logprobs (staleness ablation).")
-    ppo_minibatches: int = field(1, "Optimizer steps per batch: after one proximal-logprob recompute the batch is "
-                                    "split into this many minibatches (equal tokens), one step each; > 1 gives the "
-                                    "decoupled clip a trust region to enforce (AReaL's ppo_n_minibatches).")
-    adv_std_norm: bool = field(True, "Divide group advantages by the group std.")
+    packing: bool = field(True, "Pack sequences without padding into micro-batches (false: right padding).")
+    packed_attention: PackedAttention = field(PackedAttention.varlen, "Packed rows: 'varlen' (per-sequence SDPA) or "
+                                                                      "'mask' (transformers' block-diagonal mask).")
+
+
+@dataclasses.dataclass
+class SimLearnerConfig:
+    """The simulated learner (benchmarks): sleeps per batch token instead of training."""
+
+    s_per_token: float = field(1.0e-5, "Seconds per batch token (7B on 8 H100s, NeMo fit).")
+    step_base_s: float = field(0.5, "Fixed seconds per step (optimizer step, export).")
+    time_scale: float = field(1.0, "Multiplies its simulated durations.")
+
+
+@dataclasses.dataclass
+class LearnerConfig:
+    backend: str = field("deepspeed", "Training engine (a registered name): 'deepspeed' (trains the model) or "
+                                      "'sim' (sleeps per token, benchmarks).")
+    batch_size: int = field(16, "B: prompt groups per training step.")
+    num_ranks: int = field(1, "Learner data-parallel ranks (DeepSpeed over gloo on CPU); each takes whole groups.")
     threads: int = field(0, "torch threads of the learner; 0 = share the cores between roles.")
     keep_weight_versions: int = field(3, "Exported weight files kept in the run directory.")
     heartbeat_timeout: float = field(120.0, "A learner silent this long is named in the log, its stacks dumped, "
                                             "and the run stops.")
-    backend: str = field("deepspeed", "'deepspeed' (trains the model) or 'sim' (sleeps per token, benchmarks).")
-    sim_s_per_token: float = field(1.0e-5, "sim learner: seconds per batch token (7B on 8 H100s, NeMo fit).")
-    sim_step_base_s: float = field(0.5, "sim learner: fixed seconds per step (optimizer step, export).")
-    sim_time_scale: float = field(1.0, "sim learner: multiplies its simulated durations.")
-    packing: bool = field(True, "Pack sequences without padding into micro-batches (false: right padding).")
-    packed_attention: str = field("varlen", "Packed rows: 'varlen' (per-sequence SDPA) or 'mask' (transformers' "
-                                            "block-diagonal mask from restarting position ids).")
-    dual_clip_c: Optional[float] = field(None, "Dual-clip PPO bound c > 1 for negative advantages (null: off).")
-    loss_agg: str = field("token", "Loss aggregation: 'token' (mean over tokens) or 'seq' (mean of sequence means).")
-    kl_coef: float = field(0.0, "KL penalty to a frozen copy of the initial weights (0: off, no copy kept).")
-    kl_estimator: str = field("k1", "KL estimator: 'k1' (logp - ref) or 'k3' (exp(ref-logp) - (ref-logp) - 1).")
-    turn_discount: Optional[float] = field(None, "Per-turn advantages from turn_rewards with this discount "
-                                                 "(null: one advantage per trajectory from its reward).")
-    stale_tokens: str = field("keep", "Tokens older than v - eta at consumption: 'keep', 'drop' or 'downweight'.")
-    stale_token_decay: float = field(0.5, "downweight: weight decay ** (lag - eta) for stale tokens.")
-    lr_schedule: str = field("constant", "LR schedule after warm-up: 'constant', 'linear' or 'cosine' (to "
-                                         "min_lr_ratio at total_train_steps).")
-    warmup_steps: int = field(0, "Linear LR warm-up steps.")
-    min_lr_ratio: float = field(0.0, "linear/cosine: final LR as a fraction of lr.")
     checkpoint_every: int = field(50, "Checkpoint (model, optimizer, scheduler, RNG, data position) every N steps "
                                       "and after the last one, under <run>/checkpoints (0: never).")
     keep_checkpoints: int = field(2, "Checkpoints kept in the run directory.")
-    num_ranks: int = field(1, "Learner data-parallel ranks (DeepSpeed over gloo on CPU); each takes whole groups.")
+    ppo: PPOConfig = field(factory=PPOConfig)
+    optimizer: OptimizerConfig = field(factory=OptimizerConfig)
+    deepspeed: DeepSpeedConfig = field(factory=DeepSpeedConfig)
+    sim: SimLearnerConfig = field(factory=SimLearnerConfig)
 
 
 @dataclasses.dataclass
@@ -189,6 +272,11 @@ class EvalConfig:
     every_n_steps: int = field(25, "Greedy evaluation on the held-out split every N steps (0: only start/end).")
     max_prompts: int = field(200, "Held-out prompts per evaluation (0: all).")
     concurrency: int = field(64, "Evaluation prompts in flight at once.")
+
+
+class Recover(enum.StrEnum):
+    off = "off"
+    auto = "auto"
 
 
 @dataclasses.dataclass
@@ -211,8 +299,8 @@ class ExperimentConfig:
                                      "sleeps: lower round-trip latency at low load on hosts where waking an idle "
                                      "core is slow (VMs), for up to this much CPU per idle period. 0 = off.")
     progress: bool = field(True, "Show a progress bar.")
-    recover: str = field("off", "'auto': resume from the latest checkpoint in the run directory (set run_name to "
-                                "the run to resume); 'off': start fresh.")
+    recover: Recover = field(Recover.off, "'auto': resume from the latest checkpoint in the run directory (set "
+                                          "run_name to the run to resume); 'off': start fresh.")
     model: ModelConfig = field(factory=ModelConfig)
     dataset: DatasetConfig = field(factory=DatasetConfig)
     gen: GenerationArgs = field(factory=GenerationArgs)
@@ -241,7 +329,10 @@ def _field_rows(obj: Any, prefix: str = "") -> list[tuple[str, str, Any, str]]:
         if dataclasses.is_dataclass(val):
             rows += _field_rows(val, prefix + f.name + ".")
         else:
-            tname = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+            if isinstance(val, enum.Enum):  # a choice: show the choices, not the class name
+                tname, val = "|".join(m.value for m in type(val)), val.value
+            else:
+                tname = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
             rows.append((prefix + f.name, str(tname), val, f.metadata.get("help", "")))
     return rows
 
@@ -258,11 +349,13 @@ def format_help(config_cls: type = ExperimentConfig) -> str:
 
 
 def _close_matches(key: str, cls: type) -> list[str]:
+    """Keys whose last part looks like the typo's (a key that moved into a section is found too), then keys that
+    look like the whole of it."""
     keys = _all_keys(cls)
     leaf = key.split(".")[-1]
-    matches = difflib.get_close_matches(key, keys, n=3, cutoff=0.6)
-    matches += [k for k in difflib.get_close_matches(leaf, [k.split(".")[-1] for k in keys], n=3, cutoff=0.75)
-                for k in [k2 for k2 in keys if k2.split(".")[-1] == k] if k not in matches]
+    matches = [k for m in difflib.get_close_matches(leaf, [k.split(".")[-1] for k in keys], n=3, cutoff=0.75)
+               for k in keys if k.split(".")[-1] == m]
+    matches += difflib.get_close_matches(key, keys, n=3, cutoff=0.6)
     return list(dict.fromkeys(matches))[:5]
 
 
@@ -318,55 +411,52 @@ def validate(cfg: Any) -> None:
     """Cross-field checks that types alone cannot express."""
     if not isinstance(cfg, ExperimentConfig):
         return
+    lc, ic, rc = cfg.learner, cfg.inference, cfg.rollout
     checks = [
         (cfg.total_train_steps >= 1, "total_train_steps must be >= 1"),
         (cfg.max_head_offpolicyness >= 0, "max_head_offpolicyness must be >= 0"),
-        (cfg.learner.batch_size >= 1, "learner.batch_size must be >= 1"),
+        (lc.batch_size >= 1, "learner.batch_size must be >= 1"),
         (cfg.agent.group_size >= 1, "agent.group_size must be >= 1"),
-        (cfg.inference.num_workers >= 1, "inference.num_workers must be >= 1"),
-        (cfg.inference.servers_per_process >= 1, "inference.servers_per_process must be >= 1"),
-        (cfg.recover in ("off", "auto"), f"recover must be 'off' or 'auto', got {cfg.recover!r}"),
-        (cfg.learner.loss_agg in ("token", "seq"), "learner.loss_agg must be 'token' or 'seq'"),
-        (cfg.learner.stale_tokens in ("keep", "drop", "downweight"),
-         "learner.stale_tokens must be 'keep', 'drop' or 'downweight'"),
-        (cfg.learner.lr_schedule in ("constant", "linear", "cosine"),
-         "learner.lr_schedule must be 'constant', 'linear' or 'cosine'"),
-        (cfg.learner.kl_estimator in ("k1", "k3"), "learner.kl_estimator must be 'k1' or 'k3'"),
-        (cfg.learner.packed_attention in ("varlen", "mask"), "learner.packed_attention must be 'varlen' or 'mask'"),
-        (cfg.learner.num_ranks >= 1, "learner.num_ranks must be >= 1"),
-        (cfg.learner.batch_size >= cfg.learner.num_ranks,
+        (ic.num_workers >= 1, "inference.num_workers must be >= 1"),
+        (ic.servers_per_process >= 1, "inference.servers_per_process must be >= 1"),
+        (lc.num_ranks >= 1, "learner.num_ranks must be >= 1"),
+        (lc.batch_size >= lc.num_ranks,
          "learner.batch_size must be >= learner.num_ranks (every rank trains on whole prompt groups)"),
-        (cfg.learner.checkpoint_every >= 0, "learner.checkpoint_every must be >= 0"),
-        (cfg.learner.ppo_minibatches >= 1, "learner.ppo_minibatches must be >= 1"),
-        (cfg.learner.backend in ("deepspeed", "sim"),
-         f"learner.backend must be 'deepspeed' or 'sim', got {cfg.learner.backend!r}"),
-        (cfg.rollout.num_workers >= 1, "rollout.num_workers must be >= 1"),
-        (cfg.rollout.max_concurrent_rollouts >= 1, "rollout.max_concurrent_rollouts must be >= 1"),
-        (cfg.rollout.env_timeout > 0, "rollout.env_timeout must be > 0"),
-        (cfg.rollout.max_restarts >= 0, "rollout.max_restarts must be >= 0"),
-        (cfg.inference.max_restarts >= 0, "inference.max_restarts must be >= 0"),
-        (min(cfg.rollout.heartbeat_timeout, cfg.inference.heartbeat_timeout, cfg.learner.heartbeat_timeout) > 0,
+        (lc.checkpoint_every >= 0, "learner.checkpoint_every must be >= 0"),
+        (lc.ppo.minibatches >= 1, "learner.ppo.minibatches must be >= 1"),
+        (lc.ppo.behav_imp_weight_cap is None or lc.ppo.behav_imp_weight_cap > 1.0,
+         "learner.ppo.behav_imp_weight_cap must be > 1 (or null)"),
+        (lc.ppo.dual_clip_c is None or lc.ppo.dual_clip_c > 1.0, "learner.ppo.dual_clip_c must be > 1 (or null)"),
+        (lc.ppo.turn_discount is None or 0.0 <= lc.ppo.turn_discount <= 1.0,
+         "learner.ppo.turn_discount must be in [0, 1] (or null)"),
+        (0 <= lc.deepspeed.zero_stage <= 3, "learner.deepspeed.zero_stage must be in 0..3"),
+        (not lc.deepspeed.offload_optimizer or lc.deepspeed.zero_stage >= 1,
+         "learner.deepspeed.offload_optimizer needs learner.deepspeed.zero_stage >= 1"),
+        (rc.num_workers >= 1, "rollout.num_workers must be >= 1"),
+        (rc.max_concurrent_rollouts >= 1, "rollout.max_concurrent_rollouts must be >= 1"),
+        (rc.env_timeout > 0, "rollout.env_timeout must be > 0"),
+        (rc.max_restarts >= 0, "rollout.max_restarts must be >= 0"),
+        (ic.max_restarts >= 0, "inference.max_restarts must be >= 0"),
+        (min(rc.heartbeat_timeout, ic.heartbeat_timeout, lc.heartbeat_timeout) > 0,
          "heartbeat timeouts must be > 0"),
         (cfg.max_message_bytes >= 1024, "max_message_bytes must be >= 1024"),
         (0 <= cfg.busy_poll_us <= 100_000, "busy_poll_us must be in 0..100000"),
-        (0 <= cfg.learner.zero_stage <= 3, "learner.zero_stage must be in 0..3"),
         (cfg.gen.max_new_tokens >= 1, "gen.max_new_tokens must be >= 1"),
+        (cfg.gen.temperature > 0, "gen.temperature must be > 0"),
         (cfg.dataset.name in ("arith", "jsonl", "hf", "word-arith"),
          f"dataset.name must be 'arith', 'jsonl', 'hf' or 'word-arith', got {cfg.dataset.name!r}"),
-        (cfg.rollout.num_env_groups >= 0 and cfg.rollout.group_size >= 0,
+        (rc.num_env_groups >= 0 and rc.group_size >= 0,
          "rollout.num_env_groups and rollout.group_size must be >= 0"),
     ]
     from arl.inference.factory import BACKENDS
 
-    checks.append((cfg.inference.backend in BACKENDS,
-                   f"inference.backend must be one of {sorted(BACKENDS)}, got {cfg.inference.backend!r}"))
-    checks.append((cfg.inference.sglang_pause_mode in ("in_place", "retract", "abort"),
-                   f"inference.sglang_pause_mode must be in_place, retract or abort, "
-                   f"got {cfg.inference.sglang_pause_mode!r}"))
+    checks.append((ic.backend in BACKENDS,
+                   f"inference.backend must be one of {sorted(BACKENDS)}, got {ic.backend!r}"))
+    checks.append((lc.backend in ("deepspeed", "sim"),
+                   f"learner.backend must be 'deepspeed' or 'sim', got {lc.backend!r}"))
     for ok, msg in checks:
         if not ok:
             raise ConfigError(msg)
-    rc = cfg.rollout
     if rc.num_env_groups > 0:  # env groups: partition and per-worker capacity, before any process starts
         from arl.rollout.env_groups import check_env_capacity, partition_groups
 

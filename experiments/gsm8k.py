@@ -18,12 +18,14 @@ from arl.api.registry import register_experiment
 from arl.config import (
     AgentConfig,
     DatasetConfig,
+    DeepSpeedConfig,
     EnvConfig,
     EvalConfig,
     ExperimentConfig,
     GenerationArgs,
     InferenceConfig,
     LearnerConfig,
+    OptimizerConfig,
     RolloutConfig,
     field,
 )
@@ -58,8 +60,9 @@ class GSM8KConfig(ExperimentConfig):
                                                                  trajectory_timeout=900.0, filter_void_turns=True,
                                                                  filter_uniform_groups=True,
                                                                  verify_token_ledger=True))
-    learner: LearnerConfig = field(factory=lambda: LearnerConfig(batch_size=32, lr=1e-6, bf16=True, zero_stage=2,
-                                                                 max_tokens_per_mb=16384))
+    learner: LearnerConfig = field(factory=lambda: LearnerConfig(
+        batch_size=32, optimizer=OptimizerConfig(lr=1e-6),
+        deepspeed=DeepSpeedConfig(bf16=True, zero_stage=2, max_tokens_per_mb=16384)))
     eval: EvalConfig = field(factory=lambda: EvalConfig(every_n_steps=20, max_prompts=500))
 
 

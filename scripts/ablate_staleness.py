@@ -56,7 +56,7 @@ def run_one(eta: int, naive: bool, seed: int, steps: Optional[int], run_root: st
             timeout: float) -> dict[str, Any]:
     name = f"eta{eta}-{'naive' if naive else 'decoupled'}-s{seed}"
     argv = [sys.executable, os.path.join(ROOT, "training", "main_async_ppo.py"), f"max_head_offpolicyness={eta}",
-            f"learner.naive_ppo={'true' if naive else 'false'}", f"seed={seed}", f"run_dir={run_root}",
+            f"learner.ppo.naive_ppo={'true' if naive else 'false'}", f"seed={seed}", f"run_dir={run_root}",
             f"run_name={name}", "progress=false", *([f"total_train_steps={steps}"] if steps else []), *extra]
     t0 = time.monotonic()
     log = os.path.join(run_root, f"{name}.out")
@@ -150,7 +150,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             f"`{cmd}` ({time.strftime('%Y-%m-%d')}, {sum(r['wall_s'] for r in results):.0f} s of runs): the "
             "default experiment "
             f"with {steps} learner steps per run, `max_head_offpolicyness` = eta, decoupled PPO (default) vs naive "
-            "PPO (`learner.naive_ppo=true`: the ratio is taken against the behaviour logprobs, no proximal "
+            "PPO (`learner.ppo.naive_ppo=true`: the ratio is taken against the behaviour logprobs, no proximal "
             "recomputation, no behaviour-weight cap). Accuracy = greedy first-answer accuracy on the held-out "
             f"split after the last step (start: {statistics.fmean(r['acc0'] for r in results):.3f}). "
             "Head staleness = policy versions between the learner and the oldest token of each batch. Clipped "

@@ -56,10 +56,10 @@ def sim_overrides(a: argparse.Namespace, servers: int, eta: int) -> list[str]:
         "env.args.turns_min=1", f"env.args.turns_max={a.max_turns}", f"env.args.seed={a.seed}",
         "inference.backend=sim", f"inference.num_workers={servers}",
         f"inference.servers_per_process={min(servers, a.servers_per_process)}",
-        "inference.max_batch_size=256", "inference.max_context_len=32768", f"inference.sim_time_scale={T}",
-        f"inference.sim_len_median={a.len_median}", f"inference.sim_len_sigma={a.len_sigma}",
-        "learner.backend=sim", f"learner.sim_time_scale={T}", f"learner.sim_s_per_token={a.learner_s_per_token}",
-        "learner.sim_step_base_s=0.5",
+        "inference.max_batch_size=256", "inference.max_context_len=32768", f"inference.sim.time_scale={T}",
+        f"inference.sim.len_median={a.len_median}", f"inference.sim.len_sigma={a.len_sigma}",
+        "learner.backend=sim", f"learner.sim.time_scale={T}", f"learner.sim.s_per_token={a.learner_s_per_token}",
+        "learner.sim.step_base_s=0.5",
         f"rollout.num_workers={a.rollout_workers}", "rollout.trajectory_timeout=3600", "rollout.request_timeout=1200",
     ]
 

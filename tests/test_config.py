@@ -4,12 +4,12 @@ from arl.config import ConfigError, ExperimentConfig, format_help, parse_overrid
 
 
 def test_overrides_merge_nested_and_dict_args():
-    c = parse_overrides(ExperimentConfig, ["learner.lr=3e-4", "agent.args.num_turns=2", "imports=[a,b]"])
-    assert c.learner.lr == 3e-4 and c.agent.args == {"num_turns": 2} and c.imports == ["a", "b"]
+    c = parse_overrides(ExperimentConfig, ["learner.optimizer.lr=3e-4", "agent.args.num_turns=2", "imports=[a,b]"])
+    assert c.learner.optimizer.lr == 3e-4 and c.agent.args == {"num_turns": 2} and c.imports == ["a", "b"]
 
 
 def test_unknown_key_names_key_and_close_matches():
-    with pytest.raises(ConfigError, match=r"unknown config key 'learner.lrr'.*learner.lr"):
+    with pytest.raises(ConfigError, match=r"unknown config key 'learner.lrr'.*learner.optimizer.lr"):
         parse_overrides(ExperimentConfig, ["learner.lrr=1"])
     with pytest.raises(ConfigError, match=r"'bogus.key'"):
         parse_overrides(ExperimentConfig, ["bogus.key=1"])
@@ -24,7 +24,7 @@ def test_cross_field_validation():
     with pytest.raises(ConfigError, match="max_head_offpolicyness"):
         parse_overrides(ExperimentConfig, ["max_head_offpolicyness=-1"])
     with pytest.raises(ConfigError, match="key=value"):
-        parse_overrides(ExperimentConfig, ["learner.lr"])
+        parse_overrides(ExperimentConfig, ["learner.optimizer.lr"])
     with pytest.raises(ConfigError, match="busy_poll_us"):
         parse_overrides(ExperimentConfig, ["busy_poll_us=-1"])
     assert parse_overrides(ExperimentConfig, ["busy_poll_us=300"]).busy_poll_us == 300
@@ -32,7 +32,7 @@ def test_cross_field_validation():
 
 def test_help_lists_every_field_with_default():
     text = format_help()
-    for key in ("learner.lr", "max_head_offpolicyness", "agent.name", "inference.max_batch_size"):
+    for key in ("learner.optimizer.lr", "max_head_offpolicyness", "agent.name", "inference.max_batch_size"):
         assert key in text
     assert "1e-04" in text or "0.0001" in text
 

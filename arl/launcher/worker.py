@@ -140,19 +140,19 @@ async def run_inference(cfg: ExperimentConfig, ctl: ControlChannel, index: int, 
 def _sglang_settings(cfg: ExperimentConfig) -> dict[str, Any]:
     """launch_sglang_engine's settings from `inference.sglang_*` (ignored by other backends)."""
     ic = cfg.inference
-    return {"python": ic.sglang_python, "server_args": list(ic.sglang_args), "pause_mode": ic.sglang_pause_mode,
-            "gpus_per_server": ic.sglang_gpus_per_server, "first_gpu": ic.sglang_first_gpu,
-            "startup_timeout": ic.sglang_startup_timeout,
-            "request_timeout": ic.sglang_request_timeout}
+    return {"python": ic.sglang.python, "server_args": list(ic.sglang.args), "pause_mode": ic.sglang.pause_mode,
+            "gpus_per_server": ic.sglang.gpus_per_server, "first_gpu": ic.sglang.first_gpu,
+            "startup_timeout": ic.sglang.startup_timeout,
+            "request_timeout": ic.sglang.request_timeout}
 
 
 def _sim_settings(cfg: ExperimentConfig) -> dict[str, Any]:
     """SimEngine's settings from `inference.sim_*` (ignored by other backends)."""
     ic = cfg.inference
-    return {"step_base_s": ic.sim_step_base_s, "step_per_token_s": ic.sim_step_per_token_s,
-            "prefill_per_token_s": ic.sim_prefill_per_token_s, "update_pause_s": ic.sim_update_pause_s,
-            "time_scale": ic.sim_time_scale, "len_median": ic.sim_len_median, "len_sigma": ic.sim_len_sigma,
-            "vocab_size": ic.sim_vocab_size, "workload_seed": cfg.seed}
+    return {"step_base_s": ic.sim.step_base_s, "step_per_token_s": ic.sim.step_per_token_s,
+            "prefill_per_token_s": ic.sim.prefill_per_token_s, "update_pause_s": ic.sim.update_pause_s,
+            "time_scale": ic.sim.time_scale, "len_median": ic.sim.len_median, "len_sigma": ic.sim.len_sigma,
+            "vocab_size": ic.sim.vocab_size, "workload_seed": cfg.seed}
 
 
 async def run_inference_servers(cfg: ExperimentConfig, ctl: ControlChannel, index: int, run_dir: str) -> RoleParts:
@@ -211,8 +211,8 @@ async def run_learner(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
     if lc.backend == "sim":  # benchmarks: no model, sleeps per token, exports a placeholder weights file
         from arl.learner.sim_learner import SimLearner
 
-        engine: Any = SimLearner(s_per_token=lc.sim_s_per_token, step_base_s=lc.sim_step_base_s,
-                                 time_scale=lc.sim_time_scale, version=0)
+        engine: Any = SimLearner(s_per_token=lc.sim.s_per_token, step_base_s=lc.sim.step_base_s,
+                                 time_scale=lc.sim.time_scale, version=0)
     else:
         from arl.learner.deepspeed_engine import learner_from_config
         from arl.models.tiny import load_model_dir

@@ -181,8 +181,8 @@ def test_bad_key_and_unknown_agent_fail_fast():
     assert p.returncode != 0 and "bogus.key" in p.stderr
     p = subprocess.run([sys.executable, MAIN, "agent.name=nope"], capture_output=True, text=True, timeout=30)
     assert p.returncode != 0 and "nope" in p.stderr and "math-multi-turn" in p.stderr
-    p = subprocess.run([sys.executable, MAIN, "learner.lr=fast"], capture_output=True, text=True, timeout=30)
-    assert p.returncode != 0 and "learner.lr" in p.stderr and "float" in p.stderr
+    p = subprocess.run([sys.executable, MAIN, "learner.optimizer.lr=fast"], capture_output=True, text=True, timeout=30)
+    assert p.returncode != 0 and "learner.optimizer.lr" in p.stderr and "float" in p.stderr
 
 
 def _start_background(run_root: str, cache: str, extra: list[str]) -> tuple[subprocess.Popen, str]:

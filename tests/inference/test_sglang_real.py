@@ -217,7 +217,7 @@ def test_launcher_with_sglang_backend_survives_kill_9_of_a_worker(setup, tmp_pat
     steps = 4
     cmd = [main_python, os.path.join(root, "training", "main_async_ppo.py"), f"run_dir={tmp_path / 'runs'}",
            "run_name=run", f"model.path={setup['base']}", f"total_train_steps={steps}",
-           "inference.backend=sglang", f"inference.sglang_python={sys.executable}", "inference.num_workers=2",
+           "inference.backend=sglang", f"inference.sglang.python={sys.executable}", "inference.num_workers=2",
            "learner.batch_size=2", "agent.group_size=4", "rollout.max_concurrent_rollouts=8", "eval.max_prompts=16",
            "eval.every_n_steps=0", "progress=false", "startup_timeout=400",
            "agent.args.filter_uniform_groups=false"]  # random weights: every group is all-wrong; keep them

@@ -179,8 +179,8 @@ def test_config_selects_sim_backends():
     from arl.config import ConfigError, ExperimentConfig, parse_overrides
 
     cfg = parse_overrides(ExperimentConfig, ["inference.backend=sim", "learner.backend=sim",
-                                             "inference.servers_per_process=16", "inference.sim_time_scale=0.1"])
-    assert cfg.inference.backend == "sim" and cfg.learner.backend == "sim" and cfg.inference.sim_time_scale == 0.1
+                                             "inference.servers_per_process=16", "inference.sim.time_scale=0.1"])
+    assert cfg.inference.backend == "sim" and cfg.learner.backend == "sim" and cfg.inference.sim.time_scale == 0.1
     with pytest.raises(ConfigError, match="learner.backend"):
         parse_overrides(ExperimentConfig, ["learner.backend=bogus"])
     with pytest.raises(ConfigError, match="servers_per_process"):

@@ -450,8 +450,7 @@ def validate(cfg: Any) -> None:
     ]
     from arl.inference.factory import BACKENDS
 
-    checks.append((ic.backend in BACKENDS,
-                   f"inference.backend must be one of {sorted(BACKENDS)}, got {ic.backend!r}"))
+    checks.append((ic.backend in BACKENDS, f"inference.backend: {BACKENDS.unknown(ic.backend)}"))
     checks.append((lc.backend in ("deepspeed", "sim"),
                    f"learner.backend must be 'deepspeed' or 'sim', got {lc.backend!r}"))
     for ok, msg in checks:

@@ -1,4 +1,5 @@
-"""Name -> class registries for agents, environments and experiments.
+"""Name -> object registries: agents, environments, experiments (here), tools and tool-call parsers
+(`arl.tools`), inference backends (`arl.inference.factory`). One mechanism, one error for an unknown name.
 
 Users call `register_agent` in their own module and pass `imports=[module]` so every role process imports it.
 """
@@ -16,8 +17,12 @@ class RegistryError(KeyError):
 
 
 class Registry(Generic[T]):
-    def __init__(self, kind: str) -> None:
+    """Names of one kind of object (`kind`, e.g. "agent"). `how` says how a user registers one; the error for an
+    unknown name lists the registered names and repeats it."""
+
+    def __init__(self, kind: str, how: str = "") -> None:
         self.kind = kind
+        self.how = how or f"{kind.replace(' ', '_').upper()}S.register(name, obj)"
         self._items: dict[str, T] = {}
 
     def register(self, name: str, obj: T) -> T:
@@ -32,24 +37,25 @@ class Registry(Generic[T]):
         return obj
 
     def get(self, name: str) -> T:
-        try:
-            return self._items[name]
-        except KeyError:
-            raise RegistryError(
-                f"unknown {self.kind} {name!r}; registered {self.kind}s: {self.names()}"
-                f" (register one with register_{self.kind}(name, cls) in a module passed via imports=[...])"
-            ) from None
+        if name not in self:
+            raise RegistryError(self.unknown(name))
+        return self._items[name]
+
+    def unknown(self, name: object) -> str:
+        """The message for a name that is not registered (also used by config validation)."""
+        return (f"unknown {self.kind} {name!r}; registered {self.kind}s: {self.names()}"
+                f" (register one with {self.how} in a module passed via imports=[...])")
 
     def names(self) -> list[str]:
         return sorted(self._items)
 
-    def __contains__(self, name: str) -> bool:
-        return name in self._items
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name in self._items
 
 
-AGENTS: Registry[Any] = Registry("agent")
-ENVS: Registry[Any] = Registry("env")
-EXPERIMENTS: Registry[Any] = Registry("experiment")
+AGENTS: Registry[Any] = Registry("agent", "register_agent(name, cls)")
+ENVS: Registry[Any] = Registry("env", "register_env(name, cls)")
+EXPERIMENTS: Registry[Any] = Registry("experiment", "register_experiment(name, config_cls)")
 
 
 def register_agent(name: str, cls: Any) -> Any:

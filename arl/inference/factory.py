@@ -1,54 +1,76 @@
-"""Builds the inference engine a worker serves with, by backend name (`inference.backend`)."""
+"""The inference backends by name (`inference.backend`): each builder takes the model directory and the whole
+`inference` section and returns the engine one inference server serves with.
+
+A user backend registers a builder with the same signature (`BACKENDS.register(name, builder)`) in a module
+passed via `imports=[...]`; `arl.config.validate` checks the configured name against this registry.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Protocol
 
 from arl.api.engine import InferenceEngine
+from arl.api.registry import Registry
+from arl.config import InferenceConfig
 
 
-def _torch_engine(*, model_path: str, device: str, max_batch_size: int, max_context_len: int, seed: int,
-                  name: str, **_: Any) -> InferenceEngine:
+class BackendBuilder(Protocol):
+    def __call__(self, model_path: str, inference: InferenceConfig, *, seed: int, index: int,
+                 run_dir: str) -> InferenceEngine: ...
+
+
+BACKENDS: Registry[BackendBuilder] = Registry("inference backend", "BACKENDS.register(name, builder) "
+                                                                   "(arl.inference.factory)")
+
+
+def server_seed(seed: int, index: int) -> int:
+    """Sampling seed of inference server `index` in a run seeded `seed` (distinct per server)."""
+    return seed * 1000 + index
+
+
+def _torch_engine(model_path: str, inference: InferenceConfig, *, seed: int, index: int,
+                  run_dir: str) -> InferenceEngine:
+    """The embedded PyTorch engine on `inference.device`."""
     from arl.inference.torch_engine import TorchEngine
     from arl.models.tiny import load_model_dir
 
     model, tok = load_model_dir(model_path)
-    model.to(device).eval()
+    model.to(inference.device).eval()
     engine = TorchEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                         max_batch_size=max_batch_size, max_context_len=max_context_len, device=device,
-                         version=0, seed=seed, name=name)
+                         max_batch_size=inference.max_batch_size, max_context_len=inference.max_context_len,
+                         device=inference.device, version=0, seed=server_seed(seed, index), name=f"inference{index}")
     engine.start()
     return engine
 
 
-def _sim_engine(*, max_batch_size: int, max_context_len: int, seed: int, name: str,
-                sim: dict[str, Any] | None = None, **_: Any) -> InferenceEngine:
-    """The simulated engine (benchmarks): no model is loaded; `sim` holds SimEngine's latency/length settings."""
+def _sim_engine(model_path: str, inference: InferenceConfig, *, seed: int, index: int,
+                run_dir: str) -> InferenceEngine:
+    """The simulated engine (benchmarks): no model is loaded; `inference.sim` is its latency/length model, and the
+    run seed keys its workload, so a session gets the same outputs on every server."""
     from arl.inference.sim_engine import SimEngine
 
-    return SimEngine(max_batch_size=max_batch_size, max_context_len=max_context_len, seed=seed, name=name,
-                     **(sim or {}))
+    return SimEngine(inference.sim, max_batch_size=inference.max_batch_size,
+                     max_context_len=inference.max_context_len, seed=server_seed(seed, index), workload_seed=seed,
+                     name=f"inference{index}")
 
 
-def _sglang_engine(*, model_path: str, device: str, max_batch_size: int, max_context_len: int, seed: int,
-                   name: str, index: int = 0, run_dir: str = "", sglang: dict[str, Any] | None = None,
-                   **_: Any) -> InferenceEngine:
-    """Launch and supervise this worker's SGLang server (blocks until it is healthy); `sglang` holds the
-    `inference.sglang_*` settings (see launch_sglang_engine)."""
+def _sglang_engine(model_path: str, inference: InferenceConfig, *, seed: int, index: int,
+                   run_dir: str) -> InferenceEngine:
+    """Launch and supervise this server's SGLang process (blocks until it is healthy); see launch_sglang_engine."""
     from arl.inference.sglang_engine import launch_sglang_engine
 
-    return launch_sglang_engine(model_path=model_path, device=device, seed=seed, name=name, index=index,
-                                run_dir=run_dir, max_batch_size=max_batch_size, max_context_len=max_context_len,
-                                **(sglang or {}))
+    return launch_sglang_engine(inference.sglang, model_path=model_path, device=inference.device,
+                                seed=server_seed(seed, index), name=f"inference{index}", index=index,
+                                run_dir=run_dir, max_batch_size=inference.max_batch_size,
+                                max_context_len=inference.max_context_len)
 
 
-BACKENDS: dict[str, Callable[..., InferenceEngine]] = {"torch": _torch_engine, "sim": _sim_engine,
-                                                      "sglang": _sglang_engine}
+BACKENDS.register("torch", _torch_engine)
+BACKENDS.register("sim", _sim_engine)
+BACKENDS.register("sglang", _sglang_engine)
 
 
-def build_engine(backend: str, **kwargs: Any) -> InferenceEngine:
-    try:
-        factory = BACKENDS[backend]
-    except KeyError:
-        raise ValueError(f"unknown inference backend {backend!r}; known: {sorted(BACKENDS)}") from None
-    return factory(**kwargs)
+def build_engine(model_path: str, inference: InferenceConfig, *, seed: int, index: int = 0,
+                 run_dir: str = "") -> InferenceEngine:
+    """The engine of inference server `index` for `inference.backend` (an unknown name lists the registered ones)."""
+    return BACKENDS.get(inference.backend)(model_path, inference, seed=seed, index=index, run_dir=run_dir)

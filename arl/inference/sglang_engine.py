@@ -40,13 +40,11 @@ Why it is built this way (schema and semantics read from SGLang 0.5.23's `http_s
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import json
 import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -59,11 +57,13 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from arl.api.types import GenerateRequest, GenerateResponse, GenerationConfig, SampleOutput
+from arl.config import PauseMode, SGLangConfig
 from arl.inference.requests import check_request
+from arl.utils.net import free_port
+from arl.utils.proc import die_with_parent_preexec, signal_group, tail
 
 logger = logging.getLogger("arl.inference")
 
-PAUSE_MODES = ("in_place", "retract", "abort")
 # files of the base model directory linked into every per-version weights directory
 _MODEL_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                      "special_tokens_map.json", "chat_template.jinja", "tokenizer.model", "vocab.json", "merges.txt")
@@ -74,29 +74,6 @@ CPU_SERVER_ARGS = ("--attention-backend", "torch_native", "--disable-cuda-graph"
 
 class SGLangError(RuntimeError):
     """An SGLang call that failed (HTTP status, transport error, or a malformed answer)."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def _die_with_parent() -> None:  # in the child between fork and exec
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def _tail(path: str, n: int = 30) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 16384))
-            return "\n".join(f.read().decode("utf-8", "replace").splitlines()[-n:])
-    except OSError as e:
-        return f"<no log: {e}>"
 
 
 def server_command(*, model_path: str, host: str, port: int, device: str, seed: int, python: str = "",
@@ -150,7 +127,7 @@ class SGLangServer:
         try:
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=env, start_new_session=True,
-                                         preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+                                         preexec_fn=die_with_parent_preexec())
         finally:
             log.close()
         logger.info("started sglang server (pid %d) on %s, log %s", self.proc.pid, self.base_url, self.log_path)
@@ -169,7 +146,7 @@ class SGLangServer:
             code = self.exit_code()
             if code is not None:
                 raise SGLangError(f"sglang server exited with code {code} while starting; last lines of "
-                                  f"{self.log_path}:\n{_tail(self.log_path)}")
+                                  f"{self.log_path}:\n{tail(self.log_path, 30)}")
             try:
                 with urllib.request.urlopen(self.base_url + "/health", timeout=5) as r:
                     if r.status == 200:
@@ -179,7 +156,7 @@ class SGLangServer:
             if time.monotonic() > deadline:
                 self.stop()
                 raise SGLangError(f"sglang server not healthy within {timeout:.0f}s; last lines of "
-                                  f"{self.log_path}:\n{_tail(self.log_path)}")
+                                  f"{self.log_path}:\n{tail(self.log_path, 30)}")
             time.sleep(0.5)
 
     def stop(self, grace: float = 10.0) -> None:
@@ -187,10 +164,7 @@ class SGLangServer:
         if self.proc is None or self.proc.poll() is not None:
             return
         for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
+            signal_group(self.proc.pid, sig)
             try:
                 self.proc.wait(timeout=wait)
                 return
@@ -225,17 +199,19 @@ class SGLangEngine:
     """
 
     def __init__(self, base_url: str, *, model_path: str = "", version: int = 0, name: str = "sglang",
-                 server: Optional[SGLangServer] = None, pause_mode: str = "retract", weights_dir: str = "",
-                 max_context_len: int = 0, request_timeout: float = 3600.0, control_timeout: float = 600.0,
-                 health_interval: float = 5.0, max_health_failures: int = 3, empty_device_cache: bool = False,
-                 max_connections: int = 1024) -> None:
-        if pause_mode not in PAUSE_MODES:
-            raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
+                 server: Optional[SGLangServer] = None, pause_mode: str = PauseMode.retract.value,
+                 weights_dir: str = "", max_context_len: int = 0, request_timeout: float = 3600.0,
+                 control_timeout: float = 600.0, health_interval: float = 5.0, max_health_failures: int = 3,
+                 empty_device_cache: bool = False, max_connections: int = 1024) -> None:
+        try:
+            mode = PauseMode(pause_mode)
+        except ValueError:
+            raise ValueError(f"pause_mode must be one of {[m.value for m in PauseMode]}, got {pause_mode!r}") from None
         self.base_url = base_url.rstrip("/")
         self.model_path = model_path
         self.name = name
         self.server = server
-        self.pause_mode = pause_mode
+        self.pause_mode: str = mode.value  # plain str: it goes into JSON bodies and heartbeat stats
         self.weights_dir = weights_dir
         self.max_context_len = int(max_context_len)
         self.request_timeout = float(request_timeout)
@@ -571,41 +547,37 @@ class SGLangEngine:
             self._busy_since = None
 
 
-def launch_sglang_engine(*, model_path: str, device: str, seed: int, name: str, index: int = 0, run_dir: str = "",
-                         max_batch_size: int = 0, max_context_len: int = 0, python: str = "",
-                         server_args: Sequence[str] = (), pause_mode: str = "retract", gpus_per_server: int = 1,
-                         first_gpu: int = 0,
-                         startup_timeout: float = 600.0, request_timeout: float = 3600.0,
+def launch_sglang_engine(config: SGLangConfig, *, model_path: str, device: str, seed: int, name: str, index: int = 0,
+                         run_dir: str = "", max_batch_size: int = 0, max_context_len: int = 0,
                          health_interval: float = 5.0, host: str = "127.0.0.1",
                          command: Optional[Sequence[str]] = None) -> SGLangEngine:
     """Start this worker's SGLang server (blocking until /health answers) and return an engine driving it.
 
-    GPU servers get CUDA_VISIBLE_DEVICES = the `gpus_per_server` GPUs of this worker's group (first_gpu +
-    index * g ..., counted within CUDA_VISIBLE_DEVICES when it is set); pass `--tp-size g` in `server_args` to
-    shard one server over them. `command` replaces the launch command
-    (tests start a fake server this way).
+    GPU servers get CUDA_VISIBLE_DEVICES = the `config.gpus_per_server` GPUs of this worker's group (first_gpu +
+    index * g ..., counted within CUDA_VISIBLE_DEVICES when it is set); pass `--tp-size g` in `config.args` to
+    shard one server over them. `command` replaces the launch command (tests start a fake server this way).
     """
     port = free_port(host)
     cmd = list(command) if command is not None else server_command(
-        model_path=model_path, host=host, port=port, device=device, seed=seed, python=python,
-        max_running_requests=max_batch_size, extra_args=server_args)
+        model_path=model_path, host=host, port=port, device=device, seed=seed, python=config.python,
+        max_running_requests=max_batch_size, extra_args=config.args)
     cmd = [c.replace("{port}", str(port)) for c in cmd]
     env: dict[str, str] = {}
     if device == "cpu":
         env.update(SGLANG_USE_CPU_ENGINE="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    elif gpus_per_server > 0:
-        env["CUDA_VISIBLE_DEVICES"] = server_gpus(index, gpus_per_server, first_gpu,
+    elif config.gpus_per_server > 0:
+        env["CUDA_VISIBLE_DEVICES"] = server_gpus(index, config.gpus_per_server, config.first_gpu,
                                                   os.environ.get("CUDA_VISIBLE_DEVICES", ""))
     log_dir = os.path.join(run_dir, "logs") if run_dir else os.path.join(os.getcwd(), "sglang-logs")
     server = SGLangServer(cmd, host=host, port=port, log_path=os.path.join(log_dir, f"{name}-sglang.log"), env=env)
     server.start()
     try:
-        server.wait_ready(startup_timeout)
+        server.wait_ready(config.startup_timeout)
     except BaseException:
         server.stop()
         raise
     weights_dir = os.path.join(run_dir, "sglang-weights", name) if run_dir else ""
     return SGLangEngine(server.base_url, model_path=model_path, version=0, name=name, server=server,
-                        pause_mode=pause_mode, weights_dir=weights_dir, max_context_len=max_context_len,
-                        request_timeout=request_timeout, health_interval=health_interval,
+                        pause_mode=config.pause_mode, weights_dir=weights_dir, max_context_len=max_context_len,
+                        request_timeout=config.request_timeout, health_interval=health_interval,
                         empty_device_cache=device.startswith("cuda"))

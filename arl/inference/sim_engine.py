@@ -55,6 +55,7 @@ from typing import Any, Optional
 import numpy as np
 
 from arl.api.types import GenerateRequest, GenerateResponse, SampleOutput
+from arl.config import SimEngineConfig
 from arl.inference.requests import check_request
 
 logger = logging.getLogger("arl.inference")
@@ -89,17 +90,10 @@ class SimEngine:
 
     def __init__(
         self,
+        config: Optional[SimEngineConfig] = None,
         *,
         max_batch_size: int = 256,
         max_context_len: int = 32768,
-        step_base_s: float = 7.5e-3,
-        step_per_token_s: float = 8.0e-5,
-        prefill_per_token_s: float = 1.8e-5,
-        update_pause_s: float = 1.0,
-        time_scale: float = 1.0,
-        len_median: float = 600.0,
-        len_sigma: float = 1.0,
-        vocab_size: int = 32000,
         eos_token_id: Optional[int] = None,
         version: int = 0,
         seed: int = 0,
@@ -107,15 +101,18 @@ class SimEngine:
         max_sessions: int = 100_000,
         name: str = "sim",
     ) -> None:
+        """`config`: the latency and output-length model (`inference.sim`); the rest is per run and per server."""
+        c = self.config = config if config is not None else SimEngineConfig()
         checks = [
             (max_batch_size >= 1, f"max_batch_size must be >= 1, got {max_batch_size}"),
             (max_context_len >= 2, f"max_context_len must be >= 2, got {max_context_len}"),
-            (min(step_base_s, step_per_token_s, prefill_per_token_s, update_pause_s) >= 0,
+            (min(c.step_base_s, c.step_per_token_s, c.prefill_per_token_s, c.update_pause_s) >= 0,
              "sim latencies must be >= 0"),
-            (step_base_s + step_per_token_s > 0, "a decode step must take some time (step_base_s + step_per_token_s > 0)"),
-            (time_scale > 0, f"time_scale must be > 0, got {time_scale}"),
-            (len_median >= 1 and len_sigma >= 0, "len_median must be >= 1 and len_sigma >= 0"),
-            (vocab_size >= 2, f"vocab_size must be >= 2, got {vocab_size}"),
+            (c.step_base_s + c.step_per_token_s > 0,
+             "a decode step must take some time (step_base_s + step_per_token_s > 0)"),
+            (c.time_scale > 0, f"time_scale must be > 0, got {c.time_scale}"),
+            (c.len_median >= 1 and c.len_sigma >= 0, "len_median must be >= 1 and len_sigma >= 0"),
+            (c.vocab_size >= 2, f"vocab_size must be >= 2, got {c.vocab_size}"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -123,14 +120,6 @@ class SimEngine:
         self.name = name
         self.max_batch_size = int(max_batch_size)
         self.max_context_len = int(max_context_len)
-        self.step_base_s = float(step_base_s)
-        self.step_per_token_s = float(step_per_token_s)
-        self.prefill_per_token_s = float(prefill_per_token_s)
-        self.update_pause_s = float(update_pause_s)
-        self.time_scale = float(time_scale)
-        self.len_median = float(len_median)
-        self.len_sigma = float(len_sigma)
-        self.vocab_size = int(vocab_size)
         self.eos_token_id = eos_token_id
         self.workload_seed = int(workload_seed)
         self._version = int(version)
@@ -173,7 +162,7 @@ class SimEngine:
     async def agenerate(self, req: GenerateRequest) -> GenerateResponse:
         """Answer after the simulated decode time. Never raises for bad input: returns a response with ``error``."""
         qid = getattr(req, "qid", "?")
-        err = check_request(req, max_context_len=self.max_context_len, vocab_size=self.vocab_size,
+        err = check_request(req, max_context_len=self.max_context_len, vocab_size=self.config.vocab_size,
                             max_batch_size=self.max_batch_size)
         if err is None and self._closed:
             err = ENGINE_CLOSED
@@ -205,7 +194,7 @@ class SimEngine:
         assert self._update_lock is not None
         async with self._update_lock:
             t0 = loop.time()
-            pause = self.update_pause_s * self.time_scale
+            pause = self.config.update_pause_s * self.config.time_scale
             self._advance(t0)
             self._upd_clock = np.append(self._upd_clock, self._clock)
             self._upd_version = np.append(self._upd_version, np.int32(version))
@@ -281,7 +270,7 @@ class SimEngine:
 
     def step_seconds(self, batch: int) -> float:
         """Wall seconds of one decode step with `batch` running samples (time scale applied)."""
-        return (self.step_base_s + self.step_per_token_s * batch) * self.time_scale
+        return (self.config.step_base_s + self.config.step_per_token_s * batch) * self.config.time_scale
 
     # ------------------------------------------------------------------ request intake
 
@@ -304,13 +293,14 @@ class SimEngine:
             rng = np.random.default_rng(key)
         else:
             rng = np.random.default_rng(self._rng.integers(1 << 63))
-        stops = [int(t) for t in g.stop_token_ids if 0 <= t < self.vocab_size]
+        stops = [int(t) for t in g.stop_token_ids if 0 <= t < self.config.vocab_size]
         if self.eos_token_id is not None and self.eos_token_id not in stops:
             stops.append(int(self.eos_token_id))
         room = self.max_context_len - len(req.input_ids)
         cap = min(g.max_new_tokens, room)
-        draws = rng.lognormal(math.log(self.len_median), self.len_sigma, size=g.n) if self.len_sigma > 0 else \
-            np.full(g.n, self.len_median)
+        c = self.config
+        draws = rng.lognormal(math.log(c.len_median), c.len_sigma, size=g.n) if c.len_sigma > 0 else \
+            np.full(g.n, c.len_median)
         lengths, finish = [], []
         for d in draws:
             length = max(int(math.ceil(d)), g.min_new_tokens, 1)
@@ -354,7 +344,7 @@ class SimEngine:
             cached = self._sessions.get(r.session, 0) if r.session is not None else 0
             fresh = r.prompt_len - cached if 0 < cached <= r.prompt_len else r.prompt_len
             self._prefill_tokens += fresh
-            self._stall += fresh * self.prefill_per_token_s * self.time_scale
+            self._stall += fresh * self.config.prefill_per_token_s * self.config.time_scale
             for i in range(r.n):
                 r.starts[i] = self._clock
                 heapq.heappush(self._heap, (self._clock + r.lengths[i], next(self._tiebreak), r, i))
@@ -404,9 +394,9 @@ class SimEngine:
 
     def _sample(self, r: _SimRequest, i: int, length: int, finish: str) -> SampleOutput:
         rng = r.rng
-        ids = rng.integers(0, self.vocab_size, size=length, dtype=np.int32)
+        ids = rng.integers(0, self.config.vocab_size, size=length, dtype=np.int32)
         if r.stops:
-            ids[np.isin(ids, r.stops)] = next(t for t in range(self.vocab_size) if t not in r.stops)
+            ids[np.isin(ids, r.stops)] = next(t for t in range(self.config.vocab_size) if t not in r.stops)
             if finish == "stop" and length:
                 ids[-1] = r.stops[0]
         logps = -rng.exponential(1.0, size=length).astype(np.float32)

@@ -693,10 +693,6 @@ class TorchEngine:
 
     # ---- weights
 
-    def _load_weights(self, source: str) -> int:
-        """Read `source` and swap its tensors into the model (both steps on the calling thread)."""
-        return self._commit_weights(self._prepare_weights(source))
-
     def _commit_weights(self, prepared: tuple[str, list[tuple[torch.nn.Parameter, torch.Tensor]]],
                         retired: Optional[list[torch.Tensor]] = None) -> int:
         """Decode thread, between steps: point every parameter at its new tensor (no copy; tied weights share one

@@ -7,27 +7,20 @@ the controller leaves nothing behind.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 from typing import Optional, Sequence
 
+from arl.utils.proc import die_with_parent_preexec, tail
+from arl.utils.proc import signal_group as _signal_group
+
+__all__ = ["Child", "ProcessGroup", "tail", "_signal_group"]  # tail/_signal_group: the controller's imports
+
 logger = logging.getLogger("arl.launcher")
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass
 
 
 @dataclasses.dataclass
@@ -36,18 +29,6 @@ class Child:
     proc: subprocess.Popen
     log_path: str
     expected_exit: bool = False
-
-
-def tail(path: str, n: int = 20) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - 16384))
-            lines = f.read().decode("utf-8", "replace").splitlines()
-        return "\n".join(lines[-n:])
-    except OSError as e:
-        return f"<no log: {e}>"
 
 
 class ProcessGroup:
@@ -73,7 +54,7 @@ class ProcessGroup:
             stdin=subprocess.DEVNULL,
             env=full_env,
             start_new_session=True,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            preexec_fn=die_with_parent_preexec(),
         )
         log.close()
         child = Child(name, proc, log_path)
@@ -126,13 +107,3 @@ class ProcessGroup:
                 c.proc.wait(timeout=0.5)
             except subprocess.TimeoutExpired:
                 pass
-
-
-def _signal_group(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass

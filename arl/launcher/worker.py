@@ -120,10 +120,7 @@ async def run_inference(cfg: ExperimentConfig, ctl: ControlChannel, index: int, 
     ic = cfg.inference
     if ic.servers_per_process > 1:
         return await run_inference_servers(cfg, ctl, index, run_dir)
-    engine = build_engine(ic.backend, model_path=cfg.model.path, device=ic.device, max_batch_size=ic.max_batch_size,
-                          max_context_len=ic.max_context_len, seed=cfg.seed * 1000 + index,
-                          name=f"inference{index}", index=index, run_dir=run_dir, sim=_sim_settings(cfg),
-                          sglang=_sglang_settings(cfg))
+    engine = build_engine(cfg.model.path, ic, seed=cfg.seed, index=index, run_dir=run_dir)
     router = Router()
     address = bind_random(router, _host(cfg))
     worker = InferenceWorker(index=index, engine=engine, router=router, send_control=ctl.send)
@@ -135,24 +132,6 @@ async def run_inference(cfg: ExperimentConfig, ctl: ControlChannel, index: int, 
     await ctl.request("register", {"role": "inference", "index": index, "address": address, "pid": os.getpid()},
                       "ack", cfg.startup_timeout)
     return [worker.serve(), ctl.heartbeat(worker.heartbeat_stats)], [engine.close(), _aclose(router)]
-
-
-def _sglang_settings(cfg: ExperimentConfig) -> dict[str, Any]:
-    """launch_sglang_engine's settings from `inference.sglang_*` (ignored by other backends)."""
-    ic = cfg.inference
-    return {"python": ic.sglang.python, "server_args": list(ic.sglang.args), "pause_mode": ic.sglang.pause_mode,
-            "gpus_per_server": ic.sglang.gpus_per_server, "first_gpu": ic.sglang.first_gpu,
-            "startup_timeout": ic.sglang.startup_timeout,
-            "request_timeout": ic.sglang.request_timeout}
-
-
-def _sim_settings(cfg: ExperimentConfig) -> dict[str, Any]:
-    """SimEngine's settings from `inference.sim_*` (ignored by other backends)."""
-    ic = cfg.inference
-    return {"step_base_s": ic.sim.step_base_s, "step_per_token_s": ic.sim.step_per_token_s,
-            "prefill_per_token_s": ic.sim.prefill_per_token_s, "update_pause_s": ic.sim.update_pause_s,
-            "time_scale": ic.sim.time_scale, "len_median": ic.sim.len_median, "len_sigma": ic.sim.len_sigma,
-            "vocab_size": ic.sim.vocab_size, "workload_seed": cfg.seed}
 
 
 async def run_inference_servers(cfg: ExperimentConfig, ctl: ControlChannel, index: int, run_dir: str) -> RoleParts:
@@ -173,10 +152,7 @@ async def run_inference_servers(cfg: ExperimentConfig, ctl: ControlChannel, inde
     workers: list[Any] = []
     routers: list[Any] = []
     for i in range(first, min(ic.num_workers, first + ic.servers_per_process)):
-        engine = build_engine(ic.backend, model_path=cfg.model.path, device=ic.device,
-                              max_batch_size=ic.max_batch_size, max_context_len=ic.max_context_len,
-                              seed=cfg.seed * 1000 + i, name=f"inference{i}", index=i, run_dir=run_dir,
-                              sim=_sim_settings(cfg))
+        engine = build_engine(cfg.model.path, ic, seed=cfg.seed, index=i, run_dir=run_dir)
         router = Router()
         address = bind_random(router, _host(cfg))
         routers.append(router)
@@ -448,9 +424,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     name = f"{args.role}{args.index}"
     if args.role == "learner" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from arl.launcher.process import _die_with_parent
+        from arl.utils.proc import die_with_parent
 
-        _die_with_parent()  # torchrun starts each rank in a session of its own: die with torchrun
+        die_with_parent()  # torchrun starts each rank in a session of its own: die with torchrun
         name += f"-rank{os.environ.get('RANK', '?')}"
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")

@@ -33,6 +33,8 @@ import types
 import typing
 from typing import Any, Awaitable, Callable, Optional, Sequence, Union
 
+from arl.api.registry import Registry
+
 __all__ = [
     "Tool", "FunctionTool", "ToolCall", "ToolResult", "ToolSet", "ToolArgumentError", "tool", "register_tool",
     "get_tool", "TOOLS", "json_schema_for",
@@ -224,15 +226,12 @@ def tool(fn: Optional[Callable[..., Any]] = None, *, name: Optional[str] = None,
 
 # ------------------------------------------------------------------------------------------------ registry
 
-TOOLS: dict[str, Callable[..., Tool]] = {}
+TOOLS: Registry[Callable[..., Tool]] = Registry("tool", "register_tool(name, factory)")
 
 
 def register_tool(name: str, factory: Callable[..., Tool]) -> Callable[..., Tool]:
     """Register a tool factory (a Tool subclass, or a function returning a Tool) under `name`."""
-    if name in TOOLS and TOOLS[name] is not factory:
-        raise KeyError(f"tool {name!r} is already registered; registered tools: {sorted(TOOLS)}")
-    TOOLS[name] = factory
-    return factory
+    return TOOLS.register(name, factory)
 
 
 def get_tool(spec: Union[str, Tool, dict[str, Any]]) -> Tool:
@@ -243,12 +242,9 @@ def get_tool(spec: Union[str, Tool, dict[str, Any]]) -> Tool:
     if isinstance(spec, dict):
         kwargs = dict(spec)
         spec = kwargs.pop("name", "")
-    if not isinstance(spec, str) or spec not in TOOLS:
+    if spec not in TOOLS:
         import arl.tools  # noqa: F401 - the built-in tools register on import
-
-        if not isinstance(spec, str) or spec not in TOOLS:
-            raise KeyError(f"unknown tool {spec!r}; registered tools: {sorted(TOOLS)}")
-    t = TOOLS[spec](**kwargs)
+    t = TOOLS.get(spec)(**kwargs)  # type: ignore[arg-type] - a non-string gets the registry's "unknown tool"
     if not isinstance(t, Tool):
         raise TypeError(f"tool factory {spec!r} returned {type(t).__name__}, not a Tool")
     return t

@@ -10,8 +10,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
+from arl.api.registry import Registry
 from arl.tools.base import ToolCall
 
 __all__ = ["ParsedOutput", "ToolCallParser", "HermesParser", "PARSERS", "get_parser"]
@@ -107,15 +108,14 @@ class HermesParser:
         return out
 
 
-PARSERS: dict[str, type] = {"hermes": HermesParser}
+PARSERS: Registry[Callable[[], ToolCallParser]] = Registry("tool-call parser", "PARSERS.register(name, cls)")
+PARSERS.register("hermes", HermesParser)
 
 
 def get_parser(spec: Any = "hermes") -> ToolCallParser:
     """A parser instance from a name in PARSERS or an object with `parse`."""
     if isinstance(spec, str):
-        if spec not in PARSERS:
-            raise KeyError(f"unknown tool-call parser {spec!r}; known: {sorted(PARSERS)}")
-        return PARSERS[spec]()
+        return PARSERS.get(spec)()
     if not hasattr(spec, "parse"):
         raise TypeError(f"a tool-call parser needs a parse(text) method, got {type(spec).__name__}")
     return spec

@@ -1,7 +1,7 @@
 """Transport: the only package that imports zmq and msgpack.
 
 ``codec``: versioned msgpack envelopes with raw-bytes arrays and optional HMAC (``encode``/``decode``).
-``sockets``: asyncio Router/Dealer, Push/Pull, Pub/Sub that batch what one loop iteration sends to a peer and
+``sockets``: asyncio Router/Dealer, Push/Pull that batch what one loop iteration sends to a peer and
 drop and count malformed input.
 ``loop``: the opt-in event loop that polls before it sleeps (config ``busy_poll_us``).
 """
@@ -16,7 +16,7 @@ from arl.transport.codec import (
     decode,
     encode,
 )
-from arl.transport.sockets import Dealer, Pub, Pull, Push, Router, SocketClosed, Sub, bind_random, context
+from arl.transport.sockets import Dealer, Pull, Push, Router, SocketClosed, bind_random, context
 
 __all__ = [
     "CONTROL_TYPES",
@@ -28,12 +28,10 @@ __all__ = [
     "decode",
     "encode",
     "Dealer",
-    "Pub",
     "Pull",
     "Push",
     "Router",
     "SocketClosed",
-    "Sub",
     "bind_random",
     "context",
 ]

@@ -7,7 +7,7 @@ One zmq Context per process (``context()``). Each socket:
   ``max_bytes``) and decodes on ``recv``;
 * never raises for a *peer's* bad input: a malformed frame (or a multipart message of the wrong shape) is dropped,
   counted in ``stats["malformed"]`` and logged on logger ``arl.transport`` at most once per second per socket;
-* counts ``stats["sent"]`` and ``stats["received"]`` (good messages only); Router/Pub also count
+* counts ``stats["sent"]`` and ``stats["received"]`` (good messages only); a Router also counts
   ``stats["dropped"]`` (a reply to a peer that is gone or whose queue is full; a Router never blocks on one
   client);
 * has ``recv(timeout=None)`` (``asyncio.TimeoutError`` on expiry) and ``close()`` (LINGER 0, idempotent). A
@@ -27,8 +27,8 @@ With ``secret`` every frame carries an HMAC-SHA256 tag and frames without a vali
 Frames up to ``max_bytes`` are decoded; larger ones are counted as malformed, and above ``2 * max_bytes`` libzmq
 itself drops the peer's connection (ZMQ_MAXMSGSIZE) so a runaway sender cannot exhaust memory.
 
-Patterns: Router (bind) <-> Dealer (connect) for request/response; Push -> Pull for trajectories; Pub -> Sub
-(subscribed to everything) for control broadcasts. Every socket may ``bind``, ``bind_random`` or ``connect``.
+Patterns: Router (bind) <-> Dealer (connect) for request/response; Push -> Pull for trajectories. Every socket may
+``bind``, ``bind_random`` or ``connect``.
 """
 
 from __future__ import annotations
@@ -54,13 +54,11 @@ __all__ = [
     "Dealer",
     "Push",
     "Pull",
-    "Pub",
-    "Sub",
 ]
 
 logger = logging.getLogger("arl.transport")
 
-DEFAULT_HWM = 10_000  # messages queued per peer before backpressure (Dealer/Push) or drops (Router/Pub)
+DEFAULT_HWM = 10_000  # messages queued per peer before backpressure (Dealer/Push) or drops (Router)
 _WARN_INTERVAL_S = 1.0
 _MAX_FAST_STREAK = 64  # receives served from the queue without yielding to the event loop
 # Frames queued for one peer before they go without waiting for the end of the iteration: small enough that the
@@ -106,7 +104,7 @@ def bind_random(sock: Any, host: str = "127.0.0.1") -> str:
 
 class _Socket:
     _kind: int = -1
-    _drops = False  # Router, Pub: a batch that cannot go is dropped and counted (stats["dropped"]), never waited for
+    _drops = False  # Router: a batch that cannot go is dropped and counted (stats["dropped"]), never waited for
 
     def __init__(
         self,
@@ -343,7 +341,7 @@ class _Socket:
         return True
 
     async def _recv_single(self) -> tuple[str, Any]:
-        """Next good message of a socket without routing (Dealer, Pull, Sub)."""
+        """Next good message of a socket without routing (Dealer, Pull)."""
         await self._yield_now_and_then()
         while not self._inbox:
             self._unpack(None, await self._recv_parts(), 0)
@@ -396,7 +394,7 @@ class _Socket:
 
     def _flush(self) -> bool:
         """Send the queued frames, one message per route. False if a Dealer/Push batch found no room (it stays
-        queued); a Router/Pub batch that cannot go is dropped and counted."""
+        queued); a Router batch that cannot go is dropped and counted."""
         self._flush_handle = None
         outbox, self._outbox = self._outbox, {}
         for route, frames in outbox.items():
@@ -411,7 +409,7 @@ class _Socket:
                     continue
             if ok:
                 self.stats["sent"] += len(frames)
-            elif self._drops:  # Router, Pub: never block on a peer
+            elif self._drops:  # Router: never block on a peer
                 self.stats["dropped"] += len(frames)
                 self._warn(f"dropped {len(frames)} message(s) to peer {(route or b'')[:16]!r}: {why}")
             else:  # Dealer, Push: keep them (backpressure) and send them when the peer has room
@@ -514,31 +512,6 @@ class Pull(_Socket):
     """Receive side of a pipeline: ``recv() -> (type, payload)``, fair-queued over all pushers."""
 
     _kind = zmq.PULL
-
-    def recv(self, timeout: Optional[float] = None):
-        return _with_timeout(self._recv_single(), timeout)
-
-
-class Pub(_Socket):
-    """Broadcast side. Never blocks; subscribers that are not (yet) connected or too slow miss messages."""
-
-    _kind = zmq.PUB
-    _drops = True
-
-    async def send(self, msg_type: str, payload: Any = None) -> None:
-        if self._closed:
-            raise SocketClosed(f"{self.name} is closed")
-        self._queue(None, self._encode(msg_type, payload))
-
-
-class Sub(_Socket):
-    """Subscriber to every message of the Pubs it connects to: ``recv() -> (type, payload)``."""
-
-    _kind = zmq.SUB
-
-    def __init__(self, **kw: Any) -> None:
-        super().__init__(**kw)
-        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
 
     def recv(self, timeout: Optional[float] = None):
         return _with_timeout(self._recv_single(), timeout)

@@ -7,6 +7,7 @@ import pytest
 
 from arl.agents.sim_agent import SimAgent
 from arl.api.types import GenerateRequest, GenerationConfig
+from arl.config import SimEngineConfig
 from arl.envs.sim_tool import SimToolEnv
 from arl.inference.sim_engine import SimEngine
 from arl.rollout.worker import run_agent
@@ -25,8 +26,8 @@ class EngineClient:
 
 
 async def collect(engine_seed: int, **agent_kw):
-    engine = SimEngine(time_scale=1e-4, len_median=30, len_sigma=1.0, seed=engine_seed, workload_seed=7,
-                       vocab_size=100, prefill_per_token_s=0.0)
+    engine = SimEngine(SimEngineConfig(time_scale=1e-4, len_median=30, len_sigma=1.0, vocab_size=100,
+                                       prefill_per_token_s=0.0), seed=engine_seed, workload_seed=7)
     client = EngineClient(engine)
     env = SimToolEnv(latency_median_s=0.01, time_scale=0.1, turns_min=1, turns_max=3, seed=3)
     agent = SimAgent(gconfig=GenerationConfig(), group_size=4, prompt_tokens=8, max_new_tokens=500,

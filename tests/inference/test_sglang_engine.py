@@ -207,23 +207,32 @@ async def test_health_watcher_reports_a_dead_server(tmp_path):
     await fake.stop()
 
 
+def _python_stand_in(path: Path, body: str) -> str:
+    """An executable that stands in for `inference.sglang.python`: it is run as `<it> -m sglang.launch_server ...`."""
+    path.write_text("#!/bin/sh\nshift 2  # -m sglang.launch_server\n" + body + "\n")
+    path.chmod(0o755)
+    return str(path)
+
+
 @pytest.mark.slow
 @pytest.mark.asyncio
 async def test_factory_launches_supervises_and_stops_the_server(tmp_path):
-    """Through `build_engine("sglang")` with the fake as the server command: ready wait, serving, death detection,
-    the inference worker exiting on it, and the server process stopped on close."""
+    """Through the `sglang` backend of the registry, with the fake as the server (`inference.sglang.python` runs it
+    on sglang's command line): ready wait, serving, death detection, the inference worker exiting on it, and the
+    server process stopped on close."""
+    from arl.config import InferenceConfig, SGLangConfig
     from arl.inference.factory import build_engine
     from arl.inference.worker import InferenceWorker
 
     base = model_dir(tmp_path)
-    cmd = [sys.executable, "-m", "tests.inference.fake_sglang", "--model-path", base, "--port", "{port}"]
+    fake_python = _python_stand_in(tmp_path / "fake-python",
+                                   f'exec {sys.executable} -m tests.inference.fake_sglang "$@"')
+    ic = InferenceConfig(backend="sglang", max_batch_size=8, max_context_len=64,
+                         sglang=SGLangConfig(python=fake_python, startup_timeout=60))
     env_pp = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = ROOT + (os.pathsep + env_pp if env_pp else "")
     try:
-        engine = await asyncio.to_thread(
-            build_engine, "sglang", model_path=base, device="cpu", max_batch_size=8, max_context_len=64, seed=0,
-            name="inference0", index=0, run_dir=str(tmp_path / "run"),
-            sglang={"command": cmd, "startup_timeout": 60, "health_interval": 0.1})
+        engine = await asyncio.to_thread(build_engine, base, ic, seed=0, index=0, run_dir=str(tmp_path / "run"))
     finally:
         if env_pp is None:
             os.environ.pop("PYTHONPATH", None)
@@ -243,16 +252,14 @@ async def test_factory_launches_supervises_and_stops_the_server(tmp_path):
     serving = asyncio.create_task(worker.serve())
     os.killpg(server.proc.pid, signal.SIGKILL)
     with pytest.raises(RuntimeError, match="inference backend failed: sglang server exited"):
-        await asyncio.wait_for(serving, 10)
+        await asyncio.wait_for(serving, 30)  # the health watcher looks every 5 s
     await engine.close()
     assert not server.alive()
 
     # a server that dies while starting: a clear error with its log's last lines
-    with pytest.raises(SGLangError, match="exited with code 3 while starting"):
-        build_engine("sglang", model_path=base, device="cpu", max_batch_size=8, max_context_len=64, seed=0,
-                     name="inference1", index=1, run_dir=str(tmp_path / "run"),
-                     sglang={"command": [sys.executable, "-c", "print('boom'); raise SystemExit(3)"],
-                             "startup_timeout": 30})
+    ic.sglang.python = _python_stand_in(tmp_path / "dying-python", "echo boom; exit 3")
+    with pytest.raises(SGLangError, match="(?s)exited with code 3 while starting.*boom"):
+        build_engine(base, ic, seed=0, index=1, run_dir=str(tmp_path / "run"))
 
 
 def test_server_command_and_gpu_groups():

@@ -37,6 +37,7 @@ def _export(model: torch.nn.Module, path: str) -> str:
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
+    from arl.config import SGLangConfig
     from arl.inference.sglang_engine import launch_sglang_engine
     from arl.models.tiny import build_char_tokenizer, build_tiny_model, save_model_dir
 
@@ -47,8 +48,8 @@ def setup(tmp_path_factory):
     base = save_model_dir(old, tok, str(root / "model"))
     new_file = _export(new, str(root / "v1.safetensors"))
     loop = asyncio.new_event_loop()  # the engine's HTTP session lives on one loop for the whole module
-    engine = launch_sglang_engine(model_path=base, device="cpu", seed=0, name="sgl", run_dir=str(root / "run"),
-                                  max_batch_size=32, max_context_len=512, startup_timeout=300, health_interval=5)
+    engine = launch_sglang_engine(SGLangConfig(startup_timeout=300), model_path=base, device="cpu", seed=0, name="sgl",
+                                  run_dir=str(root / "run"), max_batch_size=32, max_context_len=512, health_interval=5)
     yield {"engine": engine, "old": old, "new": new, "new_file": new_file, "base": base, "tok": tok, "root": root,
            "run": loop.run_until_complete}
     loop.run_until_complete(engine.close())

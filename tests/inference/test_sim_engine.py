@@ -9,6 +9,7 @@ import pytest
 
 from arl.api.engine import InferenceEngine
 from arl.api.types import GenerateRequest, GenerationConfig
+from arl.config import InferenceConfig, SimEngineConfig
 from arl.inference.factory import build_engine
 from arl.inference.sim_engine import ENGINE_CLOSED, SimEngine
 
@@ -30,14 +31,14 @@ async def wait_for_steps(engine: SimEngine, steps: int) -> None:
 
 
 def test_implements_protocol_and_step_model():
-    e = SimEngine(step_base_s=0.01, step_per_token_s=0.001, time_scale=0.5)
+    e = SimEngine(SimEngineConfig(step_base_s=0.01, step_per_token_s=0.001, time_scale=0.5))
     assert isinstance(e, InferenceEngine)
     assert e.step_seconds(10) == pytest.approx((0.01 + 0.01) * 0.5)
 
 
 @pytest.mark.asyncio
 async def test_lengths_fixed_then_cut_with_finish_reasons():
-    e = SimEngine(len_median=5, len_sigma=0.0, time_scale=0.01, **FAST)
+    e = SimEngine(SimEngineConfig(len_median=5, len_sigma=0.0, time_scale=0.01, **FAST))
     r = await e.agenerate(req(max_new=16))
     s = r.samples[0]
     assert r.error is None and len(s.output_ids) == 5 and s.finish_reason == "stop"
@@ -53,7 +54,7 @@ async def test_lengths_fixed_then_cut_with_finish_reasons():
 
 @pytest.mark.asyncio
 async def test_long_tailed_lengths_and_stop_token():
-    e = SimEngine(len_median=20, len_sigma=1.0, time_scale=1e-4, eos_token_id=7, vocab_size=50, **FAST)
+    e = SimEngine(SimEngineConfig(len_median=20, len_sigma=1.0, time_scale=1e-4, vocab_size=50, **FAST), eos_token_id=7)
     resps = await asyncio.gather(*(e.agenerate(req(qid=str(i), n=4, max_new=10_000)) for i in range(50)))
     lengths = np.array([len(s.output_ids) for r in resps for s in r.samples])
     assert 14 <= np.median(lengths) <= 28
@@ -66,8 +67,8 @@ async def test_long_tailed_lengths_and_stop_token():
 
 @pytest.mark.asyncio
 async def test_keyed_draws_repeat_across_engines():
-    a = SimEngine(seed=1, workload_seed=5, time_scale=1e-4, **FAST)
-    b = SimEngine(seed=2, workload_seed=5, time_scale=1e-4, **FAST)
+    a = SimEngine(SimEngineConfig(time_scale=1e-4, **FAST), seed=1, workload_seed=5)
+    b = SimEngine(SimEngineConfig(time_scale=1e-4, **FAST), seed=2, workload_seed=5)
     ra = await a.agenerate(req(session="chat/0", max_new=4000))
     rb = await b.agenerate(req(session="chat/0", max_new=4000))
     rc = await b.agenerate(req(session="chat/1", max_new=4000))
@@ -79,7 +80,7 @@ async def test_keyed_draws_repeat_across_engines():
 
 @pytest.mark.asyncio
 async def test_batch_cap_queues_and_cancel_frees_rows():
-    e = SimEngine(max_batch_size=2, len_median=10_000, len_sigma=0.0, time_scale=1.0, **FAST)
+    e = SimEngine(SimEngineConfig(len_median=10_000, len_sigma=0.0, time_scale=1.0, **FAST), max_batch_size=2)
     t1 = asyncio.create_task(e.agenerate(req("a", max_new=100_000)))
     t2 = asyncio.create_task(e.agenerate(req("b", max_new=100_000)))
     t3 = asyncio.create_task(e.agenerate(req("c", max_new=100_000)))
@@ -100,14 +101,14 @@ async def test_batch_cap_queues_and_cancel_frees_rows():
 async def test_update_mid_request_stamps_new_version(tmp_path):
     weights = tmp_path / "v1.safetensors"
     weights.write_bytes(b"x")
-    e = SimEngine(len_median=20_000, len_sigma=0.0, time_scale=1.0, step_base_s=5e-4, step_per_token_s=0.0,
-                  prefill_per_token_s=0.0, update_pause_s=0.0)
+    e = SimEngine(SimEngineConfig(len_median=20_000, len_sigma=0.0, time_scale=1.0, step_base_s=5e-4,
+                                  step_per_token_s=0.0, prefill_per_token_s=0.0, update_pause_s=0.0))
     task = asyncio.create_task(e.agenerate(req(max_new=100_000)))
     await wait_for_steps(e, 3)
     await e.pause()  # freeze the clock so the update lands mid-request whatever the machine's load
     assert not task.done() and e.stats()["decode_steps"] < 20_000
     await e.update_weights(str(weights), 1)
-    e.time_scale = 1e-3  # finish the remaining steps quickly
+    e.config.time_scale = 1e-3  # finish the remaining steps quickly
     await e.resume()
     assert e.version == 1
     v = (await task).samples[0].output_versions
@@ -122,8 +123,8 @@ async def test_update_mid_request_stamps_new_version(tmp_path):
 async def test_update_pause_counts_and_stalls(tmp_path):
     weights = tmp_path / "w"
     weights.write_bytes(b"x")
-    e = SimEngine(update_pause_s=0.02, time_scale=1.0, len_median=3, len_sigma=0.0, step_base_s=1e-4,
-                  step_per_token_s=0.0, prefill_per_token_s=0.0)
+    e = SimEngine(SimEngineConfig(update_pause_s=0.02, time_scale=1.0, len_median=3, len_sigma=0.0, step_base_s=1e-4,
+                                  step_per_token_s=0.0, prefill_per_token_s=0.0))
     await e.update_weights(str(weights), 3)
     st = e.stats()
     assert st["weight_updates"] == 1 and st["version"] == 3 and st["last_update_s"] > 0
@@ -134,7 +135,7 @@ async def test_update_pause_counts_and_stalls(tmp_path):
 
 @pytest.mark.asyncio
 async def test_bad_input_answers_with_an_error():
-    e = SimEngine(max_batch_size=4, max_context_len=8, vocab_size=10, time_scale=1e-4, **FAST)
+    e = SimEngine(SimEngineConfig(vocab_size=10, time_scale=1e-4, **FAST), max_batch_size=4, max_context_len=8)
     bad = [
         req(prompt=()),
         req(prompt=tuple(range(8))),
@@ -157,7 +158,7 @@ async def test_bad_input_answers_with_an_error():
 
 @pytest.mark.asyncio
 async def test_prefix_cache_charges_only_new_tokens():
-    e = SimEngine(len_median=4, len_sigma=0.0, time_scale=1e-4, **FAST)
+    e = SimEngine(SimEngineConfig(len_median=4, len_sigma=0.0, time_scale=1e-4, **FAST))
     await e.agenerate(req(prompt=tuple(range(1, 11)), session="s"))
     assert e.stats()["prefill_tokens"] == 10
     await e.agenerate(req(prompt=tuple(range(1, 21)), session="s"))  # 10 cached + 4 generated, 6 new
@@ -167,9 +168,11 @@ async def test_prefix_cache_charges_only_new_tokens():
 
 @pytest.mark.asyncio
 async def test_factory_builds_sim_backend():
-    e = build_engine("sim", model_path="", device="cpu", max_batch_size=8, max_context_len=64, seed=3,
-                     name="inference0", sim={"time_scale": 1e-4, "len_median": 3.0, "len_sigma": 0.0})
-    assert isinstance(e, SimEngine) and e.max_batch_size == 8
+    ic = InferenceConfig(backend="sim", max_batch_size=8, max_context_len=64,
+                         sim=SimEngineConfig(time_scale=1e-4, len_median=3.0, len_sigma=0.0))
+    e = build_engine("", ic, seed=3, index=2)
+    assert isinstance(e, SimEngine) and e.max_batch_size == 8 and e.config is ic.sim
+    assert e.name == "inference2" and e.workload_seed == 3
     r = await e.agenerate(req())
     assert len(r.samples[0].output_ids) == 3
     await e.close()
@@ -183,5 +186,8 @@ def test_config_selects_sim_backends():
     assert cfg.inference.backend == "sim" and cfg.learner.backend == "sim" and cfg.inference.sim.time_scale == 0.1
     with pytest.raises(ConfigError, match="learner.backend"):
         parse_overrides(ExperimentConfig, ["learner.backend=bogus"])
+    with pytest.raises(ConfigError, match=r"inference.backend: unknown inference backend 'bogus'; registered "
+                                          r"inference backends: \['sglang', 'sim', 'torch'\]"):
+        parse_overrides(ExperimentConfig, ["inference.backend=bogus"])
     with pytest.raises(ConfigError, match="servers_per_process"):
         parse_overrides(ExperimentConfig, ["inference.servers_per_process=0"])

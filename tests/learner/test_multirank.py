@@ -4,7 +4,6 @@ both end with the same weights, equal to one rank training on the whole batches.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -15,13 +14,9 @@ pytest.importorskip("deepspeed")
 
 from safetensors.torch import load_file  # noqa: E402
 
+from arl.utils.net import free_port  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env():
@@ -38,7 +33,7 @@ def test_two_gloo_ranks_equal_weights_and_match_one_rank(tmp_path, zero_stage):
     two, one = str(tmp_path / "two"), str(tmp_path / "one")
     common = ["--steps", "3", "--ranks", "--zero-stage", str(zero_stage)]
     r2 = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                         "127.0.0.1", "--master_port", str(_free_port()), script, "--out", two, *common],
+                         "127.0.0.1", "--master_port", str(free_port()), script, "--out", two, *common],
                         capture_output=True, text=True, timeout=400, env=_env())
     assert r2.returncode == 0, r2.stdout[-3000:] + r2.stderr[-3000:]
     r1 = subprocess.run([sys.executable, script, "--out", one, *common], capture_output=True, text=True,

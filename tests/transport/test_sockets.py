@@ -10,7 +10,7 @@ import zmq
 
 from arl.api.types import GenerateRequest, GenerateResponse, GenerationConfig, SampleOutput, Trajectory
 from arl.transport import codec
-from arl.transport.sockets import Dealer, Pub, Pull, Push, Router, SocketClosed, Sub, bind_random, context
+from arl.transport.sockets import Dealer, Pull, Push, Router, SocketClosed, bind_random, context
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
 
@@ -112,36 +112,6 @@ async def test_push_pull():
         pull.close()
         for p in pushes:
             p.close()
-
-
-async def test_pub_sub():
-    pub, subs = Pub(), [Sub(), Sub()]
-    try:
-        addr = pub.bind_random()
-        for s in subs:
-            s.connect(addr)
-        # slow joiner: publish until every subscriber has seen one
-        for s in subs:
-            for _ in range(100):
-                await pub.send("update_weights", {"version": 1, "path": "/w/1"})
-                try:
-                    assert await s.recv(timeout=0.05) == ("update_weights", {"version": 1, "path": "/w/1"})
-                    break
-                except asyncio.TimeoutError:
-                    pass
-            else:
-                pytest.fail("subscriber never received")
-        await pub.send("shutdown", {"reason": "done"})
-        for s in subs:
-            while True:  # skip the extra warm-up copies
-                msg = await s.recv(timeout=T)
-                if msg[0] == "shutdown":
-                    assert msg[1] == {"reason": "done"}
-                    break
-    finally:
-        pub.close()
-        for s in subs:
-            s.close()
 
 
 async def test_router_survives_garbage(caplog):

@@ -1,4 +1,8 @@
-"""Imports the built-in agents, environments and experiments so their register_* calls run."""
+"""Imports the library's built-in agents and environments so their register_* calls run.
+
+The built-in experiments live outside the library (`experiments/`): the entry point passes their modules to
+`arl.cli.main`, which records the chosen experiment's module in `imports` so every role process imports it too.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +13,6 @@ BUILTIN_MODULES = (
     "arl.agents.math_multi_turn",
     "arl.agents.tool_agent",
     "arl.envs.math",
-    "experiments.async_ppo_math",
-    "experiments.tool_calc",
-    "experiments.gsm8k",
 )
 
 

@@ -24,26 +24,39 @@ def _early_imports(argv: Sequence[str]) -> list[str]:
     return []
 
 
-def load_config(argv: Sequence[str]):
-    from arl.api.registry import EXPERIMENTS
-    from arl.builtin import load_builtins
+def load_config(argv: Sequence[str], experiments: Sequence[str] = ()):
+    """The run's config from `argv`, merged into the class of the experiment it names.
 
-    load_builtins()
-    import_user_modules(_early_imports(argv))
+    `experiments`: modules that register experiments (the built-in ones are passed by the entry point; the library
+    does not import them). The chosen experiment's module joins `imports`, so every role process imports it and
+    reads config.yaml with the same class (a user experiment may add fields).
+    """
+    from arl.api.registry import EXPERIMENTS
+
+    _load_registries(argv, experiments)
     name, rest = split_experiment(argv)
     cls = EXPERIMENTS.get(name or "async-ppo-math")
     cfg = parse_overrides(cls, rest)
     cfg.experiment = name or cfg.experiment
+    if cls.__module__ not in cfg.imports and cls.__module__ != "__main__":
+        cfg.imports = [cls.__module__, *cfg.imports]
     return cfg
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def _load_registries(argv: Sequence[str], experiments: Sequence[str]) -> None:
+    from arl.builtin import load_builtins
+
+    load_builtins()
+    import_user_modules([*experiments, *_early_imports(argv)])
+
+
+def main(argv: Optional[Sequence[str]] = None, experiments: Sequence[str] = ()) -> int:
+    """`experiments`: modules registering the experiments to choose from (see load_config)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help", "help") for a in argv):
         from arl.api.registry import EXPERIMENTS
-        from arl.builtin import load_builtins
 
-        load_builtins()
+        _load_registries(argv, experiments)
         name, _ = split_experiment(argv)
         print(format_help(EXPERIMENTS.get(name or "async-ppo-math")))
         print(f"\nregistered experiments: {EXPERIMENTS.names()}")
@@ -52,7 +65,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from arl.api.registry import RegistryError
 
     try:
-        cfg = load_config(argv)
+        cfg = load_config(argv, experiments)
         from arl.launcher.local import RunFailed, check_names, run_experiment
 
         check_names(cfg)

@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from arl.config import ExperimentConfig, parse_overrides, to_yaml  # noqa: E402
+from arl.config import ExperimentConfig, to_yaml  # noqa: E402
 
 
 def machine() -> str:
@@ -42,14 +42,11 @@ def tokenizer_dir(root: str) -> str:
 
 
 def make_config(overrides: list[str]) -> ExperimentConfig:
-    from arl.builtin import load_builtins
+    """The config `python training/main_async_ppo.py *overrides` would run (same experiments, same imports)."""
+    from arl.cli import load_config
+    from experiments import MODULES
 
-    load_builtins()
-    cfg = parse_overrides(ExperimentConfig, overrides)
-    from arl.config import import_user_modules
-
-    import_user_modules(cfg.imports)
-    return cfg
+    return load_config(overrides, MODULES)
 
 
 @dataclasses.dataclass

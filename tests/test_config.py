@@ -43,3 +43,22 @@ def test_threads_split_between_heavy_roles(monkeypatch):
     assert resolve_threads(c, "inference") == 1 and resolve_threads(c, "learner") == 1
     c.learner.threads = 2
     assert resolve_threads(c, "learner") == 2
+
+
+def test_library_does_not_import_experiments_and_roles_import_the_chosen_one():
+    """The built-in experiments come from the entry point; the chosen one's module joins `imports`, which is what
+    every role process imports before it reads config.yaml with that experiment's class."""
+    import subprocess
+    import sys
+
+    code = ("import sys, arl.cli, arl.launcher.worker, arl.launcher.local; from arl.builtin import load_builtins; "
+            "load_builtins(); print(sorted(m for m in sys.modules if m.split('.')[0] == 'experiments'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+    from arl.cli import load_config
+    from experiments import MODULES
+
+    cfg = load_config(["experiment=tool-calc", "imports=[arl.envs.sim_tool]"], MODULES)
+    assert type(cfg).__name__ == "ToolCalcConfig" and cfg.imports == ["experiments.tool_calc", "arl.envs.sim_tool"]
+    assert load_config(["imports=[experiments.async_ppo_math]"], MODULES).imports == ["experiments.async_ppo_math"]

@@ -10,6 +10,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from arl.cli import main  # noqa: E402
+from experiments import MODULES  # noqa: E402 - the built-in experiments (the library does not import them)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(experiments=MODULES))

@@ -19,8 +19,8 @@ class BackendBuilder(Protocol):
                  run_dir: str) -> InferenceEngine: ...
 
 
-BACKENDS: Registry[BackendBuilder] = Registry("inference backend", "BACKENDS.register(name, builder) "
-                                                                   "(arl.inference.factory)")
+BACKENDS: Registry[BackendBuilder] = Registry("inference backend",
+                                              "arl.inference.factory.BACKENDS.register(name, builder)")
 
 
 def server_seed(seed: int, index: int) -> int:

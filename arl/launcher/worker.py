@@ -438,7 +438,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     cfg_path = os.path.join(args.run_dir, "config.yaml")
     raw = OmegaConf.load(cfg_path)
     load_builtins()
-    import_user_modules(list(raw.get("imports", [])))
+    import_user_modules(list(raw.get("imports", [])))  # the experiment's own module is one (see arl.cli)
     cfg: ExperimentConfig = load_yaml(cfg_path, EXPERIMENTS.get(str(raw.get("experiment", "async-ppo-math"))))
     install_stack_dump_handler()  # SIGUSR1 -> every thread's stack in this role's log (the controller asks)
     SOCKET_OPTIONS.update(secret=resolve_secret(cfg.secret, _host(cfg)), max_bytes=cfg.max_message_bytes)

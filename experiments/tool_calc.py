@@ -3,7 +3,7 @@ tool), on CPU, in minutes.
 
     python training/main_async_ppo.py experiment=tool-calc
 
-The warm-up (`arl.models.warmup_tools`) teaches the hermes call format on a mix of tool and direct answers;
+The warm-up (`arl.recipes.warmup_tools`) teaches the hermes call format on a mix of tool and direct answers;
 RL then moves the policy toward the calculator, because two-digit sums and products answered "in the head" are
 mostly wrong. Watch `rollout.tool_calls` / `rollout.reward` in the train records and `traj_means.tool_calls` /
 `first_acc` in the eval records of metrics.jsonl.
@@ -42,7 +42,7 @@ TOOL_AGENT_ARGS = {
 class ToolCalcConfig(ExperimentConfig):
     experiment: str = field("tool-calc", "Registered experiment name.")
     total_train_steps: int = field(60, "Learner steps in the run.")
-    model: ModelConfig = field(factory=lambda: ModelConfig(warmup="arl.models.warmup_tools:get_warm_tool_model",
+    model: ModelConfig = field(factory=lambda: ModelConfig(warmup="arl.recipes.warmup_tools:get_warm_tool_model",
                                                            warmup_target_acc=0.3, warmup_max_steps=1500))
     dataset: DatasetConfig = field(factory=lambda: DatasetConfig(name="word-arith", test_size=200))
     gen: GenerationArgs = field(factory=lambda: GenerationArgs(max_new_tokens=96, temperature=1.0))

@@ -50,7 +50,7 @@ def prepare_model(cfg: ExperimentConfig) -> str:
             raise FileNotFoundError(f"model.warmup {cfg.model.warmup!r}: {e}") from None
         return build(os.path.expanduser(cfg.model.cache_dir), seed=0, target_acc=cfg.model.warmup_target_acc,
                      max_steps=cfg.model.warmup_max_steps, num_threads=1)
-    from arl.models.warmup import get_warm_model
+    from arl.recipes.warmup_arith import get_warm_model
 
     return get_warm_model(
         os.path.expanduser(cfg.model.cache_dir),

@@ -1,6 +1,7 @@
-"""Supervised warm-up of the tiny model for tool calling (the "tool-calc" experiment), and its cached builder.
+"""Warm-up recipe for tool calling (the "tool-calc" experiment): SFT of the tiny model on rendered tool
+conversations, and its cached builder.
 
-The a+b warm-up (`arl.models.warmup`) teaches `prompt -> answer<eos>`; here the model also has to learn the
+The a+b warm-up (`arl.recipes.warmup_arith`) teaches `prompt -> answer<eos>`; here the model also has to learn the
 hermes call format and to read the tool's observation. Each warm-up example is rendered exactly as the tool
 agent renders a rollout (same prompt ids, same observation tokens from the chat template), with the loss on the
 assistant turns only:
@@ -24,7 +25,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from arl.envs.math import exact_number_match
-from arl.models.warmup import cached_model_dir, greedy_generate, masked_sft
+from arl.recipes.sft import cached_model_dir, greedy_generate, masked_sft, save_warm_model, torch_threads
 
 logger = logging.getLogger(__name__)
 
@@ -134,9 +135,9 @@ def get_warm_tool_model(cache_dir: str, *, seed: int = 0, target_acc: float = 0.
                         num_threads: Optional[int] = None, p_tool: float = 0.4, p_python: float = 0.2,
                         test_size: int = 200, data_seed: int = 0, **_: Any) -> str:
     """Path of the tiny model (char tokenizer with TOOL_CHARS) warmed up on word problems with tool calls. The
-    signature matches `model.warmup` ("arl.models.warmup_tools:get_warm_tool_model")."""
+    signature matches `model.warmup` ("arl.recipes.warmup_tools:get_warm_tool_model")."""
     from arl.data.word_problems import make_word_problem_splits
-    from arl.models.tiny import CHARS, TOOL_CHARS, build_char_tokenizer, build_tiny_model, save_model_dir
+    from arl.models.tiny import CHARS, TOOL_CHARS, build_char_tokenizer, build_tiny_model
 
     model_kwargs = {"max_position_embeddings": 512}
     settings = {"format": TOOL_WARMUP_FORMAT, "seed": seed, "target_acc": target_acc, "max_steps": max_steps,
@@ -144,10 +145,7 @@ def get_warm_tool_model(cache_dir: str, *, seed: int = 0, target_acc: float = 0.
                 "chars": CHARS + TOOL_CHARS, "model_kwargs": model_kwargs}
 
     def build(tmp: str) -> dict:
-        old = torch.get_num_threads()
-        if num_threads:
-            torch.set_num_threads(num_threads)
-        try:
+        with torch_threads(num_threads):
             train, test = make_word_problem_splits(test_size=test_size, seed=data_seed)
             tok = build_char_tokenizer(TOOL_CHARS)
             model = build_tiny_model(len(tok), seed=seed, pad_token_id=tok.pad_token_id,
@@ -156,12 +154,6 @@ def get_warm_tool_model(cache_dir: str, *, seed: int = 0, target_acc: float = 0.
             logger.info("warming up the tiny tool model into %s", tmp)
             result = warmup_tool_sft(model, agent, train, test[:100], target_acc=target_acc, max_steps=max_steps,
                                      p_tool=p_tool, p_python=p_python, seed=seed)
-            if not result["reached_target"]:
-                logger.warning("tool warm-up stopped at %d steps with greedy accuracy %.3f < target %.3f",
-                               result["steps"], result["accuracy"], target_acc)
-            save_model_dir(model, tok, tmp)
-            return {"num_params": sum(p.numel() for p in model.parameters()), **result}
-        finally:
-            torch.set_num_threads(old)
+            return save_warm_model(model, tok, tmp, result, "tool warm-up")
 
     return cached_model_dir(cache_dir, "tiny-tools", settings, build)

@@ -8,7 +8,8 @@ import torch
 from arl.agents.common import encode_chat, row_messages
 from arl.data import make_arith_splits
 from arl.models.tiny import build_char_tokenizer, build_tiny_model, load_model_dir
-from arl.models.warmup import MARKER, encode_sft_row, get_warm_model, greedy_accuracy, greedy_generate
+from arl.recipes.sft import MARKER, greedy_generate
+from arl.recipes.warmup_arith import encode_sft_row, get_warm_model, greedy_accuracy
 
 torch.set_num_threads(1)
 

@@ -8,7 +8,7 @@ import torch
 
 from arl.data.word_problems import make_word_problem_splits
 from arl.models.tiny import TOOL_CHARS, build_char_tokenizer, build_tiny_model
-from arl.models.warmup_tools import render_example, tool_agent_for, warmup_tool_sft
+from arl.recipes.warmup_tools import render_example, tool_agent_for, warmup_tool_sft
 
 
 def test_rendered_example_trains_on_assistant_tokens_only():

@@ -55,7 +55,6 @@ from arl.api import (
 from arl.tools.base import ToolResult, ToolSet
 from arl.tools.parsers import ParsedOutput, get_parser
 
-TERMINATIONS = ("answered", "void_turn", "max_turns", "turn_budget", "total_budget", "observation_budget", "abort")
 _DUMMY_BASE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
 
 

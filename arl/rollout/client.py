@@ -135,9 +135,6 @@ class InferenceClient:
                 self._sticky.popitem(last=False)
         return idx
 
-    def end_session(self, session_id: str) -> None:
-        self._sticky.pop(session_id, None)
-
     async def _send(self, p: _Pending, idx: int) -> None:
         """Put `p` on worker `idx` (moving its load there) and send it."""
         if p.idx >= 0:

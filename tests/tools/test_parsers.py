@@ -1,5 +1,7 @@
 """The hermes tool-call parser on well-formed, malformed and multiple calls."""
 
+import pytest
+
 from arl.tools.parsers import HermesParser, get_parser
 
 P = HermesParser()
@@ -60,3 +62,5 @@ def test_format_call_round_trips_and_registry():
     text = P.format_call("calculator", {"expression": "1+2"})
     assert P.parse(text).calls[0].arguments == {"expression": "1+2"}
     assert isinstance(get_parser("hermes"), HermesParser)
+    with pytest.raises(KeyError, match=r"unknown tool-call parser 'xml'; registered tool-call parsers: \['hermes'\]"):
+        get_parser("xml")

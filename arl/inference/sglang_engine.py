@@ -549,19 +549,16 @@ class SGLangEngine:
 
 def launch_sglang_engine(config: SGLangConfig, *, model_path: str, device: str, seed: int, name: str, index: int = 0,
                          run_dir: str = "", max_batch_size: int = 0, max_context_len: int = 0,
-                         health_interval: float = 5.0, host: str = "127.0.0.1",
-                         command: Optional[Sequence[str]] = None) -> SGLangEngine:
+                         health_interval: float = 5.0, host: str = "127.0.0.1") -> SGLangEngine:
     """Start this worker's SGLang server (blocking until /health answers) and return an engine driving it.
 
     GPU servers get CUDA_VISIBLE_DEVICES = the `config.gpus_per_server` GPUs of this worker's group (first_gpu +
     index * g ..., counted within CUDA_VISIBLE_DEVICES when it is set); pass `--tp-size g` in `config.args` to
-    shard one server over them. `command` replaces the launch command (tests start a fake server this way).
+    shard one server over them.
     """
     port = free_port(host)
-    cmd = list(command) if command is not None else server_command(
-        model_path=model_path, host=host, port=port, device=device, seed=seed, python=config.python,
-        max_running_requests=max_batch_size, extra_args=config.args)
-    cmd = [c.replace("{port}", str(port)) for c in cmd]
+    cmd = server_command(model_path=model_path, host=host, port=port, device=device, seed=seed,
+                         python=config.python, max_running_requests=max_batch_size, extra_args=config.args)
     env: dict[str, str] = {}
     if device == "cpu":
         env.update(SGLANG_USE_CPU_ENGINE="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))

@@ -28,6 +28,8 @@ class StatsTracker:
 
     def add(self, name: str, value: float, reduce: Reduce = "sum", weight: float = 1.0,
             default: float = 0.0) -> None:
+        if reduce not in ("sum", "mean", "max", "min"):
+            raise ValueError(f"unknown reduction {reduce!r}")
         kind = self._kind.setdefault(name, reduce)
         if kind != reduce:
             raise ValueError(f"stat {name!r} is reduced by {kind}, not {reduce}")
@@ -44,10 +46,8 @@ class StatsTracker:
             acc[1] += float(weight)
         elif reduce == "max":
             acc[0] = max(acc[0], value)
-        elif reduce == "min":
-            acc[0] = min(acc[0], value)
         else:
-            raise ValueError(f"unknown reduction {reduce!r}")
+            acc[0] = min(acc[0], value)
 
     def __contains__(self, name: str) -> bool:
         return name in self._acc

@@ -177,14 +177,14 @@ class PPOActor:
     def compute_logp(self, batch: PPOBatch) -> None:
         """Proximal logprobs (and reference logprobs with a KL penalty) under the weights before this update."""
         names = ["prox_logp"] + (["ref_logp"] if self.ppo.kl_coef else [])
-        for name in names:
-            batch.data.fields[name] = [np.zeros(0, np.float32)] * len(batch.data)
+        out: dict[str, list[Any]] = {name: [None] * len(batch.data) for name in names}
         for part in batch.minibatches:  # per minibatch: the same micro-batches as its update
-            sub = batch.data.select(part)
+            sub = TrainBatch([batch.data.trajs[i] for i in part])
             for name in names:
                 lps = self.engine.forward_logprobs(sub, self.temperature, reference=name == "ref_logp")
                 for i, lp in zip(part, lps):
-                    batch.data.fields[name][i] = lp
+                    out[name][i] = lp
+        batch.data.fields.update(out)
 
     def compute_advantages(self, batch: PPOBatch) -> None:
         adv, mismatched = self.advantages(batch.received)

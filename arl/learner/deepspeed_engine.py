@@ -271,7 +271,7 @@ class DeepSpeedEngine:
         was_training = self.model_engine.module.training
         self.model_engine.module.eval()
         try:
-            for mb in self._equal_counts(self._micro_batches(batch)):
+            for mb in self._equal_counts(self._micro_batches(TrainBatch(batch.trajs))):  # only the tokens
                 lp = token_logprobs(self._forward_logits(mb, module), mb.input_ids, temperature).cpu().numpy()
                 if mb.packed:
                     bounds = mb.cu_seqlens.tolist()

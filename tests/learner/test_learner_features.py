@@ -125,7 +125,7 @@ def test_kl_to_frozen_initial_weights():
     for k, v in lrn.engine.ref_model.state_dict().items():  # the reference stays frozen at the initial weights
         assert torch.equal(v, base.state_dict()[k]), k
     assert all(not p.requires_grad for p in lrn.engine.ref_model.parameters())
-    assert make_actor(copy.deepcopy(base), lr=1e-3).ref_model is None  # no copy when KL is off
+    assert make_actor(copy.deepcopy(base), lr=1e-3).engine.ref_model is None  # no copy when KL is off
 
 
 def test_turn_level_discount_advantages():

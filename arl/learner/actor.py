@@ -105,18 +105,19 @@ class PPOActor:
         self.engine = engine
         self.ppo = dataclasses.replace(ppo, loss_agg=LossAgg(ppo.loss_agg), kl_estimator=KLEstimator(ppo.kl_estimator),
                                        stale_tokens=StaleTokens(ppo.stale_tokens))  # ValueError on unknown choices
-        if temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
-        if ppo.behav_imp_weight_cap is not None and ppo.behav_imp_weight_cap <= 1.0:
-            raise ValueError(f"behav_imp_weight_cap must be > 1 (or None), got {ppo.behav_imp_weight_cap}")
-        if ppo.dual_clip_c is not None and ppo.dual_clip_c <= 1.0:
-            raise ValueError(f"dual_clip_c must be > 1 (or None), got {ppo.dual_clip_c}")
-        if ppo.turn_discount is not None and not 0.0 <= ppo.turn_discount <= 1.0:
-            raise ValueError(f"turn_discount must be in [0, 1] (or None), got {ppo.turn_discount}")
-        if ppo.stale_tokens != StaleTokens.keep and eta is None:
-            raise ValueError("stale_tokens='drop'/'downweight' needs max_head_offpolicyness (eta)")
-        if not isinstance(ppo.minibatches, int) or ppo.minibatches < 1:
-            raise ValueError(f"ppo minibatches must be an int >= 1, got {ppo.minibatches!r}")
+        for ok, msg in ((temperature > 0, f"temperature must be > 0, got {temperature}"),
+                        (ppo.behav_imp_weight_cap is None or ppo.behav_imp_weight_cap > 1.0,
+                         f"behav_imp_weight_cap must be > 1 (or None), got {ppo.behav_imp_weight_cap}"),
+                        (ppo.dual_clip_c is None or ppo.dual_clip_c > 1.0,
+                         f"dual_clip_c must be > 1 (or None), got {ppo.dual_clip_c}"),
+                        (ppo.turn_discount is None or 0.0 <= ppo.turn_discount <= 1.0,
+                         f"turn_discount must be in [0, 1] (or None), got {ppo.turn_discount}"),
+                        (ppo.stale_tokens == StaleTokens.keep or eta is not None,
+                         "stale_tokens='drop'/'downweight' needs max_head_offpolicyness (eta)"),
+                        (isinstance(ppo.minibatches, int) and ppo.minibatches >= 1,
+                         f"ppo minibatches must be an int >= 1, got {ppo.minibatches!r}")):
+            if not ok:
+                raise ValueError(msg)
         self.temperature = float(temperature)
         self.eta = eta
 

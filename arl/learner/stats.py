@@ -33,21 +33,16 @@ class StatsTracker:
         kind = self._kind.setdefault(name, reduce)
         if kind != reduce:
             raise ValueError(f"stat {name!r} is reduced by {kind}, not {reduce}")
-        value = float(value)
         if name not in self._acc:
-            start = {"sum": [0.0], "mean": [0.0, 0.0], "max": [-math.inf], "min": [math.inf]}[reduce]
-            self._acc[name] = start
+            self._acc[name] = {"sum": [0.0], "mean": [0.0, 0.0], "max": [-math.inf], "min": [math.inf]}[reduce]
             self._default[name] = default
-        acc = self._acc[name]
-        if reduce == "sum":
+        acc, value = self._acc[name], float(value)
+        if reduce in ("sum", "mean"):
             acc[0] += value
-        elif reduce == "mean":
-            acc[0] += value
-            acc[1] += float(weight)
-        elif reduce == "max":
-            acc[0] = max(acc[0], value)
+            if reduce == "mean":
+                acc[1] += float(weight)
         else:
-            acc[0] = min(acc[0], value)
+            acc[0] = max(acc[0], value) if reduce == "max" else min(acc[0], value)
 
     def __contains__(self, name: str) -> bool:
         return name in self._acc

@@ -207,7 +207,8 @@ class LearnerWorker:
         while self.engine.version < self.total_steps:
             trajs, waited = await self.next_batch()  # B groups, FIFO; groups older than v - eta were dropped
             t0, stale_tokens = time.monotonic(), staleness_counts(trajs, self.engine.version)
-            self._begin_step(trajs)
+            self.waiting_on = f"train step {self.engine.version + 1} ({len(trajs)} trajectories)"
+            self._in_step = len(set(t.group_id.split(":", 1)[0] for t in trajs))
             batch = await asyncio.to_thread(self.actor.prepare, trajs)  # per-token staleness, weights, minibatches
             await asyncio.to_thread(self.actor.compute_logp, batch)  # proximal logprobs, before any update
             await asyncio.to_thread(self.actor.compute_advantages, batch)  # group-normalised rewards
@@ -220,10 +221,6 @@ class LearnerWorker:
             await self._send("weights_published", {"version": self.engine.version, "path": path,
                                                    "metrics": metrics})
             self._prune(path)
-
-    def _begin_step(self, batch: list[Trajectory]) -> None:
-        self.waiting_on = f"train step {self.engine.version + 1} ({len(batch)} trajectories)"
-        self._in_step = len(set(t.group_id.split(":", 1)[0] for t in batch))
 
     async def _export(self) -> str:
         path = os.path.join(self.weights_dir, f"v{self.engine.version}.safetensors")

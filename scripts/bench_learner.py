@@ -1,10 +1,10 @@
 """Learner benchmark, side by side in one run:
 
-1. packed vs padded micro-batches: tokens/s of `DeepSpeedLearner.train_step` on the same batch of long-tailed
+1. packed vs padded micro-batches: tokens/s of `PPOActor.step` on a `DeepSpeedEngine`, on the same batch of long-tailed
    sequence lengths (log-normal generation lengths), same token budget per micro-batch. "padded" is the learner's
    padded path (token-budget micro-batches, longest first, right padding); "padded (arrival order)" pads fixed-size
    micro-batches in the order the trajectories arrived, as a loader without length grouping would.
-2. DeepSpeed vs plain torch: seconds per optimizer step of `DeepSpeedLearner.train_step` vs a hand-written
+2. DeepSpeed vs plain torch: seconds per optimizer step of that step vs a hand-written
    plain-torch step doing the same work (same packed micro-batches, proximal-logprob recompute, decoupled PPO loss,
    entropy metric, backward, grad clipping, AdamW) on the same model and batch.
 
@@ -80,7 +80,7 @@ class PlainTorchLearner:
 
         return self.model(**packed_forward_kwargs(mb), use_cache=False).logits
 
-    def train_step(self, batch: list[Trajectory]) -> dict[str, float]:
+    def step(self, batch: list[Trajectory]) -> dict[str, float]:
         from arl.learner.batching import build_packed_micro_batches
         from arl.learner.ppo import (decoupled_ppo_loss, entropy_from_logits, group_advantages, shift_right,
                                      token_logprobs)
@@ -149,7 +149,7 @@ def padded_arrival_order_step(lrn: Any, batch: list[Trajectory], per_mb: int) ->
     def step() -> Any:
         batching.split_by_token_budget = split
         try:
-            return lrn.train_step(batch)
+            return lrn.step(batch)
         finally:
             batching.split_by_token_budget = orig
 
@@ -178,7 +178,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         args.seqs, args.groups, args.vocab, args.hidden, args.layers = 12, 3, 32, 32, 1
         args.prompt_len, args.gen_median, args.max_len, args.max_tokens_per_mb, args.repeats = [2, 4], 6.0, 64, 96, 1
     torch.set_num_threads(args.threads)
-    from arl.learner.deepspeed_engine import DeepSpeedLearner
+    from arl.config import DeepSpeedConfig, OptimizerConfig, PPOConfig
+    from arl.learner.actor import PPOActor
+    from arl.learner.deepspeed_engine import DeepSpeedEngine
 
     batch = long_tailed_batch(args.seqs, args.vocab, tuple(args.prompt_len), args.gen_median, args.gen_sigma,
                               args.max_len, args.groups)
@@ -186,9 +188,13 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     real = int(lens.sum())
     base = make_model(args.vocab, args.hidden, args.layers, args.heads, args.max_len)
     n_params = sum(p.numel() for p in base.parameters())
-    common = dict(lr=1e-5, grad_clip=1.0, max_tokens_per_mb=args.max_tokens_per_mb)
-    packed = DeepSpeedLearner(copy.deepcopy(base), packing=True, **common)
-    padded = DeepSpeedLearner(copy.deepcopy(base), packing=False, **common)
+
+    def ds_actor(packing: bool) -> PPOActor:
+        engine = DeepSpeedEngine(copy.deepcopy(base), OptimizerConfig(lr=1e-5, grad_clip=1.0),
+                                 DeepSpeedConfig(max_tokens_per_mb=args.max_tokens_per_mb, packing=packing))
+        return PPOActor(engine, PPOConfig())
+
+    packed, padded = ds_actor(packing=True), ds_actor(packing=False)
     per_mb = max(1, args.max_tokens_per_mb // int(lens.max()))
     # same peak micro-batch size as the budget allows for the longest sequence
     plain = PlainTorchLearner(copy.deepcopy(base), lr=1e-5, grad_clip=1.0, max_tokens_per_mb=args.max_tokens_per_mb)
@@ -210,13 +216,13 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         return run
 
     times = alternate({
-        "packed": timed(record("packed", packed, lambda: packed.train_step(batch))),
-        "padded": timed(record("padded", padded, lambda: padded.train_step(batch))),
+        "packed": timed(record("packed", packed, lambda: packed.step(batch))),
+        "padded": timed(record("padded", padded, lambda: padded.step(batch))),
         "padded_arrival": timed(record("padded_arrival", padded, padded_arrival_order_step(padded, batch, per_mb))),
     }, args.repeats)
     med = medians(times)
     tps = {k: {c: real / v[c] for c in v} for k, v in med.items()}
-    print("\n1. packed vs padded (DeepSpeedLearner.train_step, median of "
+    print("\n1. packed vs padded (PPOActor.step on DeepSpeedEngine, median of "
           f"{args.repeats} steps each, alternating)")
     print(f"   {'':38s} {'wall s':>7s} {'cpu s':>7s} {'tokens/s (wall)':>16s} {'(cpu)':>8s}  padding")
     for k in ("packed", "padded", "padded_arrival"):
@@ -231,8 +237,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
           "(target >= 1.5)")
 
     ds_plain = alternate({
-        "deepspeed": timed(lambda: packed.train_step(batch)),
-        "plain": timed(lambda: plain.train_step(batch)),
+        "deepspeed": timed(lambda: packed.step(batch)),
+        "plain": timed(lambda: plain.step(batch)),
     }, args.repeats)
     med2 = medians(ds_plain)
     ratio = {c: med2["deepspeed"][c] / med2["plain"][c] for c in ("wall", "cpu")}

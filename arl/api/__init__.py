@@ -1,7 +1,7 @@
 """Public contracts. Nothing here imports zmq, sglang or deepspeed."""
 
 from arl.api.agent import Agent, EnvironmentService
-from arl.api.engine import InferenceEngine, LearnerEngine
+from arl.api.engine import InferenceEngine, TrainBatch, TrainEngine
 from arl.api.registry import (
     AGENTS,
     ENVS,
@@ -23,7 +23,7 @@ from arl.api.types import (
 )
 
 __all__ = [
-    "Agent", "EnvironmentService", "InferenceEngine", "LearnerEngine", "AGENTS", "ENVS", "EXPERIMENTS",
+    "Agent", "EnvironmentService", "InferenceEngine", "TrainBatch", "TrainEngine", "AGENTS", "ENVS", "EXPERIMENTS",
     "RegistryError", "make_agent", "make_env", "register_agent", "register_env", "register_experiment",
     "GenerateRequest", "GenerateResponse", "GenerationConfig", "SampleOutput", "Trajectory", "TrajectoryBuilder",
 ]

@@ -179,30 +179,31 @@ async def run_inference_servers(cfg: ExperimentConfig, ctl: ControlChannel, inde
             [*(w.engine.close() for w in workers), *(_aclose(r) for r in routers)])
 
 
+def _learner_actor(cfg: ExperimentConfig) -> tuple[Any, Any]:
+    """This rank's PPO actor on the configured backend's engine, and the backend's entry."""
+    from arl.learner.actor import PPOActor
+    from arl.learner.backends import LEARNER_BACKENDS
+
+    backend = LEARNER_BACKENDS.get(cfg.learner.backend)
+    actor = PPOActor(backend.build(cfg), cfg.learner.ppo, temperature=cfg.gen.temperature,
+                     eta=cfg.max_head_offpolicyness)
+    return actor, backend
+
+
 async def run_learner(cfg: ExperimentConfig, ctl: ControlChannel, index: int, run_dir: str) -> RoleParts:
+    from arl.learner.ranks import RankLeader
     from arl.learner.worker import LearnerWorker
 
     lc = cfg.learner
-    leader: Any = None
-    if lc.backend == "sim":  # benchmarks: no model, sleeps per token, exports a placeholder weights file
-        from arl.learner.sim_learner import SimLearner
-
-        engine: Any = SimLearner(s_per_token=lc.sim.s_per_token, step_base_s=lc.sim.step_base_s,
-                                 time_scale=lc.sim.time_scale, version=0)
-    else:
-        from arl.learner.deepspeed_engine import learner_from_config
-        from arl.models.tiny import load_model_dir
-
-        model, _ = load_model_dir(cfg.model.path)
-        engine = learner_from_config(model, cfg)
-        if engine.world_size > 1:  # learner.num_ranks > 1: the other ranks run `run_learner_follower`
-            from arl.learner.ranks import RankLeader
-
-            engine = leader = RankLeader(engine)
+    actor, backend = _learner_actor(cfg)
+    # learner.num_ranks > 1: the other ranks run `run_learner_follower`; rank 0 drives them all
+    leader = RankLeader(actor) if actor.engine.world_size > 1 else None
     pull = Pull()
     address = bind_random(pull, _host(cfg))
+    real = backend.trains_model  # the simulated backend neither checkpoints nor checks token ids
     worker = LearnerWorker(
-        engine=engine,
+        actor=leader or actor,
+        engine=leader or actor.engine,
         pull=pull,
         send_control=ctl.send,
         batch_size=lc.batch_size,
@@ -210,12 +211,12 @@ async def run_learner(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
         weights_dir=os.path.join(run_dir, "weights"),
         keep_versions=lc.keep_weight_versions,
         max_head_offpolicyness=cfg.max_head_offpolicyness,
-        checkpoint_dir=os.path.join(run_dir, "checkpoints") if lc.backend != "sim" else None,
+        checkpoint_dir=os.path.join(run_dir, "checkpoints") if real else None,
         checkpoint_every=lc.checkpoint_every,
         keep_checkpoints=lc.keep_checkpoints,
-        vocab_size=_vocab_size(cfg) if lc.backend != "sim" else None,
+        vocab_size=_vocab_size(cfg) if real else None,
     )
-    if cfg.recover == "auto" and lc.backend != "sim":
+    if cfg.recover == "auto":
         await worker.resume()  # before registering: the controller sends the exported weights to inference
     await ctl.request("register", {"role": "learner", "index": 0, "address": address, "pid": os.getpid()},
                       "ack", cfg.startup_timeout)
@@ -226,16 +227,13 @@ async def run_learner(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
 
 
 def run_learner_follower(cfg: ExperimentConfig) -> int:
-    """Learner rank > 0: build the same engine (DeepSpeed's collectives line up), resume like rank 0, then run
-    rank 0's commands until it says stop (see `arl.learner.ranks`)."""
-    from arl.learner.deepspeed_engine import learner_from_config
+    """Learner rank > 0: build the same engine and actor (DeepSpeed's collectives line up), resume like rank 0,
+    then run rank 0's commands until it says stop (see `arl.learner.ranks`)."""
     from arl.learner.ranks import follow
-    from arl.models.tiny import load_model_dir
 
-    model, _ = load_model_dir(cfg.model.path)
-    engine = learner_from_config(model, cfg)
-    steps = follow(engine)
-    logger.info("learner rank %d done after %d steps", engine.rank, steps)
+    actor, _ = _learner_actor(cfg)
+    steps = follow(actor)
+    logger.info("learner rank %d done after %d steps", actor.engine.rank, steps)
     return 0
 
 

@@ -30,6 +30,7 @@ import torch
 from arl.api.types import Trajectory
 
 __all__ = [
+    "PER_TOKEN",
     "MicroBatch",
     "split_by_token_budget",
     "collate_padded",
@@ -38,6 +39,9 @@ __all__ = [
     "collate_packed",
     "build_packed_micro_batches",
 ]
+
+
+PER_TOKEN = ("token_weights", "prox_logp", "ref_logp")  # optional float per-token fields of a MicroBatch
 
 
 @dataclasses.dataclass
@@ -52,8 +56,9 @@ class MicroBatch:
 
     Packed micro-batches (`collate_packed`) have ``B = 1``, ``L = sum(seq_lens)``, ``attention_mask = None``,
     ``position_ids`` long [1, L] restarting at 0 per sequence and ``cu_seqlens`` int32 [n_seqs + 1] (cumulative
-    lengths, the flash-attention varlen convention). ``token_weights`` float32 (same shape as ``loss_mask``) are
-    optional per-token loss multipliers (sequence-level aggregation, staleness down-weighting).
+    lengths, the flash-attention varlen convention). Optional float32 per-token tensors (same shape as
+    ``loss_mask``, 0 off it; `PER_TOKEN`): ``token_weights`` (loss multipliers: sequence-level aggregation,
+    staleness down-weighting), ``prox_logp`` and ``ref_logp`` (proximal and reference logprobs).
     """
 
     input_ids: torch.Tensor
@@ -67,6 +72,8 @@ class MicroBatch:
     position_ids: Optional[torch.Tensor] = None
     cu_seqlens: Optional[torch.Tensor] = None
     token_weights: Optional[torch.Tensor] = None
+    prox_logp: Optional[torch.Tensor] = None
+    ref_logp: Optional[torch.Tensor] = None
 
     @property
     def packed(self) -> bool:
@@ -84,6 +91,8 @@ class MicroBatch:
         """A one-sequence micro-batch with no loss tokens (a rank with fewer micro-batches runs these so every rank
         does the same number of backward passes)."""
         n = int(self.seq_lens[0])
+        cut = (lambda x: x[:, :n]) if self.packed else (lambda x: x[:1])
+        extra = {k: None if getattr(self, k) is None else cut(getattr(self, k)) for k in PER_TOKEN}
         if self.packed:
             return MicroBatch(
                 input_ids=self.input_ids[:, :n],
@@ -96,7 +105,7 @@ class MicroBatch:
                 indices=[],
                 position_ids=self.position_ids[:, :n],
                 cu_seqlens=self.cu_seqlens[:2],
-                token_weights=None if self.token_weights is None else self.token_weights[:, :n],
+                **extra,
             )
         return MicroBatch(
             input_ids=self.input_ids[:1],
@@ -107,7 +116,7 @@ class MicroBatch:
             advantages=self.advantages[:1],
             seq_lens=self.seq_lens[:1],
             indices=[],
-            token_weights=None if self.token_weights is None else self.token_weights[:1],
+            **extra,
         )
 
     @property
@@ -169,13 +178,13 @@ def collate_padded(
     advantages: Sequence[float | np.ndarray],
     *,
     pad_token_id: int = 0,
-    token_weights: Optional[Sequence[float | np.ndarray]] = None,
+    **per_token: Optional[Sequence[float | np.ndarray]],
 ) -> MicroBatch:
     """Right-pad ``trajs[i] for i in indices`` into one `MicroBatch`.
 
     ``advantages[i]`` is either a scalar (broadcast to the trajectory's loss-mask tokens, the GRPO case) or a
-    per-token array aligned with ``trajs[i].input_ids``. Values off the loss mask are zeroed. ``token_weights``
-    (optional, same convention) fill ``MicroBatch.token_weights``.
+    per-token array aligned with ``trajs[i].input_ids``. Values off the loss mask are zeroed. ``per_token``
+    (optional `PER_TOKEN` fields, e.g. ``token_weights``, same convention) fill the micro-batch's tensors.
     """
     idx = list(indices)
     if not idx:
@@ -188,7 +197,7 @@ def collate_padded(
     logprobs = np.zeros((B, L), np.float32)
     versions = np.full((B, L), -1, np.int64)
     adv = np.zeros((B, L), np.float32)
-    tw = None if token_weights is None else np.zeros((B, L), np.float32)
+    extra = {k: np.zeros((B, L), np.float32) for k, v in per_token.items() if v is not None}
     for row, i in enumerate(idx):
         t = trajs[i]
         n = lens[row]
@@ -201,8 +210,8 @@ def collate_padded(
         logprobs[row, :n] = np.where(m, t.logprobs, 0.0)
         versions[row, :n] = np.where(m, t.versions, -1)
         adv[row, :n] = np.where(m, _per_token_advantages(t, advantages[i]), 0.0)
-        if tw is not None:
-            tw[row, :n] = np.where(m, _per_token_advantages(t, token_weights[i]), 0.0)
+        for k, arr in extra.items():
+            arr[row, :n] = np.where(m, _per_token_advantages(t, per_token[k][i]), 0.0)
     return MicroBatch(
         input_ids=torch.from_numpy(input_ids),
         attention_mask=torch.from_numpy(attn),
@@ -212,7 +221,7 @@ def collate_padded(
         advantages=torch.from_numpy(adv),
         seq_lens=torch.tensor(lens, dtype=torch.long),
         indices=idx,
-        token_weights=None if tw is None else torch.from_numpy(tw),
+        **{k: torch.from_numpy(v) for k, v in extra.items()},
     )
 
 
@@ -222,27 +231,28 @@ def build_micro_batches(
     advantages: Optional[Sequence[float | np.ndarray]] = None,
     *,
     pad_token_id: int = 0,
-    token_weights: Optional[Sequence[float | np.ndarray]] = None,
+    **per_token: Optional[Sequence[float | np.ndarray]],
 ) -> list[MicroBatch]:
     """Split ``trajs`` by token budget and collate each group (see module doc). ``advantages`` defaults to 0."""
-    advantages = _check_per_traj(trajs, advantages, token_weights)
+    advantages = _check_per_traj(trajs, advantages, per_token)
     groups = split_by_token_budget([len(t.input_ids) for t in trajs], max_tokens_per_mb)
-    return [
-        collate_padded(trajs, g, advantages, pad_token_id=pad_token_id, token_weights=token_weights) for g in groups
-    ]
+    return [collate_padded(trajs, g, advantages, pad_token_id=pad_token_id, **per_token) for g in groups]
 
 
 def _check_per_traj(
     trajs: Sequence[Trajectory],
     advantages: Optional[Sequence[float | np.ndarray]],
-    token_weights: Optional[Sequence[float | np.ndarray]],
+    per_token: dict[str, Optional[Sequence[float | np.ndarray]]],
 ) -> Sequence[float | np.ndarray]:
     if advantages is None:
         advantages = [0.0] * len(trajs)
     if len(advantages) != len(trajs):
         raise ValueError(f"{len(advantages)} advantages for {len(trajs)} trajectories")
-    if token_weights is not None and len(token_weights) != len(trajs):
-        raise ValueError(f"{len(token_weights)} token weight entries for {len(trajs)} trajectories")
+    for k, v in per_token.items():
+        if k not in PER_TOKEN:
+            raise ValueError(f"unknown per-token field {k!r} (known: {PER_TOKEN})")
+        if v is not None and len(v) != len(trajs):
+            raise ValueError(f"{len(v)} {k} entries for {len(trajs)} trajectories")
     return advantages
 
 
@@ -272,8 +282,7 @@ def collate_packed(
     trajs: Sequence[Trajectory],
     indices: Sequence[int],
     advantages: Sequence[float | np.ndarray],
-    *,
-    token_weights: Optional[Sequence[float | np.ndarray]] = None,
+    **per_token: Optional[Sequence[float | np.ndarray]],
 ) -> MicroBatch:
     """Concatenate ``trajs[i] for i in indices`` into one padding-free row (see `MicroBatch`). Per-token values
     follow `collate_padded`; the first token of every sequence is out of the loss (it has no prefix in its own
@@ -284,7 +293,8 @@ def collate_packed(
     lens = [len(trajs[i].input_ids) for i in idx]
     if min(lens) < 1:
         raise ValueError("packing needs non-empty sequences")
-    parts: dict[str, list[np.ndarray]] = {k: [] for k in ("ids", "mask", "lp", "ver", "adv", "pos", "tw")}
+    extra = [k for k, v in per_token.items() if v is not None]
+    parts: dict[str, list[np.ndarray]] = {k: [] for k in ("ids", "mask", "lp", "ver", "adv", "pos", *extra)}
     for i, n in zip(idx, lens):
         t = trajs[i]
         m = t.loss_mask.astype(bool).copy()
@@ -295,8 +305,8 @@ def collate_packed(
         parts["ver"].append(np.where(m, t.versions, -1).astype(np.int64))
         parts["adv"].append(np.where(m, _per_token_advantages(t, advantages[i]), 0.0).astype(np.float32))
         parts["pos"].append(np.arange(n, dtype=np.int64))
-        if token_weights is not None:
-            parts["tw"].append(np.where(m, _per_token_advantages(t, token_weights[i]), 0.0).astype(np.float32))
+        for k in extra:
+            parts[k].append(np.where(m, _per_token_advantages(t, per_token[k][i]), 0.0).astype(np.float32))
 
     def row(key: str) -> torch.Tensor:
         return torch.from_numpy(np.concatenate(parts[key])).unsqueeze(0)
@@ -314,7 +324,7 @@ def collate_packed(
         indices=idx,
         position_ids=row("pos"),
         cu_seqlens=torch.from_numpy(cu),
-        token_weights=row("tw") if token_weights is not None else None,
+        **{k: row(k) for k in extra},
     )
 
 
@@ -322,10 +332,9 @@ def build_packed_micro_batches(
     trajs: Sequence[Trajectory],
     max_tokens_per_mb: int,
     advantages: Optional[Sequence[float | np.ndarray]] = None,
-    *,
-    token_weights: Optional[Sequence[float | np.ndarray]] = None,
+    **per_token: Optional[Sequence[float | np.ndarray]],
 ) -> list[MicroBatch]:
     """Bin-pack ``trajs`` by token budget and concatenate each bin into one padding-free row."""
-    advantages = _check_per_traj(trajs, advantages, token_weights)
+    advantages = _check_per_traj(trajs, advantages, per_token)
     bins = pack_by_token_budget([len(t.input_ids) for t in trajs], max_tokens_per_mb)
-    return [collate_packed(trajs, b, advantages, token_weights=token_weights) for b in bins]
+    return [collate_packed(trajs, b, advantages, **per_token) for b in bins]

@@ -1,6 +1,6 @@
 """Finding the latest learner checkpoint of a run without importing torch or DeepSpeed (the launcher needs it).
 
-Layout (written by `DeepSpeedLearner.save`): ``<run>/checkpoints/latest`` names a tag ``v<version>``;
+Layout (written by `DeepSpeedEngine.save`): ``<run>/checkpoints/latest`` names a tag ``v<version>``;
 ``<run>/checkpoints/v<version>/`` holds DeepSpeed's files and `CHECKPOINT_STATE_FILE`, a JSON dict with the policy
 version and the learner worker's resume state (groups consumed, data position, counters).
 """

@@ -1,18 +1,15 @@
-"""`DeepSpeedLearner`: the learner engine (decoupled PPO with group advantages) on top of `deepspeed.initialize`.
+"""`DeepSpeedEngine`: forward/backward/step, checkpoints and weight export of one HF causal LM through DeepSpeed.
 
-One `train_step(batch)` is one optimizer step, whatever the number of micro-batches:
+It knows nothing of PPO: an algorithm (`arl.learner.actor.PPOActor`) hands it a `TrainBatch` and a loss function.
+One `train_batch` is one optimizer step, whatever the number of micro-batches:
 
-1. proximal logprobs are recomputed with the current weights (no grad, eval mode);
-2. GRPO advantages from ``traj.reward`` grouped by ``traj.group_id``, broadcast over each trajectory's loss-mask
-   tokens (or per-turn advantages with ``turn_discount``); staleness at consumption and the loss aggregation
-   become per-token loss masks / weights;
-3. the batch is split into micro-batches by a token budget (`arl.learner.batching`): packed without padding by
-   default (``packing=True``, see `arl.learner.packing`), right-padded otherwise; each micro-batch's loss is
-   ``sum of its token losses / tokens in the whole batch`` (times the data-parallel world size, because DeepSpeed
-   averages gradients over ranks), so the accumulated gradient is the gradient of the token-level mean over the
-   whole (global) batch, independent of how it was split;
-4. one ``engine.step()``;
-5. ``version += 1``.
+1. the batch is split into micro-batches by a token budget (`arl.learner.batching`): packed without padding by
+   default (``packing=True``, see `arl.learner.packing`), right-padded otherwise;
+2. each micro-batch's loss is ``loss_fn(logits, mb, denominator)`` with ``denominator`` = the sum of
+   ``loss_weight_fn`` over the micro-batches of every rank, divided by the data-parallel world size (DeepSpeed
+   averages gradients over ranks), so the accumulated gradient is that of the global weighted mean, independent
+   of how the batch was split;
+3. one ``engine.step()``.
 
 Gradient-accumulation boundary. DeepSpeed is configured with ``train_micro_batch_size_per_gpu=1`` and
 ``gradient_accumulation_steps=1`` and keeps its default *managed* accumulation mode, so ``engine.backward`` does
@@ -21,22 +18,19 @@ hand before every backward with ``engine.set_gradient_accumulation_boundary(is_l
 last micro-batch (gradients accumulate locally; stage 0/1 defer the all-reduce, stage 2/3 reduce into their
 partitioned buffers), ``True`` for the last (stage 0/1 all-reduce, ZeRO finalises). ``engine.step()`` is then
 called once; DeepSpeed sees the boundary flag and runs clipping + the optimizer. With several ranks, ZeRO-2/3 issue
-collectives in every backward, so ranks must run the same number of micro-batches: the learner all-reduces the
-maximum count and pads with empty micro-batches (zero loss, still a backward). (DeepSpeed 0.19.8 also has
-``managed_gradient_accumulation=False`` where every ``step()`` is the boundary; it refuses ``overlap_comm`` with
-stages 1/3, so the documented ``set_gradient_accumulation_boundary`` path is used instead.)
+collectives in every backward (ZeRO-3 in every forward too), so ranks must run the same number of micro-batches:
+the engine all-reduces the maximum count and pads with empty micro-batches (zero loss, still a backward). (DeepSpeed
+0.19.8 also has ``managed_gradient_accumulation=False`` where every ``step()`` is the boundary; it refuses
+``overlap_comm`` with stages 1/3, so the documented ``set_gradient_accumulation_boundary`` path is used instead.)
 
-Distributed setup: without RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT/LOCAL_RANK in the environment the learner sets
+Distributed setup: without RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT/LOCAL_RANK in the environment the engine sets
 single-process defaults (a free local port) before ``deepspeed.init_distributed`` -- DeepSpeed otherwise tries MPI
-discovery. The backend is gloo on CPU and DeepSpeed's default (nccl) on GPU. Each rank passes its own share of the
-batch to `train_step` (whole groups per rank, since advantages are normalised within a group).
+discovery. The backend is gloo on CPU and DeepSpeed's default (nccl) on GPU.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
-import itertools
 import json
 import logging
 import math
@@ -45,57 +39,21 @@ import random
 import shutil
 import socket
 import tempfile
-import time
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
-from arl.api.types import Trajectory
-from arl.learner.checkpoint import CHECKPOINT_STATE_FILE, latest_checkpoint, read_checkpoint_state
+from arl.api.engine import LossFn, LossWeightFn, TrainBatch
+from arl.config import DeepSpeedConfig, OptimizerConfig, PackedAttention
 from arl.learner.batching import MicroBatch, build_micro_batches, build_packed_micro_batches
+from arl.learner.checkpoint import CHECKPOINT_STATE_FILE
 from arl.learner.packing import enable_varlen_attention, packed_forward_kwargs
-from arl.learner.ppo import (
-    decoupled_ppo_loss,
-    discounted_turn_returns,
-    entropy_from_logits,
-    group_advantages,
-    sequence_level_weights,
-    shift_right,
-    stale_token_weights,
-    token_logprobs,
-    turn_level_advantages,
-    turn_segments,
-)
+from arl.learner.ppo import token_logprobs
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DeepSpeedLearner", "ensure_distributed", "METRIC_KEYS", "lr_lambda", "latest_checkpoint",
-           "read_checkpoint_state", "CHECKPOINT_STATE_FILE", "learner_from_config"]
-
-METRIC_KEYS = (
-    "loss",
-    "reward_mean",
-    "reward_std",
-    "adv_abs_mean",
-    "clip_frac",
-    "imp_weight_mean",
-    "capped_frac",
-    "approx_kl",
-    "entropy",
-    "grad_norm",
-    "n_seqs",
-    "n_tokens",
-    "head_offpolicyness",
-    "tail_offpolicyness",
-    "step_seconds",
-    "tokens_per_s",
-    "lr",
-    "dual_clip_frac",
-    "kl_ref",
-    "stale_token_frac",
-    "pad_frac",
-)
+__all__ = ["DeepSpeedEngine", "ensure_distributed", "lr_lambda"]
 
 _DIST_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
 
@@ -147,29 +105,6 @@ def ensure_distributed() -> None:
                 os.environ.pop(k, None)
 
 
-def _n_scored_seqs(mb: MicroBatch) -> int:
-    """Sequences of a micro-batch with at least one loss token (the count sequence-level aggregation divides by)."""
-    if not mb.packed:
-        return int((mb.loss_mask.sum(-1) > 0).sum())
-    bounds = mb.cu_seqlens.tolist()
-    return int(sum(bool(mb.loss_mask[0, s:e].any()) for s, e in zip(bounds[:-1], bounds[1:])))
-
-
-def split_minibatches(lengths: Sequence[int], k: int) -> list[list[int]]:
-    """Indices of `lengths` in `min(k, n)` minibatches of nearly equal token counts (longest first onto the
-    lightest; each list in arrival order). Deterministic, so a resumed run splits the same way."""
-    k = max(1, min(int(k), len(lengths)))
-    if k == 1:
-        return [list(range(len(lengths)))]
-    loads = [0] * k
-    parts: list[list[int]] = [[] for _ in range(k)]
-    for i in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
-        b = min(range(k), key=lambda m: (loads[m], m))
-        parts[b].append(i)
-        loads[b] += lengths[i]
-    return [sorted(p) for p in parts]
-
-
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0):
     """LR multiplier per optimizer step ``k`` (0-based): linear warm-up over ``warmup_steps`` (from ``1/warmup``
     to 1), then ``constant``, ``linear`` decay or ``cosine`` decay down to ``min_lr_ratio`` at ``total_steps``."""
@@ -192,134 +127,55 @@ def lr_lambda(schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: 
     return fn
 
 
-class DeepSpeedLearner:
-    """Decoupled-PPO learner on a HF causal LM, trained through DeepSpeed (implements `LearnerEngine`).
+
+class DeepSpeedEngine:
+    """A HF causal LM trained through DeepSpeed (implements `arl.api.engine.TrainEngine`).
 
     Args:
         model: a HF causal LM (``model(input_ids=..., attention_mask=...).logits``); DeepSpeed takes it over.
-        lr, betas, weight_decay: client ``torch.optim.AdamW`` (no compiled DeepSpeed op needed).
-        grad_clip: DeepSpeed ``gradient_clipping`` (0 disables).
-        zero_stage: 0..3. offload_optimizer: ZeRO-Offload of the optimizer state to CPU (stage >= 1).
-        bf16: DeepSpeed bf16 mode (weights/activations in bf16, fp32 master weights in the optimizer).
-        max_tokens_per_mb: padded-token budget of one micro-batch.
-        eps_clip, behav_imp_weight_cap, naive_ppo: see `arl.learner.ppo.decoupled_ppo_loss`.
-        adv_std_norm: divide group-centred rewards by the group std.
-        temperature: sampling temperature of the behaviour policy; logprobs are taken under logits / temperature.
-        version: policy version of the initial weights. seed: seeds python/numpy/torch RNGs of this process.
-        packing: padding-free micro-batches (`build_packed_micro_batches`, budget = real tokens) instead of right-
-            padded ones (budget = padded tokens). packed_attention: ``"varlen"`` (per-sequence SDPA, see
-            `arl.learner.packing`) or ``"mask"`` (transformers' block-diagonal mask from restarting position ids).
-        dual_clip_c: dual-clip bound for negative advantages (None: off).
-        loss_agg: ``"token"`` (mean over all loss tokens of the global batch) or ``"seq"`` (mean over sequences of
-            each sequence's token mean).
-        kl_coef, kl_estimator: KL(current || reference) penalty, ``k1`` or ``k3``; the reference is a frozen copy
-            of ``model`` as given (the initial weights) unless ``ref_model`` is passed. 0 disables (no copy made).
-        turn_discount: None: one advantage per trajectory from ``traj.reward``. A float gamma: per-turn
-            advantages from ``traj.turn_rewards`` (reward-to-go with discount gamma over turns, group baseline from
-            the first-turn returns, `ppo.turn_level_advantages`); a turn = a maximal run of loss-mask tokens.
-        max_head_offpolicyness, stale_tokens, stale_token_decay: staleness at consumption per token. Tokens older
-            than ``version - eta`` are kept (``"keep"``), dropped (``"drop"``) or down-weighted by
-            ``decay ** (lag - eta)`` (``"downweight"``). ``stale_token_frac`` is reported whenever eta is given.
-        lr_schedule, warmup_steps, total_steps, min_lr_ratio: LR multiplier per optimizer step (`lr_lambda`),
+        optimizer: client ``torch.optim.AdamW`` settings (no compiled DeepSpeed op needed), gradient clipping
+            (DeepSpeed ``gradient_clipping``, 0 disables) and the LR multiplier per optimizer step (`lr_lambda`),
             handed to DeepSpeed as its LR scheduler (saved and restored with checkpoints).
+        deepspeed: ZeRO stage (optimizer offload to CPU needs stage >= 1), bf16 (weights/activations in bf16, fp32
+            master weights in the optimizer), the token budget of a micro-batch and packing: padding-free
+            micro-batches (budget = real tokens) instead of right-padded ones (budget = padded tokens), with
+            ``packed_attention`` ``varlen`` (per-sequence SDPA, see `arl.learner.packing`) or ``mask``
+            (transformers' block-diagonal mask from restarting position ids).
+        seed: seeds python/numpy/torch RNGs of this process. total_optimizer_steps: where the LR schedule ends.
+        version: policy version of the initial weights.
+        reference: keep a frozen copy of ``model`` as given (the initial weights) for
+            ``forward_logprobs(..., reference=True)`` (a KL penalty); ``ref_model`` passes another one.
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        *,
-        lr: float = 1e-4,
-        betas: tuple[float, float] = (0.9, 0.99),
-        weight_decay: float = 0.0,
-        grad_clip: float = 1.0,
-        zero_stage: int = 0,
-        offload_optimizer: bool = False,
-        bf16: bool = False,
-        max_tokens_per_mb: int = 4096,
-        eps_clip: float = 0.2,
-        behav_imp_weight_cap: Optional[float] = 5.0,
-        naive_ppo: bool = False,
-        ppo_minibatches: int = 1,
-        adv_std_norm: bool = True,
-        temperature: float = 1.0,
-        version: int = 0,
-        seed: int = 0,
-        packing: bool = True,
-        packed_attention: str = "varlen",
-        dual_clip_c: Optional[float] = None,
-        loss_agg: str = "token",
-        kl_coef: float = 0.0,
-        kl_estimator: str = "k1",
-        ref_model: Optional[torch.nn.Module] = None,
-        turn_discount: Optional[float] = None,
-        max_head_offpolicyness: Optional[int] = None,
-        stale_tokens: str = "keep",
-        stale_token_decay: float = 0.5,
-        lr_schedule: str = "constant",
-        warmup_steps: int = 0,
-        total_steps: int = 1,
-        min_lr_ratio: float = 0.0,
-    ) -> None:
-        import deepspeed
+    def __init__(self, model: torch.nn.Module, optimizer: OptimizerConfig, deepspeed: DeepSpeedConfig, *,
+                 seed: int = 0, total_optimizer_steps: int = 1, version: int = 0, reference: bool = False,
+                 ref_model: Optional[torch.nn.Module] = None) -> None:
+        import deepspeed as ds
 
-        if zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"zero_stage must be 0..3, got {zero_stage}")
-        if offload_optimizer and zero_stage == 0:
+        ds_cfg, opt_cfg = deepspeed, optimizer
+        if ds_cfg.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0..3, got {ds_cfg.zero_stage}")
+        if ds_cfg.offload_optimizer and ds_cfg.zero_stage == 0:
             raise ValueError("offload_optimizer needs zero_stage >= 1")
-        if temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
-        if behav_imp_weight_cap is not None and behav_imp_weight_cap <= 1.0:
-            raise ValueError(f"behav_imp_weight_cap must be > 1 (or None), got {behav_imp_weight_cap}")
-        self.max_tokens_per_mb = int(max_tokens_per_mb)
-        self.eps_clip = float(eps_clip)
-        self.behav_imp_weight_cap = behav_imp_weight_cap
-        self.naive_ppo = bool(naive_ppo)
-        self.adv_std_norm = bool(adv_std_norm)
-        self.temperature = float(temperature)
-        self._version = int(version)
-        self.seed = int(seed)
-        self.zero_stage = int(zero_stage)
-        self.bf16 = bool(bf16)
-        if packed_attention not in ("varlen", "mask"):
-            raise ValueError(f"packed_attention must be 'varlen' or 'mask', got {packed_attention!r}")
-        if loss_agg not in ("token", "seq"):
-            raise ValueError(f"loss_agg must be 'token' or 'seq', got {loss_agg!r}")
-        if kl_estimator not in ("k1", "k3"):
-            raise ValueError(f"kl_estimator must be 'k1' or 'k3', got {kl_estimator!r}")
-        if dual_clip_c is not None and dual_clip_c <= 1.0:
-            raise ValueError(f"dual_clip_c must be > 1 (or None), got {dual_clip_c}")
-        if turn_discount is not None and not 0.0 <= turn_discount <= 1.0:
-            raise ValueError(f"turn_discount must be in [0, 1] (or None), got {turn_discount}")
-        if stale_tokens not in ("keep", "drop", "downweight"):
-            raise ValueError(f"stale_tokens must be 'keep', 'drop' or 'downweight', got {stale_tokens!r}")
-        if stale_tokens != "keep" and max_head_offpolicyness is None:
-            raise ValueError("stale_tokens='drop'/'downweight' needs max_head_offpolicyness (eta)")
-        if not isinstance(ppo_minibatches, int) or ppo_minibatches < 1:
-            raise ValueError(f"ppo_minibatches must be an int >= 1, got {ppo_minibatches!r}")
-        self.ppo_minibatches = ppo_minibatches
-        lr_fn = lr_lambda(lr_schedule, int(warmup_steps), int(total_steps), float(min_lr_ratio))
-        self.packing = bool(packing)
-        self.packed_attention = packed_attention
-        self.dual_clip_c = dual_clip_c
-        self.loss_agg = loss_agg
-        self.kl_coef = float(kl_coef)
-        self.kl_estimator = kl_estimator
-        self.turn_discount = turn_discount
-        self.eta = max_head_offpolicyness
-        self.stale_tokens = stale_tokens
-        self.stale_token_decay = float(stale_token_decay)
+        self.packed_attention = PackedAttention(ds_cfg.packed_attention)  # ValueError on an unknown mode
+        lr_fn = lr_lambda(opt_cfg.lr_schedule, int(opt_cfg.warmup_steps), int(total_optimizer_steps),
+                          float(opt_cfg.min_lr_ratio))
+        self.version = int(version)
+        self.zero_stage = int(ds_cfg.zero_stage)
+        self.bf16 = bool(ds_cfg.bf16)
+        self.max_tokens_per_mb = int(ds_cfg.max_tokens_per_mb)
+        self.packing = bool(ds_cfg.packing)
         self.ref_model: Optional[torch.nn.Module] = None
-        if self.kl_coef:
+        if reference or ref_model is not None:
             ref = ref_model if ref_model is not None else copy.deepcopy(model)
             ref.eval()
             for p_ in ref.parameters():
                 p_.requires_grad_(False)
             self.ref_model = ref
-        if self.packing and self.packed_attention == "varlen":
+        if self.packing and self.packed_attention == PackedAttention.varlen:
             enable_varlen_attention(model)
             if self.ref_model is not None:
                 enable_varlen_attention(self.ref_model)
-
         if self.bf16 and self.zero_stage == 0:
             # DeepSpeed 0.19.8 wraps bf16 + stage 0 + a client optimizer in FP16_UnfusedOptimizer, which
             # accumulates gradients in bf16; stage >= 1 uses fp32 gradient accumulation.
@@ -334,16 +190,15 @@ class DeepSpeedLearner:
         self._dist = dist
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
-
         zero: dict[str, Any] = {"stage": self.zero_stage}
-        if offload_optimizer:
+        if ds_cfg.offload_optimizer:
             zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
         if self.zero_stage == 3:
             zero["stage3_gather_16bit_weights_on_model_save"] = True
         self.ds_config: dict[str, Any] = {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,
-            "gradient_clipping": float(grad_clip),
+            "gradient_clipping": float(opt_cfg.grad_clip),
             "zero_optimization": zero,
             "bf16": {"enabled": self.bf16},
             # A client torch AdamW with ZeRO-Offload: allowed (DeepSpeedCPUAdam would JIT-compile an op).
@@ -352,295 +207,119 @@ class DeepSpeedLearner:
             "wall_clock_breakdown": False,
         }
         self.pad_token_id = int(getattr(getattr(model, "config", None), "pad_token_id", None) or 0)
-        optimizer = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad], lr=lr, betas=tuple(betas), weight_decay=weight_decay
-        )
-        self.engine, self.optimizer, _, self.lr_scheduler = deepspeed.initialize(
-            model=model,
-            optimizer=optimizer,
-            config=self.ds_config,
+        adamw = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=opt_cfg.lr,
+                                  betas=tuple(opt_cfg.betas), weight_decay=opt_cfg.weight_decay)
+        self.model_engine, self.optimizer, _, self.lr_scheduler = ds.initialize(
+            model=model, optimizer=adamw, config=self.ds_config,
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_fn),
         )
-        self.device = self.engine.device
+        self.device = self.model_engine.device
         if self.ref_model is not None:
             self.ref_model.to(self.device)
-
-    # ------------------------------------------------------------------ properties
-    @property
-    def version(self) -> int:
-        return self._version
 
     @property
     def module(self) -> torch.nn.Module:
         """The (DeepSpeed-managed) HF model."""
-        return self.engine.module
+        return self.model_engine.module
 
-    # ------------------------------------------------------------------ helpers
+    # ------------------------------------------------------------------ micro-batches
+    def _micro_batches(self, batch: TrainBatch) -> list[MicroBatch]:
+        per_token = {k: v for k, v in batch.fields.items() if k != "advantages"}
+        adv = batch.fields.get("advantages")
+        if self.packing:
+            built = build_packed_micro_batches(batch.trajs, self.max_tokens_per_mb, adv, **per_token)
+        else:
+            built = build_micro_batches(batch.trajs, self.max_tokens_per_mb, adv, pad_token_id=self.pad_token_id,
+                                        **per_token)
+        return [mb.to(self.device) for mb in built]
+
+    def _equal_counts(self, mbs: list[MicroBatch]) -> list[MicroBatch]:
+        """Pad with empty micro-batches to the largest count of any rank (ZeRO collectives in every pass)."""
+        if self.world_size > 1:
+            most = int(self.all_reduce([float(len(mbs))], op="max")[0])
+            mbs = mbs + [mbs[0].empty_like() for _ in range(most - len(mbs))]
+        return mbs
+
     def _forward_logits(self, mb: MicroBatch, module: Any = None) -> torch.Tensor:
-        module = self.engine if module is None else module
+        module = self.model_engine if module is None else module
         if mb.packed:
             kw = packed_forward_kwargs(mb)
-            if self.packed_attention == "mask":  # transformers detects the restarts of position_ids
+            if self.packed_attention == PackedAttention.mask:  # transformers detects the restarts of position_ids
                 kw = {k: kw[k] for k in ("input_ids", "position_ids", "attention_mask")}
             out = module(**kw, use_cache=False)  # a cache would switch off transformers' packed detection
         else:
             out = module(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
         return out.logits if hasattr(out, "logits") else out[0]
 
-    def _all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
+    def all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
         if self.world_size == 1:
             return values
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX if op == "max" else self._dist.ReduceOp.SUM)
         return t.tolist()
 
+    # ------------------------------------------------------------------ forward / backward / step
     @torch.no_grad()
-    def compute_logprobs(self, mbs: Sequence[MicroBatch]) -> list[torch.Tensor]:
-        """Token logprobs (aligned with input_ids, see `ppo.token_logprobs`) of each micro-batch under the current
-        weights, eval mode, no grad: the proximal policy."""
-        was_training = self.engine.module.training
-        self.engine.module.eval()
+    def forward_logprobs(self, batch: TrainBatch, temperature: float = 1.0,
+                         reference: bool = False) -> list[np.ndarray]:
+        """Token logprobs of each trajectory (aligned with input_ids, see `ppo.token_logprobs`) under the current
+        weights in eval mode (or the frozen reference model), no grad."""
+        if reference and self.ref_model is None:
+            raise ValueError("this engine keeps no reference model (build it with reference=True)")
+        module = self.ref_model if reference else self.model_engine
+        out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(batch)
+        was_training = self.model_engine.module.training
+        self.model_engine.module.eval()
         try:
-            return [token_logprobs(self._forward_logits(mb), mb.input_ids, self.temperature) for mb in mbs]
+            for mb in self._equal_counts(self._micro_batches(TrainBatch(batch.trajs))):  # only the tokens
+                lp = token_logprobs(self._forward_logits(mb, module), mb.input_ids, temperature).cpu().numpy()
+                if mb.packed:
+                    bounds = mb.cu_seqlens.tolist()
+                    for j, i in enumerate(mb.indices):
+                        out[i] = lp[0, bounds[j]:bounds[j + 1]]
+                else:
+                    for j, (i, n) in enumerate(zip(mb.indices, mb.seq_lens.tolist())):
+                        out[i] = lp[j, :n]
         finally:
-            self.engine.module.train(was_training)
+            self.model_engine.module.train(was_training)
+        return out
 
-    @torch.no_grad()
-    def compute_ref_logprobs(self, mbs: Sequence[MicroBatch]) -> list[Optional[torch.Tensor]]:
-        """Token logprobs under the frozen reference model (None for each micro-batch when KL is off)."""
-        if self.ref_model is None:
-            return [None] * len(mbs)
-        return [token_logprobs(self._forward_logits(mb, self.ref_model), mb.input_ids, self.temperature)
-                for mb in mbs]
-
-    def _advantages(self, batch: Sequence[Trajectory], rewards: torch.Tensor) -> tuple[list, int]:
-        """Per-trajectory advantages (scalars, or per-token arrays with turn-level discount) and the number of
-        trajectories whose turn rewards did not match their turns (they fall back to ``reward`` for every turn)."""
-        gids = [t.group_id for t in batch]
-        if self.turn_discount is None:
-            return group_advantages(rewards, gids, std_norm=self.adv_std_norm).tolist(), 0
-        returns, segs, mismatched = [], [], 0
-        for t in batch:
-            sg = turn_segments(t.loss_mask)
-            segs.append(sg)
-            if sg and len(t.turn_rewards) == len(sg):
-                returns.append(discounted_turn_returns(t.turn_rewards, self.turn_discount))
-            else:
-                mismatched += int(bool(sg))
-                returns.append(np.full(max(len(sg), 1), t.reward, np.float64))
-        per_turn = turn_level_advantages(returns, gids, std_norm=self.adv_std_norm)
-        out = []
-        for t, sg, a in zip(batch, segs, per_turn):
-            tok = np.zeros(len(t.input_ids), np.float32)
-            for (s, e), v in zip(sg, a):
-                tok[s:e] = v
-            out.append(tok)
-        return out, mismatched
-
-    def _token_masks_and_weights(self, batch: Sequence[Trajectory]) -> tuple[list[Trajectory], Optional[list], int]:
-        """Apply staleness at consumption and the loss aggregation to each trajectory: returns the trajectories
-        (with stale tokens out of the loss mask when dropping), per-token weights (None if all are 1) and the
-        count of stale loss tokens (older than ``version - eta``)."""
-        out, weights, n_stale = [], [], 0
-        need_w = self.loss_agg == "seq" or self.stale_tokens == "downweight"
-        for t in batch:
-            m = t.loss_mask.astype(bool).copy()
-            if len(m):
-                m[0] = False  # never scored (no prefix), see batching
-            w = np.ones(len(m), np.float32)
-            if self.eta is not None:
-                lag = self._version - t.versions.astype(np.int64)
-                n_stale += int((m & (lag > self.eta)).sum())
-                m2, w = stale_token_weights(t.versions, m, self._version, self.eta, self.stale_tokens,
-                                            self.stale_token_decay)
-                if not np.array_equal(m2, m):
-                    m = m2
-                    t = dataclasses.replace(t, loss_mask=m.astype(np.int8))
-            if self.loss_agg == "seq":
-                w = w * sequence_level_weights(m)
-            out.append(t)
-            weights.append(w)
-        return out, (weights if need_w else None), n_stale
+    def train_batch(self, batch: TrainBatch, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
+        """One optimizer step over ``batch`` (see the module doc); returns grad_norm (before clipping), the lr it
+        used and the padded / real tokens of its micro-batches on this rank."""
+        mbs = self._micro_batches(batch)
+        padded, real = sum(mb.padded_tokens for mb in mbs), sum(mb.real_tokens for mb in mbs)
+        weight = self.all_reduce([float(sum(loss_weight_fn(mb) for mb in mbs))])[0]
+        mbs = self._equal_counts(mbs)
+        denominator = max(weight, 1.0) / self.world_size
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        self.model_engine.module.train()
+        for i, mb in enumerate(mbs):
+            self.model_engine.set_gradient_accumulation_boundary(i == len(mbs) - 1)
+            logits = self._forward_logits(mb)
+            loss = loss_fn(logits, mb, denominator)
+            self.model_engine.backward(loss)
+            del logits, loss
+        return {"grad_norm": self._optimizer_step(), "lr": lr, "padded_tokens": float(padded),
+                "real_tokens": float(real)}
 
     def _optimizer_step(self) -> float:
         """engine.step() at a gradient accumulation boundary; returns the gradient norm before clipping."""
         manual = None
         if self.zero_stage == 0 and not self.bf16:
             manual = self._grad_norm_stage0()  # client AdamW exposes no norm; grads are all-reduced here
-        self.engine.step()
-        grad_norm = self.engine.get_global_grad_norm()
+        self.model_engine.step()
+        grad_norm = self.model_engine.get_global_grad_norm()
         if grad_norm is None or manual is not None:
             grad_norm = manual if manual is not None else float("nan")
         return float(grad_norm.item() if isinstance(grad_norm, torch.Tensor) else grad_norm)
 
     def _grad_norm_stage0(self) -> float:
         sq = 0.0
-        for p in self.engine.module.parameters():
+        for p in self.model_engine.module.parameters():
             if p.grad is not None:
                 sq += float(p.grad.detach().float().pow(2).sum())
         return math.sqrt(sq)
-
-    # ------------------------------------------------------------------ training
-    def train_step(self, batch: Sequence[Trajectory]) -> dict[str, float]:
-        """One decoupled-PPO optimizer step on ``batch``; returns float metrics (`METRIC_KEYS`), ``version`` += 1."""
-        if len(batch) == 0:
-            raise ValueError("train_step needs a non-empty batch")
-        t0 = time.perf_counter()
-        version_before = self._version
-
-        rewards = torch.tensor([t.reward for t in batch], dtype=torch.float32)
-        adv, turn_mismatch = self._advantages(batch, rewards)
-        trajs, tok_w, n_stale = self._token_masks_and_weights(batch)
-        # PPO minibatches (AReaL's ppo_n_minibatches): one proximal recompute for the whole batch, then one
-        # optimizer step per minibatch, so from the second step on the decoupled ratio pi/pi_prox moves off 1 and
-        # its clip bounds the update (a trust region); with one step per batch the ratio is exactly 1.
-        n_mini = self.ppo_minibatches
-        if n_mini > 1:  # every rank splits into the same number, and no minibatch is empty on any rank
-            n_mini = min(n_mini, int(-self._all_reduce([-float(len(trajs))], op="max")[0]))
-        parts = split_minibatches([len(t.input_ids) for t in trajs], n_mini)
-        groups: list[list[MicroBatch]] = []
-        for idx in parts:
-            sub_t, sub_a = [trajs[i] for i in idx], [adv[i] for i in idx]
-            sub_w = [tok_w[i] for i in idx] if tok_w is not None else None
-            if self.packing:
-                built = build_packed_micro_batches(sub_t, self.max_tokens_per_mb, sub_a, token_weights=sub_w)
-            else:
-                built = build_micro_batches(sub_t, self.max_tokens_per_mb, sub_a, pad_token_id=self.pad_token_id,
-                                            token_weights=sub_w)
-            groups.append([mb.to(self.device) for mb in built])
-        mbs = [mb for g in groups for mb in g]
-        local_mb_tokens = [float(sum(mb.n_loss_tokens for mb in g)) for g in groups]
-        local_mb_seqs = [float(sum(_n_scored_seqs(mb) for mb in g)) for g in groups]
-        fwd_tokens = sum(mb.padded_tokens for mb in mbs)
-        real_tokens = sum(mb.real_tokens for mb in mbs)
-        all_gen = np.concatenate([t.versions[t.loss_mask.astype(bool)] for t in batch]) if batch else np.zeros(0)
-        vmin = float(all_gen.min()) if all_gen.size else math.inf  # staleness as received, before any drop
-        vmax = float(all_gen.max()) if all_gen.size else -math.inf
-
-        # Global (all ranks) token / sequence counts, per minibatch.
-        red_counts = self._all_reduce([*local_mb_tokens, *local_mb_seqs])
-        mb_tokens, mb_seqs = red_counts[:n_mini], red_counts[n_mini:]
-        global_tokens = sum(mb_tokens)
-        if self.world_size > 1:
-            maxes = self._all_reduce([-vmin, vmax, *(float(len(g)) for g in groups)], op="max")
-            vmin, vmax = -maxes[0], maxes[1]
-            template = mbs[0]
-            for g, m in zip(groups, maxes[2:]):  # ZeRO-2/3 reduce in every backward: equal backward counts per rank
-                while len(g) < int(m):
-                    g.append(template.empty_like())
-            mbs = [mb for g in groups for mb in g]
-        # Each rank's loss is sum/global_count * world_size: DeepSpeed averages gradients over ranks.
-        counts = mb_tokens if self.loss_agg == "token" else mb_seqs
-        denoms = [max(c, 1.0) / self.world_size for c in counts]
-
-        prox = self.compute_logprobs(mbs)  # before any update: every minibatch shares one proximal policy
-        refs = self.compute_ref_logprobs(mbs)
-        bounds = set(itertools.accumulate(len(g) for g in groups))  # index after each minibatch's last micro-batch
-        mb_denom = [d for g, d in zip(groups, denoms) for _ in g]
-
-        self.engine.module.train()
-        sums = {k: 0.0 for k in ("loss", "clip_frac", "capped_frac", "approx_kl", "entropy", "dual_clip_frac",
-                                 "kl_ref")}
-        imp_sum = 0.0
-        kept_tokens = 0.0
-        grad_norms: list[float] = []
-        lr_used = float(self.optimizer.param_groups[0]["lr"])
-        for i, (mb, prox_lp, ref_lp) in enumerate(zip(mbs, prox, refs)):
-            last = (i + 1) in bounds
-            self.engine.set_gradient_accumulation_boundary(last)
-            logits = self._forward_logits(mb)
-            logp = token_logprobs(logits, mb.input_ids, self.temperature)
-            loss, st = decoupled_ppo_loss(
-                logp,
-                prox_lp,
-                mb.logprobs,
-                mb.advantages,
-                mb.loss_mask,
-                eps_clip=self.eps_clip,
-                behav_imp_weight_cap=self.behav_imp_weight_cap,
-                naive=self.naive_ppo,
-                denominator=mb_denom[i],
-                dual_clip_c=self.dual_clip_c,
-                token_weights=mb.token_weights,
-                ref_logp=ref_lp,
-                kl_coef=self.kl_coef,
-                kl_estimator=self.kl_estimator,
-            )
-            with torch.no_grad():
-                n = float(st["n_tokens"])
-                if n > 0:
-                    ent = shift_right(entropy_from_logits(logits.detach(), self.temperature))
-                    sums["entropy"] += float(ent[mb.loss_mask].sum())
-                    for k in ("clip_frac", "capped_frac", "approx_kl", "dual_clip_frac", "kl_ref"):
-                        sums[k] += float(st[k]) * n
-                    kept = n * (1.0 - float(st["capped_frac"]))
-                    imp_sum += float(st["imp_weight_mean"]) * kept
-                    kept_tokens += kept
-                sums["loss"] += float(loss.detach())  # summed over ranks below, / world_size
-            self.engine.backward(loss)
-            del logits, logp, loss
-            if last:
-                grad_norms.append(self._optimizer_step())
-        self._version += 1
-        grad_norm = sum(grad_norms) / len(grad_norms)
-
-        # Reward / advantage statistics over the global batch.
-        r = rewards.double()
-        a_abs_tok = sum(float(mb.advantages[mb.loss_mask].abs().sum()) for mb in mbs)  # padding micro-batches add 0
-        red = self._all_reduce(
-            [
-                float(len(batch)),
-                float(r.sum()),
-                float((r**2).sum()),
-                a_abs_tok,
-                sums["loss"],
-                sums["clip_frac"],
-                sums["capped_frac"],
-                sums["approx_kl"],
-                sums["entropy"],
-                imp_sum,
-                kept_tokens,
-                sums["dual_clip_frac"],
-                sums["kl_ref"],
-                float(n_stale),
-                float(sum(int(t.loss_mask[1:].sum()) for t in batch)),
-                float(fwd_tokens),
-                float(real_tokens),
-                float(turn_mismatch),
-            ]
-        )
-        (n_seqs, r_sum, r_sq, a_abs, loss_sum, clip_s, cap_s, kl_s, ent_s, imp_s, kept_s, dual_s, klref_s,
-         stale_s, gen_s, fwd_s, real_s, mismatch_s) = red
-        tok = max(global_tokens, 1.0)
-        r_mean = r_sum / n_seqs
-        r_std = math.sqrt(max(r_sq / n_seqs - r_mean**2, 0.0))
-        elapsed = time.perf_counter() - t0
-        out = {
-            "loss": loss_sum / self.world_size / n_mini,  # mean over the minibatches' losses
-            "reward_mean": r_mean,
-            "reward_std": r_std,
-            "adv_abs_mean": a_abs / tok,
-            "clip_frac": clip_s / tok,
-            "imp_weight_mean": imp_s / kept_s if kept_s > 0 else 1.0,
-            "capped_frac": cap_s / tok,
-            "approx_kl": kl_s / tok,
-            "entropy": ent_s / tok,
-            "grad_norm": grad_norm,
-            "n_seqs": n_seqs,
-            "n_tokens": float(global_tokens),
-            "head_offpolicyness": float(version_before - vmin) if math.isfinite(vmin) else 0.0,
-            "tail_offpolicyness": float(version_before - vmax) if math.isfinite(vmax) else 0.0,
-            "step_seconds": elapsed,
-            "tokens_per_s": float(global_tokens) / elapsed if elapsed > 0 else 0.0,
-            "lr": lr_used,
-            "dual_clip_frac": dual_s / tok,
-            "kl_ref": klref_s / tok,
-            "stale_token_frac": stale_s / max(gen_s, 1.0),
-            "pad_frac": 1.0 - real_s / max(fwd_s, 1.0),
-        }
-        if self.turn_discount is not None:
-            out["turn_reward_mismatch"] = mismatch_s
-        return out
 
     # ------------------------------------------------------------------ weights out
     def full_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
@@ -648,9 +327,9 @@ class DeepSpeedLearner:
         call on every rank). Rank 0 gets the dict, other ranks None. Tensors are independent copies (tied weights
         are not shared), so the dict can be written with safetensors."""
         if self.zero_stage == 3:
-            sd = self.engine._zero3_consolidated_16bit_state_dict()
+            sd = self.model_engine._zero3_consolidated_16bit_state_dict()
         else:
-            sd = self.engine.module.state_dict() if self.rank == 0 else None
+            sd = self.model_engine.module.state_dict() if self.rank == 0 else None
         if sd is None:
             return None
         return {k: v.detach().to("cpu").contiguous().clone() for k, v in sd.items()}
@@ -671,7 +350,7 @@ class DeepSpeedLearner:
             fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=d)
             os.close(fd)
             try:
-                save_file(sd, tmp, metadata={"format": "pt", "version": str(self._version)})
+                save_file(sd, tmp, metadata={"format": "pt", "version": str(self.version)})
                 os.replace(tmp, path)
             except BaseException:
                 if os.path.exists(tmp):
@@ -689,7 +368,7 @@ class DeepSpeedLearner:
             os.makedirs(parent, exist_ok=True)
             tmp = tempfile.mkdtemp(prefix=".tmp-hf-", dir=parent)
             try:
-                self.engine.module.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
+                self.model_engine.module.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
                 if tokenizer is not None:
                     tokenizer.save_pretrained(tmp)
                 if os.path.isdir(dir):
@@ -718,8 +397,8 @@ class DeepSpeedLearner:
         without torch. It is written before DeepSpeed's ``latest`` pointer, which is the commit point: a save cut
         short leaves ``latest`` on the previous checkpoint. The DeepSpeed client state holds the same dict and
         this rank's python/numpy/torch RNG states. ``keep_last`` prunes older tag directories (rank 0)."""
-        tag = f"v{self._version}"
-        state = {"version": self._version, **(client_state or {})}
+        tag = f"v{self.version}"
+        state = {"version": self.version, **(client_state or {})}
         if self.rank == 0:
             os.makedirs(os.path.join(path, tag), exist_ok=True)
             tmp = os.path.join(path, tag, CHECKPOINT_STATE_FILE + ".tmp")
@@ -734,8 +413,8 @@ class DeepSpeedLearner:
         }
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
-        self.engine.save_checkpoint(
-            path, tag=tag, client_state={"arl_version": self._version, "arl_rng": rng, "arl_state": state}
+        self.model_engine.save_checkpoint(
+            path, tag=tag, client_state={"arl_version": self.version, "arl_rng": rng, "arl_state": state}
         )
         self._barrier()
         if keep_last is not None and self.rank == 0:
@@ -750,11 +429,11 @@ class DeepSpeedLearner:
     def load(self, path: str) -> dict:
         """Load the checkpoint ``latest`` points to under ``path`` (weights, optimizer, LR scheduler, version,
         RNG). Returns the ``client_state`` given to `save` (empty for older checkpoints). Collective."""
-        load_path, client = self.engine.load_checkpoint(path)
+        load_path, client = self.model_engine.load_checkpoint(path)
         if load_path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint found under {path!r}")
         client = client or {}
-        self._version = int(client.get("arl_version", self._version))
+        self.version = int(client.get("arl_version", self.version))
         rng = client.get("arl_rng")
         if rng:
             random.setstate(rng["python"])
@@ -765,42 +444,3 @@ class DeepSpeedLearner:
         state = dict(client.get("arl_state") or {})
         state.pop("version", None)
         return state
-
-
-def learner_from_config(model: torch.nn.Module, cfg: Any, version: int = 0) -> DeepSpeedLearner:
-    """A `DeepSpeedLearner` with the settings of an `ExperimentConfig` (learner.*, gen.temperature, seed, eta,
-    total_train_steps for the LR schedule)."""
-    lc = cfg.learner
-    return DeepSpeedLearner(
-        model,
-        lr=lc.optimizer.lr,
-        betas=tuple(lc.optimizer.betas),
-        weight_decay=lc.optimizer.weight_decay,
-        grad_clip=lc.optimizer.grad_clip,
-        zero_stage=lc.deepspeed.zero_stage,
-        offload_optimizer=lc.deepspeed.offload_optimizer,
-        bf16=lc.deepspeed.bf16,
-        max_tokens_per_mb=lc.deepspeed.max_tokens_per_mb,
-        eps_clip=lc.ppo.eps_clip,
-        behav_imp_weight_cap=lc.ppo.behav_imp_weight_cap,
-        naive_ppo=lc.ppo.naive_ppo,
-        ppo_minibatches=lc.ppo.minibatches,
-        adv_std_norm=lc.ppo.adv_std_norm,
-        temperature=cfg.gen.temperature,
-        version=version,
-        seed=cfg.seed,
-        packing=lc.deepspeed.packing,
-        packed_attention=lc.deepspeed.packed_attention,
-        dual_clip_c=lc.ppo.dual_clip_c,
-        loss_agg=lc.ppo.loss_agg,
-        kl_coef=lc.ppo.kl_coef,
-        kl_estimator=lc.ppo.kl_estimator,
-        turn_discount=lc.ppo.turn_discount,
-        max_head_offpolicyness=cfg.max_head_offpolicyness,
-        stale_tokens=lc.ppo.stale_tokens,
-        stale_token_decay=lc.ppo.stale_token_decay,
-        lr_schedule=lc.optimizer.lr_schedule,
-        warmup_steps=lc.optimizer.warmup_steps,
-        total_steps=cfg.total_train_steps * lc.ppo.minibatches,  # the schedule counts optimizer steps
-        min_lr_ratio=lc.optimizer.min_lr_ratio,
-    )

@@ -1,11 +1,12 @@
-"""Simulated learner (``learner.backend=sim``): takes the time a real step would, trains nothing.
+"""Simulated training engine (``learner.backend=sim``): takes the time a real step would, trains nothing.
 
 Why: with the simulated inference backend it lets a whole run (gate, routing, transport, controller, weight
-updates) be timed at cluster scale on a small machine. A step sleeps ``step_base_s + s_per_token * tokens``
-(times ``time_scale``), where tokens counts every token of the batch (forward and backward run over the whole
-sequence). The default ``s_per_token`` = 1e-5 s is a 7B model on one 8x H100 node: NeMo Framework's published
-Llama-2-7B pre-training throughput of 16,934 tokens/s/GPU on 8 H100s, less a third for the extra forward pass
-that recomputes the proximal log-probs (~12.7k tokens/s/GPU, ~100k tokens/s per node).
+updates, the learner loop and its PPO actor) be timed at cluster scale on a small machine. An optimizer step
+(`train_batch`) sleeps ``step_base_s + s_per_token * tokens`` (times ``time_scale``), where tokens counts every
+token of its trajectories (forward and backward run over the whole sequence); `forward_logprobs` hands back the
+behaviour logprobs at no cost. The default ``s_per_token`` = 1e-5 s is a 7B model on one 8x H100 node: NeMo
+Framework's published Llama-2-7B pre-training throughput of 16,934 tokens/s/GPU on 8 H100s, less a third for the
+extra forward pass that recomputes the proximal log-probs (~12.7k tokens/s/GPU, ~100k tokens/s per node).
 
 ``export_weights`` writes a tiny placeholder safetensors file (one tensor holding the version) so the weight
 path of the run (publish -> inference workers load -> version bump) still runs end to end.
@@ -16,57 +17,43 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Sequence
+from typing import Optional
 
 import numpy as np
 
-from arl.api.types import Trajectory
+from arl.api.engine import LossFn, LossWeightFn, TrainBatch
+from arl.config import SimLearnerConfig
 
 
 class SimLearner:
-    """Implements ``LearnerEngine`` with sleeps; metrics carry the same off-policyness figures as the real one."""
+    """Implements ``TrainEngine`` with sleeps (one rank); the loss function is never called."""
 
-    def __init__(self, *, s_per_token: float = 1.0e-5, step_base_s: float = 0.5, time_scale: float = 1.0,
-                 version: int = 0) -> None:
-        if s_per_token < 0 or step_base_s < 0 or time_scale <= 0:
+    rank = 0
+    world_size = 1
+
+    def __init__(self, sim: SimLearnerConfig, version: int = 0) -> None:
+        if sim.s_per_token < 0 or sim.step_base_s < 0 or sim.time_scale <= 0:
             raise ValueError("s_per_token and step_base_s must be >= 0 and time_scale > 0")
-        self.s_per_token = float(s_per_token)
-        self.step_base_s = float(step_base_s)
-        self.time_scale = float(time_scale)
-        self._version = int(version)
-
-    @property
-    def version(self) -> int:
-        return self._version
+        self.s_per_token = float(sim.s_per_token)
+        self.step_base_s = float(sim.step_base_s)
+        self.time_scale = float(sim.time_scale)
+        self.version = int(version)
 
     def step_seconds(self, tokens: int) -> float:
         return (self.step_base_s + self.s_per_token * tokens) * self.time_scale
 
-    def train_step(self, batch: Sequence[Trajectory]) -> dict[str, float]:
+    def forward_logprobs(self, batch: TrainBatch, temperature: float = 1.0,
+                         reference: bool = False) -> list[np.ndarray]:
+        return [t.logprobs for t in batch.trajs]
+
+    def train_batch(self, batch: TrainBatch, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
         """Sleep for the modelled step time (callers run this in a thread, like the real learner's step)."""
-        if not batch:
-            raise ValueError("train_step needs a non-empty batch")
-        tokens = sum(len(t.input_ids) for t in batch)
-        generated = sum(t.num_generated for t in batch)
-        seconds = self.step_seconds(tokens)
+        seconds = self.step_seconds(sum(len(t.input_ids) for t in batch.trajs))
         time.sleep(seconds)
-        gen_versions = [t.versions[t.loss_mask.astype(bool)] for t in batch]
-        gen_versions = [v for v in gen_versions if len(v)]
-        vmin = min(int(v.min()) for v in gen_versions) if gen_versions else self._version
-        vmax = max(int(v.max()) for v in gen_versions) if gen_versions else self._version
-        rewards = np.array([t.reward for t in batch], np.float64)
-        metrics = {
-            "loss": 0.0,
-            "reward_mean": float(rewards.mean()),
-            "n_seqs": float(len(batch)),
-            "n_tokens": float(tokens),
-            "n_generated_tokens": float(generated),
-            "head_offpolicyness": float(self._version - vmin),
-            "tail_offpolicyness": float(self._version - vmax),
-            "sim_step_seconds": seconds,
-        }
-        self._version += 1
-        return metrics
+        return {"sim_step_seconds": seconds}
+
+    def all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
+        return values
 
     def export_weights(self, path: str) -> None:
         """A placeholder weights file (atomic write): the inference side checks it exists and 'loads' it."""
@@ -74,15 +61,18 @@ class SimLearner:
 
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         tmp = f"{path}.tmp{os.getpid()}"
-        save_file({"sim.version": np.array([self._version], np.int64)}, tmp,
-                  metadata={"format": "np", "version": str(self._version), "sim": "1"})
+        save_file({"sim.version": np.array([self.version], np.int64)}, tmp,
+                  metadata={"format": "np", "version": str(self.version), "sim": "1"})
         os.replace(tmp, path)
 
-    def save(self, path: str) -> None:
+    def save(self, path: str, client_state: Optional[dict] = None, keep_last: Optional[int] = None) -> str:
         os.makedirs(path, exist_ok=True)
         with open(os.path.join(path, "sim_learner.json"), "w") as f:
-            json.dump({"version": self._version}, f)
+            json.dump({"version": self.version, "client_state": client_state or {}}, f)
+        return path
 
-    def load(self, path: str) -> None:
+    def load(self, path: str) -> dict:
         with open(os.path.join(path, "sim_learner.json")) as f:
-            self._version = int(json.load(f)["version"])
+            state = json.load(f)
+        self.version = int(state["version"])
+        return dict(state.get("client_state", {}))

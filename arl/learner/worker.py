@@ -1,5 +1,10 @@
 """The learner worker: buffers finished groups, trains on B groups per step, publishes weights, checkpoints.
 
+`LearnerWorker.train` is the learner's loop, written down once: next batch -> drop what is too stale -> proximal
+logprobs -> advantages -> PPO update (minibatches) -> publish -> checkpoint. The algorithm is the `PPOActor`'s
+(`arl.learner.actor`), the mechanics the engine's (`arl.learner.deepspeed_engine`, `arl.learner.sim_learner`);
+several ranks put a `arl.learner.ranks.RankLeader` in front of both.
+
 Checkpoint and resume. Every ``checkpoint_every`` steps (and after the last one) the engine saves weights,
 optimizer, LR scheduler and RNG, plus `checkpoint_state()`: groups consumed, the data position and the staleness
 counters. The data position is, per rollout worker, one past the highest prompt-stream position among the groups
@@ -25,7 +30,7 @@ import os
 import time
 from typing import Any, Awaitable, Callable, Optional
 
-from arl.api.engine import LearnerEngine
+from arl.api.engine import TrainEngine
 from arl.api.types import Trajectory
 from arl.learner.validation import group_problem
 
@@ -49,7 +54,7 @@ class LearnerWorker:
     def __init__(
         self,
         *,
-        engine: LearnerEngine,
+        actor: Any,
         pull: Any,
         send_control: Callable[[str, dict], Awaitable[None]],
         batch_size: int,
@@ -61,8 +66,10 @@ class LearnerWorker:
         checkpoint_every: int = 0,
         keep_checkpoints: int = 2,
         vocab_size: Optional[int] = None,
+        engine: Optional[TrainEngine] = None,
     ) -> None:
-        self.engine = engine
+        self.actor = actor  # prepare / compute_logp / compute_advantages / ppo_update (`PPOActor`, `RankLeader`)
+        self.engine: Any = engine if engine is not None else actor.engine  # version, save / load / export_weights
         self.pull = pull
         self._send = send_control
         self.batch_size = batch_size
@@ -190,43 +197,53 @@ class LearnerWorker:
         if not force and v % self.checkpoint_every:
             return None
         t0 = time.monotonic()
-        path = await asyncio.to_thread(self.engine.save, self.checkpoint_dir,  # type: ignore[call-arg]
-                                       client_state=self.checkpoint_state(), keep_last=self.keep_checkpoints)
+        path = await asyncio.to_thread(self.engine.save, self.checkpoint_dir, self.checkpoint_state(),
+                                       self.keep_checkpoints)
         logger.info("checkpoint v%d written to %s in %.2fs", v, path, time.monotonic() - t0)
         return path
 
     async def train(self) -> None:
+        """The learner loop: one policy version per batch of B prompt groups, until ``total_steps``."""
         while self.engine.version < self.total_steps:
-            batch, waited = await self.next_batch()
-            self.stats["idle_seconds"] += waited
-            stale_tokens = staleness_counts(batch, self.engine.version)
-            t0 = time.monotonic()
-            self.waiting_on = f"train step {self.engine.version + 1} ({len(batch)} trajectories)"
-            self._in_step = len(set(t.group_id.split(":", 1)[0] for t in batch))
-            metrics = await asyncio.to_thread(self.engine.train_step, batch)
-            self._count_trained(batch)
-            self._in_step = 0
-            path = os.path.join(self.weights_dir, f"v{self.engine.version}.safetensors")
-            self.waiting_on = f"exporting weights v{self.engine.version}"
-            await asyncio.to_thread(self.engine.export_weights, path)
-            train_s = time.monotonic() - t0
-            self.stats["train_seconds"] += train_s
-            self.stats["steps"] += 1
-            head = metrics.get("head_offpolicyness")
-            if self.eta is not None and head is not None and head > self.eta:
-                self.stats["staleness_violations"] += 1
-                logger.error("batch head off-policyness %s exceeds eta=%d", head, self.eta)
-            metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
-            metrics.update(learner_wait_seconds=waited, learner_step_seconds=train_s,
-                           samples_per_s=len(batch) / max(train_s + waited, 1e-9),
-                           buffered_groups=len(self.buffer),
-                           staleness_violations=self.stats["staleness_violations"],
-                           stale_groups_dropped=self.stats["stale_groups_dropped"])
-            metrics.update({f"stale_tokens_{k}": float(n) for k, n in stale_tokens.items()})
+            trajs, waited = await self.next_batch()  # B groups, FIFO; groups older than v - eta were dropped
+            t0, stale_tokens = time.monotonic(), staleness_counts(trajs, self.engine.version)
+            self.waiting_on = f"train step {self.engine.version + 1} ({len(trajs)} trajectories)"
+            self._in_step = len(set(t.group_id.split(":", 1)[0] for t in trajs))
+            batch = await asyncio.to_thread(self.actor.prepare, trajs)  # per-token staleness, weights, minibatches
+            await asyncio.to_thread(self.actor.compute_logp, batch)  # proximal logprobs, before any update
+            await asyncio.to_thread(self.actor.compute_advantages, batch)  # group-normalised rewards
+            metrics = await asyncio.to_thread(self.actor.ppo_update, batch)  # a step per minibatch; version + 1
+            self._count_trained(trajs)
+            path = await self._export()  # v{version}.safetensors, for the inference workers
+            metrics = self._step_metrics(metrics, trajs, waited, time.monotonic() - t0, stale_tokens)
             await self.maybe_checkpoint(force=self.engine.version >= self.total_steps)
+            # publish: the controller sends the weights to inference, reopens the gate and schedules evaluation
             await self._send("weights_published", {"version": self.engine.version, "path": path,
                                                    "metrics": metrics})
             self._prune(path)
+
+    async def _export(self) -> str:
+        path = os.path.join(self.weights_dir, f"v{self.engine.version}.safetensors")
+        self.waiting_on = f"exporting weights v{self.engine.version}"
+        await asyncio.to_thread(self.engine.export_weights, path)
+        return path
+
+    def _step_metrics(self, metrics: dict, batch: list[Trajectory], waited: float, train_s: float,
+                      stale_tokens: dict[int, int]) -> dict[str, float]:
+        """The step's record: the actor's statistics plus the worker's timing and staleness counters."""
+        self.stats["train_seconds"] += train_s
+        self.stats["steps"] += 1
+        head = metrics.get("head_offpolicyness")
+        if self.eta is not None and head is not None and head > self.eta:
+            self.stats["staleness_violations"] += 1
+            logger.error("batch head off-policyness %s exceeds eta=%d", head, self.eta)
+        out = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+        out.update(learner_wait_seconds=waited, learner_step_seconds=train_s,
+                   samples_per_s=len(batch) / max(train_s + waited, 1e-9), buffered_groups=len(self.buffer),
+                   staleness_violations=self.stats["staleness_violations"],
+                   stale_groups_dropped=self.stats["stale_groups_dropped"])
+        out.update({f"stale_tokens_{k}": float(n) for k, n in stale_tokens.items()})
+        return out
 
     def _count_trained(self, batch: list[Trajectory]) -> None:
         """Count what a finished step trained on; a group id seen in an earlier step counts as trained twice."""
@@ -235,6 +252,7 @@ class LearnerWorker:
         if twice:
             logger.error("%d groups of this batch were trained on before", twice)
         self._trained_ids |= ids
+        self._in_step = 0
         self.stats["trained_twice"] += twice
         self.stats["trained_groups"] += len(ids)
         self.stats["trained_trajectories"] += len(batch)

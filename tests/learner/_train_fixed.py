@@ -6,7 +6,7 @@
     torchrun --nproc_per_node 2 tests/learner/_train_fixed.py --out W --steps 3 --ranks       # 2 ranks (gloo)
 
 Single-rank mode goes through `LearnerWorker` (the learner role's loop: FIFO batches, checkpoints, resume).
-``--ranks`` mode runs `DeepSpeedLearner.train_step` on each rank with its share of every batch: whole groups,
+``--ranks`` mode runs `PPOActor.step` (on a `DeepSpeedEngine`) on each rank with its share of every batch: whole groups,
 group ``i`` of a batch to rank ``i % world``. Every rank writes its final weights to ``<out>.rank<r>``.
 """
 
@@ -51,20 +51,20 @@ def make_groups(n: int, seed: int = 0) -> list[list[Trajectory]]:
 def make_learner(args: argparse.Namespace):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from arl.learner.deepspeed_engine import DeepSpeedLearner
+    from tests.learner._build import make_actor
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
                                          pad_token_id=0))
-    return DeepSpeedLearner(model, lr=1e-3, seed=0, zero_stage=args.zero_stage, lr_schedule="cosine",
-                            warmup_steps=1, total_steps=args.steps, max_tokens_per_mb=args.max_tokens_per_mb)
+    return make_actor(model, lr=1e-3, seed=0, zero_stage=args.zero_stage, lr_schedule="cosine",
+                      warmup_steps=1, total_steps=args.steps, max_tokens_per_mb=args.max_tokens_per_mb)
 
 
 def save(lrn, path: str) -> None:
     from safetensors.torch import save_file
 
-    sd = {k: v.detach().cpu().contiguous().clone() for k, v in lrn.module.state_dict().items()}
+    sd = {k: v.detach().cpu().contiguous().clone() for k, v in lrn.engine.module.state_dict().items()}
     save_file(sd, path)
 
 
@@ -76,7 +76,7 @@ async def run_worker(args: argparse.Namespace) -> None:
     async def send(msg_type: str, payload: dict) -> None:
         pass
 
-    worker = LearnerWorker(engine=lrn, pull=None, send_control=send, batch_size=BATCH, total_steps=args.steps,
+    worker = LearnerWorker(actor=lrn, pull=None, send_control=send, batch_size=BATCH, total_steps=args.steps,
                            weights_dir=os.path.join(os.path.dirname(os.path.abspath(args.out)), "weights"),
                            checkpoint_dir=args.ckpt, checkpoint_every=args.checkpoint_every)
     groups = make_groups(BATCH * args.steps)
@@ -100,14 +100,14 @@ async def run_worker(args: argparse.Namespace) -> None:
 def run_ranks(args: argparse.Namespace) -> None:
     lrn = make_learner(args)
     groups = make_groups(BATCH * args.steps)
-    rank, world = lrn.rank, lrn.world_size
+    rank, world = lrn.engine.rank, lrn.engine.world_size
     for step in range(args.steps):
         batch_groups = groups[step * BATCH:(step + 1) * BATCH]
         mine = [t for i, g in enumerate(batch_groups) if i % world == rank for t in g]
-        m = lrn.train_step(mine)
+        m = lrn.step(mine)
         print(f"rank {rank} step {step + 1}: loss {m['loss']:.6f} grad_norm {m['grad_norm']:.6f} "
               f"n_seqs {m['n_seqs']:.0f} n_tokens {m['n_tokens']:.0f}", flush=True)
-    lrn.export_weights(args.out + ".full")  # collective (ZeRO-3 gathers); rank 0 writes
+    lrn.engine.export_weights(args.out + ".full")  # collective (ZeRO-3 gathers); rank 0 writes
     if args.zero_stage < 3:
         save(lrn, f"{args.out}.rank{rank}")
 

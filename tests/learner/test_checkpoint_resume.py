@@ -37,12 +37,12 @@ async def _noop(msg_type: str, payload: dict) -> None:
 
 
 def _worker(lrn, tmp, total, every=0, ckpt=None):
-    return LearnerWorker(engine=lrn, pull=None, send_control=_noop, batch_size=tf.BATCH, total_steps=total,
+    return LearnerWorker(actor=lrn, pull=None, send_control=_noop, batch_size=tf.BATCH, total_steps=total,
                          weights_dir=str(tmp / "weights"), checkpoint_dir=ckpt, checkpoint_every=every)
 
 
 def _weights(lrn):
-    return {k: v.detach().clone() for k, v in lrn.module.state_dict().items()}
+    return {k: v.detach().clone() for k, v in lrn.engine.module.state_dict().items()}
 
 
 def test_resume_in_process_matches_straight_run(tmp_path):
@@ -79,7 +79,7 @@ def test_resume_in_process_matches_straight_run(tmp_path):
     for k in a:
         assert torch.equal(a[k], b[k]), k
     # the LR schedule resumed too (cosine over 4 steps with 1 warm-up step)
-    assert resumed.optimizer.param_groups[0]["lr"] == straight.optimizer.param_groups[0]["lr"]
+    assert resumed.engine.optimizer.param_groups[0]["lr"] == straight.engine.optimizer.param_groups[0]["lr"]
     assert latest_checkpoint(ckpt).endswith("v4") and sorted(os.listdir(ckpt)) == ["latest", "v2", "v4"]
 
 
@@ -94,7 +94,7 @@ def test_keep_last_prunes_and_state_file_is_written_before_latest(tmp_path):
     lrn = tf.make_learner(Args())
     ckpt = str(tmp_path / "ck")
     groups = tf.make_groups(3 * tf.BATCH)
-    w = LearnerWorker(engine=lrn, pull=None, send_control=_noop, batch_size=tf.BATCH, total_steps=3,
+    w = LearnerWorker(actor=lrn, pull=None, send_control=_noop, batch_size=tf.BATCH, total_steps=3,
                       weights_dir=str(tmp_path / "w"), checkpoint_dir=ckpt, checkpoint_every=1, keep_checkpoints=2)
     w.buffer.extend(groups)
     asyncio.run(w.train())

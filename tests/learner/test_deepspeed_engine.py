@@ -1,4 +1,4 @@
-"""DeepSpeedLearner on a tiny random Llama (CPU, gloo, single process).
+"""`PPOActor` on a `DeepSpeedEngine`, a tiny random Llama (CPU, gloo, single process).
 
 DeepSpeed is initialised once per learner; the first `initialize` on a machine builds `deepspeed_shm_comm`
 (~25-70 s, cached in ~/.cache/torch_extensions afterwards), later ones take ~1 s.
@@ -19,11 +19,12 @@ pytest.importorskip("deepspeed")
 from safetensors.torch import load_file  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from arl.api.engine import LearnerEngine  # noqa: E402
+from arl.api.engine import TrainEngine  # noqa: E402
 from arl.api.types import Trajectory  # noqa: E402
 from arl.learner.batching import build_micro_batches  # noqa: E402
-from arl.learner.deepspeed_engine import METRIC_KEYS, DeepSpeedLearner  # noqa: E402
+from arl.learner.actor import METRIC_KEYS, PPOActor  # noqa: E402
 from arl.learner.ppo import decoupled_ppo_loss, group_advantages, token_logprobs  # noqa: E402
+from tests.learner._build import make_actor  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -73,25 +74,25 @@ def random_batch(seed: int = 0, n_groups: int = 3, group_size: int = 4, version:
 
 @pytest.fixture(scope="module")
 def learner():
-    return DeepSpeedLearner(tiny_model(0), lr=1e-3, max_tokens_per_mb=4096, seed=0)
+    return make_actor(tiny_model(0), lr=1e-3, max_tokens_per_mb=4096, seed=0)
 
 
-def capture_grads(lrn: DeepSpeedLearner) -> dict[str, torch.Tensor]:
+def capture_grads(lrn: PPOActor) -> dict[str, torch.Tensor]:
     """Wrap engine.step so the accumulated (pre-clip) gradients are copied just before the optimizer runs."""
     grads: dict[str, torch.Tensor] = {}
-    orig = lrn.engine.step
+    orig = lrn.engine.model_engine.step
 
     def step(*a, **kw):
         for n, p in lrn.engine.module.named_parameters():
             grads[n] = p.grad.detach().clone()
         return orig(*a, **kw)
 
-    lrn.engine.step = step
+    lrn.engine.model_engine.step = step
     return grads
 
 
 def test_protocol_and_metrics_and_staleness(learner):
-    assert isinstance(learner, LearnerEngine)
+    assert isinstance(learner.engine, TrainEngine)
     v = learner.version
     batch = [
         make_traj(PROMPT, [5, 6], lp=-3.0, version=v - 3, reward=1.0, gid="a"),
@@ -100,7 +101,7 @@ def test_protocol_and_metrics_and_staleness(learner):
     ]
     # mixed versions within one trajectory (a request that spanned a weight update)
     batch[1].versions[-1] = v - 2
-    m = learner.train_step(batch)
+    m = learner.step(batch)
     assert set(METRIC_KEYS) <= set(m) and all(isinstance(x, float) for x in m.values())
     assert all(math.isfinite(x) for x in m.values())
     assert learner.version == v + 1
@@ -117,19 +118,19 @@ def test_protocol_and_metrics_and_staleness(learner):
 
 def test_reward_favouring_a_token_raises_its_probability():
     torch.manual_seed(1)
-    lrn = DeepSpeedLearner(tiny_model(1), lr=3e-3, seed=1)
+    lrn = make_actor(tiny_model(1), lr=3e-3, seed=1)
     ids = torch.tensor([PROMPT])
 
     def p_target():
         with torch.no_grad():
-            lrn.module.eval()
-            return torch.softmax(lrn.module(input_ids=ids).logits[0, -1].float(), -1)[TARGET].item()
+            lrn.engine.module.eval()
+            return torch.softmax(lrn.engine.module(input_ids=ids).logits[0, -1].float(), -1)[TARGET].item()
 
     p0 = p_target()
     gen = torch.Generator().manual_seed(0)
     for step in range(6):
         with torch.no_grad():
-            probs = torch.softmax(lrn.module(input_ids=ids).logits[0, -1].float(), -1)
+            probs = torch.softmax(lrn.engine.module(input_ids=ids).logits[0, -1].float(), -1)
         # 16 samples, force a few TARGET so every group has signal; behaviour logprobs from the current policy
         toks = torch.multinomial(probs, 16, replacement=True, generator=gen)
         toks[:4] = TARGET
@@ -138,7 +139,7 @@ def test_reward_favouring_a_token_raises_its_probability():
                       reward=float(int(x) == TARGET), gid=f"s{step}g{i // 8}")
             for i, x in enumerate(toks)
         ]
-        m = lrn.train_step(batch)
+        m = lrn.step(batch)
         assert m["capped_frac"] == 0.0
         assert m["imp_weight_mean"] == pytest.approx(1.0, abs=1e-4)  # on-policy data
     p1 = p_target()
@@ -148,8 +149,8 @@ def test_reward_favouring_a_token_raises_its_probability():
 def test_micro_batch_split_matches_single_batch_and_reference_gradient():
     base = tiny_model(2)
     batch = random_batch(seed=3)
-    big = DeepSpeedLearner(copy.deepcopy(base), lr=1e-3, grad_clip=0.0, max_tokens_per_mb=4096)
-    small = DeepSpeedLearner(copy.deepcopy(base), lr=1e-3, grad_clip=0.0, max_tokens_per_mb=12)
+    big = make_actor(copy.deepcopy(base), lr=1e-3, grad_clip=0.0, max_tokens_per_mb=4096)
+    small = make_actor(copy.deepcopy(base), lr=1e-3, grad_clip=0.0, max_tokens_per_mb=12)
     assert len(build_micro_batches(batch, 4096)) == 1
     assert len(build_micro_batches(batch, 12)) >= 4
 
@@ -164,7 +165,7 @@ def test_micro_batch_split_matches_single_batch_and_reference_gradient():
     ref_grads = {n: p.grad for n, p in ref_model.named_parameters()}
 
     g_big, g_small = capture_grads(big), capture_grads(small)
-    m_big, m_small = big.train_step(batch), small.train_step(batch)
+    m_big, m_small = big.step(batch), small.step(batch)
     assert m_big["loss"] == pytest.approx(ref_loss.item(), rel=1e-5, abs=1e-7)
     assert m_small["loss"] == pytest.approx(m_big["loss"], rel=1e-5, abs=1e-7)
     assert m_small["grad_norm"] == pytest.approx(m_big["grad_norm"], rel=1e-5)
@@ -173,7 +174,7 @@ def test_micro_batch_split_matches_single_batch_and_reference_gradient():
     for n in ref_grads:
         torch.testing.assert_close(g_big[n], ref_grads[n], rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(g_small[n], g_big[n], rtol=1e-4, atol=1e-6)
-    sd_b, sd_s = big.module.state_dict(), small.module.state_dict()
+    sd_b, sd_s = big.engine.module.state_dict(), small.engine.module.state_dict()
     for n in sd_b:
         torch.testing.assert_close(sd_s[n], sd_b[n], rtol=1e-4, atol=1e-6)
     # the step moved the weights
@@ -181,60 +182,60 @@ def test_micro_batch_split_matches_single_batch_and_reference_gradient():
 
 
 def test_export_weights_roundtrip(learner, tmp_path):
-    learner.train_step(random_batch(seed=5, version=learner.version))
+    learner.step(random_batch(seed=5, version=learner.version))
     path = tmp_path / "w" / "model.safetensors"
-    learner.export_weights(str(path))
+    learner.engine.export_weights(str(path))
     assert path.exists() and not [f for f in os.listdir(path.parent) if f.startswith(".tmp")]
     fresh = tiny_model(123)
     fresh.load_state_dict(load_file(str(path)), strict=True)
-    want = learner.module.state_dict()
+    want = learner.engine.module.state_dict()
     got = fresh.state_dict()
     assert set(got) == set(want)
     for k in want:
         assert torch.equal(got[k], want[k]), k
     # overwrite in place (atomic replace)
-    learner.export_weights(str(path))
+    learner.engine.export_weights(str(path))
     assert sorted(os.listdir(path.parent)) == ["model.safetensors"]
 
 
 def test_export_tied_embeddings_and_hf_dir(tmp_path):
-    lrn = DeepSpeedLearner(tiny_model(4, tie=True), lr=1e-3)
-    lrn.train_step(random_batch(seed=6))
-    lrn.export_weights(str(tmp_path / "tied.safetensors"))
+    lrn = make_actor(tiny_model(4, tie=True), lr=1e-3)
+    lrn.step(random_batch(seed=6))
+    lrn.engine.export_weights(str(tmp_path / "tied.safetensors"))
     fresh = tiny_model(9, tie=True)
     fresh.load_state_dict(load_file(str(tmp_path / "tied.safetensors")), strict=True)
-    for k, v in lrn.module.state_dict().items():
+    for k, v in lrn.engine.module.state_dict().items():
         assert torch.equal(fresh.state_dict()[k], v), k
-    lrn.export_hf(str(tmp_path / "hf"))
-    lrn.export_hf(str(tmp_path / "hf"))  # replacing an existing folder works
+    lrn.engine.export_hf(str(tmp_path / "hf"))
+    lrn.engine.export_hf(str(tmp_path / "hf"))  # replacing an existing folder works
     loaded = LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"))
-    for k, v in lrn.module.state_dict().items():
+    for k, v in lrn.engine.module.state_dict().items():
         assert torch.equal(loaded.state_dict()[k], v), k
 
 
 def test_save_load_restores_weights_optimizer_and_version(tmp_path):
-    lrn = DeepSpeedLearner(tiny_model(7), lr=1e-3, version=10)
-    lrn.train_step(random_batch(seed=8, version=10))
-    lrn.save(str(tmp_path / "ckpt"))
-    saved = {k: v.clone() for k, v in lrn.module.state_dict().items()}
+    lrn = make_actor(tiny_model(7), lr=1e-3, version=10)
+    lrn.step(random_batch(seed=8, version=10))
+    lrn.engine.save(str(tmp_path / "ckpt"))
+    saved = {k: v.clone() for k, v in lrn.engine.module.state_dict().items()}
     torch.manual_seed(1234)
     expected_rand = torch.rand(3)
     b = random_batch(seed=9, version=11)
-    m_a = lrn.train_step(b)
-    after_a = {k: v.clone() for k, v in lrn.module.state_dict().items()}
+    m_a = lrn.step(b)
+    after_a = {k: v.clone() for k, v in lrn.engine.module.state_dict().items()}
     assert lrn.version == 12
 
-    lrn.load(str(tmp_path / "ckpt"))
+    lrn.engine.load(str(tmp_path / "ckpt"))
     assert lrn.version == 11
-    for k, v in lrn.module.state_dict().items():
+    for k, v in lrn.engine.module.state_dict().items():
         assert torch.equal(v, saved[k]), k
     # the same step again gives the same result (optimizer moments restored too)
-    m_b = lrn.train_step(b)
+    m_b = lrn.step(b)
     assert m_b["loss"] == pytest.approx(m_a["loss"], rel=1e-6)
-    for k, v in lrn.module.state_dict().items():
+    for k, v in lrn.engine.module.state_dict().items():
         torch.testing.assert_close(v, after_a[k], rtol=0, atol=1e-7)
     # RNG state is restored to what it was at save time
-    lrn.load(str(tmp_path / "ckpt"))
+    lrn.engine.load(str(tmp_path / "ckpt"))
     torch.manual_seed(1234)
     assert torch.equal(torch.rand(3), expected_rand)
 
@@ -243,15 +244,15 @@ def test_save_load_restores_weights_optimizer_and_version(tmp_path):
 def test_zero_stages_match_stage0(kw, tmp_path):
     base = tiny_model(11)
     batch = random_batch(seed=12)
-    ref = DeepSpeedLearner(copy.deepcopy(base), lr=1e-3)
-    lrn = DeepSpeedLearner(copy.deepcopy(base), lr=1e-3, **kw)
+    ref = make_actor(copy.deepcopy(base), lr=1e-3)
+    lrn = make_actor(copy.deepcopy(base), lr=1e-3, **kw)
     for _ in range(2):
-        m_ref, m = ref.train_step(batch), lrn.train_step(batch)
+        m_ref, m = ref.step(batch), lrn.step(batch)
         assert m["loss"] == pytest.approx(m_ref["loss"], rel=1e-4, abs=1e-6)
         assert m["grad_norm"] == pytest.approx(m_ref["grad_norm"], rel=1e-4)
-    lrn.export_weights(str(tmp_path / "z.safetensors"))
+    lrn.engine.export_weights(str(tmp_path / "z.safetensors"))
     sd = load_file(str(tmp_path / "z.safetensors"))
-    ref_sd = ref.module.state_dict()
+    ref_sd = ref.engine.module.state_dict()
     assert set(sd) == set(ref_sd)
     for k in ref_sd:
         torch.testing.assert_close(sd[k], ref_sd[k], rtol=1e-4, atol=1e-5)

@@ -1,4 +1,4 @@
-"""DeepSpeedLearner options against hand-computed references: sequence-level aggregation, staleness at
+"""PPOActor options (on a DeepSpeedEngine) against hand-computed references: sequence-level aggregation, staleness at
 consumption (drop / down-weight), KL to the frozen initial weights, turn-level discount, LR schedule."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from arl.api.types import Trajectory  # noqa: E402
 from arl.learner.batching import build_micro_batches  # noqa: E402
-from arl.learner.deepspeed_engine import DeepSpeedLearner  # noqa: E402
+from tests.learner._build import make_actor  # noqa: E402
 from arl.learner.ppo import decoupled_ppo_loss, group_advantages, stale_token_weights, token_logprobs  # noqa: E402
 
 torch.set_num_threads(1)
@@ -55,9 +55,9 @@ def test_sequence_level_aggregation_by_hand():
     # std-normalised group advantages are +1 / -1 in both groups; sequence tokens 1, 4, 2, 3
     adv = [1.0, -1.0, 1.0, -1.0]
     n = [1, 4, 2, 3]
-    tok = DeepSpeedLearner(copy.deepcopy(base), lr=1e-3, loss_agg="token")
-    seq = DeepSpeedLearner(copy.deepcopy(base), lr=1e-3, loss_agg="seq")
-    m_tok, m_seq = tok.train_step(batch), seq.train_step(batch)
+    tok = make_actor(copy.deepcopy(base), lr=1e-3, loss_agg="token")
+    seq = make_actor(copy.deepcopy(base), lr=1e-3, loss_agg="seq")
+    m_tok, m_seq = tok.step(batch), seq.step(batch)
     assert m_tok["loss"] == pytest.approx(-sum(a * k for a, k in zip(adv, n)) / sum(n), abs=1e-5)  # = 0.2
     assert m_seq["loss"] == pytest.approx(-sum(adv) / 4, abs=1e-5)  # = 0
     assert m_tok["imp_weight_mean"] == pytest.approx(1.0, abs=1e-5)
@@ -75,18 +75,18 @@ def test_stale_tokens_drop_matches_hand_masked_batch():
     hand = copy.deepcopy(batch)
     for t in hand:
         t.loss_mask = (t.loss_mask.astype(bool) & (v - t.versions <= 2)).astype(np.int8)
-    drop = DeepSpeedLearner(copy.deepcopy(base), lr=1e-3, version=v, max_head_offpolicyness=2, stale_tokens="drop",
+    drop = make_actor(copy.deepcopy(base), lr=1e-3, version=v, eta=2, stale_tokens="drop",
                             grad_clip=0.0)
-    ref = DeepSpeedLearner(copy.deepcopy(base), lr=1e-3, version=v, grad_clip=0.0)
-    m_drop, m_ref = drop.train_step(batch), ref.train_step(hand)
+    ref = make_actor(copy.deepcopy(base), lr=1e-3, version=v, grad_clip=0.0)
+    m_drop, m_ref = drop.step(batch), ref.step(hand)
     assert m_drop["stale_token_frac"] == pytest.approx(3 / 10)
     assert m_drop["n_tokens"] == m_ref["n_tokens"] == 7.0
     assert m_drop["loss"] == pytest.approx(m_ref["loss"], rel=1e-6, abs=1e-8)
     assert m_drop["head_offpolicyness"] == 4.0  # reported as received, before the drop
-    for (n, a), b in zip(drop.module.state_dict().items(), ref.module.state_dict().values()):
+    for (n, a), b in zip(drop.engine.module.state_dict().items(), ref.engine.module.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-7, msg=n)
-    keep = DeepSpeedLearner(copy.deepcopy(base), lr=1e-3, version=v, max_head_offpolicyness=2)
-    m_keep = keep.train_step(batch)
+    keep = make_actor(copy.deepcopy(base), lr=1e-3, version=v, eta=2)
+    m_keep = keep.step(batch)
     assert m_keep["stale_token_frac"] == pytest.approx(3 / 10) and m_keep["n_tokens"] == 10.0
 
 
@@ -95,9 +95,9 @@ def test_stale_tokens_downweight_matches_plain_torch():
     v = 6
     batch = [traj([1, 2], [3, 4], version=v - 3, reward=1.0, gid="a"), traj([1], [5, 6, 7], version=v, gid="a"),
              traj([2, 2], [9], version=v - 5, reward=1.0, gid="b"), traj([4], [8, 8], version=v - 1, gid="b")]
-    lrn = DeepSpeedLearner(copy.deepcopy(base), lr=1e-3, version=v, max_head_offpolicyness=1,
+    lrn = make_actor(copy.deepcopy(base), lr=1e-3, version=v, eta=1,
                            stale_tokens="downweight", stale_token_decay=0.5, packing=False)
-    m = lrn.train_step(batch)
+    m = lrn.step(batch)
     # plain torch reference: weights 0.5**(lag - eta) = 0.25 (lag 3), 1, 0.0625 (lag 5), 1; token-level mean
     model = copy.deepcopy(base).train()
     adv = group_advantages(torch.tensor([t.reward for t in batch]), [t.group_id for t in batch]).tolist()
@@ -114,18 +114,18 @@ def test_stale_tokens_downweight_matches_plain_torch():
 def test_kl_to_frozen_initial_weights():
     base = tiny(4)
     batch = [traj([1, 2], [3, 4, 5], reward=1.0, gid="a"), traj([1, 2], [6, 7], reward=0.0, gid="a")]
-    lrn = DeepSpeedLearner(copy.deepcopy(base), lr=3e-2, kl_coef=0.5, kl_estimator="k3", grad_clip=0.0)
-    no_kl = DeepSpeedLearner(copy.deepcopy(base), lr=3e-2, grad_clip=0.0)
-    m0, n0 = lrn.train_step(batch), no_kl.train_step(batch)
+    lrn = make_actor(copy.deepcopy(base), lr=3e-2, kl_coef=0.5, kl_estimator="k3", grad_clip=0.0)
+    no_kl = make_actor(copy.deepcopy(base), lr=3e-2, grad_clip=0.0)
+    m0, n0 = lrn.step(batch), no_kl.step(batch)
     assert m0["kl_ref"] == pytest.approx(0.0, abs=1e-6)  # reference == current weights at the first step
     assert m0["loss"] == pytest.approx(n0["loss"], abs=1e-6)
     for _ in range(3):
-        m = lrn.train_step(batch)
+        m = lrn.step(batch)
     assert m["kl_ref"] > 1e-4  # k3 >= 0, and the policy moved away from the reference
-    for k, v in lrn.ref_model.state_dict().items():  # the reference stays frozen at the initial weights
+    for k, v in lrn.engine.ref_model.state_dict().items():  # the reference stays frozen at the initial weights
         assert torch.equal(v, base.state_dict()[k]), k
-    assert all(not p.requires_grad for p in lrn.ref_model.parameters())
-    assert DeepSpeedLearner(copy.deepcopy(base), lr=1e-3).ref_model is None  # no copy when KL is off
+    assert all(not p.requires_grad for p in lrn.engine.ref_model.parameters())
+    assert make_actor(copy.deepcopy(base), lr=1e-3).engine.ref_model is None  # no copy when KL is off
 
 
 def test_turn_level_discount_advantages():
@@ -136,23 +136,23 @@ def test_turn_level_discount_advantages():
     a = Trajectory([1, 2, 5, 6, 3, 7], [0, 0, 1, 1, 0, 1], [0, 0, -3, -3, 0, -3], [-1, -1, 0, 0, -1, 0], 0.5, "g",
                    turn_rewards=[0.0, 1.0])
     b = Trajectory([1, 2, 5], [0, 0, 1], [0, 0, -3], [-1, -1, 0], 0.0, "g", turn_rewards=[0.0])
-    lrn = DeepSpeedLearner(copy.deepcopy(base), lr=1e-3, turn_discount=0.5)
-    m = lrn.train_step([a, b])
+    lrn = make_actor(copy.deepcopy(base), lr=1e-3, turn_discount=0.5)
+    m = lrn.step([a, b])
     s = math.sqrt(1 / 6)
     assert m["adv_abs_mean"] == pytest.approx((2 * 0.25 / s + 0.75 / s + 0.25 / s) / 4, rel=1e-4)
     assert m["turn_reward_mismatch"] == 0.0
     bad = Trajectory([1, 2, 5], [0, 0, 1], [0, 0, -3], [-1, -1, 0], 1.0, "h", turn_rewards=[0.0, 1.0])
-    m2 = lrn.train_step([a, b, bad])  # mismatched turn rewards fall back to the scalar reward, counted
+    m2 = lrn.step([a, b, bad])  # mismatched turn rewards fall back to the scalar reward, counted
     assert m2["turn_reward_mismatch"] == 1.0 and math.isfinite(m2["loss"])
 
 
 @pytest.mark.parametrize("zero_stage", [0, 2])
 def test_lr_schedule_warmup_then_cosine(zero_stage):
     base = tiny(6)
-    lrn = DeepSpeedLearner(copy.deepcopy(base), lr=1e-3, lr_schedule="cosine", warmup_steps=2, total_steps=4,
+    lrn = make_actor(copy.deepcopy(base), lr=1e-3, lr_schedule="cosine", warmup_steps=2, total_steps=4,
                            zero_stage=zero_stage)
     batch = [traj([1, 2], [3, 4], reward=1.0, gid="a"), traj([1, 2], [5], reward=0.0, gid="a")]
-    lrs = [lrn.train_step(batch)["lr"] for _ in range(5)]
+    lrs = [lrn.step(batch)["lr"] for _ in range(5)]
     assert lrs == pytest.approx([5e-4, 1e-3, 1e-3, 5e-4, 0.0], abs=1e-12)
 
 
@@ -160,4 +160,4 @@ def test_bad_options_raise():
     for kw in (dict(loss_agg="x"), dict(kl_estimator="k2"), dict(dual_clip_c=0.5), dict(stale_tokens="drop"),
                dict(packed_attention="flash"), dict(lr_schedule="step"), dict(turn_discount=2.0)):
         with pytest.raises(ValueError):
-            DeepSpeedLearner(tiny(0), **kw)
+            make_actor(tiny(0), **kw)

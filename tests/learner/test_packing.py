@@ -113,7 +113,7 @@ def test_packed_logprobs_equal_padded(family, mode):
 # ------------------------------------------------------------------------------------------------ learner level
 deepspeed = pytest.importorskip("deepspeed")
 
-from arl.learner.deepspeed_engine import DeepSpeedLearner  # noqa: E402
+from tests.learner._build import make_actor  # noqa: E402
 
 
 def _tiny(seed=0):
@@ -124,14 +124,14 @@ def _tiny(seed=0):
 
 def _capture_grads(lrn):
     grads = {}
-    orig = lrn.engine.step
+    orig = lrn.engine.model_engine.step
 
     def step(*a, **kw):
         for n, p in lrn.engine.module.named_parameters():
             grads[n] = p.grad.detach().clone()
         return orig(*a, **kw)
 
-    lrn.engine.step = step
+    lrn.engine.model_engine.step = step
     return grads
 
 
@@ -139,15 +139,15 @@ def _capture_grads(lrn):
 def test_packing_gives_the_same_loss_and_gradient_as_padding(extra):
     base = _tiny(3)
     batch = _random_trajs(4, n=12)
-    padded = DeepSpeedLearner(copy.deepcopy(base), lr=1e-3, grad_clip=0.0, packing=False, max_tokens_per_mb=4096,
+    padded = make_actor(copy.deepcopy(base), lr=1e-3, grad_clip=0.0, packing=False, max_tokens_per_mb=4096,
                               **extra)
-    packed = DeepSpeedLearner(copy.deepcopy(base), lr=1e-3, grad_clip=0.0, packing=True, max_tokens_per_mb=4096,
+    packed = make_actor(copy.deepcopy(base), lr=1e-3, grad_clip=0.0, packing=True, max_tokens_per_mb=4096,
                               **extra)
-    packed_small = DeepSpeedLearner(copy.deepcopy(base), lr=1e-3, grad_clip=0.0, packing=True,
+    packed_small = make_actor(copy.deepcopy(base), lr=1e-3, grad_clip=0.0, packing=True,
                                     max_tokens_per_mb=20, **extra)
     assert len(build_packed_micro_batches(batch, 20)) >= 4
     g_pad, g_pk, g_small = _capture_grads(padded), _capture_grads(packed), _capture_grads(packed_small)
-    m_pad, m_pk, m_small = padded.train_step(batch), packed.train_step(batch), packed_small.train_step(batch)
+    m_pad, m_pk, m_small = padded.step(batch), packed.step(batch), packed_small.step(batch)
     assert m_pad["pad_frac"] > 0.2 and m_pk["pad_frac"] == 0.0 and m_small["pad_frac"] == 0.0
     for m in (m_pk, m_small):
         assert m["loss"] == pytest.approx(m_pad["loss"], rel=1e-5, abs=1e-7)
@@ -157,16 +157,16 @@ def test_packing_gives_the_same_loss_and_gradient_as_padding(extra):
         torch.testing.assert_close(g_pk[n], g_pad[n], rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(g_small[n], g_pad[n], rtol=1e-4, atol=1e-6)
     # and a second step (on updated weights, with non-trivial ratios) still agrees
-    m_pad2, m_pk2 = padded.train_step(batch), packed.train_step(batch)
+    m_pad2, m_pk2 = padded.step(batch), packed.step(batch)
     assert m_pk2["loss"] == pytest.approx(m_pad2["loss"], rel=1e-4, abs=1e-6)
 
 
 def test_export_hf_does_not_save_the_runtime_attention(tmp_path):
     import json
 
-    lrn = DeepSpeedLearner(_tiny(8), lr=1e-3, packing=True)
-    assert lrn.module.config._attn_implementation == VARLEN_ATTENTION
-    lrn.export_hf(str(tmp_path / "hf"))
+    lrn = make_actor(_tiny(8), lr=1e-3, packing=True)
+    assert lrn.engine.module.config._attn_implementation == VARLEN_ATTENTION
+    lrn.engine.export_hf(str(tmp_path / "hf"))
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert VARLEN_ATTENTION not in json.dumps(cfg)
     loaded = LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"))
@@ -177,9 +177,9 @@ def test_export_hf_does_not_save_the_runtime_attention(tmp_path):
 def test_packing_with_bf16_and_zero3(kw):
     base = _tiny(9)
     batch = _random_trajs(5, n=9)
-    packed = DeepSpeedLearner(copy.deepcopy(base), lr=1e-3, packing=True, max_tokens_per_mb=24, **kw)
-    padded = DeepSpeedLearner(copy.deepcopy(base), lr=1e-3, packing=False, max_tokens_per_mb=24, **kw)
-    m_pk, m_pad = packed.train_step(batch), padded.train_step(batch)
+    packed = make_actor(copy.deepcopy(base), lr=1e-3, packing=True, max_tokens_per_mb=24, **kw)
+    padded = make_actor(copy.deepcopy(base), lr=1e-3, packing=False, max_tokens_per_mb=24, **kw)
+    m_pk, m_pad = packed.step(batch), padded.step(batch)
     tol = 2e-2 if kw.get("bf16") else 1e-5
     assert m_pk["loss"] == pytest.approx(m_pad["loss"], rel=tol, abs=tol)
     assert m_pk["grad_norm"] == pytest.approx(m_pad["grad_norm"], rel=tol * 5)

@@ -10,7 +10,8 @@ import torch
 
 pytest.importorskip("deepspeed")
 
-from arl.learner.deepspeed_engine import DeepSpeedLearner, split_minibatches  # noqa: E402
+from arl.learner.actor import split_minibatches  # noqa: E402
+from tests.learner._build import make_actor  # noqa: E402
 from tests.learner.test_learner_features import on_policy, tiny, traj  # noqa: E402
 
 
@@ -39,11 +40,11 @@ def test_steps_per_batch_and_clip_only_binds_with_several():
     trajs = batch()
     model = tiny()
     on_policy(model, trajs)
-    one = DeepSpeedLearner(copy.deepcopy(model), lr=3e-2, seed=0)
-    four = DeepSpeedLearner(copy.deepcopy(model), lr=3e-2, seed=0, ppo_minibatches=4)
-    m1, m4 = one.train_step(trajs), four.train_step(trajs)
+    one = make_actor(copy.deepcopy(model), lr=3e-2, seed=0)
+    four = make_actor(copy.deepcopy(model), lr=3e-2, seed=0, minibatches=4)
+    m1, m4 = one.step(trajs), four.step(trajs)
     assert one.version == four.version == 1  # one policy version per batch either way
-    assert one.engine.global_steps == 1 and four.engine.global_steps == 4
+    assert one.engine.model_engine.global_steps == 1 and four.engine.model_engine.global_steps == 4
     assert m1["clip_frac"] == 0.0  # one step: pi == pi_prox where the gradient is taken, the ratio is exactly 1
     assert m4["clip_frac"] > 0.0  # later minibatches see pi move off pi_prox: the clip is a trust region
     assert m4["n_seqs"] == m1["n_seqs"] == len(trajs) and m4["n_tokens"] == m1["n_tokens"]
@@ -56,15 +57,15 @@ def test_minibatch_steps_equal_sequential_steps_on_the_parts():
     model = tiny(seed=1)
     on_policy(model, trajs)
     kw = dict(lr=1e-2, seed=0, naive_ppo=True, max_tokens_per_mb=24)
-    a = DeepSpeedLearner(copy.deepcopy(model), ppo_minibatches=2, **kw)
-    b = DeepSpeedLearner(copy.deepcopy(model), **kw)
-    adv, _ = a._advantages(trajs, torch.tensor([t.reward for t in trajs]))
+    a = make_actor(copy.deepcopy(model), minibatches=2, **kw)
+    b = make_actor(copy.deepcopy(model), **kw)
+    adv, _ = a.advantages(trajs)
     by_id = {id(t): v for t, v in zip(trajs, adv)}
-    b._advantages = lambda bt, rewards: ([by_id[id(t)] for t in bt], 0)
-    a.train_step(trajs)
+    b.advantages = lambda bt: ([by_id[id(t)] for t in bt], 0)
+    a.step(trajs)
     for part in split_minibatches([len(t.input_ids) for t in trajs], 2):
-        b.train_step([trajs[i] for i in part])
-    wa, wb = a.module.state_dict(), b.module.state_dict()
+        b.step([trajs[i] for i in part])
+    wa, wb = a.engine.module.state_dict(), b.engine.module.state_dict()
     moved = False
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-6)
@@ -73,5 +74,5 @@ def test_minibatch_steps_equal_sequential_steps_on_the_parts():
 
 
 def test_bad_minibatch_count_raises():
-    with pytest.raises(ValueError, match="ppo_minibatches"):
-        DeepSpeedLearner(tiny(), ppo_minibatches=0)
+    with pytest.raises(ValueError, match="minibatches"):
+        make_actor(tiny(), minibatches=0)

@@ -2,36 +2,51 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from arl.api.engine import LearnerEngine
+from arl.api.engine import TrainBatch, TrainEngine
 from arl.api.types import Trajectory
+from arl.config import PPOConfig, SimLearnerConfig
+from arl.learner.actor import PPOActor
 from arl.learner.sim_learner import SimLearner
 from arl.learner.worker import staleness_counts
 
 
-def traj(versions, prompt=3):
+def traj(versions, prompt=3, gid="g"):
     n = len(versions)
     return Trajectory(input_ids=np.arange(prompt + n), loss_mask=[0] * prompt + [1] * n,
                       logprobs=np.zeros(prompt + n), versions=[-1] * prompt + list(versions), reward=1.0,
-                      group_id="g")
+                      group_id=gid)
 
 
-def test_step_metrics_version_and_export(tmp_path):
-    s = SimLearner(s_per_token=1e-6, step_base_s=0.0, time_scale=0.5, version=2)
-    assert isinstance(s, LearnerEngine)
+def test_engine_sleeps_per_token_and_saves_its_version(tmp_path):
+    s = SimLearner(SimLearnerConfig(s_per_token=1e-6, step_base_s=0.0, time_scale=0.5), version=2)
+    assert isinstance(s, TrainEngine)
     assert s.step_seconds(1000) == pytest.approx(0.5e-3)
-    m = s.train_step([traj([0, 1, 2]), traj([2, 2])])
+    batch = TrainBatch([traj([0, 1, 2]), traj([2, 2])])
+    assert [lp is t.logprobs for lp, t in zip(s.forward_logprobs(batch), batch.trajs)] == [True, True]
+
+    def no_loss(*_):
+        raise AssertionError("the simulated engine computes no loss")
+
+    assert s.train_batch(batch, no_loss, no_loss) == {"sim_step_seconds": pytest.approx(0.5 * 11e-6)}
+    path = tmp_path / "w" / "v2.safetensors"
+    s.export_weights(str(path))
+    assert load_file(str(path))["sim.version"].tolist() == [2]
+    assert s.save(str(tmp_path / "ckpt"), client_state={"groups_consumed": 4}) == str(tmp_path / "ckpt")
+    t = SimLearner(SimLearnerConfig())
+    assert t.load(str(tmp_path / "ckpt")) == {"groups_consumed": 4} and t.version == 2
+
+
+def test_actor_over_the_sim_engine_reports_offpolicyness():
+    s = SimLearner(SimLearnerConfig(s_per_token=1e-6, step_base_s=0.0, time_scale=0.5), version=2)
+    actor = PPOActor(s, PPOConfig(), eta=1)
+    m = actor.step([traj([0, 1, 2], gid="a"), traj([2, 2], gid="a")])
     assert s.version == 3
     assert m["head_offpolicyness"] == 2 and m["tail_offpolicyness"] == 0 and m["n_seqs"] == 2
-    assert m["n_tokens"] == 11 and m["n_generated_tokens"] == 5
-    path = tmp_path / "w" / "v3.safetensors"
-    s.export_weights(str(path))
-    assert load_file(str(path))["sim.version"].tolist() == [3]
-    s.save(str(tmp_path / "ckpt"))
-    t = SimLearner()
-    t.load(str(tmp_path / "ckpt"))
-    assert t.version == 3
+    assert m["n_tokens"] == 5 and m["sim_step_seconds"] == pytest.approx(0.5 * 11e-6)
+    assert m["stale_token_frac"] == pytest.approx(1 / 5) and m["reward_mean"] == 1.0 and m["reward_std"] == 0.0
+    assert "loss" not in m  # nothing was trained
     with pytest.raises(ValueError):
-        s.train_step([])
+        actor.step([])
 
 
 def test_staleness_counts_per_token():

@@ -1,0 +1,274 @@
+"""`PPOActor`: decoupled PPO with group advantages on top of any `TrainEngine` (the algorithm, not the mechanics).
+
+One batch, in the order the learner loop calls the phases (every rank runs them on its own share of whole groups):
+
+1. `prepare`: staleness at consumption per token (tokens older than ``version - eta`` kept, dropped or
+   down-weighted) and the loss aggregation become loss masks / per-token weights; the batch is split into PPO
+   minibatches of nearly equal tokens (AReaL's ``ppo_n_minibatches``);
+2. `compute_logp`: proximal logprobs with the current weights, before any update (and reference logprobs for a
+   KL penalty), so every minibatch shares one proximal policy;
+3. `compute_advantages`: GRPO advantages from ``traj.reward`` grouped by ``traj.group_id``, broadcast over each
+   trajectory's loss tokens (or per-turn advantages with ``turn_discount``);
+4. `ppo_update`: one ``engine.train_batch`` (optimizer step) per minibatch with the decoupled PPO loss of
+   `arl.learner.ppo`, then ``version += 1``; returns the step's statistics, reduced over ranks.
+
+With one step per batch ``logp == logp_prox`` where the gradient is taken, so the ratio is exactly 1 and the clip
+never binds; from the second minibatch on it moves off 1 and the clip bounds the update (``clip_frac``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+
+from arl.api.engine import TrainBatch, TrainEngine
+from arl.api.types import Trajectory
+from arl.config import KLEstimator, LossAgg, PPOConfig, StaleTokens
+from arl.learner.batching import MicroBatch
+from arl.learner.ppo import (
+    decoupled_ppo_loss,
+    discounted_turn_returns,
+    entropy_from_logits,
+    group_advantages,
+    sequence_level_weights,
+    shift_right,
+    stale_token_weights,
+    token_logprobs,
+    turn_level_advantages,
+    turn_segments,
+)
+from arl.learner.stats import StatsTracker
+
+__all__ = ["PPOActor", "PPOBatch", "METRIC_KEYS", "split_minibatches"]
+
+# What `ppo_update` reports for an engine that computes a loss (plus turn_reward_mismatch with turn_discount).
+METRIC_KEYS = ("loss", "reward_mean", "reward_std", "adv_abs_mean", "clip_frac", "imp_weight_mean", "capped_frac",
+               "approx_kl", "entropy", "grad_norm", "n_seqs", "n_tokens", "head_offpolicyness",
+               "tail_offpolicyness", "step_seconds", "tokens_per_s", "lr", "dual_clip_frac", "kl_ref",
+               "stale_token_frac", "pad_frac")
+
+
+def split_minibatches(lengths: Sequence[int], k: int) -> list[list[int]]:
+    """Indices of `lengths` in `min(k, n)` minibatches of nearly equal token counts (longest first onto the
+    lightest; each list in arrival order). Deterministic, so a resumed run splits the same way."""
+    k = max(1, min(int(k), len(lengths)))
+    if k == 1:
+        return [list(range(len(lengths)))]
+    loads = [0] * k
+    parts: list[list[int]] = [[] for _ in range(k)]
+    for i in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
+        b = min(range(k), key=lambda m: (loads[m], m))
+        parts[b].append(i)
+        loads[b] += lengths[i]
+    return [sorted(p) for p in parts]
+
+
+def _n_scored_seqs(mb: MicroBatch) -> int:
+    """Sequences of a micro-batch with at least one loss token (the count sequence-level aggregation divides by)."""
+    if not mb.packed:
+        return int((mb.loss_mask.sum(-1) > 0).sum())
+    bounds = mb.cu_seqlens.tolist()
+    return int(sum(bool(mb.loss_mask[0, s:e].any()) for s, e in zip(bounds[:-1], bounds[1:])))
+
+
+@dataclasses.dataclass
+class PPOBatch:
+    """One batch on its way through the phases."""
+
+    received: list[Trajectory]  # as received: advantages read their turns, staleness is reported as received
+    data: TrainBatch  # loss masks after per-token staleness; fields filled phase by phase
+    minibatches: list[list[int]]
+    version: int  # the policy version this batch updates
+    stats: StatsTracker
+    t0: float
+
+
+class PPOActor:
+    """Decoupled PPO (`ppo.decoupled_ppo_loss`) through ``engine``.
+
+    Args:
+        engine: any `TrainEngine` (DeepSpeed, simulated, a rank leader's view).
+        ppo: the algorithm's settings (`arl.config.PPOConfig`).
+        temperature: sampling temperature of the behaviour policy; logprobs are taken under logits / temperature.
+        eta: the staleness bound (``max_head_offpolicyness``); with it, ``stale_token_frac`` is reported and
+            ``ppo.stale_tokens`` drop/down-weight tokens older than ``version - eta``.
+    """
+
+    def __init__(self, engine: TrainEngine, ppo: PPOConfig, temperature: float = 1.0,
+                 eta: Optional[int] = None) -> None:
+        self.engine = engine
+        self.ppo = dataclasses.replace(ppo, loss_agg=LossAgg(ppo.loss_agg), kl_estimator=KLEstimator(ppo.kl_estimator),
+                                       stale_tokens=StaleTokens(ppo.stale_tokens))  # ValueError on unknown choices
+        for ok, msg in ((temperature > 0, f"temperature must be > 0, got {temperature}"),
+                        (ppo.behav_imp_weight_cap is None or ppo.behav_imp_weight_cap > 1.0,
+                         f"behav_imp_weight_cap must be > 1 (or None), got {ppo.behav_imp_weight_cap}"),
+                        (ppo.dual_clip_c is None or ppo.dual_clip_c > 1.0,
+                         f"dual_clip_c must be > 1 (or None), got {ppo.dual_clip_c}"),
+                        (ppo.turn_discount is None or 0.0 <= ppo.turn_discount <= 1.0,
+                         f"turn_discount must be in [0, 1] (or None), got {ppo.turn_discount}"),
+                        (ppo.stale_tokens == StaleTokens.keep or eta is not None,
+                         "stale_tokens='drop'/'downweight' needs max_head_offpolicyness (eta)"),
+                        (isinstance(ppo.minibatches, int) and ppo.minibatches >= 1,
+                         f"ppo minibatches must be an int >= 1, got {ppo.minibatches!r}")):
+            if not ok:
+                raise ValueError(msg)
+        self.temperature = float(temperature)
+        self.eta = eta
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def step(self, trajs: Sequence[Trajectory]) -> dict[str, float]:
+        """The four phases in one call (tests, benchmarks); the learner loop calls them one by one."""
+        batch = self.prepare(trajs)
+        self.compute_logp(batch)
+        self.compute_advantages(batch)
+        return self.ppo_update(batch)
+
+    # ------------------------------------------------------------------ phases
+    def prepare(self, trajs: Sequence[Trajectory]) -> PPOBatch:
+        """Per-token staleness and loss weights, the minibatch split and the batch's own statistics."""
+        if len(trajs) == 0:
+            raise ValueError("a training step needs a non-empty batch")
+        t0, v, ppo = time.perf_counter(), self.engine.version, self.ppo
+        stats = StatsTracker()
+        rewards = np.array([t.reward for t in trajs], np.float32).astype(np.float64)
+        stats.add("n_seqs", len(trajs))
+        stats.add("reward_mean", float(rewards.sum()), "mean", weight=len(trajs))
+        stats.add("reward_sq", float((rewards**2).sum()), "mean", weight=len(trajs))
+        gen = [t.versions[t.loss_mask.astype(bool)] for t in trajs]
+        gen = np.concatenate(gen) if gen else np.zeros(0)
+        stats.add("version_min", float(gen.min()) if gen.size else math.inf, "min")  # as received, before drops
+        stats.add("version_max", float(gen.max()) if gen.size else -math.inf, "max")
+        out, weights, n_stale, scored = [], [], 0, 0
+        for t in trajs:
+            m = t.loss_mask.astype(bool).copy()
+            if len(m):
+                m[0] = False  # never scored (no prefix), see batching
+            scored += int(m.sum())
+            w = np.ones(len(m), np.float32)
+            if self.eta is not None:
+                n_stale += int((m & (v - t.versions.astype(np.int64) > self.eta)).sum())
+                m2, w = stale_token_weights(t.versions, m, v, self.eta, ppo.stale_tokens, ppo.stale_token_decay)
+                if not np.array_equal(m2, m):
+                    m = m2
+                    t = dataclasses.replace(t, loss_mask=m.astype(np.int8))
+            if ppo.loss_agg == LossAgg.seq:
+                w = w * sequence_level_weights(m)
+            out.append(t)
+            weights.append(w)
+        stats.add("stale_token_frac", n_stale, "mean", weight=scored)
+        stats.add("n_tokens", sum(int(t.loss_mask[1:].sum()) for t in out))  # loss tokens after the drops
+        data = TrainBatch(out)
+        if ppo.loss_agg == LossAgg.seq or ppo.stale_tokens == StaleTokens.downweight:
+            data.fields["token_weights"] = weights
+        n_mini = ppo.minibatches
+        if n_mini > 1:  # every rank splits into the same number, and no minibatch is empty on any rank
+            n_mini = min(n_mini, int(-self.engine.all_reduce([-float(len(out))], op="max")[0]))
+        parts = split_minibatches([len(t.input_ids) for t in out], n_mini)
+        return PPOBatch(list(trajs), data, parts, v, stats, t0)
+
+    def compute_logp(self, batch: PPOBatch) -> None:
+        """Proximal logprobs (and reference logprobs with a KL penalty) under the weights before this update."""
+        names = ["prox_logp"] + (["ref_logp"] if self.ppo.kl_coef else [])
+        out: dict[str, list[Any]] = {name: [None] * len(batch.data) for name in names}
+        for part in batch.minibatches:  # per minibatch: the same micro-batches as its update
+            sub = TrainBatch([batch.data.trajs[i] for i in part])
+            for name in names:
+                lps = self.engine.forward_logprobs(sub, self.temperature, reference=name == "ref_logp")
+                for i, lp in zip(part, lps):
+                    out[name][i] = lp
+        batch.data.fields.update(out)
+
+    def compute_advantages(self, batch: PPOBatch) -> None:
+        adv, mismatched = self.advantages(batch.received)
+        batch.data.fields["advantages"] = adv
+        if self.ppo.turn_discount is not None:
+            batch.stats.add("turn_reward_mismatch", mismatched)
+
+    def advantages(self, trajs: Sequence[Trajectory]) -> tuple[list[Any], int]:
+        """Per-trajectory advantages (scalars, or per-token arrays with turn-level discount) and the number of
+        trajectories whose turn rewards did not match their turns (they fall back to ``reward`` for every turn)."""
+        gids = [t.group_id for t in trajs]
+        rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+        if self.ppo.turn_discount is None:
+            return group_advantages(rewards, gids, std_norm=self.ppo.adv_std_norm).tolist(), 0
+        returns, segs, mismatched = [], [], 0
+        for t in trajs:
+            sg = turn_segments(t.loss_mask)
+            segs.append(sg)
+            if sg and len(t.turn_rewards) == len(sg):
+                returns.append(discounted_turn_returns(t.turn_rewards, self.ppo.turn_discount))
+            else:
+                mismatched += int(bool(sg))
+                returns.append(np.full(max(len(sg), 1), t.reward, np.float64))
+        per_turn = turn_level_advantages(returns, gids, std_norm=self.ppo.adv_std_norm)
+        out = []
+        for t, sg, a in zip(trajs, segs, per_turn):
+            tok = np.zeros(len(t.input_ids), np.float32)
+            for (s, e), val in zip(sg, a):
+                tok[s:e] = val
+            out.append(tok)
+        return out, mismatched
+
+    def ppo_update(self, batch: PPOBatch) -> dict[str, float]:
+        """One optimizer step per minibatch, then ``version += 1``; the step's statistics over every rank."""
+        loss_fn = functools.partial(self._loss, stats=batch.stats)
+        weight_fn = _n_scored_seqs if self.ppo.loss_agg == LossAgg.seq else (lambda mb: mb.n_loss_tokens)
+        for i, part in enumerate(batch.minibatches):
+            out = dict(self.engine.train_batch(batch.data.select(part), loss_fn, weight_fn))
+            lr = out.pop("lr", None)
+            if lr is not None and i == 0:  # the rate the batch started with
+                batch.stats.add("lr", lr, "max")
+            if "grad_norm" in out:
+                batch.stats.add("grad_norm", out.pop("grad_norm"), "mean")
+            if "padded_tokens" in out:
+                padded = out.pop("padded_tokens")
+                batch.stats.add("pad_frac", padded - out.pop("real_tokens"), "mean", weight=padded)
+            for k, val in out.items():  # anything else the engine reports, summed
+                batch.stats.add(k, val)
+        self.engine.version = batch.version + 1
+        return self._summary(batch, len(batch.minibatches), time.perf_counter() - batch.t0)
+
+    # ------------------------------------------------------------------ loss and statistics
+    def _loss(self, logits: torch.Tensor, mb: MicroBatch, denominator: float, stats: StatsTracker) -> torch.Tensor:
+        ppo = self.ppo
+        logp = token_logprobs(logits, mb.input_ids, self.temperature)
+        loss, st = decoupled_ppo_loss(
+            logp, mb.prox_logp, mb.logprobs, mb.advantages, mb.loss_mask,
+            eps_clip=ppo.eps_clip, behav_imp_weight_cap=ppo.behav_imp_weight_cap, naive=ppo.naive_ppo,
+            denominator=denominator, dual_clip_c=ppo.dual_clip_c, token_weights=mb.token_weights,
+            ref_logp=mb.ref_logp, kl_coef=ppo.kl_coef, kl_estimator=ppo.kl_estimator,
+        )
+        with torch.no_grad():  # every micro-batch adds every name (zeros for an empty one): ranks line up
+            n = float(st["n_tokens"])
+            ent = float(shift_right(entropy_from_logits(logits.detach(), self.temperature))[mb.loss_mask].sum()) \
+                if n > 0 else 0.0
+            stats.add("entropy", ent, "mean", weight=n)
+            for k in ("clip_frac", "capped_frac", "approx_kl", "dual_clip_frac", "kl_ref"):
+                stats.add(k, float(st[k]) * n if n > 0 else 0.0, "mean", weight=n)
+            kept = n * (1.0 - float(st["capped_frac"])) if n > 0 else 0.0
+            stats.add("imp_weight_mean", float(st["imp_weight_mean"]) * kept, "mean", weight=kept, default=1.0)
+            stats.add("adv_abs_mean", float(mb.advantages[mb.loss_mask].abs().sum()), "mean", weight=n)
+            stats.add("loss", float(loss.detach()))  # summed over ranks: / world size / minibatches below
+        return loss
+
+    def _summary(self, batch: PPOBatch, n_mini: int, elapsed: float) -> dict[str, float]:
+        out = batch.stats.reduce(self.engine.all_reduce)
+        v = batch.version
+        vmin, vmax = out.pop("version_min"), out.pop("version_max")
+        out["head_offpolicyness"] = float(v - vmin) if math.isfinite(vmin) else 0.0
+        out["tail_offpolicyness"] = float(v - vmax) if math.isfinite(vmax) else 0.0
+        out["reward_std"] = math.sqrt(max(out.pop("reward_sq") - out["reward_mean"] ** 2, 0.0))
+        if "loss" in out:
+            out["loss"] = out["loss"] / self.engine.world_size / n_mini  # mean over the minibatches' losses
+        out["step_seconds"] = elapsed
+        out["tokens_per_s"] = out.get("n_tokens", 0.0) / elapsed if elapsed > 0 else 0.0
+        return out

@@ -449,10 +449,10 @@ def validate(cfg: Any) -> None:
          "rollout.num_env_groups and rollout.group_size must be >= 0"),
     ]
     from arl.inference.factory import BACKENDS
+    from arl.learner.backends import LEARNER_BACKENDS
 
     checks.append((ic.backend in BACKENDS, f"inference.backend: {BACKENDS.unknown(ic.backend)}"))
-    checks.append((lc.backend in ("deepspeed", "sim"),
-                   f"learner.backend must be 'deepspeed' or 'sim', got {lc.backend!r}"))
+    checks.append((lc.backend in LEARNER_BACKENDS, f"learner.backend: {LEARNER_BACKENDS.unknown(lc.backend)}"))
     for ok, msg in checks:
         if not ok:
             raise ConfigError(msg)

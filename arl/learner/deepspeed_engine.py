@@ -37,7 +37,6 @@ import math
 import os
 import random
 import shutil
-import socket
 import tempfile
 from typing import Any, Optional
 
@@ -50,18 +49,13 @@ from arl.learner.batching import MicroBatch, build_micro_batches, build_packed_m
 from arl.learner.checkpoint import CHECKPOINT_STATE_FILE
 from arl.learner.packing import enable_varlen_attention, packed_forward_kwargs
 from arl.learner.ppo import token_logprobs
+from arl.utils.net import free_port
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["DeepSpeedEngine", "ensure_distributed", "lr_lambda"]
 
 _DIST_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ensure_distributed() -> None:
@@ -83,7 +77,7 @@ def ensure_distributed() -> None:
             "WORLD_SIZE": "1",
             "LOCAL_RANK": "0",
             "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(_free_port()),
+            "MASTER_PORT": str(free_port()),
         }
         if any(k in os.environ for k in _DIST_ENV) and os.environ.get("WORLD_SIZE", "1") != "1":
             missing = [k for k in _DIST_ENV if k not in os.environ]

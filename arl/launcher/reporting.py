@@ -65,10 +65,10 @@ class Reporter:
         for sink in self.sinks:
             sink.log(record, self.step if step is None else step)
 
-    def event(self, kind: str, **fields: Any) -> None:
-        self.write({"type": kind, "elapsed": self.elapsed(), **fields})
+    def event(self, record_type: str, /, **fields: Any) -> None:
+        self.write({"type": record_type, "elapsed": self.elapsed(), **fields})
 
-    def fault(self, kind: str, record_type: str = "fault", **fields: Any) -> None:
+    def fault(self, kind: str, record_type: str = "fault", /, **fields: Any) -> None:
         """A fault handled: kept for the accounting and written as a record."""
         fault = {"kind": kind, **fields}
         self.faults.append(fault)

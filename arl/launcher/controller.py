@@ -297,7 +297,6 @@ class Controller:
         if isinstance(old.get("prompt_position"), int):  # the new one continues its prompt stream
             self._prompt_positions[index] = max(old["prompt_position"], self._prompt_positions.get(index, 0))
         self.reporter.keep_env_counts(old)
-        await self._respawn(name)
         n = self.sup.restarting(name, time.monotonic())
         logger.warning("%s %s; restarted it (restart %d of at most %d); %d in-flight groups lost, their budget "
                        "returned; last lines of its log:\n%s", name, reason, n, self.sup.max_restarts, lost,
@@ -305,6 +304,7 @@ class Controller:
         self.reporter.fault("rollout_restart", "worker_restarted", role=name, reason=reason[:300], lost_groups=lost,
                             restarts=n)
         await self._grant(grants)
+        await self._respawn(name)
 
     async def _lose_inference(self, name: str, reason: str, restart: bool) -> None:
         """Drop inference process `name` (killed if it still runs): out of the routing and the weight acks."""
@@ -323,23 +323,24 @@ class Controller:
                             remaining=remaining)
         await self._tell_rollouts(m.WorkerLost(role="inference", indices=servers))
         if restart and servers:  # its servers rejoin once registered and caught up with the newest version
-            await self._respawn(name)
             n = self.sup.restarting(name, time.monotonic())
             self.weights.restarted(servers)
             logger.warning("restarted inference process %s (restart %d of at most %d); servers %s rejoin once they "
                            "loaded the newest weights", name, n, self.sup.max_inference_restarts, servers)
             self.reporter.fault("inference_restart", "worker_restarted", role=name, servers=servers, restarts=n)
+            await self._respawn(name)
         # a version only the lost server had not acked is live now (last: the run may end with its evaluation)
         await self._advance()
 
     async def _respawn(self, name: str) -> None:
         """Start `name` again, killed first if it still runs (a hung one). Nothing is started if the run ends
-        (this task is cancelled) while the old process is still dying."""
+        (this task is cancelled) while the old process is still dying. The restart is booked before: the state
+        machines must not see a lost role half restarted while this waits."""
         self.launcher.kill(name)
-        for _ in range(100):
+        for _ in range(500):
             if not self.launcher.alive(name):
                 break
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.02)
         self.launcher.respawn(name)
 
     def _give_up_inference(self, name: str, reason: str) -> None:

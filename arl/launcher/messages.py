@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any, ClassVar, Optional, Union
+from typing import Any, Callable, ClassVar, Optional, Union
 
 __all__ = ["ControlMessage", "MESSAGES", "parse", "Register", "Ack", "Heartbeat", "Lookup", "Addresses",
            "GateAcquire", "GateGrant", "GroupDone", "GroupsDropped", "WeightsPublished", "UpdateWeights",
@@ -21,48 +21,47 @@ __all__ = ["ControlMessage", "MESSAGES", "parse", "Register", "Ack", "Heartbeat"
 ROLES = ("inference", "learner", "rollout")
 
 
-def _check(name: str, value: Any, tp: Any) -> None:
-    """Raise ValueError unless `value` is of type `tp` (int, float, str, bool, dict, list[...], Optional[...])."""
+_SIMPLE: dict[Any, Callable[[Any], bool]] = {
+    int: lambda v: type(v) is int, float: lambda v: type(v) in (int, float), str: lambda v: type(v) is str,
+    bool: lambda v: type(v) is bool, dict: lambda v: isinstance(v, dict), list: lambda v: isinstance(v, list),
+    Any: lambda v: True,
+}
+
+
+def _checker(tp: Any) -> Callable[[Any], bool]:
+    """A test for values of field type `tp` (int, float, str, bool, dict, Any, list[...], Optional[...])."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is Union:
-        if value is None and type(None) in args:
-            return
-        tp = next(a for a in args if a is not type(None))
-        origin, args = typing.get_origin(tp), typing.get_args(tp)
-    ok = {int: lambda v: type(v) is int, float: lambda v: type(v) in (int, float), str: lambda v: type(v) is str,
-          bool: lambda v: type(v) is bool, dict: lambda v: isinstance(v, dict), Any: lambda v: True,
-          list: lambda v: isinstance(v, list)}[origin or tp](value)
-    if not ok:
-        raise ValueError(f"field {name!r}: expected {getattr(tp, '__name__', tp)}, got {type(value).__name__}")
+        inner = _checker(next(a for a in args if a is not type(None)))
+        return lambda v: v is None or inner(v)
     if origin is list and args:
-        for i, item in enumerate(value):
-            _check(f"{name}[{i}]", item, args[0])
+        item = _checker(args[0])
+        return lambda v: isinstance(v, list) and all(item(x) for x in v)
+    return _SIMPLE[origin or tp]
 
 
 class ControlMessage:
     """Base of every control message: `TYPE` names it on the wire; fields are its payload."""
 
     TYPE: ClassVar[str] = ""
+    _SPEC: ClassVar[list[tuple[str, Callable[[Any], bool], bool, str]]] = []  # name, check, required, type name
+    _EXTRA: ClassVar[bool] = False  # keeps unknown keys in its `extra` field
 
     @classmethod
     def from_payload(cls, payload: Any) -> "ControlMessage":
         if not isinstance(payload, dict):
             raise ValueError(f"{cls.TYPE}: payload is {type(payload).__name__}, not a map")
-        hints = typing.get_type_hints(cls)
         kwargs: dict[str, Any] = {}
-        names = set()
-        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-            names.add(f.name)
-            if f.name == "extra":
-                continue
-            if f.name not in payload:
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                    raise ValueError(f"{cls.TYPE}: missing field {f.name!r}")
-                continue
-            _check(f"{cls.TYPE}.{f.name}", payload[f.name], hints[f.name])
-            kwargs[f.name] = payload[f.name]
-        if "extra" in names:
-            kwargs["extra"] = {k: v for k, v in payload.items() if k not in names}
+        for name, check, required, tp in cls._SPEC:
+            if name not in payload:
+                if required:
+                    raise ValueError(f"{cls.TYPE}: missing field {name!r}")
+            elif not check(payload[name]):
+                raise ValueError(f"{cls.TYPE}.{name}: expected {tp}, got {type(payload[name]).__name__}")
+            else:
+                kwargs[name] = payload[name]
+        if cls._EXTRA:
+            kwargs["extra"] = {k: v for k, v in payload.items() if k not in kwargs and k != "extra"}
         msg = cls(**kwargs)
         msg.validate()
         return msg
@@ -71,16 +70,21 @@ class ControlMessage:
         """Checks beyond field types (overridden where a value has a range)."""
 
     def to_payload(self) -> dict:
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)  # type: ignore[arg-type]
-               if f.name != "extra" and getattr(self, f.name) is not None}
+        out = {name: getattr(self, name) for name, *_ in self._SPEC if getattr(self, name) is not None}
         out.update(getattr(self, "extra", {}))
         return out
 
 
-def _message(type_name: str):  # type: ignore[no-untyped-def]
-    def wrap(cls):  # type: ignore[no-untyped-def]
+def _message(type_name: str) -> Callable[[type], type]:
+    def wrap(cls: type) -> type:
         cls = dataclasses.dataclass(cls)
-        cls.TYPE = type_name
+        hints = typing.get_type_hints(cls)
+        cls._SPEC = [(f.name, _checker(hints[f.name]),  # type: ignore[attr-defined]
+                      f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+                      str(hints[f.name]).replace("typing.", ""))
+                     for f in dataclasses.fields(cls) if f.name != "extra"]
+        cls._EXTRA = "extra" in hints  # type: ignore[attr-defined]
+        cls.TYPE = type_name  # type: ignore[attr-defined]
         MESSAGES[type_name] = cls
         return cls
 

@@ -400,6 +400,8 @@ class Controller:
             self._control_error("bad_register", f"refused a registration as {msg.role}/{msg.index}")
             return
         key = (msg.role, msg.index)
+        if self.peers.get(key, ident) != ident:  # a new incarnation: the old one's identity is no longer heard
+            self._who.pop(self.peers[key], None)
         self.peers[key] = ident
         self._who[ident] = key
         restarted = self.sup.registered(key, time.monotonic(), len(self.peers))

@@ -130,6 +130,8 @@ async def test_inference_restart_rejoins_only_with_the_newest_weights(tmp_path):
     # it registers at a new address: told to load the newest version; still out of the routing
     await ctl._dispatch(b"i1b", "register", {"role": "inference", "index": 1, "address": "tcp://b:1"})
     assert sent[-1] == (b"i1b", "update_weights", {"version": 3, "path": "/w/v3"})
+    await ctl._dispatch(b"i1", "weights_loaded", {"version": 3, "index": 1})  # the dead incarnation
+    assert ctl.control_errors == {"unknown_peer": 1} and ctl.weights.acked[1] == 0
     # v4 comes out while both load v3: nothing is sent now (one load in flight per server) ...
     n = len(sent)
     await ctl._dispatch(b"L", "weights_published", {"version": 4, "path": "/w/v4"})

@@ -22,6 +22,7 @@ class InferenceWorker:
         self._send = send_control
         self._inflight: set[asyncio.Task] = set()
         self._t0 = time.monotonic()
+        self._target_version = -1  # newest version being loaded or loaded
         self.stats = {"requests": 0, "bad_requests": 0, "updates": 0, "update_ms_last": 0.0}
 
     async def serve(self) -> None:
@@ -63,6 +64,13 @@ class InferenceWorker:
         await self.router.send(ident, "gen_resp", resp)
 
     async def update_weights(self, version: int, path: str) -> None:
+        """Load `version`, unless it is not newer than the loaded or loading one: a duplicate or late update
+        must never take the weights backwards (it is dropped without an ack)."""
+        if version <= max(int(self.engine.version), self._target_version):
+            logger.info("ignored update_weights v%d: v%d is loaded or loading", version,
+                        max(int(self.engine.version), self._target_version))
+            return
+        self._target_version = version
         t0 = time.perf_counter()
         await self.engine.update_weights(path, version)
         ms = (time.perf_counter() - t0) * 1000

@@ -17,6 +17,7 @@ from typing import Any, Awaitable, Callable, Optional
 
 from arl.config import ExperimentConfig, import_user_modules, load_yaml, resolve_threads
 from arl.launcher.forensics import install_stack_dump_handler
+from arl.launcher.messages import ControlMessage, Error, Heartbeat
 from arl.launcher.security import advertised_address, effective_bind_host, resolve_secret
 from arl.transport import sockets as _sockets
 from arl.transport.loop import run as run_loop
@@ -65,6 +66,10 @@ class ControlChannel:
     async def send(self, msg_type: str, payload: dict) -> None:
         await self.dealer.send(msg_type, payload)
 
+    async def post(self, msg: ControlMessage) -> None:
+        """Send a typed control message (a plain map on the wire)."""
+        await self.dealer.send(msg.TYPE, msg.to_payload())
+
     async def request(self, msg_type: str, payload: dict, reply_type: str, timeout: float) -> dict:
         fut = asyncio.get_running_loop().create_future()
         self._waiters[reply_type] = fut
@@ -94,11 +99,11 @@ class ControlChannel:
             await self.handlers[msg_type](payload)
         except Exception as e:  # noqa: BLE001 - report, then let the controller decide
             logger.exception("handler for %s failed", msg_type)
-            await self.send("error", {"message": f"{self.role}{self.index}: {msg_type} failed: {e}"})
+            await self.post(Error(message=f"{self.role}{self.index}: {msg_type} failed: {e}"))
 
     async def heartbeat(self, stats: Callable[[], dict]) -> None:
         while True:
-            await self.send("heartbeat", {"role": self.role, "index": self.index, "stats": stats()})
+            await self.post(Heartbeat(role=self.role, index=self.index, stats=stats()))
             await asyncio.sleep(HEARTBEAT_SECONDS)
 
     def close(self) -> None:

@@ -1,149 +1,182 @@
-"""Controller bookkeeping for faults, without real roles: who may talk to it, which groups a rollout worker holds,
-and what a restart returns to the staleness gate."""
+"""The controller shell on faults, without sockets or processes: who may talk to it, what a dead, silent or
+erroring role leads to, and what reaches the roles and metrics.jsonl."""
 
 from __future__ import annotations
 
-import collections
 import json
-import sys
+import time
 
 import pytest
 
 from arl.launcher.controller import Controller
 
-
-class FakeRouter:
-    def __init__(self) -> None:
-        self.sent: list[tuple[bytes, str, dict]] = []
-        self.stats = {"received": 0, "sent": 0, "malformed": 0, "dropped": 0}
-
-    async def send(self, ident, msg_type, payload=None):
-        self.sent.append((ident, msg_type, payload))
-        return True
-
-    def close(self):
-        pass
+from .fakes import FakeLauncher, FakeRouter
 
 
 def make_controller(tmp_path, **kw) -> Controller:
-    ctl = Controller(run_dir=str(tmp_path), num_inference=1, num_rollout=2, batch_size=2, max_head_offpolicyness=3,
-                     max_concurrent_rollouts=8, total_train_steps=4, eval_every=0, eval_max_prompts=4,
-                     startup_timeout=60, progress=False, **kw)
+    args = dict(run_dir=str(tmp_path), num_inference=1, num_rollout=2, batch_size=2, max_head_offpolicyness=3,
+                max_concurrent_rollouts=8, total_train_steps=4, eval_every=0, eval_max_prompts=4,
+                startup_timeout=60, progress=False, launcher=FakeLauncher())
+    args.update(kw)
+    ctl = Controller(**args)
     ctl.router = FakeRouter()
+    ctl.spawn_roles()
     return ctl
 
 
-async def feed(ctl: Controller, ident: bytes, msg_type: str, payload: dict) -> None:
-    if ctl._admit(ident, msg_type, payload):
-        await ctl._handle(ident, msg_type, payload)
+def records(tmp_path) -> list[dict]:
+    with open(tmp_path / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
 
 
 @pytest.mark.asyncio
 async def test_only_registered_peers_are_heard(tmp_path):
     ctl = make_controller(tmp_path)
-    await feed(ctl, b"x", "error", {"message": "stop the run"})
-    await feed(ctl, b"x", "group_done", {"accepted": True, "reason": "accepted"})
-    await feed(ctl, b"x", "register", {"role": "rollout", "index": 7})  # no such worker
-    await feed(ctl, b"x", "register", {"role": "wizard", "index": 0})
-    await feed(ctl, b"x", "register", {"role": "inference", "index": 0})  # no address
+    await ctl._dispatch(b"x", "error", {"message": "stop the run"})
+    await ctl._dispatch(b"x", "group_done", {"accepted": True, "reason": "accepted"})
+    await ctl._dispatch(b"x", "register", {"role": "rollout", "index": 7})  # no such worker
+    await ctl._dispatch(b"x", "register", {"role": "wizard", "index": 0})
+    await ctl._dispatch(b"x", "register", {"role": "inference", "index": 0})  # no address
     assert ctl._failure is None and ctl.gate.running == 0 and ctl.peers == {}
     assert ctl.control_errors == {"unknown_peer": 2, "bad_register": 3}
+    # a registered peer's malformed payloads are counted, never acted on
+    await ctl._dispatch(b"r0", "register", {"role": "rollout", "index": 0})
+    await ctl._dispatch(b"r0", "gate_acquire", {"want": "3"})
+    await ctl._dispatch(b"r0", "heartbeat", {"role": "wizard", "index": 0})
+    await ctl._dispatch(b"r0", "group_done", {"accepted": True})  # holds no group
+    assert ctl.control_errors == {"unknown_peer": 2, "bad_register": 3, "bad_payload": 2,
+                                  "unexpected_group_done": 1}
+    assert ctl.sup.last_seen.keys() == {("rollout", 0)}
+    ctl.reporter.close()
 
 
 @pytest.mark.asyncio
-async def test_restart_returns_the_held_groups(tmp_path):
+async def test_dead_rollout_worker_is_restarted_and_its_groups_released(tmp_path):
     ctl = make_controller(tmp_path, max_restarts=1)
-    try:
-        await feed(ctl, b"r0", "register", {"role": "rollout", "index": 0})
-        await feed(ctl, b"r1", "register", {"role": "rollout", "index": 1})
-        ctl._training_open = True
-        await feed(ctl, b"r0", "gate_acquire", {"want": 3})
-        await feed(ctl, b"r1", "gate_acquire", {"want": 3})
-        assert ctl.gate.running == 6 and ctl._held == {0: 3, 1: 3}
-        await feed(ctl, b"r1", "group_done", {"accepted": True, "reason": "accepted", "n_traj": 4})
-        await feed(ctl, b"r1", "group_done", {"accepted": False, "reason": "filtered", "n_traj": 0})
-        assert ctl._held[1] == 1 and ctl.accepted_groups == 1 and ctl.accepted_trajectories == 4
-        # rollout1 dies holding one group: it is released (budget back), counted as lost, and the process respawned
-        ctl.procs.spawn("rollout1", [sys.executable, "-c", "import time; time.sleep(60)"], str(tmp_path / "r1.log"))
-        ctl.role_stats[("rollout", 1)] = {"prompt_position": 7, "env": {"env_timeout": 2}}
-        assert await ctl._restart_rollout("rollout1", "exited with code -9")
-        assert ctl.gate.running == 3 and ctl.lost_groups == 1 and ctl._group_reasons["lost_worker_died"] == 1
-        assert ("rollout", 1) not in ctl.peers and 1 not in ctl._held and ctl.restarts == 1
-        assert ctl.procs.children["rollout1"].proc.poll() is None  # the new one runs
-        # a late message from the dead incarnation is not counted twice
-        await feed(ctl, b"r1", "group_done", {"accepted": True, "reason": "accepted", "n_traj": 4})
-        assert ctl.gate.running == 3 and ctl.control_errors["unknown_peer"] == 1
-        # a process that dies before registering is not restarted (a restart would fail the same way) ...
-        assert not await ctl._restart_rollout("rollout1", "died while starting")
-        # ... and once it registered, one more failure is over the cap: not restarted (the caller stops the run)
-        await feed(ctl, b"r1b", "register", {"role": "rollout", "index": 1})
-        assert ctl.router.sent[-1][:2] == (b"r1b", "ack") and ctl.router.sent[-1][2]["prompt_position"] == 7
-        assert ctl.accounting()["env"] == {"env_timeout": 2}  # the dead incarnation's counts are kept
-        assert not await ctl._restart_rollout("rollout1", "again") and ctl.restarts == 1
-        with open(tmp_path / "metrics.jsonl") as f:
-            recs = [json.loads(line) for line in f]
-        assert [r["type"] for r in recs] == ["worker_restarted"] and recs[0]["lost_groups"] == 1
-        acct = ctl.accounting()
-        assert acct["lost_in_flight_groups"] == 1 and acct["rollout_restarts"] == 1
-    finally:
-        ctl.procs.terminate(1.0)
-        ctl.metrics.close()
+    await ctl._dispatch(b"r0", "register", {"role": "rollout", "index": 0})
+    await ctl._dispatch(b"r1", "register", {"role": "rollout", "index": 1})
+    await ctl._grant(ctl.admission.open())
+    await ctl._dispatch(b"r0", "gate_acquire", {"want": 3})
+    await ctl._dispatch(b"r1", "gate_acquire", {"want": 3})
+    assert ctl.gate.running == 6 and ctl.admission.held == {0: 3, 1: 3}
+    assert [s for s in ctl.router.sent if s[1] == "gate_grant"] == [(b"r0", "gate_grant", {"n": 3}),
+                                                                    (b"r1", "gate_grant", {"n": 3})]
+    await ctl._dispatch(b"r1", "group_done", {"accepted": True, "reason": "accepted", "n_traj": 4})
+    await ctl._dispatch(b"r1", "group_done", {"accepted": False, "reason": "filtered", "n_traj": 0})
+    assert ctl.admission.held[1] == 1 and ctl.reporter.accepted_groups == 1
+    assert ctl.reporter.accepted_trajectories == 4
+    # rollout1 dies holding one group: released (budget back), counted as lost, and the process respawned
+    ctl.role_stats[("rollout", 1)] = {"prompt_position": 7, "env": {"env_timeout": 2}}
+    ctl.launcher.exit("rollout1", -9)
+    assert await ctl._check()
+    assert ctl.gate.running == 3 and ctl.reporter.lost_groups == 1
+    assert ctl.reporter.group_reasons["lost_worker_died"] == 1
+    assert ("rollout", 1) not in ctl.peers and 1 not in ctl.admission.held and ctl.sup.restarts == 1
+    assert ctl.launcher.alive("rollout1") and ctl.launcher.spawns.count("rollout1") == 2
+    # a late message from the dead incarnation is not counted twice
+    await ctl._dispatch(b"r1", "group_done", {"accepted": True, "reason": "accepted", "n_traj": 4})
+    assert ctl.gate.running == 3 and ctl.control_errors["unknown_peer"] == 1
+    # a process that fails before registering is not restarted (a restart would fail the same way) ...
+    assert not await ctl._on_failure("rollout1", "died while starting")
+    # ... and once it registered, one more failure is over the cap: not restarted (the caller stops the run)
+    await ctl._dispatch(b"r1b", "register", {"role": "rollout", "index": 1})
+    assert ctl.router.sent[-1] == (b"r1b", "ack", {"ok": True, "prompt_position": 7})
+    assert ctl.accounting()["env"] == {"env_timeout": 2}  # the dead incarnation's counts are kept
+    assert not await ctl._on_failure("rollout1", "again") and ctl.sup.restarts == 1
+    recs = records(tmp_path)
+    assert [r["type"] for r in recs] == ["worker_restarted"] and recs[0]["lost_groups"] == 1
+    assert recs[0]["reason"] == "exited with code -9"
+    acct = ctl.accounting()
+    assert acct["lost_in_flight_groups"] == 1 and acct["rollout_restarts"] == 1
+    # the learner exiting is fatal
+    ctl.launcher.exit("learner", 1)
+    assert not await ctl._check() and ctl._failure.startswith("role learner exited with code 1")
+    ctl.reporter.close()
 
 
 @pytest.mark.asyncio
-async def test_grants_to_an_unregistered_identity_are_not_held(tmp_path):
-    ctl = make_controller(tmp_path)
-    ctl._training_open = True
-    ctl._wants.append([b"ghost", 2])
-    await ctl._grant()
-    assert ctl._held == collections.Counter()
-    ctl.metrics.close()
+async def test_silent_rollout_worker_is_investigated_then_restarted(tmp_path):
+    ctl = make_controller(tmp_path, heartbeat_timeouts={"rollout": 5.0})
+    await ctl._dispatch(b"r0", "register", {"role": "rollout", "index": 0})
+    await ctl._dispatch(b"r0", "heartbeat", {"role": "rollout", "index": 0, "stats": {"waiting_on": "env step"}})
+    ctl.sup.last_seen[("rollout", 0)] = time.monotonic() - 10
+    assert await ctl._check()
+    assert ctl.launcher.spawns.count("rollout0") == 2 and ctl.sup.restarts == 1
+    fault, restart = records(tmp_path)
+    assert fault["type"] == "fault" and fault["kind"] == "heartbeat_timeout" and fault["waiting_on"] == "env step"
+    assert fault["stacks_dumped"] and fault["process_state"] == "T"
+    assert restart["type"] == "worker_restarted" and "sent no heartbeat for 10s" in restart["reason"]
+    ctl.reporter.close()
 
 
 @pytest.mark.asyncio
 async def test_inference_restart_rejoins_only_with_the_newest_weights(tmp_path):
-    ctl = Controller(run_dir=str(tmp_path), num_inference=2, num_rollout=1, batch_size=2, max_head_offpolicyness=3,
-                     max_concurrent_rollouts=8, total_train_steps=10, eval_every=0, eval_max_prompts=4,
-                     startup_timeout=60, progress=False, tolerate_inference_loss=True, restart_inference=True,
-                     max_inference_restarts=2)
-    ctl.router = FakeRouter()
-    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
-    try:
-        for i in (0, 1):
-            await feed(ctl, f"i{i}".encode(), "register", {"role": "inference", "index": i, "address": f"tcp://a:{i}"})
-        await feed(ctl, b"r0", "register", {"role": "rollout", "index": 0})
-        await feed(ctl, b"L", "register", {"role": "learner", "index": 0, "address": "tcp://l:1"})
-        ctl._published[3] = "/w/v3"
-        ctl.procs.spawn("inference1", sleeper, str(tmp_path / "i1.log"))
-        ctl.procs.children["inference1"].proc.kill()
-        ctl.procs.children["inference1"].proc.wait()
-        assert await ctl._lose_inference("inference1", "exited with code -9")
-        assert ctl.lost_inference == {1} and ctl._rejoining == {1} and ctl.inference_restarts == 1
-        assert ctl.procs.children["inference1"].proc.poll() is None  # respawned
-        sent = lambda: [(i, t, p) for i, t, p in ctl.router.sent]  # noqa: E731
-        assert (b"r0", "worker_lost", {"role": "inference", "indices": [1]}) in sent()
-        # it registers at a new address: told to load the newest version; still out of the routing
-        await feed(ctl, b"i1b", "register", {"role": "inference", "index": 1, "address": "tcp://b:1"})
-        assert sent()[-1] == (b"i1b", "update_weights", {"version": 3, "path": "/w/v3"})
-        # v4 came out meanwhile: its ack of v3 is not enough, it is told to load v4
-        ctl._published[4] = "/w/v4"
-        await feed(ctl, b"i1b", "weights_loaded", {"version": 3, "index": 1})
-        assert sent()[-1] == (b"i1b", "update_weights", {"version": 4, "path": "/w/v4"}) and 1 in ctl.lost_inference
-        await feed(ctl, b"i1b", "weights_loaded", {"version": 4, "index": 1})
-        assert ctl.lost_inference == set() and ctl._rejoining == set()
-        assert sent()[-1] == (b"r0", "worker_back", {"role": "inference", "index": 1, "address": "tcp://b:1"})
-        # it dies again after rejoining: lost and restarted again (cap 2); then the cap holds
-        ctl.procs.children["inference1"].proc.kill()
-        ctl.procs.children["inference1"].proc.wait()
-        assert await ctl._lose_inference("inference1", "exited with code -9") and ctl.inference_restarts == 2
-        ctl.procs.children["inference1"].proc.kill()  # the restart dies before it registered
-        ctl.procs.children["inference1"].proc.wait()
-        assert await ctl._lose_inference("inference1", "died while starting")  # lost again, over the cap
-        assert ctl.inference_restarts == 2 and ctl.procs.children["inference1"].proc.poll() is not None
-        kinds = [json.loads(line)["type"] for line in open(tmp_path / "metrics.jsonl")]
-        assert kinds == ["worker_lost", "worker_restarted", "worker_back", "worker_lost", "worker_restarted",
-                         "worker_lost"]
-        assert ctl.accounting()["inference_restarts"] == 2
-    finally:
-        ctl.procs.terminate(1.0)
-        ctl.metrics.close()
+    ctl = make_controller(tmp_path, num_inference=2, num_rollout=1, total_train_steps=10,
+                          tolerate_inference_loss=True, restart_inference=True, max_inference_restarts=2)
+    for i in (0, 1):
+        await ctl._dispatch(f"i{i}".encode(), "register", {"role": "inference", "index": i, "address": f"tcp://a:{i}"})
+    await ctl._dispatch(b"r0", "register", {"role": "rollout", "index": 0})
+    await ctl._dispatch(b"L", "register", {"role": "learner", "index": 0, "address": "tcp://l:1"})
+    assert ctl.router.sent[-1] == (b"r0", "eval", {"version": 0, "max_prompts": 4})  # all registered
+    sent = ctl.router.sent
+    await ctl._dispatch(b"L", "weights_published", {"version": 3, "path": "/w/v3"})
+    assert sent[-2:] == [(b"i0", "update_weights", {"version": 3, "path": "/w/v3"}),
+                         (b"i1", "update_weights", {"version": 3, "path": "/w/v3"})]
+    ctl.launcher.exit("inference1", -9)
+    assert await ctl._check()
+    assert ctl.lost_inference == {1} and ctl.weights.rejoining == {1} and ctl.sup.inference_restarts == 1
+    assert ctl.launcher.alive("inference1")  # respawned
+    assert (b"r0", "worker_lost", {"role": "inference", "indices": [1]}) in sent
+    # it registers at a new address: told to load the newest version; still out of the routing
+    await ctl._dispatch(b"i1b", "register", {"role": "inference", "index": 1, "address": "tcp://b:1"})
+    assert sent[-1] == (b"i1b", "update_weights", {"version": 3, "path": "/w/v3"})
+    await ctl._dispatch(b"i1", "weights_loaded", {"version": 3, "index": 1})  # the dead incarnation
+    assert ctl.control_errors == {"unknown_peer": 1} and ctl.weights.acked[1] == 0
+    # v4 comes out while both load v3: nothing is sent now (one load in flight per server) ...
+    n = len(sent)
+    await ctl._dispatch(b"L", "weights_published", {"version": 4, "path": "/w/v4"})
+    assert [s for s in sent[n:] if s[1] == "update_weights"] == []
+    # ... each gets v4 once it acked v3; v3 is live on the ack set (server 0) meanwhile
+    await ctl._dispatch(b"i0", "weights_loaded", {"version": 3, "index": 0})
+    assert sent[-1] == (b"i0", "update_weights", {"version": 4, "path": "/w/v4"}) and ctl.gate.version == 3
+    await ctl._dispatch(b"i1b", "weights_loaded", {"version": 3, "index": 1})
+    assert sent[-1] == (b"i1b", "update_weights", {"version": 4, "path": "/w/v4"}) and 1 in ctl.lost_inference
+    await ctl._dispatch(b"i1b", "weights_loaded", {"version": 4, "index": 1})
+    assert ctl.lost_inference == set() and ctl.weights.rejoining == set()
+    assert sent[-1] == (b"r0", "worker_back", {"role": "inference", "index": 1, "address": "tcp://b:1"})
+    await ctl._dispatch(b"i0", "weights_loaded", {"version": 4, "index": 0})
+    assert ctl.gate.version == 4
+    # it dies again after rejoining: lost and restarted again (cap 2); then the cap holds
+    ctl.launcher.exit("inference1", -9)
+    assert await ctl._check() and ctl.sup.inference_restarts == 2
+    ctl.launcher.exit("inference1", -9)  # the restart dies before it registered: lost again, over the cap
+    assert await ctl._check()
+    assert ctl.sup.inference_restarts == 2 and not ctl.launcher.alive("inference1") and ctl.lost_inference == {1}
+    kinds = [r["type"] for r in records(tmp_path) if r["type"] != "train"]
+    assert kinds == ["worker_lost", "worker_restarted", "worker_back", "worker_lost", "worker_restarted",
+                     "worker_lost"]
+    assert ctl.accounting()["inference_restarts"] == 2
+    # the last server going is fatal
+    ctl.launcher.exit("inference0", -9)
+    assert not await ctl._check() and "inference0 exited" in ctl._failure
+    ctl.reporter.close()
+
+
+@pytest.mark.asyncio
+async def test_restarted_inference_that_never_registers_is_given_up(tmp_path):
+    ctl = make_controller(tmp_path, num_inference=2, num_rollout=1, tolerate_inference_loss=True,
+                          restart_inference=True, startup_timeout=30)
+    for i in (0, 1):
+        await ctl._dispatch(f"i{i}".encode(), "register", {"role": "inference", "index": i, "address": f"tcp://a:{i}"})
+    await ctl._dispatch(b"r0", "register", {"role": "rollout", "index": 0})
+    await ctl._dispatch(b"L", "register", {"role": "learner", "index": 0, "address": "tcp://l:1"})
+    await ctl._dispatch(b"i1", "error", {"message": "update_weights failed: disk full"})
+    assert ctl.lost_inference == {1} and ctl.weights.rejoining == {1} and ctl._failure is None
+    ctl.sup.restarted_at["inference1"] -= 31
+    assert await ctl._check()
+    assert ctl.weights.rejoining == set() and ctl.lost_inference == {1} and ctl.launcher.killed[-1] == "inference1"
+    assert records(tmp_path)[-1]["kind"] == "inference_restart_failed"
+    # a role that reports a fatal error it cannot be restarted for stops the run
+    await ctl._dispatch(b"L", "error", {"message": "CUDA OOM"})
+    assert ctl._failure == "role reported a fatal error: CUDA OOM"
+    ctl.reporter.close()

@@ -15,7 +15,7 @@ def test_fresh_start(tmp_path):
     c = _controller(tmp_path)
     assert c.start_version == 0 and c.gate.version == 0 and c.gate.accepted == 0
     assert c.gate.capacity() == 8  # (0 + 2 + 1) * 4 = 12 by staleness, 8 by concurrency
-    c.metrics.close()
+    c.reporter.close()
 
 
 def test_resume_sets_gate_and_prompt_positions(tmp_path):
@@ -24,4 +24,4 @@ def test_resume_sets_gate_and_prompt_positions(tmp_path):
     # (3 + 2 + 1) * 4 - 12 = 12 by staleness, 8 by concurrency; the run ends after 10 * 4 groups
     assert c.gate.capacity() == 8 and c.gate.max_groups == 40
     assert c._prompt_positions == {0: 17, 1: 9}
-    c.metrics.close()
+    c.reporter.close()

@@ -1,0 +1,249 @@
+"""Typed control messages between the controller and the roles.
+
+On the wire they stay plain maps (``arl.transport.codec`` checks only that a control payload is a map), so the
+transport and the fault/fuzz tests see the same frames as before. ``parse`` turns a received map into one of the
+dataclasses below and raises ``ValueError`` for a missing or mistyped field: a peer's mistake must be counted and
+dropped by the receiver, never crash it. Unknown keys are ignored (a newer peer may send more), except by
+messages with an ``extra`` field, which keep them (an evaluation's result is free-form beyond its fixed fields).
+No zmq here: the state machines and their tests use these types without sockets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any, Callable, ClassVar, Optional, Union
+
+__all__ = ["ControlMessage", "MESSAGES", "parse", "Register", "Ack", "Heartbeat", "Lookup", "Addresses",
+           "GateAcquire", "GateGrant", "GroupDone", "GroupsDropped", "WeightsPublished", "UpdateWeights",
+           "WeightsLoaded", "Eval", "EvalDone", "Error", "WorkerLost", "WorkerBack", "Shutdown"]
+
+ROLES = ("inference", "learner", "rollout")
+
+
+_SIMPLE: dict[Any, Callable[[Any], bool]] = {
+    int: lambda v: type(v) is int, float: lambda v: type(v) in (int, float), str: lambda v: type(v) is str,
+    bool: lambda v: type(v) is bool, dict: lambda v: isinstance(v, dict), list: lambda v: isinstance(v, list),
+    Any: lambda v: True,
+}
+
+
+def _checker(tp: Any) -> Callable[[Any], bool]:
+    """A test for values of field type `tp` (int, float, str, bool, dict, Any, list[...], Optional[...])."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Union:
+        inner = _checker(next(a for a in args if a is not type(None)))
+        return lambda v: v is None or inner(v)
+    if origin is list and args:
+        item = _checker(args[0])
+        return lambda v: isinstance(v, list) and all(item(x) for x in v)
+    return _SIMPLE[origin or tp]
+
+
+class ControlMessage:
+    """Base of every control message: `TYPE` names it on the wire; fields are its payload."""
+
+    TYPE: ClassVar[str] = ""
+    _SPEC: ClassVar[list[tuple[str, Callable[[Any], bool], bool, str]]] = []  # name, check, required, type name
+    _EXTRA: ClassVar[bool] = False  # keeps unknown keys in its `extra` field
+
+    @classmethod
+    def from_payload(cls, payload: Any) -> "ControlMessage":
+        if not isinstance(payload, dict):
+            raise ValueError(f"{cls.TYPE}: payload is {type(payload).__name__}, not a map")
+        kwargs: dict[str, Any] = {}
+        for name, check, required, tp in cls._SPEC:
+            if name not in payload:
+                if required:
+                    raise ValueError(f"{cls.TYPE}: missing field {name!r}")
+            elif not check(payload[name]):
+                raise ValueError(f"{cls.TYPE}.{name}: expected {tp}, got {type(payload[name]).__name__}")
+            else:
+                kwargs[name] = payload[name]
+        if cls._EXTRA:
+            kwargs["extra"] = {k: v for k, v in payload.items() if k not in kwargs and k != "extra"}
+        msg = cls(**kwargs)
+        msg.validate()
+        return msg
+
+    def validate(self) -> None:
+        """Checks beyond field types (overridden where a value has a range)."""
+
+    def to_payload(self) -> dict:
+        out = {name: getattr(self, name) for name, *_ in self._SPEC if getattr(self, name) is not None}
+        out.update(getattr(self, "extra", {}))
+        return out
+
+
+def _message(type_name: str) -> Callable[[type], type]:
+    def wrap(cls: type) -> type:
+        cls = dataclasses.dataclass(cls)
+        hints = typing.get_type_hints(cls)
+        cls._SPEC = [(f.name, _checker(hints[f.name]),  # type: ignore[attr-defined]
+                      f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+                      str(hints[f.name]).replace("typing.", ""))
+                     for f in dataclasses.fields(cls) if f.name != "extra"]
+        cls._EXTRA = "extra" in hints  # type: ignore[attr-defined]
+        cls.TYPE = type_name  # type: ignore[attr-defined]
+        MESSAGES[type_name] = cls
+        return cls
+
+    return wrap
+
+
+MESSAGES: dict[str, type[ControlMessage]] = {}
+
+
+def _nonneg(msg: ControlMessage, *names: str) -> None:
+    for n in names:
+        if getattr(msg, n) < 0:
+            raise ValueError(f"{msg.TYPE}.{n} is negative")
+
+
+def _known_role(msg: Any) -> None:
+    if msg.role not in ROLES:
+        raise ValueError(f"{msg.TYPE}: unknown role {msg.role[:20]!r}")
+
+
+@_message("register")
+class Register(ControlMessage):
+    role: str
+    index: int = 0
+    address: Optional[str] = None
+    pid: Optional[int] = None
+
+    def validate(self) -> None:
+        _known_role(self)
+
+
+@_message("ack")
+class Ack(ControlMessage):
+    ok: bool = True
+    prompt_position: Optional[int] = None
+
+
+@_message("heartbeat")
+class Heartbeat(ControlMessage):
+    role: str
+    index: int = 0
+    stats: dict = dataclasses.field(default_factory=dict)
+
+    def validate(self) -> None:
+        _known_role(self)
+
+
+@_message("lookup")
+class Lookup(ControlMessage):
+    role: Optional[str] = None
+    index: Optional[int] = None
+
+
+@_message("addresses")
+class Addresses(ControlMessage):
+    inference: list[Optional[str]]
+    learner: Optional[str]
+
+
+@_message("gate_acquire")
+class GateAcquire(ControlMessage):
+    want: int
+
+    def validate(self) -> None:
+        _nonneg(self, "want")
+
+
+@_message("gate_grant")
+class GateGrant(ControlMessage):
+    n: int
+
+
+@_message("group_done")
+class GroupDone(ControlMessage):
+    accepted: bool
+    reason: Optional[str] = None
+    n_traj: int = 0
+    reward_sum: float = 0.0
+    seconds: float = 0.0
+    traj_stats: Optional[dict] = None  # sums of numeric trajectory metadata, before filters
+    n_traj_raw: Optional[float] = None
+
+
+@_message("groups_dropped")
+class GroupsDropped(ControlMessage):
+    n: int
+    reason: str = "learner"
+
+    def validate(self) -> None:
+        _nonneg(self, "n")
+
+
+@_message("weights_published")
+class WeightsPublished(ControlMessage):
+    version: int
+    path: str
+    metrics: dict = dataclasses.field(default_factory=dict)
+
+
+@_message("update_weights")
+class UpdateWeights(ControlMessage):
+    version: int
+    path: str
+
+
+@_message("weights_loaded")
+class WeightsLoaded(ControlMessage):
+    version: int
+    index: int
+    ms: Optional[float] = None
+
+
+@_message("eval")
+class Eval(ControlMessage):
+    version: int
+    max_prompts: int = 0
+
+
+@_message("eval_done")
+class EvalDone(ControlMessage):
+    version: int
+    n: int
+    first_acc: float
+    solved_acc: float
+    seconds: float = 0.0
+    extra: dict = dataclasses.field(default_factory=dict)  # mean_turns, traj_means, errors, token_versions...
+
+
+@_message("error")
+class Error(ControlMessage):
+    message: Any = ""  # said as it came: a role's error text is only logged
+
+
+@_message("worker_lost")
+class WorkerLost(ControlMessage):
+    role: str
+    indices: list[int]
+
+
+@_message("worker_back")
+class WorkerBack(ControlMessage):
+    role: str
+    index: int
+    address: str
+
+
+@_message("shutdown")
+class Shutdown(ControlMessage):
+    reason: str = ""
+
+
+@_message("metrics")
+class Metrics(ControlMessage):
+    extra: dict = dataclasses.field(default_factory=dict)
+
+
+def parse(msg_type: str, payload: Any) -> ControlMessage:
+    """The typed message for a received (type, map); ValueError for an unknown type or a bad payload."""
+    cls = MESSAGES.get(msg_type)
+    if cls is None:
+        raise ValueError(f"unknown control message type {msg_type!r}")
+    return cls.from_payload(payload)

@@ -1,0 +1,193 @@
+"""What the controller reports: metric records to sinks (metrics.jsonl and any experiment tracker), the progress
+bar, and the run's accounting of where every group went. No sockets; the controller feeds it events.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import sys
+import time
+from typing import Any, Callable, Optional, Protocol
+
+
+class MetricsSink(Protocol):
+    """Where metric records go. `step` is the policy version the record belongs to (trackers plot against it)."""
+
+    def log(self, record: dict, step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class JsonlSink:
+    """Appends one JSON object per line to metrics.jsonl (flushed at once, so a crash keeps the history)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._f = open(path, "a", buffering=1)
+
+    def log(self, record: dict, step: int) -> None:
+        self._f.write(json.dumps({"time": time.time(), **record}, default=float) + "\n")
+
+    def close(self) -> None:
+        self._f.close()
+
+
+LEARNER_KEYS = ("groups_received", "trajectories_received", "trained_groups", "trained_trajectories",
+              "stale_groups_dropped", "stale_trajectories_dropped", "invalid_groups", "buffered_groups",
+              "buffered_trajectories", "in_step_groups", "trained_twice")
+
+
+class Reporter:
+    """Counts of the run (groups by outcome, faults) and the records written about it."""
+
+    def __init__(self, sinks: list[MetricsSink], *, total_steps: int, progress: bool = False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.sinks = sinks
+        self.total_steps = total_steps
+        self.progress = progress
+        self.clock = clock
+        self.t_start = clock()
+        self.step = 0
+        self.group_reasons: collections.Counter = collections.Counter()
+        self.accepted_groups = self.accepted_trajectories = self.lost_groups = 0
+        self.faults: list[dict] = []
+        self.env_of_restarted: collections.Counter = collections.Counter()  # env counts of dead incarnations
+        self.evals: dict[int, dict] = {}
+        self._traj_sums: collections.Counter = collections.Counter()  # trajectory metadata since the last step
+        self._infer_busy_prev: dict[int, tuple[float, float]] = {}
+        self._bar: Any = None
+
+    def elapsed(self) -> float:
+        return self.clock() - self.t_start
+
+    def write(self, record: dict, step: Optional[int] = None) -> None:
+        for sink in self.sinks:
+            sink.log(record, self.step if step is None else step)
+
+    def event(self, record_type: str, /, **fields: Any) -> None:
+        self.write({"type": record_type, "elapsed": self.elapsed(), **fields})
+
+    def fault(self, kind: str, record_type: str = "fault", /, **fields: Any) -> None:
+        """A fault handled: kept for the accounting and written as a record."""
+        fault = {"kind": kind, **fields}
+        self.faults.append(fault)
+        self.event(record_type, **fault)
+
+    # -- groups ----------------------------------------------------------------------------------------------
+    def group_done(self, accepted: bool, reason: Optional[str], n_traj: int, traj_stats: Any, n_raw: Any) -> None:
+        self.group_reasons[str(reason)] += 1
+        if accepted:
+            self.accepted_groups += 1
+            self.accepted_trajectories += n_traj
+        self._note_traj_stats(traj_stats, n_raw)
+
+    def groups_lost(self, n: int) -> None:
+        if n:
+            self.lost_groups += n
+            self.group_reasons["lost_worker_died"] += n
+
+    def _note_traj_stats(self, stats: Any, n: Any) -> None:
+        """Sum the numeric trajectory metadata a group_done carries (before filters: tool calls, void turns,
+        rewards...) until the next train record reports their per-trajectory means."""
+        if not isinstance(stats, dict) or not isinstance(n, (int, float)) or n <= 0:
+            return
+        for k, v in stats.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                self._traj_sums[str(k)] += float(v)
+        self._traj_sums["__n"] += float(n)
+
+    def take_traj_means(self) -> dict:
+        sums, self._traj_sums = self._traj_sums, collections.Counter()
+        n = sums.pop("__n", 0.0)
+        if not n:
+            return {}
+        return {"n_traj": int(n), **{k: v / n for k, v in sorted(sums.items())}}
+
+    # -- steps and evaluations -------------------------------------------------------------------------------
+    def train(self, version: int, metrics: dict, role_stats: dict) -> None:
+        """The learner published `version`: one train record, and the progress bar moves."""
+        self.step = version
+        self.write({"type": "train", "step": version, "version": version, "elapsed": self.elapsed(),
+                    "inference_idle_frac": self.inference_idle_fraction(role_stats),
+                    "groups": dict(self.group_reasons), **metrics, "rollout": self.take_traj_means()}, version)
+        self._update_progress(version, metrics)
+
+    def inference_idle_fraction(self, role_stats: dict) -> Optional[float]:
+        """Mean share of time the inference servers were idle since the previous call (from heartbeat busy_s)."""
+        fracs = []
+        for (role, idx), st in role_stats.items():
+            if role != "inference" or "busy_s" not in st:
+                continue
+            busy, at = float(st["busy_s"]), float(st.get("uptime", 0.0))
+            prev = self._infer_busy_prev.get(idx)
+            self._infer_busy_prev[idx] = (busy, at)
+            if prev and at > prev[1]:
+                fracs.append(1.0 - min(1.0, (busy - prev[0]) / (at - prev[1])))
+        return sum(fracs) / len(fracs) if fracs else None
+
+    def eval_requested(self, version: int) -> None:
+        self.evals[version] = {}
+
+    def eval_done(self, version: int, result: dict, role_stats: dict) -> str:
+        """Record an evaluation's result (with every role's latest stats); returns the line to show."""
+        self.evals[version] = result
+        roles = {f"{r}{i}": st for (r, i), st in sorted(role_stats.items())}
+        self.write({"type": "eval", "step": version, "elapsed": self.elapsed(), **result, "roles": roles}, version)
+        msg = (f"eval v{version}: first-answer acc {result['first_acc']:.3f}, solved within all turns "
+               f"{result['solved_acc']:.3f} ({result['n']} prompts, {result.get('seconds', 0):.1f}s)")
+        if self._bar is not None:
+            self._bar.write(msg)
+        return msg
+
+    def _update_progress(self, version: int, metrics: dict) -> None:
+        if not self.progress:
+            return
+        if self._bar is None:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=self.total_steps, desc="train", dynamic_ncols=True, file=sys.stderr)
+        last_eval = max((v for v, e in self.evals.items() if e), default=None)
+        acc = self.evals[last_eval]["first_acc"] if last_eval is not None else float("nan")
+        self._bar.set_postfix(v=version, reward=f"{metrics.get('reward_mean', float('nan')):.3f}",
+                              acc=f"{acc:.3f}", stale=metrics.get("head_offpolicyness"), refresh=False)
+        self._bar.update(version - self._bar.n)
+
+    # -- the end -----------------------------------------------------------------------------------------------
+    def accounting(self, *, role_stats: dict, steps: int, running_groups: int, failure: Optional[str],
+                   rollout_restarts: int, inference_restarts: int, transport: dict) -> dict:
+        """Where every accepted group went: the controller's counts next to the learner's latest snapshot, plus
+        faults handled and malformed input dropped. `lost_accepted_groups` and `trained_twice` must stay 0."""
+        ls = role_stats.get(("learner", 0), {})
+        transport = dict(transport)
+        for (role, index), st in sorted(role_stats.items()):
+            if isinstance(st.get("transport"), dict):
+                transport[f"{role}{index}"] = st["transport"]
+        env = collections.Counter(self.env_of_restarted)
+        for (role, _), st in role_stats.items():
+            if role == "rollout":
+                env.update({k: v for k, v in dict(st.get("env") or {}).items() if k != "env_calls_in_flight"})
+        out = {"finished": failure is None and steps >= self.total_steps, "failure": (failure or "")[:2000],
+               "steps": steps, "groups": dict(self.group_reasons), "accepted_groups": self.accepted_groups,
+               "accepted_trajectories": self.accepted_trajectories, "lost_in_flight_groups": self.lost_groups,
+               "running_groups": running_groups, "rollout_restarts": rollout_restarts,
+               "inference_restarts": inference_restarts, "learner": {k: ls.get(k) for k in LEARNER_KEYS},
+               "env": dict(env), "transport": transport, "faults": list(self.faults)}
+        if ls:
+            received = int(ls.get("groups_received") or 0)
+            out["lost_accepted_groups"] = max(0, self.accepted_groups - received)
+            out["learner_balance"] = received - sum(int(ls.get(k) or 0) for k in (
+                "trained_groups", "stale_groups_dropped", "buffered_groups", "in_step_groups"))  # invalid: not received
+        return out
+
+    def keep_env_counts(self, old_stats: dict) -> None:
+        """A restarted rollout worker's counters start over: keep the dead incarnation's env counts."""
+        env = dict(old_stats.get("env") or {})
+        self.env_of_restarted.update({k: v for k, v in env.items() if k != "env_calls_in_flight"})
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        for sink in self.sinks:
+            sink.close()

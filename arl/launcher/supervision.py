@@ -1,0 +1,226 @@
+"""Supervision of the role processes: who is alive, who went silent, which failure restarts what.
+
+Two halves. `RoleLauncher` is what the controller needs from whatever runs the processes (`LocalLauncher` here:
+OS processes of one `ProcessGroup`; a Ray launcher would implement the same). `Supervisor` is the decision logic,
+pure and clocked by the caller: heartbeats and registration deadlines, and for a failed role whether the run
+restarts it, goes on without it, or stops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import subprocess
+from typing import Optional, Protocol, Sequence
+
+from arl.launcher.forensics import request_stack_dump
+from arl.launcher.process import ProcessGroup, _signal_group
+
+ROLES = ("inference", "learner", "rollout")
+
+
+class RoleLauncher(Protocol):
+    """Starts and stops role processes by name (e.g. 'rollout1'); everything blocking may run in a thread."""
+
+    def spawn(self, name: str, argv: Sequence[str], log_path: str) -> None: ...
+
+    def respawn(self, name: str) -> None:
+        """Start `name` again (killed first if it still runs), with its argv and log."""
+
+    def kill(self, name: str) -> None:
+        """Kill `name` now if it runs; its exit is expected (not reported by `dead`)."""
+
+    def dead(self) -> list[tuple[str, Optional[int]]]:
+        """(name, exit code) of processes that exited without being asked to."""
+
+    def has(self, name: str) -> bool: ...
+
+    def alive(self, name: str) -> bool: ...
+
+    def log_path(self, name: str) -> str: ...
+
+    def stack_dump(self, name: str, wait: float) -> tuple[str, str]:
+        """(process state, dumped Python stacks or '') of a running role: for a silent one's post-mortem."""
+
+    def expect_exit(self) -> None: ...
+
+    def wait_all(self, timeout: float) -> bool: ...
+
+    def terminate_all(self, grace: float) -> None: ...
+
+
+class LocalLauncher:
+    """`RoleLauncher` over local OS processes (`ProcessGroup`)."""
+
+    def __init__(self, group: Optional[ProcessGroup] = None) -> None:
+        self.group = group or ProcessGroup()
+
+    def spawn(self, name: str, argv: Sequence[str], log_path: str) -> None:
+        self.group.spawn(name, argv, log_path)
+
+    def respawn(self, name: str) -> None:
+        child = self.group.children[name]
+        if child.proc.poll() is None:  # a hung one
+            self.kill(name)
+            try:
+                child.proc.wait(10.0)
+            except subprocess.TimeoutExpired:
+                pass
+        self.group.respawn(name)
+
+    def kill(self, name: str) -> None:
+        child = self.group.children.get(name)
+        if child is not None:
+            child.expected_exit = True
+            if child.proc.poll() is None:
+                _signal_group(child.proc.pid, signal.SIGKILL)
+
+    def dead(self) -> list[tuple[str, Optional[int]]]:
+        return [(c.name, c.proc.returncode) for c in self.group.dead()]
+
+    def has(self, name: str) -> bool:
+        return name in self.group.children
+
+    def alive(self, name: str) -> bool:
+        child = self.group.children.get(name)
+        return child is not None and child.proc.poll() is None
+
+    def log_path(self, name: str) -> str:
+        child = self.group.children.get(name)
+        return child.log_path if child is not None else ""
+
+    def stack_dump(self, name: str, wait: float) -> tuple[str, str]:
+        child = self.group.children.get(name)
+        if child is None or child.proc.poll() is not None:
+            return "?", ""
+        return request_stack_dump(child.proc.pid, child.log_path, wait)
+
+    def pid(self, name: str) -> Optional[int]:
+        child = self.group.children.get(name)
+        return child.proc.pid if child is not None else None
+
+    def expect_exit(self) -> None:
+        self.group.expect_exit()
+
+    def wait_all(self, timeout: float) -> bool:
+        return self.group.wait_all(timeout)
+
+    def terminate_all(self, grace: float) -> None:
+        self.group.terminate(grace)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What to do about a failed role: 'restart_rollout', 'lose_inference' (and `restart` it) or 'fatal'."""
+
+    action: str
+    restart: bool = False
+    note: str = ""  # why a restart was refused, for the log
+
+
+class Supervisor:
+    """Heartbeats, registration deadlines and the restart policy of one run. Pure: `now` comes from the caller.
+
+    Roles are keyed (role, index); processes are named 'inference<p>' (hosting servers p*k..p*k+k-1 with k =
+    `servers_per_process`), 'learner' and 'rollout<i>'.
+    """
+
+    def __init__(self, *, num_inference: int, num_rollout: int, servers_per_process: int = 1,
+                 startup_timeout: float, heartbeat_timeouts: dict[str, float], tolerate_inference_loss: bool = False,
+                 restart_rollout: bool = True, max_restarts: int = 3, restart_inference: bool = False,
+                 max_inference_restarts: int = 3) -> None:
+        self.num_inference, self.num_rollout = num_inference, num_rollout
+        self.servers_per_process = max(1, servers_per_process)
+        self.startup_timeout = startup_timeout
+        self.heartbeat_timeouts = dict(heartbeat_timeouts)
+        self.tolerate_inference_loss = tolerate_inference_loss
+        self.restart_rollout, self.max_restarts = restart_rollout, max_restarts
+        self.restart_inference, self.max_inference_restarts = restart_inference, max_inference_restarts
+        self.restarts = self.inference_restarts = 0
+        self.last_seen: dict[tuple[str, int], float] = {}
+        self.restarted_at: dict[str, float] = {}  # process name -> when it was restarted (until it registers)
+        self.started_at: Optional[float] = None
+        self.all_up = False  # every role registered once (later gaps are restarts, timed by restarted_at)
+
+    # -- names -----------------------------------------------------------------------------------------------
+    @property
+    def expected(self) -> int:
+        """Registrations of a complete run: every inference server, the learner, every rollout worker."""
+        return self.num_inference + self.num_rollout + 1
+
+    def process_of(self, role: str, index: int) -> str:
+        if role == "inference":
+            return f"inference{index // self.servers_per_process}"
+        return "learner" if role == "learner" else f"{role}{index}"
+
+    def servers_of(self, name: str) -> list[int]:
+        """Server indices hosted by process `name` ('inference<p>'); [] for other roles."""
+        if not name.startswith("inference") or not name[len("inference"):].isdigit():
+            return []
+        first = int(name[len("inference"):]) * self.servers_per_process
+        return list(range(first, min(self.num_inference, first + self.servers_per_process)))
+
+    @staticmethod
+    def rollout_index(name: str) -> Optional[int]:
+        tail = name[len("rollout"):]
+        return int(tail) if name.startswith("rollout") and tail.isdigit() else None
+
+    # -- liveness --------------------------------------------------------------------------------------------
+    def heard(self, key: tuple[str, int], now: float) -> None:
+        self.last_seen[key] = now
+
+    def forget(self, key: tuple[str, int]) -> None:
+        self.last_seen.pop(key, None)
+
+    def registered(self, key: tuple[str, int], now: float, registrations: int) -> bool:
+        """`key` registered (now `registrations` in all); True if its process was a restart being waited for."""
+        self.heard(key, now)
+        self.all_up = self.all_up or registrations >= self.expected
+        return self.restarted_at.pop(self.process_of(*key), None) is not None
+
+    def timeout(self, role: str) -> float:
+        return self.heartbeat_timeouts[role]
+
+    def silent(self, now: float) -> list[tuple[tuple[str, int], float]]:
+        """(role key, when last heard) of every role past its heartbeat timeout."""
+        return [(k, t) for k, t in list(self.last_seen.items()) if now - t > self.timeout(k[0])]
+
+    def late(self, now: float) -> list[str]:
+        """Restarted processes that did not register within `startup_timeout`."""
+        return [n for n, t in self.restarted_at.items() if now - t > self.startup_timeout]
+
+    def startup_overdue(self, now: float) -> bool:
+        """The run's roles did not all register within `startup_timeout` of the first check."""
+        if self.started_at is None:
+            self.started_at = now
+        return not self.all_up and now - self.started_at > self.startup_timeout
+
+    # -- failures --------------------------------------------------------------------------------------------
+    def decide(self, name: str, *, registered: bool, lost: set[int]) -> Decision:
+        """What a failure (death, silence, reported error) of process `name` means for the run; `registered`:
+        its role had registered, `lost`: inference servers already out of the run."""
+        if self.rollout_index(name) is not None and self.restart_rollout:
+            if self.restarts >= self.max_restarts:
+                return Decision("fatal", note=f"the run already restarted {self.restarts} rollout workers "
+                                              f"(max_restarts)")
+            if not registered:  # it failed while starting: a restart would fail the same way
+                return Decision("fatal", note="it failed before it registered; not restarting it")
+            return Decision("restart_rollout")
+        servers = set(self.servers_of(name))
+        remaining = set(range(self.num_inference)) - lost - servers
+        if servers and self.tolerate_inference_loss and self.all_up and remaining:
+            restart = self.restart_inference and self.inference_restarts < self.max_inference_restarts
+            return Decision("lose_inference", restart=restart)
+        return Decision("fatal")
+
+    def restarting(self, name: str, now: float) -> int:
+        """Count a restart of `name` (its registration is timed from `now`); returns the new count for its kind."""
+        self.restarted_at[name] = now
+        if name.startswith("inference"):
+            self.inference_restarts += 1
+            return self.inference_restarts
+        self.restarts += 1
+        return self.restarts
+
+    def gave_up(self, name: str) -> None:
+        self.restarted_at.pop(name, None)

@@ -1,0 +1,138 @@
+"""Which policy version each inference server has, and what to send it next. Pure: no I/O, no clock.
+
+Events go in (a version was published, server i loaded v, server i was lost / restarted / registered again) and
+actions come out: `Send(server, version, path)` (tell it to load that version) and `Rejoin(server)` (a restarted
+server caught up: route to it again). `live` is the newest version every server in the ack set has loaded, which
+the controller gives the staleness gate.
+
+Updates are ordered and coalesced: a server is never sent a version at or below one it has or was already sent,
+and has at most one load in flight; versions published meanwhile are not queued, it gets only the newest once it
+acked. So a server's version only goes up, and a slow loader skips versions instead of falling further behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Union
+
+
+@dataclasses.dataclass(frozen=True)
+class Send:
+    server: int
+    version: int
+    path: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Rejoin:
+    server: int
+    version: int
+
+
+Action = Union[Send, Rejoin]
+
+
+class WeightSync:
+    """Per-server versions of `num_servers` inference servers; every one starts with `initial_version` loaded."""
+
+    def __init__(self, num_servers: int, initial_version: int = 0) -> None:
+        self.num_servers = num_servers
+        self.published: dict[int, str] = {}  # version -> weights path
+        self.acked = [initial_version] * num_servers  # newest version each server reported loaded
+        self.sent = [initial_version] * num_servers  # newest version each server was told to load
+        self.lost: set[int] = set()  # out of the ack set (dead, or restarted and not caught up yet)
+        self.rejoining: set[int] = set()  # lost servers that were restarted and will rejoin once caught up
+        self._registered: set[int] = set()  # rejoining servers whose new process registered
+        self.live = initial_version
+
+    # -- queries ---------------------------------------------------------------------------------------------
+    @property
+    def newest(self) -> Optional[int]:
+        return max(self.published) if self.published else None
+
+    def alive(self) -> list[int]:
+        return [i for i in range(self.num_servers) if i not in self.lost]
+
+    def loading(self, server: int) -> bool:
+        return self.sent[server] > self.acked[server]
+
+    def lowest_needed(self) -> int:
+        """The oldest version whose weights file may still be read: every version below it has been superseded
+        on every server in the ack set (each acked a newer one), no load of it is in flight (only newer ones are
+        ever sent), and a restarted server is sent the newest. Files of older versions can be deleted."""
+        return self.live
+
+    def prunable(self, version: int) -> bool:
+        return version < self.lowest_needed()
+
+    # -- events ----------------------------------------------------------------------------------------------
+    def publish(self, version: int, path: str) -> list[Action]:
+        """The learner exported `version`: send it to every server in the ack set that is not busy loading."""
+        self.published[version] = path
+        if version != self.newest:
+            return []  # an older version arriving late: the newest supersedes it
+        return [a for i in self.alive() if (a := self._offer(i)) is not None]
+
+    def loaded(self, server: int, version: int) -> list[Action]:
+        """Server `server` reports `version` loaded: next, the newest version if it is behind; a rejoining
+        server that caught up rejoins the ack set."""
+        if not 0 <= server < self.num_servers:
+            raise ValueError(f"no inference server {server}")
+        if server in self.lost and server not in self._registered:
+            return []  # a late ack from a lost process (or the dead incarnation of a restarted one)
+        self.acked[server] = max(self.acked[server], version)
+        self.sent[server] = max(self.sent[server], version)
+        nxt = self._offer(server)
+        if nxt is not None:
+            return [nxt]
+        if server in self.rejoining and server in self._registered and not self.loading(server):
+            self.rejoining.discard(server)
+            self._registered.discard(server)
+            self.lost.discard(server)
+            return [Rejoin(server, self.acked[server])]
+        return []
+
+    def lose(self, servers: list[int]) -> None:
+        """`servers` left the ack set (their process died or hung); `advance()` tells if a version went live."""
+        self.lost.update(servers)
+        self.rejoining.difference_update(servers)
+        self._registered.difference_update(servers)
+
+    def restarted(self, servers: list[int], initial_version: int = 0) -> None:
+        """Lost `servers` run again in a fresh process (with the initial weights); they rejoin once registered
+        and caught up with the newest version."""
+        for s in servers:
+            self.acked[s] = self.sent[s] = initial_version
+        self.rejoining.update(servers)
+
+    def give_up(self, servers: list[int]) -> None:
+        """Restarted `servers` did not come back: they stay lost."""
+        self.rejoining.difference_update(servers)
+        self._registered.difference_update(servers)
+
+    def registered(self, server: int) -> list[Action]:
+        """A restarted server's new process registered: it loads the newest version (or rejoins at once if none
+        was published: it started with the initial weights)."""
+        if server not in self.rejoining:
+            return []
+        self._registered.add(server)
+        return self.loaded(server, self.acked[server])
+
+    def advance(self) -> Optional[tuple[int, int]]:
+        """(previous, new) live version if every server in the ack set now has a newer one, else None."""
+        alive = self.alive()
+        if not alive:
+            return None
+        live = min(self.acked[i] for i in alive)
+        if live <= self.live:
+            return None
+        prev, self.live = self.live, live
+        return prev, live
+
+    def _offer(self, server: int) -> Optional[Send]:
+        """Send `server` the newest version if it is newer than anything it has or was sent and it is idle."""
+        v = self.newest
+        if v is None or self.loading(server) or v <= self.sent[server]:
+            return None
+        self.sent[server] = v
+        return Send(server, v, self.published[v])

@@ -1,0 +1,73 @@
+"""Admission: FIFO grants under the staleness gate, held groups, release on worker loss."""
+
+from __future__ import annotations
+
+import pytest
+
+from arl.launcher.admission import Admission
+from arl.rollout.staleness import StalenessGate
+
+
+def make(batch_size: int = 2, eta: int = 0, max_concurrent: int = 8, max_groups=None) -> Admission:
+    return Admission(StalenessGate(batch_size=batch_size, max_head_offpolicyness=eta, max_concurrent=max_concurrent,
+                                   max_groups=max_groups))
+
+
+def test_nothing_is_granted_before_open():
+    a = make()
+    assert a.acquire("w0", 2) == []
+    assert a.open() == [("w0", 2)] and a.held == {"w0": 2}
+
+
+def test_grants_are_fifo_and_bounded_by_staleness():
+    a = make(batch_size=2, eta=1)  # (0 + 1 + 1) * 2 = 4 groups may run at version 0
+    a.open()
+    assert a.acquire("w0", 3) == [("w0", 3)]
+    assert a.acquire("w1", 3) == [("w1", 1)] and a.waiting() == 2
+    assert a.acquire("w0", 1) == []  # behind w1's request
+    assert a.group_done("w0", True) == []  # accepted groups keep their budget until the version moves
+    assert a.set_version(1) == [("w1", 2)]  # budget 6: w1 first ...
+    assert a.group_done("w0", False) == [("w0", 1)]  # ... then w0; a rejected group frees its slot
+    assert a.waiting() == 0 and a.gate.running == 5
+
+
+def test_groups_dropped_by_the_learner_return_budget():
+    a = make(batch_size=1, eta=0)
+    a.open()
+    assert a.acquire("w0", 2) == [("w0", 1)]
+    a.group_done("w0", True)
+    assert a.grant() == []
+    assert a.groups_dropped(1) == [("w0", 1)]
+
+
+def test_group_done_without_a_held_group_is_refused():
+    a = make()
+    a.open()
+    with pytest.raises(ValueError):
+        a.group_done("w0", True)
+    assert a.gate.running == 0
+
+
+def test_lost_worker_releases_what_it_held_and_its_requests():
+    a = make(batch_size=2, eta=1, max_concurrent=3)
+    a.open()
+    a.acquire("w0", 2)
+    a.acquire("w1", 2)
+    assert a.held == {"w0": 2, "w1": 1}
+    a.acquire("w0", 5)
+    lost, grants = a.worker_lost("w0")
+    assert lost == 2 and grants == [("w1", 1)] and "w0" not in a.held and a.waiting() == 0
+    assert a.gate.running == 2 and a.gate.rejected == 2
+
+
+def test_zero_want_does_not_block_the_queue():
+    a = make()
+    a.open()
+    assert a.acquire("w0", 0) == []
+    assert a.acquire("w1", 1) == [("w1", 1)]
+
+
+def test_end_of_run_stops_admitting():
+    a = make(batch_size=2, eta=5, max_groups=3)
+    a.open()
+    assert a.acquire("w0", 5) == [("w0", 3)]

@@ -1,0 +1,106 @@
+"""Supervisor: restart policy, heartbeat and registration deadlines; LocalLauncher over real processes."""
+
+from __future__ import annotations
+
+import sys
+
+from arl.launcher.supervision import LocalLauncher, RoleLauncher, Supervisor
+
+
+def make(**kw) -> Supervisor:
+    args = dict(num_inference=4, num_rollout=2, servers_per_process=2, startup_timeout=30.0,
+                heartbeat_timeouts={"inference": 10.0, "learner": 60.0, "rollout": 5.0})
+    args.update(kw)
+    return Supervisor(**args)
+
+
+def register_all(s: Supervisor) -> None:
+    keys = [("inference", i) for i in range(s.num_inference)] + [("learner", 0)]
+    keys += [("rollout", i) for i in range(s.num_rollout)]
+    for n, k in enumerate(keys, 1):
+        s.registered(k, 0.0, n)
+
+
+def test_names():
+    s = make()
+    assert s.process_of("inference", 3) == "inference1" and s.process_of("learner", 0) == "learner"
+    assert s.servers_of("inference1") == [2, 3] and s.servers_of("rollout1") == [] and s.servers_of("inferencex") == []
+    assert make(num_inference=3).servers_of("inference1") == [2]
+    assert s.rollout_index("rollout1") == 1 and s.rollout_index("learner") is None
+
+
+def test_rollout_restarts_up_to_the_cap_and_only_once_registered():
+    s = make(max_restarts=1)
+    assert s.decide("rollout0", registered=False, lost=set()).action == "fatal"
+    assert s.decide("rollout0", registered=True, lost=set()).action == "restart_rollout"
+    assert s.restarting("rollout0", 1.0) == 1
+    d = s.decide("rollout1", registered=True, lost=set())
+    assert d.action == "fatal" and "max_restarts" in d.note
+    assert make(restart_rollout=False).decide("rollout0", registered=True, lost=set()).action == "fatal"
+
+
+def test_learner_failure_is_fatal():
+    s = make(tolerate_inference_loss=True)
+    register_all(s)
+    assert s.decide("learner", registered=True, lost=set()).action == "fatal"
+
+
+def test_inference_loss_needs_tolerance_a_full_start_and_a_remaining_server():
+    s = make(tolerate_inference_loss=True, restart_inference=True, max_inference_restarts=1)
+    assert s.decide("inference0", registered=True, lost=set()).action == "fatal"  # not all up yet
+    register_all(s)
+    d = s.decide("inference0", registered=True, lost=set())
+    assert d.action == "lose_inference" and d.restart
+    s.restarting("inference0", 1.0)
+    d = s.decide("inference0", registered=True, lost={0, 1})
+    assert d.action == "lose_inference" and not d.restart  # over the restart cap
+    assert s.decide("inference1", registered=True, lost={0, 1}).action == "fatal"  # nothing would remain
+    no_tolerance = make()
+    register_all(no_tolerance)
+    assert no_tolerance.decide("inference0", registered=True, lost=set()).action == "fatal"
+
+
+def test_heartbeat_timeouts_are_per_role():
+    s = make()
+    s.heard(("rollout", 0), 100.0)
+    s.heard(("learner", 0), 100.0)
+    assert s.silent(104.0) == []
+    assert s.silent(106.0) == [(("rollout", 0), 100.0)]
+    s.forget(("rollout", 0))
+    assert s.silent(170.0) == [(("learner", 0), 100.0)]
+
+
+def test_registration_deadlines():
+    s = make()
+    assert not s.startup_overdue(0.0) and not s.startup_overdue(30.0)
+    assert s.startup_overdue(31.0)
+    register_all(s)
+    assert not s.startup_overdue(100.0)  # once all were up, gaps are restarts
+    s.restarting("rollout1", 100.0)
+    assert s.late(129.0) == [] and s.late(131.0) == ["rollout1"]
+    assert s.registered(("rollout", 1), 131.0, 7) and s.late(200.0) == []
+    assert not s.registered(("rollout", 1), 132.0, 7)  # a second registration is no restart
+    s.restarting("inference1", 200.0)
+    assert s.registered(("inference", 3), 201.0, 7)  # any server of the process counts
+    s.restarting("inference0", 300.0)
+    s.gave_up("inference0")
+    assert s.late(1000.0) == []
+
+
+def test_local_launcher_spawns_kills_and_reports_deaths(tmp_path):
+    launcher: RoleLauncher = LocalLauncher()
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    try:
+        launcher.spawn("a", sleeper, str(tmp_path / "a.log"))
+        launcher.spawn("b", [sys.executable, "-c", "raise SystemExit(3)"], str(tmp_path / "b.log"))
+        launcher.group.children["b"].proc.wait()  # type: ignore[attr-defined]
+        assert launcher.dead() == [("b", 3)] and launcher.alive("a") and launcher.has("b")
+        assert launcher.log_path("a") == str(tmp_path / "a.log")
+        launcher.respawn("a")  # a hung one is killed first
+        assert launcher.alive("a")
+        launcher.kill("a")
+        launcher.group.children["a"].proc.wait()  # type: ignore[attr-defined]
+        assert not launcher.alive("a") and launcher.dead() == [("b", 3)]  # a killed one is no death
+        assert launcher.stack_dump("a", 0.1) == ("?", "")
+    finally:
+        launcher.terminate_all(1.0)

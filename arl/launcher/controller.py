@@ -14,11 +14,14 @@ import os
 import signal
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from arl.launcher.forensics import request_stack_dump
 from arl.launcher.process import Child, ProcessGroup, _signal_group, tail
 from arl.launcher.security import advertised_address
+from arl.report.page import ReportBuilder
+from arl.report.trackers import make_tracker
+from arl.report.traces import TraceWriter
 from arl.rollout.staleness import StalenessGate
 from arl.transport.sockets import Router, bind_random
 
@@ -73,6 +76,9 @@ class Controller:
         bind_host: str = "127.0.0.1",
         max_bytes: Optional[int] = None,
         stack_dump_wait: float = 2.0,
+        loggers: Sequence[str] = ("jsonl",),
+        tracker_config: Optional[dict] = None,
+        experiment_name: str = "",
     ) -> None:
         self.run_dir = run_dir
         self.num_inference, self.num_rollout = num_inference, num_rollout
@@ -101,7 +107,10 @@ class Controller:
             self.gate.accepted = int(self.resume.get("groups_consumed", self.start_version * batch_size))
         self._prompt_positions = {int(k): int(v) for k, v in dict(self.resume.get("data_position", {})).items()}
         self.procs = ProcessGroup()
-        self.metrics = MetricsWriter(os.path.join(run_dir, "metrics.jsonl"))
+        # reporting (arl.report): metrics.jsonl + chosen trackers, traces.jsonl, report.html
+        self.metrics = make_tracker(list(loggers), run_dir, dict(tracker_config or {}), experiment_name)
+        self.traces = TraceWriter(os.path.join(run_dir, "traces.jsonl"))
+        self.report = ReportBuilder(run_dir)
         self.router: Optional[Router] = None
         self.address = ""
         self.peers: dict[tuple[str, int], bytes] = {}  # (role, index) -> router identity
@@ -194,6 +203,7 @@ class Controller:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             self.metrics.write({"type": "summary", **self.accounting()})
+            self.report.build()  # the final report, with the summary
         if self._failure:
             raise RunFailed(self._failure)
         return self.summary()
@@ -216,6 +226,7 @@ class Controller:
         if self._bar is not None:
             self._bar.close()
         self.metrics.close()
+        self.traces.close()
 
     def fail(self, message: str) -> None:
         if self._failure is None:
@@ -554,6 +565,8 @@ class Controller:
             self.gate.finish(bool(p["accepted"]))
             self._group_reasons[str(p.get("reason"))] += 1
             self._note_traj_stats(p)
+            if p.get("traces"):
+                self.traces.write(p["traces"])
             if p["accepted"]:
                 self.accepted_groups += 1
                 self.accepted_trajectories += int(p.get("n_traj", 0))
@@ -708,6 +721,7 @@ class Controller:
         roles = {f"{r}{i}": st for (r, i), st in sorted(self.role_stats.items())}
         self.metrics.write({"type": "eval", "step": version, "elapsed": time.monotonic() - self._t_start, **p,
                             "roles": roles})
+        self.report.request()  # rebuilt in a thread: the controller's loop goes on
         msg = (f"eval v{version}: first-answer acc {p['first_acc']:.3f}, solved within all turns "
                f"{p['solved_acc']:.3f} ({p['n']} prompts, {p.get('seconds', 0):.1f}s)")
         logger.info(msg)

@@ -94,6 +94,9 @@ def make_controller(cfg: ExperimentConfig, run_dir: str, **overrides: Any) -> Co
         secret=secret,
         bind_host=bind_host,
         max_bytes=cfg.max_message_bytes,
+        loggers=list(getattr(cfg, "loggers", ["jsonl"])),  # TODO(lead): the config key
+        tracker_config=dataclasses.asdict(dataclasses.replace(cfg, secret="")),
+        experiment_name=cfg.experiment,
     )
     kwargs.update(overrides)
     ctl = Controller(**kwargs)

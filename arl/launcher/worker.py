@@ -270,6 +270,7 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
 
     from arl.data.splits import load_splits
     from arl.rollout.client import InferenceClient
+    from arl.report.traces import DEFAULT_TRACE_RATE
     from arl.rollout.worker import PromptStream, RolloutWorker
 
     AGENTS.get(cfg.agent.name)  # fail fast, listing what is registered
@@ -325,6 +326,8 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
         filter_void_turns=cfg.rollout.filter_void_turns,
         filter_uniform_groups=cfg.rollout.filter_uniform_groups,
         verify_token_ledger=cfg.rollout.verify_token_ledger,
+        tokenizer=tok,  # trajectory traces decode with it
+        trace_rate=getattr(cfg.rollout, "trace_rate", DEFAULT_TRACE_RATE),  # TODO(lead): the config key
     )
 
     async def on_grant(p: dict) -> None:

@@ -249,8 +249,8 @@ def request_traces(timeline: GroupTimeline, tokenizer: Any, **fields: Any) -> li
                 "reconstructed": True,
                 "reward": None,
                 "turn_rewards": [],
-                "termination": last.error and f"request error: {last.error}" or (
-                    last.finish[j] if j >= 0 and j < len(last.finish) else None),
+                # the agent's termination is not known; a refused last request is (its finish is in "turns")
+                "termination": f"request error: {last.error}" if last.error else None,
                 "versions": _vrange(allv),
                 "n_tokens": int(len(seq)),
                 "n_generated": int(sum(b - a for a, b, _ in pieces)),
@@ -263,14 +263,21 @@ def request_traces(timeline: GroupTimeline, tokenizer: Any, **fields: Any) -> li
 
 def group_traces(trajs: Sequence[Trajectory], tokenizer: Any, timeline: Optional[GroupTimeline], *, outcome: str,
                  why: str, step: int, rollout: int, admission_s: Optional[float], seconds: float,
-                 void_filter: bool = False) -> list[dict]:
+                 void_filter: bool = False, group_id: str = "", prompt_id: Any = None) -> list[dict]:
     """The traces of one group: each trajectory the agent returned (before filters; `filtered` names the filter
     that removed it), or, when it returned none, what its requests show. `void_filter`: the void-turn filter was
-    on (it removes single trajectories; the other filters and errors drop the whole group, see `outcome`)."""
+    on (it removes single trajectories; the other filters and errors drop the whole group, see `outcome`).
+    `group_id` and `prompt_id` name a group rebuilt from its requests."""
     fields = {"step": int(step), "rollout": int(rollout), "outcome": outcome, "why": why,
               "admission_s": _round(admission_s), "group_seconds": _round(seconds)}
     if not trajs:
-        return request_traces(timeline, tokenizer, **fields) if timeline is not None else []
+        if timeline is None:
+            return []
+        traces = request_traces(timeline, tokenizer, **fields)
+        for t in traces:
+            t["group"] = f"{group_id}:{t['group']}" if group_id else t["group"]
+            t["prompt_id"] = prompt_id
+        return traces
     group_filter = outcome.split(":", 1)[1] if outcome.startswith("filtered:") else None
     out = []
     for t in trajs:

@@ -323,13 +323,15 @@ class RolloutWorker:
             "traj_stats": stats,  # sums of numeric trajectory metadata, before filters
             "n_traj_raw": n_raw,
         }
-        traces = self._traces(raw, timeline, reason, admission_s, done["seconds"], len(raw) != len(trajs))
+        traces = self._traces(raw, timeline, reason, admission_s, done["seconds"], len(raw) != len(trajs), gid,
+                              prompt.get("id"))
         if traces:
             done["traces"] = traces
         await self._send("group_done", done)
 
     def _traces(self, raw: list[Trajectory], timeline: Optional[GroupTimeline], reason: str,
-                admission_s: Optional[float], seconds: float, some_dropped: bool) -> list[dict]:
+                admission_s: Optional[float], seconds: float, some_dropped: bool, gid: str,
+                prompt_id: Any) -> list[dict]:
         """This group's trajectory traces when it is sampled, or touched by an error or a filter (else [])."""
         if self._tracer is None:
             return []
@@ -340,7 +342,7 @@ class RolloutWorker:
             step = max(0, int(getattr(self._client, "version", 0)))  # newest policy version this worker has seen
             return group_traces(raw, self._tokenizer, timeline, outcome=reason, why=why, step=step,
                                 rollout=self.index, admission_s=admission_s, seconds=seconds,
-                                void_filter=self._filters["void_turns"])
+                                void_filter=self._filters["void_turns"], group_id=gid, prompt_id=prompt_id)
         except Exception as e:  # noqa: BLE001 - a trace must never cost a group
             self.stats["trace_errors"] += 1
             logger.warning("could not build the traces of a group: %s: %s", type(e).__name__, e)

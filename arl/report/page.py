@@ -6,7 +6,8 @@ The page shows curves of held-out accuracy, reward, staleness, throughput, infer
 generated tokens told apart from context by colour). Its data is one JSON object embedded in the page
 (`<script id="arl-data" type="application/json">`), which `report_data` builds and the tests read back.
 
-The controller rebuilds it at each evaluation (in a thread, `ReportBuilder.request`) and at the end of the run;
+The controller rebuilds the page at each evaluation (in a thread, `ReportBuilder.request`) and the page and
+curves.png at the end of the run;
 `python scripts/report.py RUN_DIR` rebuilds it for any run directory.
 """
 
@@ -90,6 +91,19 @@ def read_metrics(path: str) -> list[dict]:
     return out
 
 
+def pick_traces(traces: list[dict], limit: int) -> list[dict]:
+    """The newest `limit` traces, half of the room kept for sampled ones (filtered groups can outnumber them many
+    times over), in file order."""
+    if limit <= 0 or len(traces) <= limit:
+        return list(traces)
+    sampled = [i for i, t in enumerate(traces) if t.get("why") == "sampled"]
+    other = [i for i, t in enumerate(traces) if t.get("why") != "sampled"]
+    n_sampled = min(len(sampled), max(limit // 2, limit - len(other)))
+    n_other = limit - n_sampled  # <= len(other), as there are more traces than `limit`
+    chosen = sampled[len(sampled) - n_sampled:] + other[len(other) - n_other:]
+    return [traces[i] for i in sorted(chosen)]
+
+
 def report_data(run_dir: str, max_traces: int = MAX_TRACES) -> dict[str, Any]:
     """Everything the page shows, as one JSON-able object: charts (series of [step, value]), evaluations, the
     run's summary, and the newest `max_traces` trajectory traces."""
@@ -115,7 +129,7 @@ def report_data(run_dir: str, max_traces: int = MAX_TRACES) -> dict[str, Any]:
     summary = next((r for r in reversed(records) if r.get("type") == "summary"), None)
     trains = [r for r in records if r.get("type") == "train"]
     all_traces = read_traces(os.path.join(run_dir, "traces.jsonl"))
-    traces = all_traces[-max_traces:] if max_traces > 0 else all_traces
+    traces = pick_traces(all_traces, max_traces)
     return {
         "run": os.path.basename(os.path.normpath(run_dir)),
         "built": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -209,9 +223,10 @@ def write_report(run_dir: str, max_traces: int = MAX_TRACES, png: bool = True) -
 
 
 class ReportBuilder:
-    """Rebuilds a run's report for the controller: `request()` starts a build in a thread (at most one at a time;
-    a request during a build runs one more build after it), `build()` builds now (end of run). A failed build is
-    logged, never raised: the report must not stop a run."""
+    """Rebuilds a run's report for the controller: `request()` starts a build of the page in a thread (at most one
+    at a time; a request during a build runs one more build after it), `build()` builds the page and curves.png
+    now (end of run; the PNG only then, as matplotlib costs seconds of CPU the running roles need). A failed build
+    is logged, never raised: the report must not stop a run."""
 
     def __init__(self, run_dir: str, max_traces: int = MAX_TRACES) -> None:
         self.run_dir, self.max_traces = run_dir, max_traces
@@ -220,9 +235,9 @@ class ReportBuilder:
         self._again = False
         self.builds = 0
 
-    def _build_once(self) -> None:
+    def _build_once(self, png: bool = False) -> None:
         try:
-            write_report(self.run_dir, self.max_traces)
+            write_report(self.run_dir, self.max_traces, png=png)
             self.builds += 1
         except Exception as e:  # noqa: BLE001
             logger.warning("could not build the run report: %s: %s", type(e).__name__, e)
@@ -249,7 +264,7 @@ class ReportBuilder:
             t = self._thread
         if t is not None:
             t.join(timeout=60)
-        self._build_once()
+        self._build_once(png=True)
 
 
 _TEMPLATE = r"""<!DOCTYPE html>
@@ -355,9 +370,11 @@ function chart(c) {
     var yv = y0 + (y1 - y0) * i / 4, yy = sy(yv);
     svg.appendChild(svgEl("line", {x1: L, x2: W - R, y1: yy, y2: yy, stroke: "#e6e8ec"}));
     var lt = svgEl("text", {x: L - 4, y: yy + 3, "text-anchor": "end"}); lt.textContent = fmt(yv); svg.appendChild(lt);
-    var xv = x0 + (x1 - x0) * i / 4;
+  }
+  var xstep = Math.max(1, Math.ceil((x1 - x0) / 6));  // steps are integers: integer ticks
+  for (var xv = Math.ceil(x0); xv <= x1; xv += xstep) {
     var xt = svgEl("text", {x: sx(xv), y: H - B + 13, "text-anchor": "middle"});
-    xt.textContent = Math.round(xv); svg.appendChild(xt);
+    xt.textContent = xv; svg.appendChild(xt);
   }
   var xl = svgEl("text", {x: (L + W - R) / 2, y: H - 4, "text-anchor": "middle"});
   xl.textContent = "step (policy version) - " + c.ylabel; svg.appendChild(xl);
@@ -426,17 +443,18 @@ function passes(t) {
 function renderList() {
   var list = document.getElementById("tlist"); list.textContent = "";
   var n = 0;
-  D.traces.forEach(function (t, i) {
-    if (!passes(t)) return;
+  for (var i = D.traces.length - 1; i >= 0; i--) {  // newest first
+    var t = D.traces[i];
+    if (!passes(t)) continue;
     n++;
     var row = el("div", {"data-i": i});
     if (i === selected) row.className = "sel";
     row.textContent = "step " + t.step + " | reward " + fmt(t.reward) + " | " + (t.termination || "-") +
       (t.outcome !== "accepted" ? " | " + t.outcome : "") + (t.filtered ? " | filtered: " + t.filtered : "") +
       " | " + (t.prompt_id || t.group);
-    row.addEventListener("click", function () { selected = i; renderList(); show(t); });
+    row.addEventListener("click", (function (k, tr) { return function () { selected = k; renderList(); show(tr); }; })(i, t));
     list.appendChild(row);
-  });
+  }
   document.getElementById("f-count").textContent = n + " of " + D.traces.length + " trajectories";
 }
 function show(t) {
@@ -489,5 +507,5 @@ document.body.setAttribute("data-rendered", "ok");
 """
 
 
-__all__ = ["CHARTS", "MAX_TRACES", "ReportBuilder", "read_metrics", "report_data", "render_html", "write_report",
+__all__ = ["CHARTS", "MAX_TRACES", "ReportBuilder", "pick_traces", "read_metrics", "report_data", "render_html", "write_report",
            "write_curves_png"]

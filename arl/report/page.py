@@ -500,7 +500,11 @@ fillSelect("f-term", uniq("termination"));
 fillSelect("f-outcome", uniq("outcome"));
 document.getElementById("f-reward").addEventListener("change", renderList);
 renderList();
-if (D.traces.length) { selected = D.traces.length - 1; renderList(); show(D.traces[selected]); }
+if (D.traces.length) {  // open the newest real trajectory (not one rebuilt from requests) when there is one
+  selected = D.traces.length - 1;
+  for (var j = D.traces.length - 1; j >= 0; j--) if (!D.traces[j].reconstructed) { selected = j; break; }
+  renderList(); show(D.traces[selected]);
+}
 document.body.setAttribute("data-rendered", "ok");
 </script>
 </body></html>

@@ -296,7 +296,10 @@ class TraceWriter:
         self.written = 0
 
     def write(self, traces: Iterable[dict]) -> None:
-        lines = "".join(json.dumps(t, default=float) + "\n" for t in traces)
+        """Append `traces`; anything that is not a list of maps (a peer's malformed message) is skipped."""
+        if not isinstance(traces, (list, tuple)):
+            return
+        lines = "".join(json.dumps(t, default=float) + "\n" for t in traces if isinstance(t, dict))
         if not lines:
             return
         if self._f is None:

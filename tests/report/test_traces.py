@@ -180,7 +180,8 @@ def test_writer_appends_whole_lines_and_reader_skips_a_torn_one(tmp_path) -> Non
     w.write([])
     assert not (tmp_path / "traces.jsonl").exists()  # nothing traced, no file
     w.write([{"step": 1, "reward": 0.5}, {"step": 1, "reward": 0.0}])
-    w.write([{"step": 2, "reward": 1.0}])
+    w.write([{"step": 2, "reward": 1.0}, "not a trace"])
+    w.write("not a list")  # a malformed group_done from a peer
     w.close()
     with open(path, "a") as f:
         f.write('{"step": 3, "rew')  # a crash mid-line

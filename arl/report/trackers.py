@@ -121,7 +121,12 @@ class WandbTracker:
         self._run.log({**record, "step": step})
 
     def close(self) -> None:
+        import wandb
+
         self._run.finish()
+        # finish() can return before wandb's service has written the run's transaction log (seen with 0.31 under
+        # load: the .wandb file held its header only for a moment); teardown waits for the service to finish
+        wandb.teardown()
 
 
 _MLFLOW_BAD = re.compile(r"[^\w\-. /:]")

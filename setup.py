@@ -24,7 +24,10 @@ setup(
         "aiohttp>=3.9",  # HTTP client of the sglang backend (and the fake SGLang server of the tests)
     ],
     extras_require={
-        "dev": ["pytest>=8", "pytest-asyncio>=0.23", "pytest-timeout", "datasets>=2.16"],
+        # experiment trackers (loggers=[...]) and the report's curves.png; each is imported only when used
+        "trackers": ["tensorboard>=2.14", "wandb>=0.19", "mlflow-skinny>=2.14", "matplotlib>=3.7"],
+        "dev": ["pytest>=8", "pytest-asyncio>=0.23", "pytest-timeout", "datasets>=2.16",
+                "tensorboard>=2.14", "wandb>=0.19", "mlflow-skinny>=2.14", "matplotlib>=3.7"],
         "data": ["datasets>=2.16"],
         "sglang": ["sglang>=0.5.23", "requests"],
     },

@@ -158,6 +158,8 @@ class RolloutConfig:
     filter_uniform_groups: bool = field(False, "Drop groups whose rewards are all equal (no group advantage).")
     verify_token_ledger: bool = field(False, "Check every trajectory is exactly the engine's tokens plus the "
                                              "agent's declared insertions; a drift stops the run.")
+    trace_rate: float = field(0.05, "Share of prompt groups written to traces.jsonl (decoded turns, versions, "
+                                    "timings); groups an error or a filter touched are always traced.")
 
 
 class LossAgg(enum.StrEnum):
@@ -299,6 +301,10 @@ class ExperimentConfig:
                                      "sleeps: lower round-trip latency at low load on hosts where waking an idle "
                                      "core is slow (VMs), for up to this much CPU per idle period. 0 = off.")
     progress: bool = field(True, "Show a progress bar.")
+    loggers: list[str] = field(help="Experiment trackers besides metrics.jsonl (always written): tensorboard, wandb "
+                                    "(offline unless WANDB_MODE says otherwise), mlflow (MLFLOW_TRACKING_URI, else a "
+                                    "file store in the run directory). pip install 'arl[trackers]'.",
+                               factory=list)
     recover: Recover = field(Recover.off, "'auto': resume from the latest checkpoint in the run directory (set "
                                           "run_name to the run to resume); 'off': start fresh.")
     model: ModelConfig = field(factory=ModelConfig)
@@ -443,6 +449,7 @@ def validate(cfg: Any) -> None:
         (0 <= cfg.busy_poll_us <= 100_000, "busy_poll_us must be in 0..100000"),
         (cfg.gen.max_new_tokens >= 1, "gen.max_new_tokens must be >= 1"),
         (cfg.gen.temperature > 0, "gen.temperature must be > 0"),
+        (0.0 <= rc.trace_rate <= 1.0, "rollout.trace_rate must be in [0, 1]"),
         (cfg.dataset.name in ("arith", "jsonl", "hf", "word-arith"),
          f"dataset.name must be 'arith', 'jsonl', 'hf' or 'word-arith', got {cfg.dataset.name!r}"),
         (rc.num_env_groups >= 0 and rc.group_size >= 0,
@@ -452,7 +459,10 @@ def validate(cfg: Any) -> None:
     from arl.learner.backends import LEARNER_BACKENDS
 
     checks.append((ic.backend in BACKENDS, f"inference.backend: {BACKENDS.unknown(ic.backend)}"))
+    from arl.report.trackers import TRACKERS
+
     checks.append((lc.backend in LEARNER_BACKENDS, f"learner.backend: {LEARNER_BACKENDS.unknown(lc.backend)}"))
+    checks += [(name == "jsonl" or name in TRACKERS, f"loggers: {TRACKERS.unknown(name)}") for name in cfg.loggers]
     for ok, msg in checks:
         if not ok:
             raise ConfigError(msg)

@@ -22,6 +22,8 @@ from arl.launcher import messages as m
 from arl.launcher.admission import Admission, Grant
 from arl.launcher.process import ProcessGroup, tail
 from arl.launcher.reporting import JsonlSink, MetricsSink, Reporter
+from arl.report.page import ReportBuilder
+from arl.report.traces import TraceWriter
 from arl.launcher.security import advertised_address
 from arl.launcher.supervision import LocalLauncher, RoleLauncher, Supervisor
 from arl.launcher.weight_sync import Action, Rejoin, Send, WeightSync
@@ -98,7 +100,9 @@ class Controller:
                               restart_inference=restart_inference, max_inference_restarts=max_inference_restarts)
         self.launcher: RoleLauncher = launcher or LocalLauncher()
         self.reporter = Reporter([JsonlSink(os.path.join(run_dir, "metrics.jsonl")), *(sinks or [])],
-                                 total_steps=total_train_steps, progress=progress)
+                                 total_steps=total_train_steps, progress=progress,
+                                 traces=TraceWriter(os.path.join(run_dir, "traces.jsonl")),
+                                 page=ReportBuilder(run_dir))
         self._secret, self._bind_host, self._max_bytes = secret, bind_host, max_bytes
         self.stack_dump_wait = stack_dump_wait
         self.router: Optional[Router] = None
@@ -187,6 +191,7 @@ class Controller:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             self.reporter.write({"type": "summary", **self.accounting()})
+            self.reporter.final_report()
         if self._failure:
             raise RunFailed(self._failure)
         return self.summary()
@@ -454,7 +459,7 @@ class Controller:
         except ValueError:
             self._control_error("unexpected_group_done", "dropped a group_done for no running group")
             return
-        self.reporter.group_done(msg.accepted, msg.reason, msg.n_traj, msg.traj_stats, msg.n_traj_raw)
+        self.reporter.group_done(msg.accepted, msg.reason, msg.n_traj, msg.traj_stats, msg.n_traj_raw, msg.traces)
         await self._grant(grants)
 
     async def _on_groups_dropped(self, ident: bytes, msg: m.GroupsDropped) -> None:

@@ -14,6 +14,7 @@ from typing import Any, Optional
 from arl.config import ExperimentConfig, to_yaml
 from arl.launcher.controller import Controller, RunFailed
 from arl.launcher.security import SECRET_ENV, effective_bind_host, resolve_secret
+from arl.report.trackers import make_sinks
 
 logger = logging.getLogger("arl.launcher")
 
@@ -101,6 +102,8 @@ def make_controller(cfg: ExperimentConfig, run_dir: str, **overrides: Any) -> Co
         secret=secret,
         bind_host=bind_host,
         max_bytes=cfg.max_message_bytes,
+        sinks=make_sinks(cfg.loggers, run_dir, dataclasses.asdict(dataclasses.replace(cfg, secret="")),
+                         cfg.experiment),
     )
     kwargs.update(overrides)
     ctl = Controller(**kwargs)

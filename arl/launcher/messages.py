@@ -166,6 +166,7 @@ class GroupDone(ControlMessage):
     seconds: float = 0.0
     traj_stats: Optional[dict] = None  # sums of numeric trajectory metadata, before filters
     n_traj_raw: Optional[float] = None
+    traces: Optional[list[dict]] = None  # sampled or forced trajectory traces (arl.report.traces), for traces.jsonl
 
 
 @_message("groups_dropped")

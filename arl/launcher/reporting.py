@@ -10,6 +10,9 @@ import sys
 import time
 from typing import Any, Callable, Optional, Protocol
 
+from arl.report.page import ReportBuilder
+from arl.report.traces import TraceWriter
+
 
 class MetricsSink(Protocol):
     """Where metric records go. `step` is the policy version the record belongs to (trackers plot against it)."""
@@ -42,8 +45,10 @@ class Reporter:
     """Counts of the run (groups by outcome, faults) and the records written about it."""
 
     def __init__(self, sinks: list[MetricsSink], *, total_steps: int, progress: bool = False,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, traces: Optional[TraceWriter] = None,
+                 page: Optional[ReportBuilder] = None) -> None:
         self.sinks = sinks
+        self.traces, self.page = traces, page  # traces.jsonl and report.html, when the run keeps them
         self.total_steps = total_steps
         self.progress = progress
         self.clock = clock
@@ -75,8 +80,11 @@ class Reporter:
         self.event(record_type, **fault)
 
     # -- groups ----------------------------------------------------------------------------------------------
-    def group_done(self, accepted: bool, reason: Optional[str], n_traj: int, traj_stats: Any, n_raw: Any) -> None:
+    def group_done(self, accepted: bool, reason: Optional[str], n_traj: int, traj_stats: Any, n_raw: Any,
+                   traces: Optional[list[dict]] = None) -> None:
         self.group_reasons[str(reason)] += 1
+        if traces and self.traces is not None:
+            self.traces.write(traces)
         if accepted:
             self.accepted_groups += 1
             self.accepted_trajectories += n_traj
@@ -138,6 +146,8 @@ class Reporter:
                f"{result['solved_acc']:.3f} ({result['n']} prompts, {result.get('seconds', 0):.1f}s)")
         if self._bar is not None:
             self._bar.write(msg)
+        if self.page is not None:
+            self.page.request()  # rebuilt in a thread: the controller's loop goes on
         return msg
 
     def _update_progress(self, version: int, metrics: dict) -> None:
@@ -185,7 +195,14 @@ class Reporter:
         env = dict(old_stats.get("env") or {})
         self.env_of_restarted.update({k: v for k, v in env.items() if k != "env_calls_in_flight"})
 
+    def final_report(self) -> None:
+        """The run is over: the report page (and curves.png) once more, with the summary."""
+        if self.page is not None:
+            self.page.build()
+
     def close(self) -> None:
+        if self.traces is not None:
+            self.traces.close()
         if self._bar is not None:
             self._bar.close()
             self._bar = None

@@ -50,7 +50,7 @@ def _expire(fut: asyncio.Future) -> None:
 class _Pending:
     """One request in flight: its wire form (for re-sending), the worker it sits on, and its weight in the load."""
 
-    __slots__ = ("future", "idx", "work", "wire", "attempts")
+    __slots__ = ("future", "idx", "work", "wire", "attempts", "answered_by")
 
     def __init__(self, future: asyncio.Future, wire: GenerateRequest, work: int) -> None:
         self.future = future
@@ -58,6 +58,7 @@ class _Pending:
         self.work = work
         self.idx = -1
         self.attempts = 0
+        self.answered_by = -1
 
 
 class InferenceClient:
@@ -184,7 +185,9 @@ class InferenceClient:
         self.stats[f"sent_w{idx}"] = 0
         logger.warning("inference worker %d is back; routing to workers %s", idx, self.alive)
 
-    async def generate(self, req: GenerateRequest) -> GenerateResponse:
+    async def generate(self, req: GenerateRequest, info: Optional[dict] = None) -> GenerateResponse:
+        """The response to `req`; `info`, when given, gets the index of the worker that answered ("worker", -1
+        if none did) and the number of sends ("attempts"), for trajectory traces."""
         wire_id = f"{next(self._ids)}"
         loop = asyncio.get_running_loop()
         wire = GenerateRequest(qid=wire_id, input_ids=req.input_ids, gconfig=req.gconfig, session_id=req.session_id)
@@ -219,6 +222,8 @@ class InferenceClient:
         finally:
             if self._pending.pop(wire_id, None) is not None and p.idx >= 0:
                 self._load[p.idx] -= p.work
+            if info is not None:
+                info["worker"], info["attempts"] = p.answered_by, p.attempts
         if resp is None:
             return GenerateResponse(qid=req.qid, error="inference client closed")
         resp.qid = req.qid
@@ -247,6 +252,7 @@ class InferenceClient:
             del self._pending[resp.qid]
             self._load[p.idx] -= p.work
             p.idx = -1
+            p.answered_by = idx
             self._observe_versions(resp)
             p.future.set_result(resp)
             self.stats["received"] += 1

@@ -23,6 +23,7 @@ from arl.rollout.env_groups import EnvGroupSpec
 from arl.rollout.filters import apply_filters
 from arl.rollout.ledger import EngineLog, TokenLedgerError, verify_trajectory
 from arl.rollout.guards import EnvCallError, GuardedEnv, call_with_deadline
+from arl.report.traces import GroupTimeline, TraceSampler, group_traces
 from arl.utils.histogram import LogHistogram
 
 logger = logging.getLogger("arl.rollout")
@@ -79,11 +80,13 @@ class _ObsQueue(asyncio.Queue):
     and its answer goes to the act_queue; ``generate`` is the direct path (see ``arl.api.agent.Agent``), which
     skips the act_queue. Unbounded, as a plain queue would be."""
 
-    def __init__(self, client: InferenceClient, act_queue: asyncio.Queue, engine_log: Optional[EngineLog]) -> None:
+    def __init__(self, client: InferenceClient, act_queue: asyncio.Queue, engine_log: Optional[EngineLog],
+                 timeline: Optional[GroupTimeline] = None) -> None:
         super().__init__()
         self._client = client
         self._act = act_queue
         self._log = engine_log
+        self._timeline = timeline
         self.inflight: set[asyncio.Task] = set()
 
     async def generate(self, item: Any) -> GenerateResponse:
@@ -92,7 +95,12 @@ class _ObsQueue(asyncio.Queue):
         except (TypeError, ValueError) as e:
             qid = item[0] if isinstance(item, tuple) and item else getattr(item, "qid", "?")
             return GenerateResponse(qid=str(qid), error=f"bad request: {e}")
-        resp = await self._client.generate(req)
+        if self._timeline is None:
+            resp = await self._client.generate(req)
+        else:  # traced: when it went out and came back, which worker answered
+            rec, info = self._timeline.start(req), {}
+            resp = await self._client.generate(req, info)
+            self._timeline.done(rec, resp, info.get("worker", -1), info.get("attempts", 0))
         if self._log is not None:
             self._log.add(req, resp)
         return resp
@@ -113,11 +121,13 @@ async def run_agent(
     client: InferenceClient,
     timeout: float,
     engine_log: Optional[EngineLog] = None,
+    timeline: Optional[GroupTimeline] = None,
 ) -> list[Trajectory]:
     """Run one collect_trajectory with its own queues, bridged to the inference client, under a deadline.
-    `engine_log` records every request/response pair (for the token ledger check)."""
+    `engine_log` records every request/response pair (for the token ledger check), `timeline` every request's
+    timing (for trajectory traces)."""
     act_q: asyncio.Queue = asyncio.Queue()
-    obs_q = _ObsQueue(client, act_q, engine_log)
+    obs_q = _ObsQueue(client, act_q, engine_log, timeline)
     try:
         # not asyncio.wait_for: an agent that swallows its cancellation must not hang the worker past its deadline
         trajs = await call_with_deadline(agent.collect_trajectory(prompt, env, obs_q, act_q), timeout)
@@ -169,6 +179,8 @@ class RolloutWorker:
         filter_void_turns: bool = False,
         filter_uniform_groups: bool = False,
         verify_token_ledger: bool = False,
+        tokenizer: Any = None,
+        trace_rate: float = 0.0,
     ) -> None:
         self.index = index
         self._make_agent, self._make_eval_agent, self._make_env = make_agent, make_eval_agent, make_env
@@ -192,6 +204,10 @@ class RolloutWorker:
             capacity = min(capacity, self._env_pool.capacity)
         self._filters = {"void_turns": filter_void_turns, "uniform_groups": filter_uniform_groups}
         self._verify_ledger = verify_token_ledger
+        # trajectory traces (arl.report.traces): a `trace_rate` sample of groups plus every group an error or a
+        # filter touched, decoded here (the tokenizer is needed) and sent to the controller with group_done
+        self._tokenizer = tokenizer
+        self._tracer = TraceSampler(trace_rate, seed=seed * 1000 + index) if tokenizer is not None else None
         self.traj_stats: collections.Counter = collections.Counter()  # numeric trajectory metadata, summed
         self._running: set[asyncio.Task] = set()
         self._wanted = 0  # acquire requests the controller has not granted yet
@@ -207,17 +223,20 @@ class RolloutWorker:
     def on_grant(self, n: int) -> None:
         self._wanted = max(0, self._wanted - n)
         now, left = time.monotonic(), n
+        waits: list[float] = []  # per granted group: how long it waited for admission
         while left and self._acquires:
             entry = self._acquires[0]
             take = min(left, entry[1])
             self.admission.add(now - entry[0], take)
+            waits.extend([now - entry[0]] * take)
             entry[1] -= take
             left -= take
             if entry[1] == 0:
                 self._acquires.popleft()
-        for _ in range(n):
+        for i in range(n):
             prompt = next(self._prompts)
-            t = asyncio.create_task(self._run_group(prompt, self._prompts.position - 1))
+            t = asyncio.create_task(self._run_group(prompt, self._prompts.position - 1,
+                                                    waits[i] if i < len(waits) else None))
             self._running.add(t)
             t.add_done_callback(self._group_finished)
 
@@ -237,18 +256,21 @@ class RolloutWorker:
             await self._wake.wait()
 
     # -- one prompt group ------------------------------------------------------------------------------------
-    async def _run_group(self, prompt: dict, prompt_pos: int = -1) -> None:
+    async def _run_group(self, prompt: dict, prompt_pos: int = -1, admission_s: Optional[float] = None) -> None:
         gid = f"w{self.index}.{self._incarnation}g{next(self._group_ids)}"
         t0 = time.monotonic()
         reason, trajs = "accepted", []
+        raw: list[Trajectory] = []  # what the agent returned, before filters (for traces)
         env: Any = None
         stats: dict[str, float] = {}
         n_raw = 0
         log = EngineLog() if self._verify_ledger else None
+        timeline = GroupTimeline() if self._tracer is not None else None
         try:
             env = await self._env_pool.acquire(options=dict(prompt), timeout=self._env_timeout,
                                                seed=None if self._env_pool.pooled else self._seed)
-            trajs = await run_agent(self._make_agent(), prompt, env, self._client, self._timeout, log)
+            trajs = await run_agent(self._make_agent(), prompt, env, self._client, self._timeout, log, timeline)
+            raw = list(trajs)
             if env.failure is not None:  # the agent caught an env failure and went on: its rewards are made up
                 reason = env.failure
             elif not trajs:
@@ -292,18 +314,39 @@ class RolloutWorker:
             self.drop_reasons[reason] += 1
         self.stats["groups_" + ("accepted" if accepted else "dropped")] += 1
         rewards = [t.reward for t in trajs]
-        await self._send(
-            "group_done",
-            {
-                "accepted": accepted,
-                "reason": reason,
-                "n_traj": len(trajs),
-                "reward_sum": float(sum(rewards)),
-                "seconds": time.monotonic() - t0,
-                "traj_stats": stats,  # sums of numeric trajectory metadata, before filters
-                "n_traj_raw": n_raw,
-            },
-        )
+        done = {
+            "accepted": accepted,
+            "reason": reason,
+            "n_traj": len(trajs),
+            "reward_sum": float(sum(rewards)),
+            "seconds": time.monotonic() - t0,
+            "traj_stats": stats,  # sums of numeric trajectory metadata, before filters
+            "n_traj_raw": n_raw,
+        }
+        traces = self._traces(raw, timeline, reason, admission_s, done["seconds"], len(raw) != len(trajs), gid,
+                              prompt.get("id"))
+        if traces:
+            done["traces"] = traces
+        await self._send("group_done", done)
+
+    def _traces(self, raw: list[Trajectory], timeline: Optional[GroupTimeline], reason: str,
+                admission_s: Optional[float], seconds: float, some_dropped: bool, gid: str,
+                prompt_id: Any) -> list[dict]:
+        """This group's trajectory traces when it is sampled, or touched by an error or a filter (else [])."""
+        if self._tracer is None:
+            return []
+        why = self._tracer.want(forced=reason != "accepted" or some_dropped)
+        if why is None:
+            return []
+        try:
+            step = max(0, int(getattr(self._client, "version", 0)))  # newest policy version this worker has seen
+            return group_traces(raw, self._tokenizer, timeline, outcome=reason, why=why, step=step,
+                                rollout=self.index, admission_s=admission_s, seconds=seconds,
+                                void_filter=self._filters["void_turns"], group_id=gid, prompt_id=prompt_id)
+        except Exception as e:  # noqa: BLE001 - a trace must never cost a group
+            self.stats["trace_errors"] += 1
+            logger.warning("could not build the traces of a group: %s: %s", type(e).__name__, e)
+            return []
 
     async def _check_ledger(self, trajs: Sequence[Trajectory], log: EngineLog) -> None:
         """Token ledger check: a drift is a bug in the agent or the stack, so it stops the run (loudly)."""

@@ -1,0 +1,328 @@
+"""Trajectory traces: what the agent actually did, one JSON object per trajectory in run_dir/traces.jsonl.
+
+A trace holds the turns decoded with their roles (which tokens the model generated and which were context, from
+the trajectory's token ledger), the reward(s), the termination, the policy versions of the generated tokens, and
+per-turn timings from the rollout worker's request timeline: when each request went out, how long the inference
+round trip took (queueing at the server plus generation plus transport: the server does not report the split),
+which inference worker answered after how many attempts, and the agent-side time until the next request of the
+same trajectory (tool calls, environment steps, encoding). The group's wait for admission by the staleness gate
+and its outcome (accepted, or which filter or error dropped it) come with every trajectory of the group.
+
+Groups are sampled at a rate (`TraceSampler`), and every group that an error or a filter touched is traced.
+A group whose agent returned no trajectory (it filtered the group itself, raised or ran out of time) is traced
+from its requests alone (`request_traces`): the token history each chat sent, with the generated parts marked
+and no reward.
+
+Traces travel to the controller with the group's `group_done` message and the controller appends them
+(`TraceWriter`), so they land in the run directory even when rollout workers run on other machines.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import random
+import time
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import numpy as np
+
+from arl.api.types import GenerateRequest, GenerateResponse, Trajectory
+from arl.rollout.filters import has_void_turn
+
+# share of groups traced at random (on top of every group an error or a filter touched)
+DEFAULT_TRACE_RATE = 0.05
+
+__all__ = ["DEFAULT_TRACE_RATE", "RequestRecord", "GroupTimeline", "TraceSampler", "TraceWriter", "role_of", "trace_record",
+           "request_traces", "group_traces", "read_traces"]
+
+
+@dataclasses.dataclass
+class RequestRecord:
+    """One generation request of a group, with when it went out and came back and who answered it."""
+
+    qid: str
+    session: Optional[str]
+    input_ids: np.ndarray
+    t_sent: float
+    t_done: float = math.nan
+    worker: int = -1
+    attempts: int = 0
+    error: Optional[str] = None
+    outputs: list[np.ndarray] = dataclasses.field(default_factory=list)
+    versions: list[np.ndarray] = dataclasses.field(default_factory=list)
+    finish: list[str] = dataclasses.field(default_factory=list)
+
+
+class GroupTimeline:
+    """Every request one prompt group made, in the order they were sent (the rollout worker's queue bridge records
+    them; nothing is copied: token arrays are the request's and the response's own)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self.t0 = clock()
+        self.requests: list[RequestRecord] = []
+
+    def now(self) -> float:
+        return self._clock()
+
+    def start(self, req: GenerateRequest) -> RequestRecord:
+        rec = RequestRecord(qid=req.qid, session=req.session_id, input_ids=req.input_ids, t_sent=self._clock())
+        self.requests.append(rec)
+        return rec
+
+    def done(self, rec: RequestRecord, resp: GenerateResponse, worker: int = -1, attempts: int = 0) -> None:
+        rec.t_done = self._clock()
+        rec.worker, rec.attempts, rec.error = int(worker), int(attempts), resp.error
+        for s in resp.samples:
+            rec.outputs.append(s.output_ids)
+            rec.versions.append(s.output_versions)
+            rec.finish.append(s.finish_reason)
+
+
+class TraceSampler:
+    """Which groups to trace: each with probability `rate` (seeded, so a run's sample is reproducible), and always
+    the forced ones (an error or a filter touched them)."""
+
+    def __init__(self, rate: float, seed: int = 0) -> None:
+        if not (isinstance(rate, (int, float)) and 0.0 <= rate <= 1.0):
+            raise ValueError(f"trace rate must be in [0, 1], got {rate!r}")
+        self.rate = float(rate)
+        self._rng = random.Random(f"traces:{seed}")
+
+    def want(self, forced: bool) -> Optional[str]:
+        """"forced", "sampled", or None (not traced). Draws for every group, so forcing does not shift the
+        sample."""
+        hit = self._rng.random() < self.rate
+        if forced:
+            return "forced"
+        return "sampled" if hit else None
+
+
+def role_of(source: str) -> str:
+    """The chat role of a token-ledger source: the model's tokens are the assistant's, tool observations the
+    tool's, feedback the user's; the prompt keeps its own name (it holds system and user turns)."""
+    if source == "engine":
+        return "assistant"
+    if source.startswith("observation"):
+        return "tool"
+    if source in ("feedback", "user"):
+        return "user"
+    return source
+
+
+def _decode(tokenizer: Any, ids: np.ndarray) -> str:
+    try:
+        return str(tokenizer.decode([int(t) for t in ids], skip_special_tokens=False))
+    except Exception as e:  # noqa: BLE001 - a trace must never fail a group
+        return f"<could not decode {len(ids)} tokens: {type(e).__name__}>"
+
+
+def _vrange(v: np.ndarray) -> list[int]:
+    return [int(v.min()), int(v.max())] if len(v) else []
+
+
+def _round(x: Optional[float]) -> Optional[float]:
+    return None if x is None or not math.isfinite(x) else round(float(x), 6)
+
+
+def _scalars(meta: dict) -> dict[str, Any]:
+    return {k: v for k, v in meta.items() if isinstance(v, (bool, int, float, str)) and k != "prompt_pos"}
+
+
+def _turn_timings(matched: list[Optional[tuple[RequestRecord, int]]], t0: float) -> list[dict]:
+    """Per generated turn: sent at (s after the group started), inference round trip, worker, attempts, finish
+    reason, and the agent-side time until the next turn's request (None after the last turn)."""
+    turns = []
+    for k, m in enumerate(matched):
+        if m is None:
+            turns.append({"turn": k})
+            continue
+        rec, i = m
+        nxt = next((x for x in matched[k + 1:] if x is not None), None)
+        turns.append({
+            "turn": k,
+            "t_sent": _round(rec.t_sent - t0),
+            "inference_s": _round(rec.t_done - rec.t_sent),
+            "worker": rec.worker,
+            "attempts": rec.attempts,
+            "finish": rec.finish[i] if i < len(rec.finish) else None,
+            "n": int(len(rec.outputs[i])) if i < len(rec.outputs) else 0,
+            "env_tool_s": _round(nxt[0].t_sent - rec.t_done) if nxt is not None else None,
+        })
+    return turns
+
+
+def trace_record(traj: Trajectory, tokenizer: Any, timeline: Optional[GroupTimeline] = None,
+                 **fields: Any) -> dict[str, Any]:
+    """One trajectory as a trace: segments from its token ledger (decoded, with role, generated or context, and
+    the policy versions of generated ones), reward(s), termination, metadata scalars, and per-turn timings when
+    `timeline` holds the group's requests. `fields` (step, outcome, ...) are added as they are."""
+    ledger = traj.metadata.get("token_ledger") or [["context", 0, len(traj.input_ids)]]
+    by_key: dict[tuple[int, bytes], tuple[RequestRecord, int]] = {}
+    if timeline is not None:
+        for rec in timeline.requests:
+            for i, out in enumerate(rec.outputs):
+                by_key.setdefault((len(rec.input_ids), out.tobytes()), (rec, i))
+    segments: list[dict[str, Any]] = []
+    matched: list[Optional[tuple[RequestRecord, int]]] = []
+    for source, a, b in ledger:
+        a, b = int(a), int(b)
+        ids = traj.input_ids[a:b]
+        gen = source == "engine"
+        seg: dict[str, Any] = {"role": role_of(str(source)), "source": str(source), "gen": gen,
+                               "text": _decode(tokenizer, ids), "n": b - a}
+        if gen:
+            seg["v"] = _vrange(traj.versions[a:b])
+            seg["turn"] = len(matched)
+            matched.append(by_key.get((a, ids.tobytes())))
+        segments.append(seg)
+    gen_versions = traj.versions[traj.loss_mask.astype(bool)]
+    meta = traj.metadata
+    out: dict[str, Any] = {
+        **fields,
+        "group": traj.group_id,
+        "prompt_id": meta.get("prompt_id"),
+        "reward": float(traj.reward),
+        "turn_rewards": [float(r) for r in traj.turn_rewards],
+        "termination": meta.get("termination"),
+        "versions": _vrange(gen_versions),
+        "n_tokens": int(len(traj.input_ids)),
+        "n_generated": int(traj.num_generated),
+        "metadata": _scalars(meta),
+        "segments": segments,
+        "turns": _turn_timings(matched, timeline.t0) if timeline is not None else [],
+    }
+    return out
+
+
+def request_traces(timeline: GroupTimeline, tokenizer: Any, **fields: Any) -> list[dict[str, Any]]:
+    """Traces of a group that left no trajectory, rebuilt from its requests: per chat (session) and final sample,
+    the token history it sent with the outputs of its earlier requests marked as generated. No reward is known."""
+    sessions: dict[str, list[RequestRecord]] = {}
+    for i, rec in enumerate(timeline.requests):
+        sessions.setdefault(rec.session if rec.session is not None else f"#{i}", []).append(rec)
+    out = []
+    for sid, recs in sessions.items():
+        last = recs[-1]
+        finals = list(range(len(last.outputs))) or [-1]
+        for j in finals:
+            final_out = last.outputs[j] if j >= 0 else np.zeros(0, np.int32)
+            seq = np.concatenate([last.input_ids, final_out])
+            pieces: list[tuple[int, int, Optional[tuple[RequestRecord, int]]]] = []  # generated spans
+            pos = 0
+            for rec in recs[:-1]:
+                a = len(rec.input_ids)
+                if a < pos or not np.array_equal(rec.input_ids, seq[:a]):
+                    continue
+                hit = next((i for i, o in enumerate(rec.outputs)
+                            if len(o) and np.array_equal(o, seq[a:a + len(o)])), None)
+                if hit is None:
+                    continue
+                pieces.append((a, a + len(rec.outputs[hit]), (rec, hit)))
+                pos = a + len(rec.outputs[hit])
+            if j >= 0:
+                pieces.append((len(last.input_ids), len(seq), (last, j)))
+            segments, matched, versions = [], [], []
+            pos = 0
+            for a, b, m in pieces:
+                if a > pos:
+                    segments.append({"role": "context", "source": "context", "gen": False,
+                                     "text": _decode(tokenizer, seq[pos:a]), "n": a - pos})
+                rec, i = m  # type: ignore[misc]
+                v = rec.versions[i]
+                versions.append(v)
+                segments.append({"role": "assistant", "source": "engine", "gen": True,
+                                 "text": _decode(tokenizer, seq[a:b]), "n": b - a, "v": _vrange(v),
+                                 "turn": len(matched)})
+                matched.append(m)
+                pos = b
+            if pos < len(seq):
+                segments.append({"role": "context", "source": "context", "gen": False,
+                                 "text": _decode(tokenizer, seq[pos:]), "n": len(seq) - pos})
+            allv = np.concatenate(versions) if versions else np.zeros(0, np.int32)
+            out.append({
+                **fields,
+                "group": sid,
+                "reconstructed": True,
+                "reward": None,
+                "turn_rewards": [],
+                # the agent's termination is not known; a refused last request is (its finish is in "turns")
+                "termination": f"request error: {last.error}" if last.error else None,
+                "versions": _vrange(allv),
+                "n_tokens": int(len(seq)),
+                "n_generated": int(sum(b - a for a, b, _ in pieces)),
+                "metadata": {},
+                "segments": segments,
+                "turns": _turn_timings(matched, timeline.t0),
+            })
+    return out
+
+
+def group_traces(trajs: Sequence[Trajectory], tokenizer: Any, timeline: Optional[GroupTimeline], *, outcome: str,
+                 why: str, step: int, rollout: int, admission_s: Optional[float], seconds: float,
+                 void_filter: bool = False, group_id: str = "", prompt_id: Any = None) -> list[dict]:
+    """The traces of one group: each trajectory the agent returned (before filters; `filtered` names the filter
+    that removed it), or, when it returned none, what its requests show. `void_filter`: the void-turn filter was
+    on (it removes single trajectories; the other filters and errors drop the whole group, see `outcome`).
+    `group_id` and `prompt_id` name a group rebuilt from its requests."""
+    fields = {"step": int(step), "rollout": int(rollout), "outcome": outcome, "why": why,
+              "admission_s": _round(admission_s), "group_seconds": _round(seconds)}
+    if not trajs:
+        if timeline is None:
+            return []
+        traces = request_traces(timeline, tokenizer, **fields)
+        for t in traces:
+            t["group"] = f"{group_id}:{t['group']}" if group_id else t["group"]
+            t["prompt_id"] = prompt_id
+        return traces
+    group_filter = outcome.split(":", 1)[1] if outcome.startswith("filtered:") else None
+    out = []
+    for t in trajs:
+        filt = "void_turns" if void_filter and has_void_turn(t) else group_filter
+        out.append(trace_record(t, tokenizer, timeline, **fields, filtered=filt))
+    return out
+
+
+class TraceWriter:
+    """run_dir/traces.jsonl, appended by the controller: one whole line per trace, flushed at once (opened
+    lazily, so a run that traces nothing leaves no file)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._f: Any = None
+        self.written = 0
+
+    def write(self, traces: Iterable[dict]) -> None:
+        """Append `traces`; anything that is not a list of maps (a peer's malformed message) is skipped."""
+        if not isinstance(traces, (list, tuple)):
+            return
+        lines = "".join(json.dumps(t, default=float) + "\n" for t in traces if isinstance(t, dict))
+        if not lines:
+            return
+        if self._f is None:
+            self._f = open(self.path, "a", buffering=1)
+        self._f.write(lines)
+        self._f.flush()
+        self.written += lines.count("\n")
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+def read_traces(path: str, last: int = 0) -> list[dict]:
+    """The traces in `path` (the `last` ones when > 0); a torn last line (a crash mid-write) is skipped."""
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+    return out[-last:] if last > 0 else out

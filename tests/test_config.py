@@ -43,3 +43,24 @@ def test_threads_split_between_heavy_roles(monkeypatch):
     assert resolve_threads(c, "inference") == 1 and resolve_threads(c, "learner") == 1
     c.learner.threads = 2
     assert resolve_threads(c, "learner") == 2
+
+
+def test_experiment_field_reaches_agent_args_by_interpolation():
+    """README's recipe: a new experiment field passed to the agent as `args={"my_param": "${my_param}"}`; the
+    command line's `my_param=5.0` arrives in agent.args (resolved, typed), the default when not given."""
+    import dataclasses
+
+    from arl.config import AgentConfig, field
+
+    @dataclasses.dataclass
+    class MyConfig(ExperimentConfig):
+        my_param: float = field(1.0, "A new command-line argument.")
+        agent: AgentConfig = field(factory=lambda: AgentConfig(name="math-multi-turn",
+                                                               args={"my_param": "${my_param}", "num_turns": 2}))
+
+    c = parse_overrides(MyConfig, ["my_param=5.0"])
+    assert c.my_param == 5.0 and c.agent.args == {"my_param": 5.0, "num_turns": 2}
+    assert isinstance(c.agent.args["my_param"], float)
+    assert parse_overrides(MyConfig, []).agent.args["my_param"] == 1.0
+    # an explicit agent.args override still wins over the interpolation
+    assert parse_overrides(MyConfig, ["my_param=5", "agent.args.my_param=7"]).agent.args["my_param"] == 7

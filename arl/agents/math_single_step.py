@@ -17,6 +17,7 @@ from arl.api import (
     GenerationConfig,
     Trajectory,
     TrajectoryBuilder,
+    scalar_reward,
     register_agent,
 )
 
@@ -70,7 +71,7 @@ class MathSingleStepAgent(Agent):
                     "prompt_id": pid}
             if info.get("error"):
                 meta["reward_error"] = info["error"]
-            trajs.append(b.build(reward=float(reward), group_id=group_id, turn_rewards=[float(reward)],
+            trajs.append(b.build(reward=scalar_reward(reward), group_id=group_id, turn_rewards=[scalar_reward(reward)],
                                  metadata=meta))
         if self.filter_uniform_groups and is_uniform([t.reward for t in trajs]):
             return []

@@ -50,6 +50,7 @@ from arl.api import (
     SampleOutput,
     Trajectory,
     TrajectoryBuilder,
+    scalar_reward,
     register_agent,
 )
 from arl.tools.base import ToolResult, ToolSet
@@ -241,7 +242,7 @@ class ToolAgent(Agent):
                 ctx["next_env"] += 1
             target = await env_for(ctx["env"], index)
             _, reward, _, _, info = await target.step(parsed.content)
-            return "answered", float(reward), dict(info or {})
+            return "answered", scalar_reward(reward), dict(info or {})
         p.turn_kinds.append("tool")
         p.tool_calls += len(parsed.calls) + len(parsed.errors)
         if p.turns >= self.max_turns:

@@ -14,6 +14,8 @@ import sys
 import time
 from typing import Callable, Optional
 
+from tests.waiting import wait_until
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MAIN = os.path.join(ROOT, "training", "main_async_ppo.py")
 
@@ -155,8 +157,8 @@ def log_text(run_dir: str, name: str) -> str:
 
 
 def assert_no_leftovers(run_dir: str) -> None:
-    time.sleep(0.5)
-    assert role_pids(run_dir) == {}
+    """Every role process of the run exits (they may still be on their way out when the launcher returns)."""
+    wait_until(lambda: role_pids(run_dir) == {}, 30, f"the roles of {run_dir} to exit")
 
 
 def assert_accounting(s: dict) -> None:

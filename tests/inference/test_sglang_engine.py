@@ -17,6 +17,7 @@ from arl.api.engine import InferenceEngine
 from arl.api.types import GenerateRequest, GenerationConfig
 from arl.inference.sglang_engine import SGLangEngine, SGLangError, server_command, server_gpus
 from tests.inference.fake_sglang import FakeSGLang, toy_greedy
+from tests.waiting import await_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VOCAB = 64
@@ -213,7 +214,7 @@ async def test_health_watcher_reports_a_dead_server(tmp_path):
     engine = make_engine(fake, tmp_path, health_interval=0.05, max_health_failures=2)
     await engine.start()
     failed = asyncio.create_task(engine.wait_failed())
-    await asyncio.sleep(0.2)
+    await await_until(lambda: fake.health_calls >= 3, 30, "three health checks")  # passed: not failed
     assert not failed.done()
     fake.healthy = False
     reason = await asyncio.wait_for(failed, 5)

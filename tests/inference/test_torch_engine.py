@@ -17,6 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from arl.api.engine import InferenceEngine
 from arl.api.types import GenerateRequest, GenerateResponse, GenerationConfig
 from arl.inference.torch_engine import TorchEngine
+from tests.waiting import await_until
 
 torch.set_num_threads(1)
 
@@ -443,7 +444,7 @@ async def test_pause_resume(model):
     engine.start()
     await engine.pause()
     task = asyncio.ensure_future(engine.agenerate(req("p", prompt(12, 5), greedy=True, max_new_tokens=6)))
-    await asyncio.sleep(0.1)
+    await await_until(lambda: engine.stats()["waiting"] == 1, 30, "the request to be queued")
     assert not task.done()
     st = engine.stats()
     assert st["steps"] == 0 and st["waiting"] == 1 and st["paused"]

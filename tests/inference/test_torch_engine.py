@@ -475,7 +475,7 @@ async def test_close_fails_pending(model):
     await engine.pause()
     waiting = [asyncio.ensure_future(engine.agenerate(req(f"w{i}", prompt(15, 4), n=2, max_new_tokens=8)))
                for i in range(2)]
-    await asyncio.sleep(0.02)
+    await await_until(lambda: engine.stats()["waiting"] == 2, 30, "both requests to be queued")
     await engine.close()
     r = await running
     assert r.error == "engine closed"
@@ -511,7 +511,7 @@ async def test_batching_uses_fewer_steps_than_sequential(model):
     await conc_engine.pause()  # both join the same step
     both = asyncio.gather(conc_engine.agenerate(req("a", prompt(17, 5), **g)),
                           conc_engine.agenerate(req("b", prompt(18, 9), **g)))
-    await asyncio.sleep(0.01)
+    await await_until(lambda: conc_engine.stats()["waiting"] == 2, 30, "both requests to be queued")
     await conc_engine.resume()
     for r in await both:
         ok(r)

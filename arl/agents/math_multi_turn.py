@@ -24,8 +24,8 @@ from arl.api import (
     GenerationConfig,
     Trajectory,
     TrajectoryBuilder,
-    scalar_reward,
     register_agent,
+    scalar_reward,
 )
 
 DEFAULT_FEEDBACK = "Wrong, try again."

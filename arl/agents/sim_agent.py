@@ -30,8 +30,8 @@ from arl.api import (
     GenerationConfig,
     Trajectory,
     TrajectoryBuilder,
-    scalar_reward,
     register_agent,
+    scalar_reward,
 )
 from arl.envs.sim_tool import keyed_rng
 

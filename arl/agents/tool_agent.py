@@ -50,8 +50,8 @@ from arl.api import (
     SampleOutput,
     Trajectory,
     TrajectoryBuilder,
-    scalar_reward,
     register_agent,
+    scalar_reward,
 )
 from arl.tools.base import ToolResult, ToolSet
 from arl.tools.parsers import ParsedOutput, get_parser

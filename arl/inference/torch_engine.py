@@ -642,8 +642,8 @@ class TorchEngine:
             top_k = [rows[i].owner.gconfig.top_k for i in s_idx]
             top_p = [float(rows[i].owner.gconfig.top_p) for i in s_idx]
             sub = _truncate(sub, top_k, top_p)
+            drawn = torch.multinomial(torch.softmax(sub, dim=-1), 1, generator=self._generator).squeeze(1)
             sub_logp = torch.log_softmax(sub, dim=-1)  # the sampled distribution, renormalised after truncation
-            drawn = torch.multinomial(sub_logp.exp(), 1, generator=self._generator).squeeze(1)
             if len(s_idx) == B:
                 tokens, logp_all = drawn, sub_logp
             else:

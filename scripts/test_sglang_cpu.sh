@@ -56,11 +56,34 @@ fi
 t1=$(date +%s)
 export PYTHONPATH="$ROOT/tests/sglang_stub:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export ARL_SGLANG_REAL=1 SGLANG_USE_CPU_ENGINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-# the launcher test runs the training entry point with the project's own venv (DeepSpeed is not in this one)
-export ARL_MAIN_PYTHON=${ARL_MAIN_PYTHON:-$ROOT/.venv/bin/python}
+# the launcher test runs the training entry point with the project's own python (DeepSpeed is not in this venv):
+# $ARL_MAIN_PYTHON, else the first of the repository's .venv, the active venv, python3 on PATH that imports it
+if [ -z "${ARL_MAIN_PYTHON:-}" ]; then
+  for cand in "$ROOT/.venv/bin/python" "${VIRTUAL_ENV:+$VIRTUAL_ENV/bin/python}" "$(command -v python3 || true)"; do
+    if [ -n "$cand" ] && [ -x "$cand" ] && PYTHONPATH="$ROOT" "$cand" -c "import deepspeed, arl" >/dev/null 2>&1; then
+      ARL_MAIN_PYTHON=$cand
+      break
+    fi
+  done
+fi
+if [ -z "${ARL_MAIN_PYTHON:-}" ]; then
+  echo "[sglang-cpu] no python with DeepSpeed and arl found (tried $ROOT/.venv, \$VIRTUAL_ENV, python3);" \
+       "set ARL_MAIN_PYTHON to the project's venv python (bash scripts/install.sh makes $ROOT/.venv)" >&2
+  exit 2
+fi
+export ARL_MAIN_PYTHON
+echo "[sglang-cpu] training entry point runs with $ARL_MAIN_PYTHON"
 set +e
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider -m sglang_real tests/inference/test_sglang_real.py "$@"
-rc=$?
+LOG=$(mktemp)
+# -rs lists any skipped test with its reason; a skip is a failure here (the point of this run is that all ran)
+"$VENV/bin/python" -m pytest -q -rs -p no:cacheprovider -m sglang_real tests/inference/test_sglang_real.py "$@" \
+  | tee "$LOG"
+rc=${PIPESTATUS[0]}
+if [ "$rc" -eq 0 ] && grep -qE '[0-9]+ skipped' "$LOG"; then
+  echo "[sglang-cpu] some tests were skipped (see the reasons above): counted as a failure" >&2
+  rc=1
+fi
+rm -f "$LOG"
 set -e
 echo "[sglang-cpu] tests finished with exit code $rc in $(( $(date +%s) - t1 ))s (total $(( $(date +%s) - t0 ))s)"
 exit $rc

@@ -62,3 +62,24 @@ def test_library_does_not_import_experiments_and_roles_import_the_chosen_one():
     cfg = load_config(["experiment=tool-calc", "imports=[arl.envs.sim_tool]"], MODULES)
     assert type(cfg).__name__ == "ToolCalcConfig" and cfg.imports == ["experiments.tool_calc", "arl.envs.sim_tool"]
     assert load_config(["imports=[experiments.async_ppo_math]"], MODULES).imports == ["experiments.async_ppo_math"]
+
+
+def test_experiment_field_reaches_agent_args_by_interpolation():
+    """README's recipe: a new experiment field passed to the agent as `args={"my_param": "${my_param}"}`; the
+    command line's `my_param=5.0` arrives in agent.args (resolved, typed), the default when not given."""
+    import dataclasses
+
+    from arl.config import AgentConfig, field
+
+    @dataclasses.dataclass
+    class MyConfig(ExperimentConfig):
+        my_param: float = field(1.0, "A new command-line argument.")
+        agent: AgentConfig = field(factory=lambda: AgentConfig(name="math-multi-turn",
+                                                               args={"my_param": "${my_param}", "num_turns": 2}))
+
+    c = parse_overrides(MyConfig, ["my_param=5.0"])
+    assert c.my_param == 5.0 and c.agent.args == {"my_param": 5.0, "num_turns": 2}
+    assert isinstance(c.agent.args["my_param"], float)
+    assert parse_overrides(MyConfig, []).agent.args["my_param"] == 1.0
+    # an explicit agent.args override still wins over the interpolation
+    assert parse_overrides(MyConfig, ["my_param=5", "agent.args.my_param=7"]).agent.args["my_param"] == 7

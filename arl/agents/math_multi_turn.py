@@ -25,6 +25,7 @@ from arl.api import (
     Trajectory,
     TrajectoryBuilder,
     register_agent,
+    scalar_reward,
 )
 
 DEFAULT_FEEDBACK = "Wrong, try again."
@@ -76,7 +77,7 @@ class MathMultiTurnAgent(Agent):
             b.add_generated(sample)
             text = self.tokenizer.decode(sample.output_ids.tolist(), skip_special_tokens=True)
             _, reward, _, _, info = await env.step(text)
-            turn_rewards.append(float(reward))
+            turn_rewards.append(scalar_reward(reward))
             if info.get("error"):
                 errors.append(str(info["error"]))
             correct = bool(info.get("correct", False))

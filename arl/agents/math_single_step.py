@@ -18,6 +18,7 @@ from arl.api import (
     Trajectory,
     TrajectoryBuilder,
     register_agent,
+    scalar_reward,
 )
 
 
@@ -70,8 +71,8 @@ class MathSingleStepAgent(Agent):
                     "prompt_id": pid}
             if info.get("error"):
                 meta["reward_error"] = info["error"]
-            trajs.append(b.build(reward=float(reward), group_id=group_id, turn_rewards=[float(reward)],
-                                 metadata=meta))
+            r = scalar_reward(reward)
+            trajs.append(b.build(reward=r, group_id=group_id, turn_rewards=[r], metadata=meta))
         if self.filter_uniform_groups and is_uniform([t.reward for t in trajs]):
             return []
         return trajs

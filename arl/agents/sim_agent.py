@@ -31,6 +31,7 @@ from arl.api import (
     Trajectory,
     TrajectoryBuilder,
     register_agent,
+    scalar_reward,
 )
 from arl.envs.sim_tool import keyed_rng
 
@@ -84,10 +85,10 @@ class SimAgent(Agent):
                 break
             obs, r, terminated, truncated, info = await env.step(
                 {"session": session, "turn": turn, "n_tokens": len(sample.output_ids)})
-            turn_rewards.append(float(r))
+            turn_rewards.append(scalar_reward(r))
             turn += 1
             if terminated or truncated:
-                reward, termination = float(r), ("error" if info.get("error") else "done")
+                reward, termination = scalar_reward(r), ("error" if info.get("error") else "done")
                 break
             b.add_context(self._tokens(int(obs), session, turn))
         return b.build(reward=reward, group_id=pid, turn_rewards=turn_rewards,

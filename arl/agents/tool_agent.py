@@ -51,6 +51,7 @@ from arl.api import (
     Trajectory,
     TrajectoryBuilder,
     register_agent,
+    scalar_reward,
 )
 from arl.tools.base import ToolResult, ToolSet
 from arl.tools.parsers import ParsedOutput, get_parser
@@ -240,7 +241,7 @@ class ToolAgent(Agent):
                 ctx["next_env"] += 1
             target = await env_for(ctx["env"], index)
             _, reward, _, _, info = await target.step(parsed.content)
-            return "answered", float(reward), dict(info or {})
+            return "answered", scalar_reward(reward), dict(info or {})
         p.turn_kinds.append("tool")
         p.tool_calls += len(parsed.calls) + len(parsed.errors)
         if p.turns >= self.max_turns:

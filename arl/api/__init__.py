@@ -20,10 +20,13 @@ from arl.api.types import (
     SampleOutput,
     Trajectory,
     TrajectoryBuilder,
+    check_reward,
+    scalar_reward,
 )
 
 __all__ = [
     "Agent", "EnvironmentService", "InferenceEngine", "TrainBatch", "TrainEngine", "AGENTS", "ENVS", "EXPERIMENTS",
     "RegistryError", "make_agent", "make_env", "register_agent", "register_env", "register_experiment",
     "GenerateRequest", "GenerateResponse", "GenerationConfig", "SampleOutput", "Trajectory", "TrajectoryBuilder",
+    "check_reward", "scalar_reward",
 ]

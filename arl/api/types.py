@@ -23,6 +23,51 @@ def as_float32(x: Sequence[float] | np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(x, dtype=np.float32).reshape(-1))
 
 
+def _reward_number(x: Any, finite: bool = True) -> float:
+    """One reward value: a number (int, float, bool, numpy/torch scalar); not a string, not a sequence."""
+    if isinstance(x, (str, bytes)) or isinstance(x, (list, tuple, dict, set)) or getattr(x, "ndim", 0) > 0:
+        raise ValueError(f"a reward must be a number, got {type(x).__name__} {x!r:.60}")
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        raise ValueError(f"a reward must be a number, got {type(x).__name__} {x!r:.60}") from None
+    if finite and not math.isfinite(v):
+        raise ValueError(f"a reward must be finite, got {v!r}")
+    return v
+
+
+def _reward_items(value: Any) -> Optional[list[Any]]:
+    """The items of a flat reward sequence (list, tuple, 1-D array), or None if `value` is not a sequence."""
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    if isinstance(value, np.ndarray) and value.ndim == 1:
+        return value.tolist()
+    return None
+
+
+def check_reward(value: Any) -> float | list[float]:
+    """An environment's reward as `step` may return it: one finite number, or (AReaL's stateless envs, whose
+    ``step((qid, answers))`` rewards every answer) a non-empty flat sequence of finite numbers, one per answer.
+    Raises ValueError for anything else (NaN, infinity, strings, nested or empty sequences)."""
+    items = _reward_items(value)
+    if items is None:
+        return _reward_number(value)
+    if not items:
+        raise ValueError("a reward sequence must hold one number per answer, got an empty one")
+    return [_reward_number(x) for x in items]
+
+
+def scalar_reward(value: Any) -> float:
+    """The reward of one answer: a finite number, or a one-element sequence of one (a per-answer list from an env
+    that was sent one answer). Raises ValueError otherwise."""
+    r = check_reward(value)
+    if isinstance(r, list):
+        if len(r) != 1:
+            raise ValueError(f"expected the reward of one answer, got {len(r)} rewards {r!r:.60}")
+        return r[0]
+    return r
+
+
 @dataclasses.dataclass
 class GenerationConfig:
     """Sampling parameters of one request. `greedy=True` overrides temperature/top-p/top-k."""
@@ -144,7 +189,13 @@ class Trajectory:
                 f"Trajectory arrays must share one length: input_ids={n} loss_mask={len(self.loss_mask)} "
                 f"logprobs={len(self.logprobs)} versions={len(self.versions)}"
             )
-        self.reward = float(self.reward)
+        # one number per trajectory (a one-element per-answer list is that number); non-finite values are left
+        # for the learner's validation to refuse with the trajectory's index
+        items = _reward_items(self.reward)
+        if items is not None and len(items) != 1:
+            raise ValueError(f"Trajectory.reward must be one number (this trajectory's answer), got {len(items)} "
+                             f"values {self.reward!r:.60}")
+        self.reward = _reward_number(items[0] if items is not None else self.reward, finite=False)
 
     @property
     def num_generated(self) -> int:

@@ -5,9 +5,17 @@ Why it is built this way (schema and semantics read from SGLang 0.5.23's `http_s
 * **Token-in, token-out.** `POST /generate` with `input_ids`, `sampling_params` and `return_logprob: true`; the
   answer's `output_ids` and `meta_info.output_token_logprobs` (`[[logprob, token_id, text|null], ...]`) are the
   sample; `meta_info.finish_reason.type` is `stop` | `length` | `abort`. Text is never decoded and re-encoded.
-  One HTTP request per sample (n samples of one prompt share its prefix through SGLang's radix cache). SGLang's
-  logprobs are `log_softmax(logits / T)` of the drawn token (T = 1 for greedy), the same convention as the embedded
-  engine and the learner.
+  One HTTP request per sample (n samples of one prompt share its prefix through SGLang's radix cache).
+* **Behaviour logprobs.** SGLang 0.5.23's `output_token_logprobs` are `log(softmax(logits' / T))` of the drawn
+  token (`srt/layers/sampler.py`: T = 1 for greedy), where `logits'` already has the penalizers applied
+  (`apply_logits_bias`: min_new_tokens masks the stop ids) but NOT top-k / top-p truncation (the sampling kernels
+  read `probs` without changing it). The embedded engine reports the logprob of the distribution it sampled from
+  (temperature, mask, truncation, renormalised); the two agree exactly when nothing is truncated. So this backend
+  refuses a sampled request with `top_p < 1` or `top_k > 0` (`TRUNCATION_REFUSED`): its logprobs would claim a
+  lower behaviour probability than the token really had, and the learner's importance weights would be wrong.
+  (SGLang 0.5.23's `return_sampling_mask` can report truncated behaviour logprobs, but only with a server-side cap
+  on the support size, `--sampling-mask-max-tokens`, and with top-k and top-p applied jointly to the full
+  distribution, which is not the embedded engine's top-k-then-top-p order.)
 * **Per-token versions come from SGLang itself.** `/update_weights_from_disk` takes a `weight_version` string; every
   answer carries `meta_info.weight_versions`, spans `{version, start, end}` over the output tokens that say which
   weights made each token (a request that spans an update has two spans). The version SGLang starts with is
@@ -70,6 +78,19 @@ _MODEL_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", 
 # flags that make sglang 0.5.x run on a CPU (see DESIGN.md): torch-native attention, no CUDA graphs
 CPU_SERVER_ARGS = ("--attention-backend", "torch_native", "--disable-cuda-graph", "--skip-server-warmup",
                    "--mem-fraction-static", "0.1", "--max-total-tokens", "65536")
+
+
+TRUNCATION_REFUSED = (
+    "the sglang backend cannot report behaviour logprobs of top-p/top-k truncated sampling (SGLang's "
+    "output_token_logprobs are those of the untruncated distribution); set gen.top_p=1.0 and gen.top_k=0, or use "
+    "inference.backend=torch")
+
+
+def truncation_error(g: GenerationConfig) -> Optional[str]:
+    """Why SGLang cannot serve `g` with honest logprobs (a truncating sampled request), or None."""
+    if g.greedy or (g.top_p >= 1.0 and g.top_k <= 0):
+        return None
+    return f"{TRUNCATION_REFUSED} (got top_p={g.top_p}, top_k={g.top_k})"
 
 
 class SGLangError(RuntimeError):
@@ -253,6 +274,8 @@ class SGLangEngine:
         """`req.gconfig.n` samples of `req.input_ids`. Never raises: failures come back as `error`."""
         qid = getattr(req, "qid", "?")
         err = check_request(req, max_context_len=self.max_context_len)
+        if err is None:
+            err = truncation_error(req.gconfig)
         if err is None and self._closed:
             err = "engine closed"
         if err is None and self._failed:

@@ -17,9 +17,12 @@ Why it is built this way:
   padding compute and a cache concat per step (DynamicCache grows by ``torch.cat``), acceptable for the small
   models and contexts this engine serves; large GPU deployments use the SGLang backend.
 * **n samples share one prefill**: the prompt is run once and its KV rows are repeated n times.
-* **Log-probs for the learner**: each token's logprob is ``log_softmax(logits / T)`` (T = 1 for greedy) of the
-  chosen token, taken *before* min-new-tokens masking and top-k/top-p truncation: exactly what the learner
-  recomputes from a plain forward pass.
+* **Behaviour log-probs of the distribution actually sampled**: each token's logprob is taken under the
+  distribution it was drawn from: ``logits / T``, then the min-new-tokens mask (stop ids at -inf), then top-k and
+  top-p truncation, renormalised. The learner's importance weights divide by this behaviour probability, so it
+  must be the real one (a truncated draw has a higher probability than the full softmax gives it). Greedy rows
+  report ``log_softmax`` at T = 1 with the mask applied (no truncation), as SGLang does for greedy requests. With
+  ``top_p = 1, top_k = 0`` and no active mask this is exactly the learner's ``log_softmax(logits / T)``.
 * **Weight updates never stop a request.** ``update_weights`` reads and checks the safetensors in the caller's
   worker thread while decoding goes on, then the decode thread, between two steps, swaps the new tensors into the
   parameters (``param.data = new``: no copy, so the pause is ~1 ms even for a 0.5B model), bumps the version and
@@ -612,13 +615,13 @@ class TorchEngine:
         self._tokens += len(rows)
 
     def _sample(self, rows: list[_Row], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per row and its logprob under the distribution it was drawn from (see the module doc)."""
         dev = logits.device
         B, V = logits.shape
         greedy = [r.owner.gconfig.greedy for r in rows]
         temps = torch.tensor([1.0 if gr else float(r.owner.gconfig.temperature) for r, gr in zip(rows, greedy)],
                              dtype=logits.dtype, device=dev)
-        scaled = logits / temps[:, None]
-        logp_all = torch.log_softmax(scaled, dim=-1)  # what the learner recomputes: before masking/truncation
+        masked = logits / temps[:, None]
 
         # min_new_tokens: stop/eos ids cannot be drawn until reached
         mi: list[int] = []
@@ -627,26 +630,28 @@ class TorchEngine:
             if r.owner.stop_list and len(r.ids) < r.owner.gconfig.min_new_tokens:
                 mi.extend([i] * len(r.owner.stop_list))
                 mj.extend(r.owner.stop_list)
-        masked = scaled
         if mi:
-            masked = scaled.clone()
             masked[torch.tensor(mi, device=dev), torch.tensor(mj, device=dev)] = float("-inf")
 
         if all(greedy):
             tokens = masked.argmax(dim=-1)
+            logp_all = torch.log_softmax(masked, dim=-1)
         else:
             s_idx = [i for i, gr in enumerate(greedy) if not gr]
             sub = masked if len(s_idx) == B else masked[torch.tensor(s_idx, device=dev)]
             top_k = [rows[i].owner.gconfig.top_k for i in s_idx]
             top_p = [float(rows[i].owner.gconfig.top_p) for i in s_idx]
             sub = _truncate(sub, top_k, top_p)
-            probs = torch.softmax(sub, dim=-1)
-            drawn = torch.multinomial(probs, 1, generator=self._generator).squeeze(1)
+            drawn = torch.multinomial(torch.softmax(sub, dim=-1), 1, generator=self._generator).squeeze(1)
+            sub_logp = torch.log_softmax(sub, dim=-1)  # the sampled distribution, renormalised after truncation
             if len(s_idx) == B:
-                tokens = drawn
+                tokens, logp_all = drawn, sub_logp
             else:
+                s_t = torch.tensor(s_idx, device=dev)
                 tokens = masked.argmax(dim=-1)
-                tokens[torch.tensor(s_idx, device=dev)] = drawn
+                tokens[s_t] = drawn
+                logp_all = torch.log_softmax(masked, dim=-1)
+                logp_all[s_t] = sub_logp
         logps = logp_all.gather(1, tokens[:, None]).squeeze(1)
         return tokens, logps
 

@@ -17,10 +17,10 @@ import asyncio
 import collections
 import inspect
 import logging
-import math
 from typing import Any, Awaitable, Optional
 
 from arl.api.agent import EnvironmentService
+from arl.api.types import check_reward
 
 logger = logging.getLogger("arl.rollout")
 
@@ -128,13 +128,11 @@ class GuardedEnv(EnvironmentService):
                              f"{type(self._env).__name__}.step must return (obs, reward, terminated, truncated, "
                              f"info), got {type(out).__name__}")
         try:
-            reward = float(out[1])
-        except (TypeError, ValueError):
-            reward = math.nan
-        if not math.isfinite(reward):
+            check_reward(out[1])  # a finite number, or one finite number per answer (AReaL's stateless envs)
+        except ValueError as e:
             raise self._fail("env_error:step:BadReward",
                              f"{type(self._env).__name__}.step returned a non-finite or non-numeric reward "
-                             f"{out[1]!r:.60}")
+                             f"{out[1]!r:.60} ({e})") from None
         info = out[4]
         if isinstance(info, dict) and info.get("error"):
             err = str(info["error"])

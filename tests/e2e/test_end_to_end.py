@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+from tests.waiting import wait_until
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MAIN = os.path.join(ROOT, "training", "main_async_ppo.py")
 
@@ -66,8 +68,7 @@ def assert_clean_run(proc: subprocess.CompletedProcess, run_dir: str, steps: int
     assert [m["step"] for m in train] == list(range(1, steps + 1))
     evals = [m for m in metrics if m["type"] == "eval"]
     assert evals[0]["version"] == 0 and evals[-1]["version"] == steps
-    time.sleep(0.5)
-    assert leftover_processes(run_dir) == []
+    wait_until(lambda: leftover_processes(run_dir) == [], 30, f"the roles of {run_dir} to exit")
     return train
 
 

@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+from tests.waiting import wait_until
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MAIN = os.path.join(ROOT, "training", "main_async_ppo.py")
 
@@ -80,5 +82,5 @@ def test_killing_one_of_two_inference_workers_mid_run_does_not_stop_it(tmp_path)
     assert evals[-1]["version"] == steps and not evals[-1]["errors"] and evals[-1]["token_versions"] == [steps, steps]
     with open(os.path.join(run_dir, "logs", "rollout0.log")) as f:
         assert "inference worker 1 lost" in f.read()
-    time.sleep(0.5)
-    assert role_pids(run_dir, "inference", 0) == [] and role_pids(run_dir, "learner", 0) == []
+    wait_until(lambda: role_pids(run_dir, "inference", 0) == [] and role_pids(run_dir, "learner", 0) == [], 30,
+               "the roles to exit")

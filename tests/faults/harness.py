@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from typing import Callable, Optional
+
+from tests.waiting import wait_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MAIN = os.path.join(ROOT, "training", "main_async_ppo.py")
@@ -74,33 +77,102 @@ class Hold:
 
 def start_run(run_root: str, cache: str, extra: list[str], cwd: str = ROOT,
               env: Optional[dict[str, str]] = None) -> tuple[subprocess.Popen, str]:
+    """Start the launcher; its stderr (the controller's log) goes to a file that `launcher_log` reads while it
+    runs (a pipe would only be readable at the end, and could fill up)."""
     cmd = [sys.executable, MAIN, f"run_dir={run_root}", "run_name=run", f"model.cache_dir={cache}", *TINY, *extra]
     full_env = {**os.environ, **(env or {})}
-    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env)
+    os.makedirs(run_root, exist_ok=True)
+    err_path = os.path.join(run_root, "launcher.stderr")
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=err, text=True, env=full_env)
+    proc.stderr_path = err_path  # type: ignore[attr-defined]
     return proc, os.path.join(run_root, "run")
+
+
+def launcher_log(proc: subprocess.Popen) -> str:
+    """What the launcher (and its controller) wrote to stderr so far."""
+    with open(proc.stderr_path, errors="replace") as f:  # type: ignore[attr-defined]
+        return f.read()
 
 
 def finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, str, str]:
     try:
-        out, err = proc.communicate(timeout=timeout)
+        out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
-        out, err = proc.communicate()
-        raise AssertionError(f"run did not finish in {timeout}s\nstderr:\n{err[-5000:]}")
-    return proc.returncode, out, err
+        proc.communicate()
+        raise AssertionError(f"run did not finish in {timeout}s\nstderr:\n{launcher_log(proc)[-5000:]}")
+    return proc.returncode, out, launcher_log(proc)
 
 
 def wait_for(pred: Callable[[], bool], proc: subprocess.Popen, timeout: float = 600, what: str = "") -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            out, err = proc.communicate()
-            raise AssertionError(f"run exited ({proc.returncode}) while waiting for {what}\n{err[-5000:]}")
+            proc.communicate()
+            raise AssertionError(f"run exited ({proc.returncode}) while waiting for {what}\n"
+                                 f"{launcher_log(proc)[-5000:]}")
         if pred():
             return
         time.sleep(0.2)
     proc.kill()
     raise AssertionError(f"timed out waiting for {what}")
+
+
+_SUPPRESSED = re.compile(r"\(\+(\d+) similar suppressed\)\s*$")
+
+
+def malformed_dropped(log: str, address: str) -> int:
+    """Messages the socket at `address` has dropped as malformed so far, read from its warnings in `log` (the
+    role's log text). A socket logs at most one warning a second; each warning line stands for one message, and
+    ``(+N similar suppressed)`` on it for the N it held back since the previous line (so the last second's drops
+    show only with the socket's next warning)."""
+    n = 0
+    for line in log.splitlines():
+        if "arl.transport" not in line or address not in line:
+            continue
+        m = _SUPPRESSED.search(line)
+        n += (1 if "dropped malformed message" in line else 0) + (int(m.group(1)) if m else 0)
+    return n
+
+
+def wait_malformed_drained(proc: subprocess.Popen, targets: dict[str, tuple[Callable[[], str], str, int]],
+                           timeout: float = 300) -> dict[str, int]:
+    """Wait until every target socket has dropped as many malformed messages as were sent to it: `targets` maps a
+    name to (its log text reader, its bound address, messages sent). While one falls short, one more malformed
+    message goes to it every 1.2 s (a warning after the socket's 1 s quiet time, which reports what it held back);
+    it is counted in what that socket must reach. Returns the nudges sent per target."""
+    import zmq
+
+    ctx = zmq.Context()
+    kinds = {"learner": zmq.PUSH}
+    socks = {}
+    nudged = {name: 0 for name in targets}
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"run exited ({proc.returncode}) before its sockets drained the malformed "
+                                     f"frames\n{launcher_log(proc)[-3000:]}")
+            counts = {name: malformed_dropped(read(), address) for name, (read, address, _) in targets.items()}
+            short = [name for name, (_, _, sent) in targets.items() if counts[name] < sent + nudged[name]]
+            if not short:
+                return nudged
+            if time.monotonic() > deadline:
+                raise AssertionError(f"sockets did not drop every malformed message within {timeout:g}s: dropped "
+                                     f"{counts}, sent {({n: t[2] + nudged[n] for n, t in targets.items()})}")
+            for name in short:
+                if name not in socks:
+                    socks[name] = ctx.socket(kinds.get(name, zmq.DEALER))
+                    socks[name].setsockopt(zmq.LINGER, 0)
+                    socks[name].connect(targets[name][1])
+                socks[name].send(b"\xc1 not msgpack")
+                nudged[name] += 1
+            time.sleep(1.2)  # the poll interval: past the socket's 1 s quiet time, so the nudge is logged
+    finally:
+        for sock in socks.values():
+            sock.close()
+        ctx.term()
 
 
 def read_metrics(run_dir: str) -> list[dict]:
@@ -155,8 +227,8 @@ def log_text(run_dir: str, name: str) -> str:
 
 
 def assert_no_leftovers(run_dir: str) -> None:
-    time.sleep(0.5)
-    assert role_pids(run_dir) == {}
+    """Every role process of the run exits (they may still be on their way out when the launcher returns)."""
+    wait_until(lambda: role_pids(run_dir) == {}, 30, f"the roles of {run_dir} to exit")
 
 
 def assert_accounting(s: dict) -> None:

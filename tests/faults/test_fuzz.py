@@ -14,8 +14,8 @@ import zmq
 from arl.transport.codec import decode, encode
 
 from . import fuzzing
-from .harness import (Hold, addresses, assert_accounting, assert_no_leftovers, finish, log_text, read_metrics,
-                      record, start_run, summary, train_steps, wait_for)
+from .harness import (Hold, addresses, assert_accounting, assert_no_leftovers, finish, launcher_log, log_text,
+                      read_metrics, record, start_run, summary, train_steps, wait_for, wait_malformed_drained)
 
 N_FRAMES = 10_000
 N_SEMANTIC = 500
@@ -32,6 +32,7 @@ def test_fuzz_every_socket_while_training(tmp_path, model_cache):
                               env=hold.env)
     ctx = zmq.Context()
     socks = []
+    sent_all = False
     try:
         def ready() -> bool:
             try:
@@ -88,12 +89,17 @@ def test_fuzz_every_socket_while_training(tmp_path, model_cache):
             if inf.poll(1000):
                 replies.append(decode(inf.recv()))
         fuzz_s = time.monotonic() - t0
+        sent_all = True
         assert len(train_steps(run_dir)) < STEPS
     finally:
         for s in socks:
             s.close()
         ctx.term()  # returns once every frame left (or LINGER_MS passed)
-        time.sleep(2.0)  # the roles drain their queues while the run is still held
+        if sent_all:  # the run goes on only once each socket has dropped every malformed frame sent to it
+            wait_malformed_drained(proc, {
+                "inference": (lambda: log_text(run_dir, "inference0"), addr["inference"][0], sent["inference"]),
+                "learner": (lambda: log_text(run_dir, "learner"), addr["learner"], sent["learner"]),
+                "controller": (lambda: launcher_log(proc), addr["controller"], sent["controller"])})
         hold.release()
     code, _, err = finish(proc)
     assert code == 0, err[-5000:]

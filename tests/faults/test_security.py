@@ -16,8 +16,8 @@ from arl.config import ConfigError
 from arl.launcher.security import advertised_address, effective_bind_host, is_loopback, resolve_secret
 from arl.transport.codec import decode, encode
 
-from .harness import (MAIN, ROOT, Hold, addresses, assert_accounting, assert_no_leftovers, finish, record,
-                      start_run, summary, train_steps, wait_for)
+from .harness import (MAIN, ROOT, Hold, addresses, assert_accounting, assert_no_leftovers, finish, launcher_log,
+                      log_text, record, start_run, summary, train_steps, wait_for, wait_malformed_drained)
 
 SECRET = "s3cret-for-the-fault-test-0123456789"
 
@@ -58,6 +58,7 @@ def test_unauthenticated_peers_cannot_submit_requests_or_trajectories(tmp_path, 
     ctx = zmq.Context()
     socks = []
     n = 200
+    sent_all = False
     try:
         wait_for(lambda: len(train_steps(run_dir)) >= 1, proc, what="the first step")
         addr = addresses(run_dir)
@@ -96,12 +97,17 @@ def test_unauthenticated_peers_cannot_submit_requests_or_trajectories(tmp_path, 
                     dealer.recv()
                     got += 1
             replies[label] = got
+        sent_all = True
         assert len(train_steps(run_dir)) < steps
     finally:
         for s in socks:
             s.close()
         ctx.term()  # every intruder frame left before the run may finish
-        time.sleep(2.0)
+        if sent_all:  # the frames were sent: the run goes on only once each socket has dropped all of them
+            wait_malformed_drained(proc, {
+                "inference": (lambda: log_text(run_dir, "inference0"), addr["inference"][0], 2 * n),
+                "learner": (lambda: log_text(run_dir, "learner"), addr["learner"], 2 * n),
+                "controller": (lambda: launcher_log(proc), addr["controller"], 2 * 100)})
         hold.release()
     code, _, err = finish(proc)
     assert code == 0, err[-5000:]

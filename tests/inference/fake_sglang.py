@@ -102,6 +102,7 @@ class FakeSGLang:
         self.paused = False
         self.pause_mode: Optional[str] = None
         self.healthy = True
+        self.health_calls = 0  # GET /health answered (tests wait on it instead of sleeping)
         self.running: dict[str, _Req] = {}
         self.log: list[tuple[str, dict]] = []  # (path, body) of every POST, in order
         self._unpaused = asyncio.Event()
@@ -167,6 +168,7 @@ class FakeSGLang:
 
     # ------------------------------------------------------------------ endpoints
     async def health(self, request: web.Request) -> web.Response:
+        self.health_calls += 1
         return web.Response(status=200 if self.healthy and not self.paused else 503)
 
     async def model_info(self, request: web.Request) -> web.Response:

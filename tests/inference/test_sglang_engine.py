@@ -17,6 +17,7 @@ from arl.api.engine import InferenceEngine
 from arl.api.types import GenerateRequest, GenerationConfig
 from arl.inference.sglang_engine import SGLangEngine, SGLangError, server_command, server_gpus
 from tests.inference.fake_sglang import FakeSGLang, toy_greedy
+from tests.waiting import await_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VOCAB = 64
@@ -76,14 +77,31 @@ async def test_generate_uses_sglang_schema_and_parses_answers(fake, tmp_path):
     body = fake.posts("/generate")[0]
     assert body["input_ids"] == [5, 9, 2] and body["return_logprob"] is True
     assert body["sampling_params"] == {"max_new_tokens": 7, "min_new_tokens": 0, "temperature": 0.0}
-    r = await engine.agenerate(req("b", [1], max_new_tokens=4, temperature=0.7, top_p=0.9, top_k=5,
+    r = await engine.agenerate(req("b", [1], max_new_tokens=4, min_new_tokens=2, temperature=0.7,
                                    stop_token_ids=[want[0]]))
+    assert r.error is None and len(r.samples[0].output_logprobs) == len(r.samples[0].output_ids)
     assert fake.posts("/generate")[-1]["sampling_params"] == {
-        "max_new_tokens": 4, "min_new_tokens": 0, "temperature": 0.7, "top_p": 0.9, "top_k": 5,
+        "max_new_tokens": 4, "min_new_tokens": 2, "temperature": 0.7, "top_p": 1.0, "top_k": -1,
         "stop_token_ids": [want[0]]}
     # a stop token ends the sample and is part of it
     r = await engine.agenerate(req("c", [5, 9, 2], greedy=True, max_new_tokens=7, stop_token_ids=[want[2]]))
     assert r.samples[0].output_ids.tolist() == want[:3] and r.samples[0].finish_reason == "stop"
+    await engine.close()
+
+
+@pytest.mark.asyncio
+async def test_truncated_sampling_is_refused_with_a_clear_error(fake, tmp_path):
+    """SGLang reports logprobs before top-p/top-k truncation: such a request would get dishonest behaviour
+    logprobs, so it is refused before it reaches the server; greedy and untruncated sampling are served."""
+    engine = make_engine(fake, tmp_path)
+    for g in (dict(top_p=0.5), dict(top_k=3), dict(top_p=0.5, top_k=3, temperature=0.9)):
+        r = await engine.agenerate(req("t", [1, 2], max_new_tokens=3, **g))
+        assert r.samples == [] and r.error is not None
+        assert "cannot report behaviour logprobs" in r.error and "top_p=1.0 and gen.top_k=0" in r.error
+    assert fake.posts("/generate") == [] and engine.stats()["requests_refused"] == 3
+    for g in (dict(greedy=True, top_p=0.5, top_k=3), dict(temperature=0.9)):
+        r = await engine.agenerate(req("ok", [1, 2], max_new_tokens=3, **g))
+        assert r.error is None and len(r.samples) == 1
     await engine.close()
 
 
@@ -196,7 +214,7 @@ async def test_health_watcher_reports_a_dead_server(tmp_path):
     engine = make_engine(fake, tmp_path, health_interval=0.05, max_health_failures=2)
     await engine.start()
     failed = asyncio.create_task(engine.wait_failed())
-    await asyncio.sleep(0.2)
+    await await_until(lambda: fake.health_calls >= 3, 30, "three health checks")  # passed: not failed
     assert not failed.done()
     fake.healthy = False
     reason = await asyncio.wait_for(failed, 5)

@@ -56,7 +56,7 @@ def setup(tmp_path_factory):
     loop.close()
 
 
-def torch_greedy(model: torch.nn.Module, prompts: list[list[int]], max_new: int, eos: int = 1):
+def torch_greedy(model: torch.nn.Module, prompts: list[list[int]], max_new: int, eos: int = 1, min_new: int = 0):
     """The embedded engine's greedy samples of `prompts` (same weights, same stop rules)."""
     from arl.api.types import GenerateRequest, GenerationConfig
     from arl.inference.torch_engine import TorchEngine
@@ -64,8 +64,8 @@ def torch_greedy(model: torch.nn.Module, prompts: list[list[int]], max_new: int,
     async def go():
         engine = TorchEngine(model, pad_token_id=0, eos_token_id=eos, max_batch_size=64, max_context_len=512)
         rs = await asyncio.gather(*(engine.agenerate(GenerateRequest(
-            qid=str(i), input_ids=np.asarray(p, np.int32), gconfig=GenerationConfig(greedy=True,
-                                                                                   max_new_tokens=max_new)))
+            qid=str(i), input_ids=np.asarray(p, np.int32), gconfig=GenerationConfig(
+                greedy=True, max_new_tokens=max_new, min_new_tokens=min_new)))
             for i, p in enumerate(prompts)))
         await engine.close()
         return [r.samples[0] for r in rs]
@@ -78,7 +78,7 @@ def encode(tok, texts: list[str]) -> list[list[int]]:
                                          tokenize=True, return_dict=False)) for t in texts]
 
 
-def sglang_generate(setup, prompts: list[list[int]], max_new: int, update=None):
+def sglang_generate(setup, prompts: list[list[int]], max_new: int, update=None, min_new: int = 0):
     """Greedy samples from the SGLang engine; `update` (a coroutine factory) runs while they are in flight."""
     from arl.api.types import GenerateRequest, GenerationConfig
 
@@ -86,11 +86,16 @@ def sglang_generate(setup, prompts: list[list[int]], max_new: int, update=None):
 
     async def go():
         tasks = [asyncio.create_task(engine.agenerate(GenerateRequest(
-            qid=str(i), input_ids=np.asarray(p, np.int32), gconfig=GenerationConfig(greedy=True,
-                                                                                   max_new_tokens=max_new))))
+            qid=str(i), input_ids=np.asarray(p, np.int32), gconfig=GenerationConfig(
+                greedy=True, max_new_tokens=max_new, min_new_tokens=min_new))))
             for i, p in enumerate(prompts)]
         if update is not None:
-            await asyncio.sleep(0.3)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 60
+            while engine.stats()["running_requests"] < len(prompts):  # every request is at the server
+                assert loop.time() < deadline, "the requests did not reach the server"
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.3)  # their prefill (the server has no "decoding started" signal to wait on)
             await update()
         return await asyncio.gather(*tasks)
 
@@ -114,23 +119,17 @@ def test_greedy_tokens_equal_the_embedded_engine(setup):
         assert g.output_versions.tolist() == [0] * len(g.output_ids)
 
 
-def _long_prompts(setup, model_key: str) -> list[list[int]]:
-    """Prompts whose greedy output under the old weights runs the full MAX_NEW tokens (no early EOS), so an update
-    lands in the middle of them."""
-    tok = setup["tok"]
-    cands = encode(tok, [f"{a}+{b}=" for a in range(0, 50, 3) for b in range(0, 50, 7)])
-    outs = torch_greedy(setup[model_key], cands, MAX_NEW)
-    long = [p for p, s in zip(cands, outs) if s.finish_reason == "length"]
-    if len(long) < 2:
-        pytest.skip("the random tiny model ends every candidate early; no long request to update under")
-    return long[:6]
+def _long_prompts(setup) -> list[list[int]]:
+    """Six prompts; with min_new_tokens = MAX_NEW (eos masked in both engines) each runs the full MAX_NEW tokens
+    whatever the random tiny model does, so an update lands in the middle of them."""
+    return encode(setup["tok"], [f"{a}+{b}=" for a, b in ((3, 7), (12, 21), (30, 14), (45, 0), (6, 42), (27, 35))])
 
 
 @pytest.mark.parametrize("mode", ["in_place", "retract", "abort"])
 def test_update_in_flight_completes_and_new_weights_follow(setup, mode):
     engine = setup["engine"]
     engine.pause_mode = mode
-    prompts = _long_prompts(setup, "old")
+    prompts = _long_prompts(setup)
     version = {"in_place": 1, "retract": 2, "abort": 3}[mode]
     # each mode starts from the old weights
     if engine.version != 0:
@@ -139,22 +138,22 @@ def test_update_in_flight_completes_and_new_weights_follow(setup, mode):
     async def update():
         await engine.update_weights(setup["new_file"], version)
 
-    resps = sglang_generate(setup, prompts, MAX_NEW, update)
-    old_ref = torch_greedy(setup["old"], prompts, MAX_NEW)
+    resps = sglang_generate(setup, prompts, MAX_NEW, update, min_new=MAX_NEW)
+    old_ref = torch_greedy(setup["old"], prompts, MAX_NEW, min_new=MAX_NEW)
     spanned = 0
     for p, r, o in zip(prompts, resps, old_ref):
         assert r.error is None, r.error
         s = r.samples[0]
         v = s.output_versions.tolist()
         assert v == sorted(v) and set(v) <= {0, version}
-        assert s.finish_reason in ("length", "stop")
+        assert s.finish_reason == "length" and len(s.output_ids) == MAX_NEW
         n_old = v.count(0)
         ids = s.output_ids.tolist()
         assert ids[:n_old] == o.output_ids.tolist()[:n_old]  # made by the old weights
         if 0 < n_old < len(ids):
             spanned += 1
             if mode != "in_place":  # KV recomputed: the rest is the new model's greedy continuation of the prefix
-                cont = torch_greedy(setup["new"], [p + ids[:n_old]], len(ids) - n_old)[0]
+                cont = torch_greedy(setup["new"], [p + ids[:n_old]], len(ids) - n_old, min_new=len(ids) - n_old)[0]
                 assert ids[n_old:] == cont.output_ids.tolist()
     assert spanned >= 1, "no request was in flight across the update"
     if mode == "abort":
@@ -211,8 +210,9 @@ def test_launcher_with_sglang_backend_survives_kill_9_of_a_worker(setup, tmp_pat
     import time
 
     main_python = os.environ.get("ARL_MAIN_PYTHON", "")
-    if not main_python or not os.access(main_python, os.X_OK):
-        pytest.skip("ARL_MAIN_PYTHON (the project's venv python, with DeepSpeed) is not set")
+    assert main_python and os.access(main_python, os.X_OK), (
+        f"ARL_MAIN_PYTHON={main_python!r} is not an executable python; scripts/test_sglang_cpu.sh sets it to the "
+        "project's venv python (with DeepSpeed)")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     run_dir = str(tmp_path / "runs" / "run")
     steps = 4

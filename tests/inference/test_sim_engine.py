@@ -12,6 +12,7 @@ from arl.api.types import GenerateRequest, GenerationConfig
 from arl.config import InferenceConfig, SimEngineConfig
 from arl.inference.factory import build_engine
 from arl.inference.sim_engine import ENGINE_CLOSED, SimEngine
+from tests.waiting import await_until
 
 FAST = dict(step_base_s=1e-3, step_per_token_s=1e-5, prefill_per_token_s=0.0, update_pause_s=0.0)
 
@@ -84,7 +85,7 @@ async def test_batch_cap_queues_and_cancel_frees_rows():
     t1 = asyncio.create_task(e.agenerate(req("a", max_new=100_000)))
     t2 = asyncio.create_task(e.agenerate(req("b", max_new=100_000)))
     t3 = asyncio.create_task(e.agenerate(req("c", max_new=100_000)))
-    await asyncio.sleep(0.01)
+    await await_until(lambda: e.stats()["running"] + e.stats()["waiting"] == 3, 30, "the three requests to arrive")
     st = e.stats()
     assert st["running"] == 2 and st["waiting"] == 1
     t1.cancel()

@@ -17,6 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from arl.api.engine import InferenceEngine
 from arl.api.types import GenerateRequest, GenerateResponse, GenerationConfig
 from arl.inference.torch_engine import TorchEngine
+from tests.waiting import await_until
 
 torch.set_num_threads(1)
 
@@ -55,6 +56,34 @@ def recompute_logprobs(model: torch.nn.Module, ids: np.ndarray, out: np.ndarray,
     full = torch.tensor([list(ids) + list(out)], dtype=torch.long)
     logits = model(full).logits[0, len(ids) - 1:-1].float() / temperature
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(out, dtype=torch.long)[:, None])[:, 0].numpy()
+
+
+def sampled_logprobs(model: torch.nn.Module, ids: np.ndarray, out: np.ndarray, temperature: float, top_k: int = 0,
+                     top_p: float = 1.0, masked: Optional[list[list[int]]] = None) -> np.ndarray:
+    """Hand reference of the behaviour logprob, one position at a time in numpy: softmax(logits / T), the masked ids
+    of that position set to 0, then top-k, renormalise, the smallest prefix (by probability) reaching top_p,
+    renormalise; the drawn token must be in the kept set."""
+    full = torch.tensor([list(ids) + list(out)], dtype=torch.long)
+    with torch.no_grad():
+        logits = (model(full).logits[0, len(ids) - 1:-1].double() / temperature).numpy()
+    result = []
+    for pos, (row, tok) in enumerate(zip(logits, out)):
+        probs = np.exp(row - row.max())
+        for j in (masked[pos] if masked else []):
+            probs[j] = 0.0
+        probs /= probs.sum()
+        order = sorted(range(len(probs)), key=lambda j: -probs[j])
+        kept = order[:top_k] if top_k else order
+        mass = sum(probs[j] for j in kept)
+        nucleus, cum = [], 0.0
+        for j in kept:
+            if nucleus and cum > top_p:
+                break
+            nucleus.append(j)
+            cum += probs[j] / mass
+        assert int(tok) in nucleus, f"token {tok} at position {pos} is outside the sampled set {nucleus}"
+        result.append(np.log(probs[tok] / sum(probs[j] for j in nucleus)))
+    return np.asarray(result)
 
 
 async def wait_steps(engine: TorchEngine, steps: int, timeout: float = 20.0) -> None:
@@ -172,8 +201,50 @@ async def test_logprobs_match_full_forward(model):
         t = 1.0 if c.get("greedy") else c["temperature"]
         for s in r.samples:
             assert s.output_logprobs.dtype == np.float32
-            expected = recompute_logprobs(ref_model, p, s.output_ids, t)
+            expected = sampled_logprobs(ref_model, p, s.output_ids, t, c.get("top_k", 0), c.get("top_p", 1.0))
             np.testing.assert_allclose(s.output_logprobs, expected, atol=1e-4)
+            if "top_p" not in c:  # untruncated: exactly what the learner recomputes from a plain forward pass
+                np.testing.assert_allclose(s.output_logprobs, recompute_logprobs(ref_model, p, s.output_ids, t),
+                                           atol=1e-4)
+
+
+@pytest.mark.asyncio
+async def test_logprobs_are_those_of_the_truncated_distribution(model):
+    """top_p = 0.5, top_k = 3: every reported logprob is log(p / mass kept) of the renormalised truncated
+    distribution (hand computation in numpy), and is above the full softmax's (the learner's) logprob."""
+    ref_model = copy.deepcopy(model)
+    engine = make_engine(model)
+    p = prompt(41, 8)
+    r = ok(await engine.agenerate(req("tp", p, temperature=0.9, top_p=0.5, top_k=3, n=4, max_new_tokens=20)))
+    await engine.close()
+    for s in r.samples:
+        expected = sampled_logprobs(ref_model, p, s.output_ids, 0.9, top_k=3, top_p=0.5)
+        np.testing.assert_allclose(s.output_logprobs, expected, atol=1e-4)
+        full = recompute_logprobs(ref_model, p, s.output_ids, 0.9)
+        assert np.all(s.output_logprobs >= full - 1e-5) and np.any(s.output_logprobs > full + 1e-3)
+
+
+def test_sample_logprob_by_hand():
+    """One row with probabilities (0.4, 0.3, 0.2, 0.1) at T = 1, top_k = 3, top_p = 0.5: top-3 renormalised is
+    (4/9, 3/9, 2/9); the nucleus is the first two (mass before the second is 4/9 <= 0.5, before the third
+    7/9 > 0.5), renormalised (4/7, 3/7). Token 3 (stop) is masked by min_new_tokens in a second row: the
+    remaining (0.4, 0.3, 0.2) renormalise to (4/9, 3/9, 2/9) with no truncation."""
+    from arl.inference.torch_engine import _Request, _Row
+
+    engine = TorchEngine(make_model(0), pad_token_id=0, eos_token_id=None, max_context_len=16)
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1], [0.4, 0.3, 0.2, 0.1]]))
+    def row(r: GenerateRequest) -> _Row:
+        return _Row(_Request(r, None, None, None, VOCAB), 0)  # type: ignore[arg-type]  # no loop: never answered
+
+    trunc = row(req("a", [1], top_k=3, top_p=0.5))
+    masked = row(req("b", [1], min_new_tokens=2, max_new_tokens=4, stop_token_ids=[3]))
+    seen: dict[int, set[tuple[int, float]]] = {0: set(), 1: set()}
+    for _ in range(200):
+        tokens, logps = engine._sample([trunc, masked], logits.clone())
+        for i in (0, 1):
+            seen[i].add((int(tokens[i]), round(float(logps[i]), 5)))
+    assert seen[0] == {(0, round(np.log(4 / 7), 5)), (1, round(np.log(3 / 7), 5))}
+    assert seen[1] == {(0, round(np.log(4 / 9), 5)), (1, round(np.log(3 / 9), 5)), (2, round(np.log(2 / 9), 5))}
 
 
 @pytest.mark.asyncio
@@ -228,8 +299,12 @@ async def test_min_new_tokens(model):
         assert ids[-1] == stop and len(ids) >= 6
     else:
         assert r.finish_reason == "length" and len(ids) == 12
-    # logprobs are those of the unmasked distribution (what the learner recomputes)
-    np.testing.assert_allclose(r.output_logprobs, recompute_logprobs(ref_model, p, r.output_ids, 1.0), atol=1e-4)
+    # logprobs are those of the distribution sampled: the stop id masked (renormalised) for the first 5 tokens
+    expected = sampled_logprobs(ref_model, p, r.output_ids, 1.0, masked=[[stop]] * 5 + [[]] * (len(ids) - 5))
+    np.testing.assert_allclose(r.output_logprobs, expected, atol=1e-4)
+    full = recompute_logprobs(ref_model, p, r.output_ids, 1.0)
+    assert np.all(r.output_logprobs[:5] > full[:5])
+    np.testing.assert_allclose(r.output_logprobs[5:], full[5:], atol=1e-4)
 
 
 @pytest.mark.asyncio
@@ -371,7 +446,7 @@ async def test_pause_resume(model):
     engine.start()
     await engine.pause()
     task = asyncio.ensure_future(engine.agenerate(req("p", prompt(12, 5), greedy=True, max_new_tokens=6)))
-    await asyncio.sleep(0.1)
+    await await_until(lambda: engine.stats()["waiting"] == 1, 30, "the request to be queued")
     assert not task.done()
     st = engine.stats()
     assert st["steps"] == 0 and st["waiting"] == 1 and st["paused"]
@@ -402,7 +477,7 @@ async def test_close_fails_pending(model):
     await engine.pause()
     waiting = [asyncio.ensure_future(engine.agenerate(req(f"w{i}", prompt(15, 4), n=2, max_new_tokens=8)))
                for i in range(2)]
-    await asyncio.sleep(0.02)
+    await await_until(lambda: engine.stats()["waiting"] == 2, 30, "both requests to be queued")
     await engine.close()
     r = await running
     assert r.error == "engine closed"
@@ -438,7 +513,7 @@ async def test_batching_uses_fewer_steps_than_sequential(model):
     await conc_engine.pause()  # both join the same step
     both = asyncio.gather(conc_engine.agenerate(req("a", prompt(17, 5), **g)),
                           conc_engine.agenerate(req("b", prompt(18, 9), **g)))
-    await asyncio.sleep(0.01)
+    await await_until(lambda: conc_engine.stats()["waiting"] == 2, 30, "both requests to be queued")
     await conc_engine.resume()
     for r in await both:
         ok(r)

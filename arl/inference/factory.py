@@ -10,11 +10,12 @@ from arl.api.engine import InferenceEngine
 def _torch_engine(*, model_path: str, device: str, max_batch_size: int, max_context_len: int, seed: int,
                   name: str, **_: Any) -> InferenceEngine:
     from arl.inference.torch_engine import TorchEngine
-    from arl.models.tiny import load_model_dir
+    from arl.models.tiny import load_model_dir, stop_token_ids
 
     model, tok = load_model_dir(model_path)
     model.to(device).eval()
-    engine = TorchEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+    # every eos of the folder (tokenizer + generation config), as SGLang and transformers stop on them all
+    engine = TorchEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=stop_token_ids(model_path),
                          max_batch_size=max_batch_size, max_context_len=max_context_len, device=device,
                          version=0, seed=seed, name=name)
     engine.start()

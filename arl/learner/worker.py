@@ -61,6 +61,7 @@ class LearnerWorker:
         checkpoint_every: int = 0,
         keep_checkpoints: int = 2,
         vocab_size: Optional[int] = None,
+        export_final: Optional[Callable[[str], Any]] = None,
     ) -> None:
         self.engine = engine
         self.pull = pull
@@ -88,6 +89,7 @@ class LearnerWorker:
         self._in_step = 0  # groups of the step being trained (taken from the buffer, not yet counted as trained)
         self._last_invalid_log = -1e9
         self.waiting_on = "starting"  # reported in heartbeats; the controller logs it if this role goes silent
+        self.export_final = export_final  # called with the last step's weights file: writes <run>/final/
         os.makedirs(weights_dir, exist_ok=True)
 
     async def receive(self) -> None:
@@ -224,6 +226,8 @@ class LearnerWorker:
                            stale_groups_dropped=self.stats["stale_groups_dropped"])
             metrics.update({f"stale_tokens_{k}": float(n) for k, n in stale_tokens.items()})
             await self.maybe_checkpoint(force=self.engine.version >= self.total_steps)
+            if self.export_final is not None and self.engine.version >= self.total_steps:  # before the run can end
+                await asyncio.to_thread(self.export_final, path)
             await self._send("weights_published", {"version": self.engine.version, "path": path,
                                                    "metrics": metrics})
             self._prune(path)

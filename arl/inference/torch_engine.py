@@ -44,7 +44,7 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -86,7 +86,7 @@ class _Request:
                  "cancelled", "responded", "stop_set", "stop_list", "t_submit")
 
     def __init__(self, req: GenerateRequest, loop: asyncio.AbstractEventLoop, future: asyncio.Future,
-                 eos_token_id: Optional[int], vocab_size: int) -> None:
+                 eos_token_ids: Sequence[int], vocab_size: int) -> None:
         self.qid: str = req.qid
         self.gconfig: GenerationConfig = req.gconfig
         self.prompt: list[int] = req.input_ids.tolist()
@@ -99,8 +99,7 @@ class _Request:
         self.cancelled: bool = False
         self.responded: bool = False
         stops = set(int(t) for t in req.gconfig.stop_token_ids)
-        if eos_token_id is not None:
-            stops.add(int(eos_token_id))
+        stops.update(eos_token_ids)
         self.stop_set: frozenset[int] = frozenset(stops)
         # ids that can actually be sampled (masked while min_new_tokens is not reached)
         self.stop_list: list[int] = sorted(t for t in stops if t < vocab_size)
@@ -141,7 +140,8 @@ class TorchEngine:
         model: a transformers causal LM (``model(input_ids, attention_mask, position_ids, past_key_values)``
             returning ``.logits``). It is moved to `device` and put in eval mode; the engine owns it from now on.
         pad_token_id: id fed at left-padding positions (masked out, its value does not matter).
-        eos_token_id: ends a sample (finish_reason "stop") in addition to each request's stop_token_ids.
+        eos_token_id: ends a sample (finish_reason "stop") in addition to each request's stop_token_ids; a list
+            gives several (Qwen2.5-Instruct stops on <|im_end|> and <|endoftext|>, as its generation config says).
         max_batch_size: most samples (KV rows) decoded together; a request with n samples takes n rows.
         max_context_len: most tokens (prompt + generated) of one sample; longer prompts are refused, samples that
             reach it end with finish_reason "length".
@@ -156,7 +156,7 @@ class TorchEngine:
         model: torch.nn.Module,
         *,
         pad_token_id: int,
-        eos_token_id: int | None,
+        eos_token_id: int | Sequence[int] | None,
         max_batch_size: int = 64,
         max_context_len: int = 512,
         device: str = "cpu",
@@ -176,7 +176,9 @@ class TorchEngine:
         if not 0 <= int(pad_token_id) < self.vocab_size:
             raise ValueError(f"pad_token_id {pad_token_id} is outside the vocabulary [0, {self.vocab_size})")
         self.pad_token_id = int(pad_token_id)
-        self.eos_token_id = None if eos_token_id is None else int(eos_token_id)
+        eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(int(t) for t in eos))
+        self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
         self.max_batch_size = int(max_batch_size)
         self.max_context_len = int(max_context_len)
         self.seed = int(seed)
@@ -251,7 +253,7 @@ class TorchEngine:
             return GenerateResponse(qid=qid, samples=[], error=err)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
-        state = _Request(req, loop, fut, self.eos_token_id, self.vocab_size)
+        state = _Request(req, loop, fut, self.eos_token_ids, self.vocab_size)
         with self._cv:
             if self._closed:
                 self._requests_refused += 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -220,6 +221,7 @@ async def run_learner(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
         checkpoint_every=lc.checkpoint_every,
         keep_checkpoints=lc.keep_checkpoints,
         vocab_size=_vocab_size(cfg) if real else None,
+        export_final=_final_exporter(cfg, run_dir) if real else None,
     )
     if cfg.recover == "auto":
         await worker.resume()  # before registering: the controller sends the exported weights to inference
@@ -229,6 +231,17 @@ async def run_learner(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
     if leader is not None:
         cleanups.append(asyncio.to_thread(leader.stop))  # release the follower ranks
     return [worker.receive(), worker.train(), ctl.heartbeat(worker.heartbeat_stats)], cleanups
+
+
+def _final_exporter(cfg: ExperimentConfig, run_dir: str) -> Callable[[str], Any]:
+    """Writes ``<run>/final/`` (see `arl.learner.export`) from the last step's weights file."""
+    from arl.learner.export import export_final
+
+    def write(path: str) -> None:
+        out = export_final(path, cfg.model.path, os.path.join(run_dir, "final"), gen=dataclasses.asdict(cfg.gen))
+        logger.info("final model written to %s", out)
+
+    return write
 
 
 def run_learner_follower(cfg: ExperimentConfig) -> int:
@@ -242,14 +255,25 @@ def run_learner_follower(cfg: ExperimentConfig) -> int:
     return 0
 
 
-async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, run_dir: str) -> RoleParts:
+@dataclasses.dataclass
+class AgentParts:
+    """What a rollout worker builds its agents from; `scripts/evaluate.py` builds the same for its evaluation."""
+
+    tokenizer: Any
+    train_rows: list[dict]
+    test_rows: list[dict]
+    group_size: int
+    make_agent: Callable[[], Any]
+    make_eval_agent: Callable[[], Any]
+
+
+def agent_parts(cfg: ExperimentConfig) -> AgentParts:
+    """The tokenizer of `model.path`, the data splits and the agent factories (training and greedy evaluation)."""
     from arl.api.registry import AGENTS, make_env
     from arl.api.types import GenerationConfig
     from transformers import PreTrainedTokenizerFast
 
     from arl.data.splits import load_splits
-    from arl.rollout.client import InferenceClient
-    from arl.rollout.worker import PromptStream, RolloutWorker
 
     AGENTS.get(cfg.agent.name)  # fail fast, listing what is registered
     make_env(cfg.env.name, **cfg.env.args)
@@ -278,6 +302,18 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
         # agent.args may set filter_uniform_groups too: evaluation always keeps every prompt
         return _construct(agent_cls, tokenizer=tok, gconfig=gconfig.new(greedy=True), group_size=1,
                           **{**cfg.agent.args, "filter_uniform_groups": False})
+
+    return AgentParts(tok, list(train_rows), list(test_rows), group_size, make_agent, make_eval_agent)
+
+
+async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, run_dir: str) -> RoleParts:
+    from arl.api.registry import make_env
+    from arl.rollout.client import InferenceClient
+    from arl.rollout.worker import PromptStream, RolloutWorker
+
+    parts = agent_parts(cfg)
+    train_rows, test_rows, group_size = parts.train_rows, parts.test_rows, parts.group_size
+    make_agent, make_eval_agent = parts.make_agent, parts.make_eval_agent
 
     addrs = await ctl.request("lookup", {"role": "rollout", "index": index}, "addresses", cfg.startup_timeout)
     client = InferenceClient([Dealer().connect(a) for a in addrs["inference"]], request_timeout=cfg.rollout.request_timeout)

@@ -67,6 +67,7 @@ class LearnerWorker:
         keep_checkpoints: int = 2,
         vocab_size: Optional[int] = None,
         engine: Optional[TrainEngine] = None,
+        export_final: Optional[Callable[[str], Any]] = None,
     ) -> None:
         self.actor = actor  # prepare / compute_logp / compute_advantages / ppo_update (`PPOActor`, `RankLeader`)
         self.engine: Any = engine if engine is not None else actor.engine  # version, save / load / export_weights
@@ -95,6 +96,7 @@ class LearnerWorker:
         self._in_step = 0  # groups of the step being trained (taken from the buffer, not yet counted as trained)
         self._last_invalid_log = -1e9
         self.waiting_on = "starting"  # reported in heartbeats; the controller logs it if this role goes silent
+        self.export_final = export_final  # called with the last step's weights file: writes <run>/final/
         os.makedirs(weights_dir, exist_ok=True)
 
     async def receive(self) -> None:
@@ -217,6 +219,8 @@ class LearnerWorker:
             path = await self._export()  # v{version}.safetensors, for the inference workers
             metrics = self._step_metrics(metrics, trajs, waited, time.monotonic() - t0, stale_tokens)
             await self.maybe_checkpoint(force=self.engine.version >= self.total_steps)
+            if self.export_final is not None and self.engine.version >= self.total_steps:  # before the run can end
+                await asyncio.to_thread(self.export_final, path)
             # publish: the controller sends the weights to inference, reopens the gate and schedules evaluation
             await self._send("weights_published", {"version": self.engine.version, "path": path,
                                                    "metrics": metrics})

@@ -138,3 +138,28 @@ def load_model_dir(path: str, *, dtype: torch.dtype = torch.float32) -> tuple[An
         _sync_special_ids(model, tokenizer.pad_token_id, tokenizer.eos_token_id)
     model.eval()
     return model, tokenizer
+
+
+def stop_token_ids(model_dir: str) -> list[int]:
+    """Every token id that ends a turn for the model in `model_dir`: the tokenizer's eos, then the eos ids of its
+    generation config and model config (Qwen2.5-Instruct: <|im_end|> and <|endoftext|>), in that order."""
+    import json
+
+    ids: list[int] = []
+
+    def add(v: Any) -> None:
+        for t in (v if isinstance(v, (list, tuple)) else [v]):
+            if isinstance(t, int) and t >= 0 and t not in ids:
+                ids.append(t)
+
+    try:
+        add(PreTrainedTokenizerFast.from_pretrained(model_dir).eos_token_id)
+    except (OSError, ValueError):
+        pass
+    for name in ("generation_config.json", "config.json"):
+        try:
+            with open(os.path.join(model_dir, name)) as f:
+                add(json.load(f).get("eos_token_id"))
+        except (OSError, ValueError):
+            pass
+    return ids

@@ -234,7 +234,7 @@ def test_sample_logprob_by_hand():
     engine = TorchEngine(make_model(0), pad_token_id=0, eos_token_id=None, max_context_len=16)
     logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1], [0.4, 0.3, 0.2, 0.1]]))
     def row(r: GenerateRequest) -> _Row:
-        return _Row(_Request(r, None, None, None, VOCAB), 0)  # type: ignore[arg-type]  # no loop: never answered
+        return _Row(_Request(r, None, None, (), VOCAB), 0)  # type: ignore[arg-type]  # no loop: never answered
 
     trunc = row(req("a", [1], top_k=3, top_p=0.5))
     masked = row(req("b", [1], min_new_tokens=2, max_new_tokens=4, stop_token_ids=[3]))

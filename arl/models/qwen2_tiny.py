@@ -1,0 +1,324 @@
+"""A Qwen2-shaped model folder built on the spot: the path a real user takes (`model.path=` a Qwen folder), small.
+
+`build_qwen2_tiny_dir(path)` writes what a Qwen2.5-Instruct folder holds, at a few million parameters:
+
+- a byte-level BPE tokenizer trained here with `tokenizers` (Qwen2's pre-tokenizer: its split regex, then
+  ByteLevel without a prefix space; NFC normaliser; ByteLevel decoder), with Qwen's special tokens
+  (`<|endoftext|>` = pad, `<|im_start|>`, `<|im_end|>` = eos) and `<tool_call>` / `</tool_call>` as added tokens
+  that are NOT special (as in Qwen2.5: decoding with `skip_special_tokens=True` keeps them, so tool-call parsers
+  still see the tags);
+- Qwen2.5's chat template (tool schemas rendered into the system prompt from `apply_chat_template(tools=...)`,
+  assistant `tool_calls` as `<tool_call>` blocks, consecutive `tool` messages folded into one user turn of
+  `<tool_response>` blocks);
+- a randomly initialised `Qwen2ForCausalLM` (GQA, tied embeddings) and a generation config whose eos is
+  `<|im_end|>` and `<|endoftext|>`.
+
+The folder loads with `AutoTokenizer` / `AutoModelForCausalLM` and with `PreTrainedTokenizerFast` (ARL's roles) and
+both tokenize alike, because the tokenizer's pipeline is Qwen2's own (a `qwen2` config makes `AutoTokenizer` build
+Qwen2's pre-tokenizer, see DESIGN.md: a different one would be swapped out). The model will not solve anything;
+it exercises tokenizer loading, the chat template with tools, stop tokens and eos handling end to end
+(tests/e2e/test_real_model_path.py, and tests/inference/test_sglang_real.py on a real SGLang server).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Iterable, Optional
+
+import torch
+
+__all__ = ["QWEN25_CHAT_TEMPLATE", "QWEN2_SPLIT_REGEX", "SPECIAL_TOKENS", "TOOL_TOKENS", "build_qwen2_tokenizer",
+           "build_qwen2_model", "build_qwen2_tiny_dir", "ToolDemo", "teach_demo", "gsm8k_tool_demo"]
+
+PAD_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END]  # ids 0..2 (ids of special tokens come first in the vocab)
+TOOL_TOKENS = ["<tool_call>", "</tool_call>"]  # added, not special (Qwen2.5)
+
+# Qwen2's pre-tokenizer split (tokenizer.json of every Qwen2/2.5 model): contractions, letters, single digits,
+# punctuation runs, newlines, spaces.
+QWEN2_SPLIT_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                     r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+GSM8K_SAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "samples",
+                            "gsm8k_sample.jsonl")
+
+DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+
+# Qwen2.5-Instruct's chat template (the tool-calling one), verbatim in what it renders.
+QWEN25_CHAT_TEMPLATE = (
+    "{%- if tools %}\n"
+    "    {{- '<|im_start|>system\\n' }}\n"
+    "    {%- if messages[0]['role'] == 'system' %}\n"
+    "        {{- messages[0]['content'] }}\n"
+    "    {%- else %}\n"
+    "        {{- '" + DEFAULT_SYSTEM + "' }}\n"
+    "    {%- endif %}\n"
+    "    {{- \"\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are "
+    "provided with function signatures within <tools></tools> XML tags:\\n<tools>\" }}\n"
+    "    {%- for tool in tools %}\n"
+    "        {{- \"\\n\" }}\n"
+    "        {{- tool | tojson }}\n"
+    "    {%- endfor %}\n"
+    "    {{- \"\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, \\\"arguments\\\": "
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n\" }}\n"
+    "{%- else %}\n"
+    "    {%- if messages[0]['role'] == 'system' %}\n"
+    "        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n"
+    "    {%- else %}\n"
+    "        {{- '<|im_start|>system\\n" + DEFAULT_SYSTEM + "<|im_end|>\\n' }}\n"
+    "    {%- endif %}\n"
+    "{%- endif %}\n"
+    "{%- for message in messages %}\n"
+    "    {%- if (message.role == \"user\") or (message.role == \"system\" and not loop.first) or "
+    "(message.role == \"assistant\" and not message.tool_calls) %}\n"
+    "        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}\n"
+    "    {%- elif message.role == \"assistant\" %}\n"
+    "        {{- '<|im_start|>' + message.role }}\n"
+    "        {%- if message.content %}\n"
+    "            {{- '\\n' + message.content }}\n"
+    "        {%- endif %}\n"
+    "        {%- for tool_call in message.tool_calls %}\n"
+    "            {%- if tool_call.function is defined %}\n"
+    "                {%- set tool_call = tool_call.function %}\n"
+    "            {%- endif %}\n"
+    "            {{- '\\n<tool_call>\\n{\"name\": \"' }}\n"
+    "            {{- tool_call.name }}\n"
+    "            {{- '\", \"arguments\": ' }}\n"
+    "            {{- tool_call.arguments | tojson }}\n"
+    "            {{- '}\\n</tool_call>' }}\n"
+    "        {%- endfor %}\n"
+    "        {{- '<|im_end|>\\n' }}\n"
+    "    {%- elif message.role == \"tool\" %}\n"
+    "        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != \"tool\") %}\n"
+    "            {{- '<|im_start|>user' }}\n"
+    "        {%- endif %}\n"
+    "        {{- '\\n<tool_response>\\n' }}\n"
+    "        {{- message.content }}\n"
+    "        {{- '\\n</tool_response>' }}\n"
+    "        {%- if loop.last or (messages[loop.index0 + 1].role != \"tool\") %}\n"
+    "            {{- '<|im_end|>\\n' }}\n"
+    "        {%- endif %}\n"
+    "    {%- endif %}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "    {{- '<|im_start|>assistant\\n' }}\n"
+    "{%- endif %}\n"
+)
+
+# Text the BPE merges are learned from: the shapes a gsm8k tool run shows (chat scaffolding, tool schemas and
+# calls, numbers, arithmetic words). Any text would do; this keeps prompts short.
+_CORPUS = [
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n",
+    "<|im_start|>assistant\n",
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with "
+    "function signatures within <tools></tools> XML tags:\n<tools>\n</tools>\n\nFor each function call, return a "
+    "json object with function name and arguments within <tool_call></tool_call> XML tags:\n",
+    '{"type": "function", "function": {"name": "calculator", "description": "Evaluate an arithmetic expression",'
+    ' "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": '
+    '["expression"]}}}',
+    '{"name": "python", "arguments": {"code": "print(2 + 3)"}}',
+    '<tool_call>\n{"name": "calculator", "arguments": {"expression": "24 + 18"}}\n</tool_call>',
+    "<tool_response>\n42\n</tool_response>",
+    "Solve the math problem. You may call the calculator or python tools. Put the final answer in \\boxed{}.",
+    "The answer is \\boxed{12}. He makes 24 + 18 = 42 muffins. After selling, 42 - 30 = 12 muffins are left.",
+    "How many pages does she read in 2 weeks? A ticket costs $12. A family buys 5 tickets and pays with money.",
+    "the of and to in is that for it with as was on be at by this had not are but from or have an they which one "
+    "you were her all she there would their we him been has when who will more no if out so said what up its "
+    "about into than them can only other new some could time these two may then do first any my now such like "
+    "our over man me even most made after also did many before must through back years where much your way well "
+    "down should because each just those people how too little state good very make world still own see men work "
+    "long get here between both life being under never day same another know while last might us great old year "
+    "off come since against go came right used take three",
+]
+
+
+def build_qwen2_tokenizer(vocab_size: int = 1024, extra_text: Iterable[str] = ()) -> Any:
+    """A byte-level BPE tokenizer with Qwen2's pipeline and special tokens, trained here on a small corpus (plus
+    `extra_text`); returns a `PreTrainedTokenizerFast` carrying Qwen2.5's chat template."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    tk.normalizer = normalizers.NFC()
+    tk.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tk.train_from_iterator(list(_CORPUS) + list(extra_text), trainer=trainer)
+    tk.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk,
+        eos_token=IM_END,
+        pad_token=PAD_TOKEN,
+        unk_token=None,
+        bos_token=None,
+        additional_special_tokens=[IM_START, IM_END],
+        clean_up_tokenization_spaces=False,
+        split_special_tokens=False,
+        model_max_length=32768,
+    )
+    tok.chat_template = QWEN25_CHAT_TEMPLATE
+    return tok
+
+
+def build_qwen2_model(vocab_size: int, *, hidden_size: int = 128, num_layers: int = 2, num_heads: int = 4,
+                      num_kv_heads: int = 2, intermediate_size: int = 512, max_position_embeddings: int = 4096,
+                      pad_token_id: int = 0, eos_token_ids: Optional[list[int]] = None, seed: int = 0) -> Any:
+    """A randomly initialised `Qwen2ForCausalLM` (GQA, tied embeddings, biased q/k/v as Qwen2 has); the global
+    torch RNG is left untouched."""
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    eos = list(eos_token_ids or [])
+    config = Qwen2Config(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings, tie_word_embeddings=True, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, use_sliding_window=False, bos_token_id=None, pad_token_id=pad_token_id,
+        eos_token_id=eos[0] if eos else None,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(bos_token_id=None, pad_token_id=pad_token_id,
+                                               eos_token_id=eos if len(eos) > 1 else (eos[0] if eos else None))
+    model.eval()
+    return model
+
+
+@dataclasses.dataclass
+class ToolDemo:
+    """A fixed two-turn tool conversation the random model is taught, so the real-model path sees what a tool
+    model emits (tool-call blocks ended by <|im_end|>, an observation, a final answer ended by eos):
+
+        <tool_call>\n{"name": NAME, "arguments": ARGS}\n</tool_call><|im_end|>      (turn 1, after each prompt)
+        \n<|im_start|>user\n<tool_response>\nRESULT\n</tool_response><|im_end|>\n<|im_start|>assistant\n
+        ANSWER<|endoftext|>                                                        (turn 2)
+
+    Turn 2 ends on <|endoftext|>, the second eos of the generation config, so a backend that stops on the
+    tokenizer's eos only runs that turn to its token budget. `prompts` are the chat messages (system + user) the
+    run will render with `tools`; the model learns the same reply for all of them (it does not read them)."""
+
+    prompts: Sequence[list[dict[str, Any]]]
+    tools: Sequence[dict[str, Any]] = ()
+    call: dict[str, Any] = dataclasses.field(
+        default_factory=lambda: {"name": "calculator", "arguments": {"expression": "24 + 18 - 30"}})
+    result: str = "12"
+    answer: str = "The answer is \\boxed{12}."
+    steps: int = 120
+    lr: float = 3e-3
+
+
+def _demo_sequences(tok: Any, demo: ToolDemo) -> list[tuple[list[int], list[int]]]:
+    """(token ids, loss mask) of every demo conversation, cut exactly where the tool agent cuts its turns."""
+    from arl.agents.tool_agent import ObservationEncoder
+
+    obs = ObservationEncoder(tok).encode([{"role": "tool", "content": demo.result}])
+    call = tok.encode("<tool_call>\n" + json.dumps(demo.call) + "\n</tool_call>", add_special_tokens=False)
+    call += [tok.convert_tokens_to_ids(IM_END)]
+    answer = tok.encode(demo.answer, add_special_tokens=False) + [tok.convert_tokens_to_ids(PAD_TOKEN)]
+    out = []
+    for messages in demo.prompts:
+        text = tok.apply_chat_template(list(messages), tools=list(demo.tools) or None, add_generation_prompt=True,
+                                       tokenize=False)
+        prompt = tok.encode(text, add_special_tokens=False)
+        ids = prompt + call + obs + answer
+        mask = [0] * len(prompt) + [1] * len(call) + [0] * len(obs) + [1] * len(answer)
+        out.append((ids, mask))
+    return out
+
+
+def teach_demo(model: Any, tok: Any, demo: ToolDemo, seed: int = 0) -> float:
+    """AdamW steps on the demo turns (loss on the model's turns only); returns the last mean loss.
+
+    Why the prompt runs without grad: it is most of every sequence and the reply does not depend on it, so each
+    step encodes the prompt (all but its last token) under `no_grad` into a KV cache and back-propagates through
+    the rest only, about half the cost of a full step for the same result."""
+    seqs = _demo_sequences(tok, demo)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small matrices: one thread is faster, and many times so when the cores are busy
+    try:
+        return _teach(model, seqs, demo, seed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _teach(model: Any, seqs: list[tuple[list[int], list[int]]], demo: ToolDemo, seed: int) -> float:
+    from transformers import DynamicCache
+
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=demo.lr, betas=(0.9, 0.98))
+    losses = [float("nan")]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for _ in range(demo.steps):
+            opt.zero_grad()
+            losses = []
+            for ids, mask in seqs:
+                cut = mask.index(1) - 1  # the last prompt token predicts the first reply token: it needs grad
+                ids_t = torch.tensor([ids])
+                cache = DynamicCache(config=model.config)
+                with torch.no_grad():
+                    model(input_ids=ids_t[:, :cut], past_key_values=cache, use_cache=True)
+                labels = torch.tensor([[t if m else -100 for t, m in zip(ids[cut:], mask[cut:])]])
+                loss = model(input_ids=ids_t[:, cut:], past_key_values=cache, use_cache=True,
+                             position_ids=torch.arange(cut, len(ids)).unsqueeze(0), labels=labels).loss
+                (loss / len(seqs)).backward()
+                losses.append(float(loss.detach()))
+            opt.step()
+    model.eval()
+    return sum(losses) / len(losses)
+
+
+def build_qwen2_tiny_dir(path: str, *, vocab_size: int = 1024, hidden_size: int = 192, num_layers: int = 2,
+                         intermediate_size: int = 576, seed: int = 0, demo: Optional[ToolDemo] = None) -> str:
+    """Write a Qwen2.5-Instruct-shaped model folder (tokenizer + chat template + Qwen2 model) to `path`; with a
+    `demo`, the model is first taught that tool conversation (a few seconds). Returns the absolute path.
+    Deterministic for the same arguments (on one machine)."""
+    extra: list[str] = []
+    if demo is not None:  # BPE merges from the prompts too: shorter prompts, faster runs
+        extra = [json.dumps(t) for t in demo.tools] + [m.get("content", "") for p in demo.prompts for m in p]
+    tok = build_qwen2_tokenizer(vocab_size, extra)
+    eos_ids = [tok.convert_tokens_to_ids(IM_END), tok.convert_tokens_to_ids(PAD_TOKEN)]
+    model = build_qwen2_model(len(tok), hidden_size=hidden_size, num_layers=num_layers, seed=seed,
+                              intermediate_size=intermediate_size, pad_token_id=tok.pad_token_id,
+                              eos_token_ids=eos_ids)
+    if demo is not None:
+        teach_demo(model, tok, demo, seed=seed)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    _qwen2_tokenizer_class(path)
+    return os.path.abspath(path)
+
+
+def _qwen2_tokenizer_class(path: str) -> None:
+    """Name the tokenizer class a Qwen folder names (`Qwen2Tokenizer`), so every loader treats it as Qwen's."""
+    cfg_path = os.path.join(path, "tokenizer_config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg["tokenizer_class"] = "Qwen2Tokenizer"
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=2, ensure_ascii=False)
+
+
+def gsm8k_tool_demo(rows_path: str = GSM8K_SAMPLE, *, tools: Sequence[str] = ("calculator",), num_prompts: int = 3,
+                    system_prompt: Optional[str] = None, steps: int = 80) -> ToolDemo:
+    """The `ToolDemo` for the `gsm8k` experiment's prompts (its system prompt, the first `num_prompts` rows of
+    `rows_path`, the schemas of `tools` as the tool agent renders them). Its fixed reply computes 24 + 18 - 30 and
+    answers \\boxed{12}: right for the sample's first row, wrong for the others."""
+    from arl.tools.base import ToolSet
+
+    if system_prompt is None:
+        from experiments.gsm8k import SYSTEM_PROMPT as system_prompt  # type: ignore[no-redef]
+    with open(rows_path) as f:
+        rows = [json.loads(line) for line in f if line.strip()][:num_prompts]
+    prompts = [[{"role": "system", "content": system_prompt}, {"role": "user", "content": r["prompt"]}] for r in rows]
+    return ToolDemo(prompts=prompts, tools=ToolSet(list(tools)).schemas(), steps=steps)

@@ -1,6 +1,6 @@
 """A Qwen2-shaped model folder built on the spot: the path a real user takes (`model.path=` a Qwen folder), small.
 
-`build_qwen2_tiny_dir(path)` writes what a Qwen2.5-Instruct folder holds, at a few million parameters:
+`build_qwen2_tiny_dir(path)` writes what a Qwen2.5-Instruct folder holds, small:
 
 - a byte-level BPE tokenizer trained here with `tokenizers` (Qwen2's pre-tokenizer: its split regex, then
   ByteLevel without a prefix space; NFC normaliser; ByteLevel decoder), with Qwen's special tokens
@@ -10,14 +10,17 @@
 - Qwen2.5's chat template (tool schemas rendered into the system prompt from `apply_chat_template(tools=...)`,
   assistant `tool_calls` as `<tool_call>` blocks, consecutive `tool` messages folded into one user turn of
   `<tool_response>` blocks);
-- a randomly initialised `Qwen2ForCausalLM` (GQA, tied embeddings) and a generation config whose eos is
-  `<|im_end|>` and `<|endoftext|>`.
+- a `Qwen2ForCausalLM` (GQA, tied embeddings; ~1M parameters by default) and a generation config whose eos is
+  `<|im_end|>` and `<|endoftext|>`; random, or (with a `ToolDemo`) taught one fixed tool conversation in a few
+  seconds, so that it writes what a tool model writes: a `<tool_call>` block ended by <|im_end|>, then after the
+  observation an answer ended by <|endoftext|> (`gsm8k_tool_demo()`: for the gsm8k experiment's prompts).
 
 The folder loads with `AutoTokenizer` / `AutoModelForCausalLM` and with `PreTrainedTokenizerFast` (ARL's roles) and
-both tokenize alike, because the tokenizer's pipeline is Qwen2's own (a `qwen2` config makes `AutoTokenizer` build
-Qwen2's pre-tokenizer, see DESIGN.md: a different one would be swapped out). The model will not solve anything;
-it exercises tokenizer loading, the chat template with tools, stop tokens and eos handling end to end
-(tests/e2e/test_real_model_path.py, and tests/inference/test_sglang_real.py on a real SGLang server).
+both tokenize alike, because the tokenizer's pipeline is Qwen2's own and `tokenizer_config.json` names
+`Qwen2Tokenizer` (a `qwen2` config makes `AutoTokenizer` build Qwen2's pre-tokenizer, see DESIGN.md: a different one
+would be swapped out). The model will not learn anything in a run; it exercises tokenizer loading, the chat
+template with tools, tool calls, stop tokens and eos handling end to end (tests/e2e/test_real_model_path.py, and
+tests/inference/test_sglang_real.py on a real SGLang server).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 

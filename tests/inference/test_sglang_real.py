@@ -292,7 +292,8 @@ def test_qwen2_tool_folder_turns_equal_the_embedded_engine(tmp_path):
 
     def requests() -> list:
         return [GenerateRequest(qid=str(i), input_ids=np.asarray(p, np.int32),
-                                gconfig=GenerationConfig(greedy=True, max_new_tokens=48)) for i, p in enumerate(prompts)]
+                                gconfig=GenerationConfig(greedy=True, max_new_tokens=48))
+                for i, p in enumerate(prompts)]
 
     async def torch_turns():
         engine = TorchEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=stop_token_ids(folder),

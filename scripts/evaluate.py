@@ -1,4 +1,4 @@
-"""Evaluate a model the way a run does: `python scripts/evaluate.py MODEL_DIR_OR_CHECKPOINT [experiment=NAME] [k=v ...]`.
+"""Evaluate a model as a run does: `python scripts/evaluate.py MODEL_DIR_OR_CHECKPOINT [experiment=NAME] [k=v ...]`.
 
 MODEL_DIR_OR_CHECKPOINT is a run's `final/` (or the run directory), any HF model folder, or a learner checkpoint
 (`<run>/checkpoints` or `<run>/checkpoints/v<N>`). Inside a run directory the run's own config.yaml is used (with

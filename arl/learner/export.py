@@ -103,6 +103,27 @@ def _generation_config(model_dir: str, gen: Optional[Mapping[str, Any]]) -> dict
     return out
 
 
+def _untie(model: Any, sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """Drop the copies of tied parameters (lm_head = embeddings) from `sd`: the learner's state dict holds each as
+    its own tensor, the folder keeps one. Returns the dict and the names dropped or not needed; refuses tied
+    copies that differ."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    sd, tied = dict(sd), set()
+    for group in names.values():
+        keep = next((n for n in group if n in sd), group[0])
+        for other in group:
+            if other == keep:
+                continue
+            tied.add(other)
+            if other in sd:
+                if not torch.equal(sd[other], sd[keep]):
+                    raise ValueError(f"tied parameters {keep} and {other} differ in the weights")
+                del sd[other]
+    return sd, tied
+
+
 def _copy_tokenizer(model_dir: str, out: str) -> list[str]:
     copied = []
     for root, _dirs, files in os.walk(model_dir):
@@ -137,12 +158,11 @@ def export_final(weights: Weights, model_dir: str, out_dir: str, *, gen: Optiona
         config.dtype = next(iter(float_dtypes))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
+    sd, tied = _untie(model, sd)
     expected = set(model.state_dict())
-    missing, unexpected = expected - set(sd), set(sd) - expected
-    tied = {k for k in missing if k.endswith("lm_head.weight")} if getattr(config, "tie_word_embeddings", False) \
-        else set()
-    if missing - tied or unexpected:
-        raise ValueError(f"weights do not fit the model of {model_dir!r}: missing {sorted(missing - tied)[:5]}, "
+    missing, unexpected = expected - set(sd) - tied, set(sd) - expected
+    if missing or unexpected:
+        raise ValueError(f"weights do not fit the model of {model_dir!r}: missing {sorted(missing)[:5]}, "
                          f"unexpected {sorted(unexpected)[:5]}")
     out_dir = os.path.abspath(out_dir)
     parent = os.path.dirname(out_dir)

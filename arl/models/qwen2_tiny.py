@@ -1,6 +1,6 @@
 """A Qwen2-shaped model folder built on the spot: the path a real user takes (`model.path=` a Qwen folder), small.
 
-`build_qwen2_tiny_dir(path)` writes what a Qwen2.5-Instruct folder holds, at a few million parameters:
+`build_qwen2_tiny_dir(path)` writes what a Qwen2.5-Instruct folder holds, small:
 
 - a byte-level BPE tokenizer trained here with `tokenizers` (Qwen2's pre-tokenizer: its split regex, then
   ByteLevel without a prefix space; NFC normaliser; ByteLevel decoder), with Qwen's special tokens
@@ -10,14 +10,17 @@
 - Qwen2.5's chat template (tool schemas rendered into the system prompt from `apply_chat_template(tools=...)`,
   assistant `tool_calls` as `<tool_call>` blocks, consecutive `tool` messages folded into one user turn of
   `<tool_response>` blocks);
-- a randomly initialised `Qwen2ForCausalLM` (GQA, tied embeddings) and a generation config whose eos is
-  `<|im_end|>` and `<|endoftext|>`.
+- a `Qwen2ForCausalLM` (GQA, tied embeddings; ~1M parameters by default) and a generation config whose eos is
+  `<|im_end|>` and `<|endoftext|>`; random, or (with a `ToolDemo`) taught one fixed tool conversation in a few
+  seconds, so that it writes what a tool model writes: a `<tool_call>` block ended by <|im_end|>, then after the
+  observation an answer ended by <|endoftext|> (`gsm8k_tool_demo()`: for the gsm8k experiment's prompts).
 
 The folder loads with `AutoTokenizer` / `AutoModelForCausalLM` and with `PreTrainedTokenizerFast` (ARL's roles) and
-both tokenize alike, because the tokenizer's pipeline is Qwen2's own (a `qwen2` config makes `AutoTokenizer` build
-Qwen2's pre-tokenizer, see DESIGN.md: a different one would be swapped out). The model will not solve anything;
-it exercises tokenizer loading, the chat template with tools, stop tokens and eos handling end to end
-(tests/e2e/test_real_model_path.py, and tests/inference/test_sglang_real.py on a real SGLang server).
+both tokenize alike, because the tokenizer's pipeline is Qwen2's own and `tokenizer_config.json` names
+`Qwen2Tokenizer` (a `qwen2` config makes `AutoTokenizer` build Qwen2's pre-tokenizer, see DESIGN.md: a different one
+would be swapped out). The model will not learn anything in a run; it exercises tokenizer loading, the chat
+template with tools, tool calls, stop tokens and eos handling end to end (tests/e2e/test_real_model_path.py, and
+tests/inference/test_sglang_real.py on a real SGLang server).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
@@ -212,8 +215,9 @@ class ToolDemo:
         default_factory=lambda: {"name": "calculator", "arguments": {"expression": "24 + 18 - 30"}})
     result: str = "12"
     answer: str = "The answer is \\boxed{12}."
-    steps: int = 120
+    steps: int = 80
     lr: float = 3e-3
+    prefix_every: int = 8  # steps between re-encodings of the prompts (their KV is a few steps stale in between)
 
 
 def _demo_sequences(tok: Any, demo: ToolDemo) -> list[tuple[list[int], list[int]]]:
@@ -239,8 +243,8 @@ def teach_demo(model: Any, tok: Any, demo: ToolDemo, seed: int = 0) -> float:
     """AdamW steps on the demo turns (loss on the model's turns only); returns the last mean loss.
 
     Why the prompt runs without grad: it is most of every sequence and the reply does not depend on it, so each
-    step encodes the prompt (all but its last token) under `no_grad` into a KV cache and back-propagates through
-    the rest only, about half the cost of a full step for the same result."""
+    step reuses the prompt's KV cache (all but its last token, encoded under `no_grad` every `prefix_every` steps)
+    and back-propagates through the rest only: a fraction of the cost of full steps, for the same imprint."""
     seqs = _demo_sequences(tok, demo)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # small matrices: one thread is faster, and many times so when the cores are busy
@@ -256,17 +260,23 @@ def _teach(model: Any, seqs: list[tuple[list[int], list[int]]], demo: ToolDemo, 
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=demo.lr, betas=(0.9, 0.98))
     losses = [float("nan")]
+    caches: list[Any] = [None] * len(seqs)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        for _ in range(demo.steps):
+        for step in range(demo.steps):
             opt.zero_grad()
             losses = []
-            for ids, mask in seqs:
+            for i, (ids, mask) in enumerate(seqs):
                 cut = mask.index(1) - 1  # the last prompt token predicts the first reply token: it needs grad
                 ids_t = torch.tensor([ids])
+                if step % demo.prefix_every == 0:
+                    prefix = DynamicCache(config=model.config)
+                    with torch.no_grad():
+                        model(input_ids=ids_t[:, :cut], past_key_values=prefix, use_cache=True)
+                    caches[i] = [(layer.keys, layer.values) for layer in prefix.layers]
                 cache = DynamicCache(config=model.config)
-                with torch.no_grad():
-                    model(input_ids=ids_t[:, :cut], past_key_values=cache, use_cache=True)
+                for layer, (k, v) in enumerate(caches[i]):
+                    cache.update(k, v, layer)
                 labels = torch.tensor([[t if m else -100 for t, m in zip(ids[cut:], mask[cut:])]])
                 loss = model(input_ids=ids_t[:, cut:], past_key_values=cache, use_cache=True,
                              position_ids=torch.arange(cut, len(ids)).unsqueeze(0), labels=labels).loss

@@ -268,3 +268,56 @@ def test_launcher_with_sglang_backend_survives_kill_9_of_a_worker(setup, tmp_pat
     assert [m["servers"] for m in recs if m["type"] == "worker_lost"] == [[1]]
     last_eval = [m for m in recs if m["type"] == "eval"][-1]
     assert last_eval["version"] == steps and last_eval["token_versions"] == [steps, steps]
+
+
+def test_qwen2_tool_folder_turns_equal_the_embedded_engine(tmp_path):
+    """The real-model path's folder (`arl.models.qwen2_tiny`, as tests/e2e/test_real_model_path.py builds it):
+    SGLang loads it as it is (Qwen2Tokenizer through AutoTokenizer, Qwen2 weights, a generation config with two
+    eos ids), and its greedy turns of the gsm8k tool conversation equal the embedded engine's, stop tokens
+    included: the tool call ends on <|im_end|>, the answer after the calculator's observation on <|endoftext|>."""
+    from arl.api.types import GenerateRequest, GenerationConfig
+    from arl.inference.sglang_engine import launch_sglang_engine
+    from arl.inference.torch_engine import TorchEngine
+    from arl.models.qwen2_tiny import _demo_sequences, build_qwen2_tiny_dir, gsm8k_tool_demo
+    from arl.models.tiny import load_model_dir, stop_token_ids
+
+    demo = gsm8k_tool_demo()
+    folder = build_qwen2_tiny_dir(str(tmp_path / "qwen2"), demo=demo)
+    model, tok = load_model_dir(folder)
+    im_end, eot = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
+    prompts = []
+    for ids, mask in _demo_sequences(tok, demo):  # turn 1 (the prompt) and turn 2 (prompt + call + observation)
+        first = mask.index(1)
+        second = first + mask[first:].index(0)
+        prompts += [ids[:first], ids[:second + mask[second:].index(1)]]
+
+    def requests() -> list:
+        return [GenerateRequest(qid=str(i), input_ids=np.asarray(p, np.int32),
+                                gconfig=GenerationConfig(greedy=True, max_new_tokens=48))
+                for i, p in enumerate(prompts)]
+
+    async def torch_turns():
+        engine = TorchEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=stop_token_ids(folder),
+                             max_batch_size=16, max_context_len=1024)
+        rs = await asyncio.gather(*(engine.agenerate(r) for r in requests()))
+        await engine.close()
+        return rs
+
+    loop = asyncio.new_event_loop()
+    engine = launch_sglang_engine(model_path=folder, device="cpu", seed=0, name="sgl-qwen2",
+                                  run_dir=str(tmp_path / "run"), max_batch_size=16, max_context_len=1024,
+                                  startup_timeout=300, health_interval=5)
+    try:
+        got = loop.run_until_complete(asyncio.gather(*(engine.agenerate(r) for r in requests())))
+    finally:
+        loop.run_until_complete(engine.close())
+        loop.close()
+    ref = asyncio.run(torch_turns())
+    ends = []
+    for g, r in zip(got, ref):
+        assert g.error is None and r.error is None, (g.error, r.error)
+        gs, rs = g.samples[0], r.samples[0]
+        assert gs.output_ids.tolist() == rs.output_ids.tolist(), tok.decode(rs.output_ids.tolist())
+        assert gs.finish_reason == rs.finish_reason
+        ends.append(int(rs.output_ids[-1]) if rs.finish_reason == "stop" else None)
+    assert im_end in ends[0::2] and eot in ends[1::2], ends  # both eos ids ended some turn

@@ -274,6 +274,13 @@ async def test_stop_tokens_and_finish_reasons(model):
     assert r.finish_reason == "stop" and r.output_ids.tolist() == ref[: j + 1]
     await engine.close()
 
+    # several eos ids (Qwen2.5-Instruct: <|im_end|> and <|endoftext|>): any of them ends a sample
+    absent = next(t for t in range(VOCAB) if t not in ref)
+    engine = make_engine(model, eos_token_id=[absent, stop])
+    r = ok(await engine.agenerate(req("eos2", p, greedy=True, max_new_tokens=24))).samples[0]
+    assert r.finish_reason == "stop" and r.output_ids.tolist() == ref[: j + 1]
+    await engine.close()
+
     # the context limit (prompt + generated) ends a sample with "length"
     engine = make_engine(model, max_context_len=10, eos_token_id=None)
     r = ok(await engine.agenerate(req("ctx", p, greedy=True, max_new_tokens=24))).samples[0]

@@ -340,7 +340,7 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
         filter_void_turns=cfg.rollout.filter_void_turns,
         filter_uniform_groups=cfg.rollout.filter_uniform_groups,
         verify_token_ledger=cfg.rollout.verify_token_ledger,
-        tokenizer=tok,  # trajectory traces decode with it
+        tokenizer=parts.tokenizer,  # trajectory traces decode with it
         trace_rate=cfg.rollout.trace_rate,
     )
 

@@ -257,7 +257,8 @@ class LearnerConfig:
     batch_size: int = field(16, "B: prompt groups per training step.")
     num_ranks: int = field(1, "Learner data-parallel ranks (DeepSpeed over gloo on CPU); each takes whole groups.")
     threads: int = field(0, "torch threads of the learner; 0 = share the cores between roles.")
-    keep_weight_versions: int = field(3, "Exported weight files kept in the run directory.")
+    keep_weight_versions: int = field(3, "Floor: the newest N exported weight files are always kept; older ones "
+                                         "are deleted once every live inference worker acked a newer version.")
     heartbeat_timeout: float = field(120.0, "A learner silent this long is named in the log, its stacks dumped, "
                                             "and the run stops.")
     checkpoint_every: int = field(50, "Checkpoint (model, optimizer, scheduler, RNG, data position) every N steps "

@@ -518,6 +518,7 @@ class Controller:
         if step is None:
             return
         prev, v = step
+        await self._prune_weights()
         if v <= self.gate.version:  # resumed run: the checkpoint's weights are live everywhere
             if v == self.start_version and v not in self.reporter.evals:
                 await self._request_eval(v)
@@ -526,6 +527,12 @@ class Controller:
         # versions skipped by coalesced updates still count: an evaluation due at one of them runs at `v`
         if v >= self.total_steps or (self.eval_every and any(u % self.eval_every == 0 for u in range(prev + 1, v + 1))):
             await self._request_eval(v)
+
+    async def _prune_weights(self) -> None:
+        """Tell the learner which weight files no inference server will read again (it deletes those)."""
+        ident = self.peers.get(("learner", 0))
+        if ident is not None:
+            await self._send(ident, m.PruneWeights(below=self.weights.lowest_needed()))
 
     async def _tell_rollouts(self, msg: m.ControlMessage) -> None:
         for r in range(self.num_rollout):

@@ -18,7 +18,7 @@ from typing import Any, Awaitable, Callable, Optional
 
 from arl.config import ExperimentConfig, import_user_modules, load_yaml, resolve_threads
 from arl.launcher.forensics import install_stack_dump_handler
-from arl.launcher.messages import ControlMessage, Error, Heartbeat
+from arl.launcher.messages import ControlMessage, Error, Heartbeat, PruneWeights
 from arl.launcher.security import advertised_address, effective_bind_host, resolve_secret
 from arl.transport import sockets as _sockets
 from arl.transport.loop import run as run_loop
@@ -223,6 +223,15 @@ async def run_learner(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
         vocab_size=_vocab_size(cfg) if real else None,
         export_final=_final_exporter(cfg, run_dir) if real else None,
     )
+    async def on_prune(p: dict) -> None:  # the controller: no server reads versions below p["below"] again
+        try:
+            msg = PruneWeights.from_payload(p)
+        except ValueError as e:
+            logger.warning("ignored a bad prune_weights: %s", e)
+            return
+        worker.prune_below(msg.below)
+
+    ctl.handlers["prune_weights"] = on_prune
     if cfg.recover == "auto":
         await worker.resume()  # before registering: the controller sends the exported weights to inference
     await ctl.request("register", {"role": "learner", "index": 0, "address": address, "pid": os.getpid()},
@@ -340,7 +349,7 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
         filter_void_turns=cfg.rollout.filter_void_turns,
         filter_uniform_groups=cfg.rollout.filter_uniform_groups,
         verify_token_ledger=cfg.rollout.verify_token_ledger,
-        tokenizer=tok,  # trajectory traces decode with it
+        tokenizer=parts.tokenizer,  # trajectory traces decode with it
         trace_rate=cfg.rollout.trace_rate,
     )
 

@@ -80,7 +80,9 @@ class LearnerWorker:
         self.eta = max_head_offpolicyness
         self.buffer: collections.deque[list[Trajectory]] = collections.deque()
         self._arrived = asyncio.Event()
-        self._exported: collections.deque[str] = collections.deque()
+        # exported weight files, oldest first: deleted once below what the controller says is still needed
+        self._exported: collections.deque[tuple[int, str]] = collections.deque()
+        self.needed_from = 0  # versions below this are read by no inference server again (`prune_below`)
         self.stats = {"groups_received": 0, "trajectories_received": 0, "steps": 0, "idle_seconds": 0.0,
                       "train_seconds": 0.0, "staleness_violations": 0, "stale_groups_dropped": 0}
         self.checkpoint_dir = checkpoint_dir
@@ -187,7 +189,7 @@ class LearnerWorker:
         v = self.engine.version
         path = os.path.join(self.weights_dir, f"v{v}.safetensors")
         await asyncio.to_thread(self.engine.export_weights, path)
-        self._exported.append(path)
+        self._exported.append((v, path))
         logger.info("resumed from checkpoint v%d (%d groups consumed, data position %s)", v, self.groups_consumed,
                     self.data_position)
         return v
@@ -224,7 +226,8 @@ class LearnerWorker:
             # publish: the controller sends the weights to inference, reopens the gate and schedules evaluation
             await self._send("weights_published", {"version": self.engine.version, "path": path,
                                                    "metrics": metrics})
-            self._prune(path)
+            self._exported.append((self.engine.version, path))
+            self._prune()
 
     async def _export(self) -> str:
         path = os.path.join(self.weights_dir, f"v{self.engine.version}.safetensors")
@@ -261,10 +264,17 @@ class LearnerWorker:
         self.stats["trained_groups"] += len(ids)
         self.stats["trained_trajectories"] += len(batch)
 
-    def _prune(self, newest: str) -> None:
-        self._exported.append(newest)
-        while len(self._exported) > self.keep_versions:
-            old = self._exported.popleft()
+    def prune_below(self, version: int) -> None:
+        """The controller says no inference server will read a weights file older than `version` again (every
+        live one acked a newer one): those may go (`_prune`)."""
+        self.needed_from = max(self.needed_from, int(version))
+        self._prune()
+
+    def _prune(self) -> None:
+        """Delete exported weight files the inference servers no longer need: only versions below
+        `needed_from`, and never the newest `keep_versions` (a floor: at least the newest is always kept)."""
+        while len(self._exported) > self.keep_versions and self._exported[0][0] < self.needed_from:
+            _, old = self._exported.popleft()
             try:
                 os.remove(old)
             except OSError:

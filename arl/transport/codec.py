@@ -77,6 +77,7 @@ CONTROL_TYPES = frozenset(
         "weights_published",
         "update_weights",
         "weights_loaded",
+        "prune_weights",
         "metrics",
         "shutdown",
         "ack",

@@ -217,6 +217,7 @@ async def run_learner(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
         weights_dir=os.path.join(run_dir, "weights"),
         keep_versions=lc.keep_weight_versions,
         max_head_offpolicyness=cfg.max_head_offpolicyness,
+        stale_tokens=str(lc.ppo.stale_tokens),
         checkpoint_dir=os.path.join(run_dir, "checkpoints") if real else None,
         checkpoint_every=lc.checkpoint_every,
         keep_checkpoints=lc.keep_checkpoints,

@@ -158,6 +158,11 @@ class RolloutConfig:
     filter_uniform_groups: bool = field(False, "Drop groups whose rewards are all equal (no group advantage).")
     verify_token_ledger: bool = field(False, "Check every trajectory is exactly the engine's tokens plus the "
                                              "agent's declared insertions; a drift stops the run.")
+    max_no_progress_s: float = field(300.0, "Stop the run (exit non-zero, naming the top drop reason) when no "
+                                            "prompt group was accepted for this many seconds while groups kept being "
+                                            "dropped; evaluations and warm-up do not count. 0: never.")
+    max_consecutive_drops: int = field(200, "Stop the run when this many prompt groups in a row were dropped for "
+                                            "the same reason (errors, timeouts, bad rewards, filters). 0: never.")
     trace_rate: float = field(0.05, "Share of prompt groups written to traces.jsonl (decoded turns, versions, "
                                     "timings); groups an error or a filter touched are always traced.")
 
@@ -451,6 +456,8 @@ def validate(cfg: Any) -> None:
         (cfg.gen.max_new_tokens >= 1, "gen.max_new_tokens must be >= 1"),
         (cfg.gen.temperature > 0, "gen.temperature must be > 0"),
         (0.0 <= rc.trace_rate <= 1.0, "rollout.trace_rate must be in [0, 1]"),
+        (rc.max_no_progress_s >= 0 and rc.max_consecutive_drops >= 0,
+         "rollout.max_no_progress_s and rollout.max_consecutive_drops must be >= 0"),
         (cfg.dataset.name in ("arith", "jsonl", "hf", "word-arith"),
          f"dataset.name must be 'arith', 'jsonl', 'hf' or 'word-arith', got {cfg.dataset.name!r}"),
         (rc.num_env_groups >= 0 and rc.group_size >= 0,

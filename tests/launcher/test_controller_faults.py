@@ -185,3 +185,21 @@ async def test_restarted_inference_that_never_registers_is_given_up(tmp_path):
     await ctl._dispatch(b"L", "error", {"message": "CUDA OOM"})
     assert ctl._failure == "role reported a fatal error: CUDA OOM"
     ctl.reporter.close()
+
+
+@pytest.mark.asyncio
+async def test_every_group_dropped_for_one_reason_stops_the_run(tmp_path, capsys):
+    ctl = make_controller(tmp_path, max_consecutive_drops=3, progress=True)
+    for r in (0, 1):
+        await ctl._dispatch(f"r{r}".encode(), "register", {"role": "rollout", "index": r})
+    await ctl._grant(ctl.admission.open())
+    await ctl._dispatch(b"r0", "gate_acquire", {"want": 4})
+    for _ in range(2):
+        await ctl._dispatch(b"r0", "group_done", {"accepted": False, "reason": "reward_error"})
+    assert await ctl._check()
+    assert "reward_error 2" in capsys.readouterr().err  # the progress line shows the drops by reason
+    await ctl._dispatch(b"r0", "group_done", {"accepted": False, "reason": "reward_error"})
+    assert not await ctl._check()
+    assert "no progress" in ctl._failure and "dropped for 'reward_error'" in ctl._failure
+    assert [r for r in records(tmp_path) if r["type"] == "no_progress"][0]["drops"] == {"reward_error": 3}
+    ctl.reporter.close()

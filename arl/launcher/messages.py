@@ -16,7 +16,7 @@ from typing import Any, Callable, ClassVar, Optional, Union
 
 __all__ = ["ControlMessage", "MESSAGES", "parse", "Register", "Ack", "Heartbeat", "Lookup", "Addresses",
            "GateAcquire", "GateGrant", "GroupDone", "GroupsDropped", "WeightsPublished", "UpdateWeights",
-           "WeightsLoaded", "PruneWeights", "Eval", "EvalDone", "Error", "WorkerLost", "WorkerBack", "Shutdown"]
+           "WeightsLoaded", "PruneWeights", "GenAbort", "Eval", "EvalDone", "Error", "WorkerLost", "WorkerBack", "Shutdown"]
 
 ROLES = ("inference", "learner", "rollout")
 
@@ -207,6 +207,14 @@ class PruneWeights(ControlMessage):
 
     def validate(self) -> None:
         _nonneg(self, "below")
+
+
+@_message("gen_abort")
+class GenAbort(ControlMessage):
+    """Rollout worker -> inference worker, on the request socket: stop generating the request with wire id `qid`
+    (sent by this peer) and send no answer; the client re-sent it elsewhere or gave up on it."""
+
+    qid: str
 
 
 @_message("eval")

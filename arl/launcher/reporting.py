@@ -137,6 +137,11 @@ LEARNER_KEYS = ("groups_received", "trajectories_received", "trained_groups", "t
               "buffered_trajectories", "in_step_groups", "trained_twice")
 
 
+# the inference client's counters the accounting sums over rollout workers (arl.rollout.client)
+REQUEST_KEYS = ("sent", "received", "resent_timeout", "resent_lost", "timeout", "aborted_resent",
+                "aborted_abandoned", "late")
+
+
 class Reporter:
     """Counts of the run (groups by outcome, faults) and the records written about it."""
 
@@ -297,12 +302,18 @@ class Reporter:
         for (role, _), st in role_stats.items():
             if role == "rollout":
                 env.update({k: v for k, v in dict(st.get("env") or {}).items() if k != "env_calls_in_flight"})
+        requests: collections.Counter = collections.Counter()  # re-sends and aborts: no silent double work
+        for (role, _), st in role_stats.items():
+            if role == "rollout":
+                requests.update({k: int(v) for k, v in dict(st.get("client") or {}).items() if k in REQUEST_KEYS})
+            elif role == "inference":
+                requests["aborted_by_inference"] += int(st.get("aborted", 0) or 0)
         out = {"finished": failure is None and steps >= self.total_steps, "failure": (failure or "")[:2000],
                "steps": steps, "groups": dict(self.group_reasons), "accepted_groups": self.accepted_groups,
                "accepted_trajectories": self.accepted_trajectories, "lost_in_flight_groups": self.lost_groups,
                "running_groups": running_groups, "rollout_restarts": rollout_restarts,
                "inference_restarts": inference_restarts, "learner": {k: ls.get(k) for k in LEARNER_KEYS},
-               "env": dict(env), "transport": transport, "faults": list(self.faults)}
+               "env": dict(env), "requests": dict(requests), "transport": transport, "faults": list(self.faults)}
         if ls:
             received = int(ls.get("groups_received") or 0)
             out["lost_accepted_groups"] = max(0, self.accepted_groups - received)

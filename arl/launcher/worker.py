@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any, Awaitable, Callable, Optional
 
-from arl.config import ExperimentConfig, import_user_modules, load_yaml, resolve_threads
+from arl.config import ExperimentConfig, import_user_modules, load_yaml, resolve_threads, rollout_deadlines
 from arl.launcher.forensics import install_stack_dump_handler
 from arl.launcher.messages import ControlMessage, Error, Heartbeat, PruneWeights
 from arl.launcher.security import advertised_address, effective_bind_host, resolve_secret
@@ -326,7 +326,9 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
     make_agent, make_eval_agent = parts.make_agent, parts.make_eval_agent
 
     addrs = await ctl.request("lookup", {"role": "rollout", "index": index}, "addresses", cfg.startup_timeout)
-    client = InferenceClient([Dealer().connect(a) for a in addrs["inference"]], request_timeout=cfg.rollout.request_timeout)
+    base, per_token, trajectory_timeout = rollout_deadlines(cfg)  # 0 = auto: from the generation budget
+    client = InferenceClient([Dealer().connect(a) for a in addrs["inference"]], request_timeout=base,
+                             timeout_per_token=per_token)
     client.start()
     push = Push().connect(addrs["learner"])
     per_worker = max(1, cfg.rollout.max_concurrent_rollouts // cfg.rollout.num_workers)
@@ -342,7 +344,7 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
         send_control=ctl.send,
         push_group=lambda group: push.send("traj", group),
         capacity=per_worker,
-        trajectory_timeout=cfg.rollout.trajectory_timeout,
+        trajectory_timeout=trajectory_timeout,
         eval_concurrency=cfg.eval.concurrency,
         seed=cfg.seed,
         env_timeout=cfg.rollout.env_timeout,

@@ -78,6 +78,7 @@ CONTROL_TYPES = frozenset(
         "update_weights",
         "weights_loaded",
         "prune_weights",
+        "gen_abort",
         "metrics",
         "shutdown",
         "ack",

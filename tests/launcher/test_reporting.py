@@ -71,13 +71,19 @@ def test_eval_records_and_accounting():
     r.groups_lost(2)
     r.keep_env_counts({"env": {"env_timeout": 1, "env_calls_in_flight": 3}})
     role_stats = {("learner", 0): {"groups_received": 1, "trained_groups": 1, "transport": {"sent": 5}},
-                  ("rollout", 0): {"env": {"env_timeout": 2}}}
+                  ("rollout", 0): {"env": {"env_timeout": 2},
+                                   "client": {"resent_timeout": 2, "aborted_resent": 2, "aborted_abandoned": 1,
+                                              "sent_w0": 9}},
+                  ("rollout", 1): {"client": {"resent_timeout": 1, "aborted_resent": 1}},
+                  ("inference", 0): {"aborted": 3}}
     acct = r.accounting(role_stats=role_stats, steps=2, running_groups=0, failure=None, rollout_restarts=1,
                         inference_restarts=0, transport={"controller": {}})
     assert acct["finished"] and acct["accepted_groups"] == 1 and acct["lost_in_flight_groups"] == 2
     assert acct["groups"] == {"accepted": 1, "lost_worker_died": 2} and acct["env"] == {"env_timeout": 3}
     assert acct["lost_accepted_groups"] == 0 and acct["learner_balance"] == 0
     assert acct["transport"] == {"controller": {}, "learner0": {"sent": 5}}
+    assert acct["requests"] == {"resent_timeout": 3, "aborted_resent": 3, "aborted_abandoned": 1,
+                                "aborted_by_inference": 3}  # re-sends and the aborts that stop the originals
     failed = r.accounting(role_stats={}, steps=1, running_groups=1, failure="x" * 3000, rollout_restarts=0,
                           inference_restarts=0, transport={})
     assert not failed["finished"] and len(failed["failure"]) == 2000 and "lost_accepted_groups" not in failed

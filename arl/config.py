@@ -133,8 +133,13 @@ class InferenceConfig:
 class RolloutConfig:
     num_workers: int = field(1, "Number of rollout (agent) worker processes.")
     max_concurrent_rollouts: int = field(64, "Most prompt groups running at once, over all rollout workers.")
-    trajectory_timeout: float = field(120.0, "Seconds one collect_trajectory may take before it is dropped.")
-    request_timeout: float = field(60.0, "Seconds one generate request may wait for its response.")
+    trajectory_timeout: float = field(0.0, "Seconds one collect_trajectory may take before it is dropped; 0 = auto: "
+                                           "per turn (agent.args max_turns/num_turns, else 1) two request deadlines "
+                                           "for gen.max_new_tokens plus two env_timeouts.")
+    request_timeout: float = field(0.0, "Seconds one generate request may wait for its response before it is "
+                                        "aborted and re-sent elsewhere; 0 = auto: 60 s plus timeout_per_token_s per "
+                                        "token of the request's max_new_tokens (long answers are not cut early).")
+    timeout_per_token_s: float = field(0.1, "Auto request deadline: seconds allowed per requested new token.")
     env_timeout: float = field(60.0, "Seconds one env call (reset/step/close) may take; an overrun or exception "
                                      "drops that group with a counted reason.")
     restart_on_failure: bool = field(True, "Restart a rollout worker that dies or stops heartbeating (its "
@@ -158,6 +163,11 @@ class RolloutConfig:
     filter_uniform_groups: bool = field(False, "Drop groups whose rewards are all equal (no group advantage).")
     verify_token_ledger: bool = field(False, "Check every trajectory is exactly the engine's tokens plus the "
                                              "agent's declared insertions; a drift stops the run.")
+    max_no_progress_s: float = field(300.0, "Stop the run (exit non-zero, naming the top drop reason) when no "
+                                            "prompt group was accepted for this many seconds while groups kept being "
+                                            "dropped; evaluations and warm-up do not count. 0: never.")
+    max_consecutive_drops: int = field(200, "Stop the run when this many prompt groups in a row were dropped for "
+                                            "the same reason (errors, timeouts, bad rewards, filters). 0: never.")
     trace_rate: float = field(0.05, "Share of prompt groups written to traces.jsonl (decoded turns, versions, "
                                     "timings); groups an error or a filter touched are always traced.")
 
@@ -257,7 +267,8 @@ class LearnerConfig:
     batch_size: int = field(16, "B: prompt groups per training step.")
     num_ranks: int = field(1, "Learner data-parallel ranks (DeepSpeed over gloo on CPU); each takes whole groups.")
     threads: int = field(0, "torch threads of the learner; 0 = share the cores between roles.")
-    keep_weight_versions: int = field(3, "Exported weight files kept in the run directory.")
+    keep_weight_versions: int = field(3, "Floor: the newest N exported weight files are always kept; older ones "
+                                         "are deleted once every live inference worker acked a newer version.")
     heartbeat_timeout: float = field(120.0, "A learner silent this long is named in the log, its stacks dumped, "
                                             "and the run stops.")
     checkpoint_every: int = field(50, "Checkpoint (model, optimizer, scheduler, RNG, data position) every N steps "
@@ -450,6 +461,10 @@ def validate(cfg: Any) -> None:
         (cfg.gen.max_new_tokens >= 1, "gen.max_new_tokens must be >= 1"),
         (cfg.gen.temperature > 0, "gen.temperature must be > 0"),
         (0.0 <= rc.trace_rate <= 1.0, "rollout.trace_rate must be in [0, 1]"),
+        (min(rc.request_timeout, rc.trajectory_timeout, rc.timeout_per_token_s) >= 0,
+         "rollout.request_timeout, rollout.trajectory_timeout and rollout.timeout_per_token_s must be >= 0"),
+        (rc.max_no_progress_s >= 0 and rc.max_consecutive_drops >= 0,
+         "rollout.max_no_progress_s and rollout.max_consecutive_drops must be >= 0"),
         (cfg.dataset.name in ("arith", "jsonl", "hf", "word-arith"),
          f"dataset.name must be 'arith', 'jsonl', 'hf' or 'word-arith', got {cfg.dataset.name!r}"),
         (rc.num_env_groups >= 0 and rc.group_size >= 0,
@@ -477,6 +492,29 @@ def validate(cfg: Any) -> None:
                 raise ValueError(f"num_env_groups={rc.num_env_groups} < rollout.num_workers={rc.num_workers}")
         except ValueError as e:
             raise ConfigError(f"rollout env groups: {e}") from None
+
+
+AUTO_REQUEST_BASE_S = 60.0  # the auto request deadline's fixed part (queueing, prefill)
+
+
+def rollout_deadlines(cfg: ExperimentConfig) -> tuple[float, float, float]:
+    """(request base seconds, request seconds per new token, trajectory seconds) for the rollout workers' inference
+    client and agents: the configured values, or with 0 (auto) derived from the generation budget, so long answers
+    are not dropped as timeouts more often than short ones (which would push the policy toward short answers)."""
+    rc = cfg.rollout
+    if rc.request_timeout > 0:
+        base, per_token = float(rc.request_timeout), 0.0
+    else:
+        base, per_token = AUTO_REQUEST_BASE_S, float(rc.timeout_per_token_s)
+    if rc.trajectory_timeout > 0:
+        return base, per_token, float(rc.trajectory_timeout)
+    args = dict(cfg.agent.args)
+    try:
+        turns = max(1, int(args.get("max_turns") or args.get("num_turns") or 1))
+    except (TypeError, ValueError):
+        turns = 1
+    request = base + per_token * cfg.gen.max_new_tokens
+    return base, per_token, turns * (2 * request + 2 * float(rc.env_timeout))
 
 
 def import_user_modules(modules: Sequence[str]) -> None:
@@ -513,5 +551,5 @@ def resolve_threads(cfg: ExperimentConfig, role: str) -> int:
 
 __all__ = [
     "ExperimentConfig", "ConfigError", "parse_overrides", "split_experiment", "format_help", "import_user_modules",
-    "to_yaml", "load_yaml", "resolve_threads", "DictConfig",
+    "to_yaml", "load_yaml", "resolve_threads", "rollout_deadlines", "DictConfig",
 ]

@@ -1,6 +1,6 @@
 import pytest
 
-from arl.config import ConfigError, ExperimentConfig, format_help, parse_overrides, resolve_threads
+from arl.config import ConfigError, ExperimentConfig, format_help, parse_overrides, resolve_threads, rollout_deadlines
 
 
 def test_overrides_merge_nested_and_dict_args():
@@ -83,3 +83,16 @@ def test_experiment_field_reaches_agent_args_by_interpolation():
     assert parse_overrides(MyConfig, []).agent.args["my_param"] == 1.0
     # an explicit agent.args override still wins over the interpolation
     assert parse_overrides(MyConfig, ["my_param=5", "agent.args.my_param=7"]).agent.args["my_param"] == 7
+
+
+def test_auto_deadlines_follow_the_generation_budget():
+    cfg = parse_overrides(ExperimentConfig, ["gen.max_new_tokens=1000", "rollout.env_timeout=30"])
+    base, per_token, traj = rollout_deadlines(cfg)
+    assert (base, per_token) == (60.0, 0.1) and traj == pytest.approx(2 * (60 + 100) + 2 * 30)
+    cfg = parse_overrides(ExperimentConfig, ["gen.max_new_tokens=1000", "rollout.env_timeout=30",
+                                             "agent.args={num_turns: 3}"])
+    assert rollout_deadlines(cfg)[2] == pytest.approx(3 * 380)  # per turn
+    cfg = parse_overrides(ExperimentConfig, ["rollout.request_timeout=45", "rollout.trajectory_timeout=90"])
+    assert rollout_deadlines(cfg) == (45.0, 0.0, 90.0)  # set by hand: fixed
+    with pytest.raises(ConfigError, match="request_timeout"):
+        parse_overrides(ExperimentConfig, ["rollout.request_timeout=-1"])

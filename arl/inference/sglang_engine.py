@@ -436,6 +436,10 @@ class SGLangEngine:
         return ids, logps, versions, finish
 
     def _token_versions(self, meta: dict, n: int, submitted_version: int) -> list[int]:
+        """Per-token policy versions from the answer's version spans. Without spans the answer's single
+        `weight_version` is the server's version at the end, which a mid-request update makes newer than the
+        early tokens: those tokens are stamped with the version the request was submitted under instead (erring
+        toward staler, so the learner's eta bound still holds)."""
         spans = meta.get("weight_versions")
         if isinstance(spans, list) and spans:
             out = [submitted_version] * n
@@ -445,7 +449,8 @@ class SGLangEngine:
                     out[k] = v
             return out
         tag = meta.get("weight_version")
-        return [_version_of(tag, self._initial_version) if tag is not None else submitted_version] * n
+        v = submitted_version if tag is None else min(_version_of(tag, self._initial_version), submitted_version)
+        return [v] * n
 
     # ------------------------------------------------------------------ weights
 

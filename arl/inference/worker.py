@@ -20,10 +20,11 @@ class InferenceWorker:
         self.engine = engine
         self.router = router
         self._send = send_control
-        self._inflight: set[asyncio.Task] = set()
+        self._inflight: dict[tuple[bytes, str], asyncio.Task] = {}  # (peer, wire id) -> the task answering it
         self._t0 = time.monotonic()
         self._target_version = -1  # newest version being loaded or loaded
-        self.stats = {"requests": 0, "bad_requests": 0, "updates": 0, "update_ms_last": 0.0}
+        self.stats = {"requests": 0, "bad_requests": 0, "updates": 0, "update_ms_last": 0.0, "aborted": 0,
+                      "abort_unknown": 0}
 
     async def serve(self) -> None:
         """Answer requests until the socket closes; raises if the engine reports its backend gone for good (an
@@ -47,17 +48,39 @@ class InferenceWorker:
     async def _serve_requests(self) -> None:
         while True:
             ident, msg_type, payload = await self.router.recv()
+            if msg_type == "gen_abort":
+                self._abort(ident, payload)
+                continue
             if msg_type != "gen_req" or not isinstance(payload, GenerateRequest):
                 self.stats["bad_requests"] += 1
                 continue
+            key = (ident, payload.qid)
             t = asyncio.create_task(self._answer(ident, payload))
-            self._inflight.add(t)
-            t.add_done_callback(self._inflight.discard)
+            self._inflight[key] = t
+            t.add_done_callback(lambda done, key=key: self._forget(key, done))
+
+    def _forget(self, key: tuple[bytes, str], task: asyncio.Task) -> None:
+        if self._inflight.get(key) is task:
+            del self._inflight[key]
+
+    def _abort(self, ident: bytes, payload: object) -> None:
+        """A client gave up on a request (re-sent elsewhere, or its trajectory ended): cancel its generation, so
+        the engine stops spending decode steps on it; no answer is sent. Unknown ids (answered already) are
+        counted and ignored."""
+        qid = payload.get("qid") if isinstance(payload, dict) else None
+        task = self._inflight.pop((ident, qid), None) if isinstance(qid, str) else None
+        if task is None:
+            self.stats["abort_unknown" if isinstance(qid, str) else "bad_requests"] += 1
+            return
+        task.cancel()
+        self.stats["aborted"] += 1
 
     async def _answer(self, ident: bytes, req: GenerateRequest) -> None:
         self.stats["requests"] += 1
         try:
-            resp = await self.engine.agenerate(req)
+            resp = await self.engine.agenerate(req)  # a cancellation (gen_abort) cancels the engine's request
+        except asyncio.CancelledError:
+            raise
         except Exception as e:  # noqa: BLE001 - the engine should not raise, but never lose a reply
             logger.exception("engine failed on %s", req.qid)
             resp = GenerateResponse(qid=req.qid, error=f"engine error: {type(e).__name__}: {e}")

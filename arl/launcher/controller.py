@@ -21,7 +21,7 @@ from typing import Any, Awaitable, Callable, Optional
 from arl.launcher import messages as m
 from arl.launcher.admission import Admission, Grant
 from arl.launcher.process import ProcessGroup, tail
-from arl.launcher.reporting import JsonlSink, MetricsSink, Reporter
+from arl.launcher.reporting import JsonlSink, MetricsSink, ProgressWatch, Reporter
 from arl.report.page import ReportBuilder
 from arl.report.traces import TraceWriter
 from arl.launcher.security import advertised_address
@@ -70,6 +70,8 @@ class Controller:
         stack_dump_wait: float = 2.0,
         launcher: Optional[RoleLauncher] = None,
         sinks: Optional[list[MetricsSink]] = None,
+        max_no_progress_s: float = 0.0,
+        max_consecutive_drops: int = 0,
     ) -> None:
         self.run_dir = run_dir
         self.num_inference, self.num_rollout = num_inference, num_rollout
@@ -103,6 +105,12 @@ class Controller:
                                  total_steps=total_train_steps, progress=progress,
                                  traces=TraceWriter(os.path.join(run_dir, "traces.jsonl")),
                                  page=ReportBuilder(run_dir))
+        # no silent spinning: drops by reason on the console, a warning when no step happens, a stop when no
+        # group gets through (see ProgressWatch); warnings come at a fifth of the stop budget, at most a minute
+        warn = min(60.0, max_no_progress_s / 5) if max_no_progress_s else 60.0
+        self.progress_watch = ProgressWatch(max_no_progress_s=max_no_progress_s,
+                                            max_consecutive_drops=max_consecutive_drops, warn_after_s=warn)
+        self._last_drops_shown = -1e9
         self._secret, self._bind_host, self._max_bytes = secret, bind_host, max_bytes
         self.stack_dump_wait = stack_dump_wait
         self.router: Optional[Router] = None
@@ -241,6 +249,8 @@ class Controller:
             missing = [n for n in self._names if not any(self.sup.process_of(*k) == n for k in self.peers)]
             self.fail(f"roles did not register within {self.startup_timeout}s: {missing}")
             return False
+        if not self._watch_progress(now):
+            return False
         for key, seen in self.sup.silent(time.monotonic()):
             if self.sup.last_seen.get(key) != seen:
                 continue  # handled (or heard from again) while an earlier one was investigated
@@ -250,6 +260,29 @@ class Controller:
                 self.fail(why)
                 return False
         return True
+
+    def _watch_progress(self, now: float) -> bool:
+        """Drops by reason on the console; a warning when no learner step happened for a while; False (the run
+        failed, with the reason) when no group gets through. Evaluations and the time before admission opens do
+        not count as no progress."""
+        watch = self.progress_watch
+        watch.hold(not self.admission.is_open or bool(self._eval_pending), now)
+        if watch.drops and now - self._last_drops_shown >= 1.0:
+            self._last_drops_shown = now
+            self.reporter.show_drops(watch.drops)
+        verdict = watch.check(now)
+        if verdict is None:
+            return True
+        self.reporter.show_drops(watch.drops)
+        kind, text = verdict
+        if kind == "warn":
+            if not self.reporter.say(f"warning: {text}"):  # no progress bar to print above: the log (stderr)
+                logger.warning("%s", text)
+            self.reporter.event("no_progress_warning", text=text, drops=dict(watch.drops))
+            return True
+        self.reporter.event("no_progress", reason=text, drops=dict(watch.drops))
+        self.fail(f"the run is making no progress: {text}")
+        return False
 
     async def _investigate_silence(self, key: Key, silent_s: float) -> str:
         """Log which role went silent and what it was last waiting on, and have it dump its Python stacks into its
@@ -460,13 +493,19 @@ class Controller:
             self._control_error("unexpected_group_done", "dropped a group_done for no running group")
             return
         self.reporter.group_done(msg.accepted, msg.reason, msg.n_traj, msg.traj_stats, msg.n_traj_raw, msg.traces)
+        if msg.accepted:
+            self.progress_watch.accepted(time.monotonic())
+        else:
+            self.progress_watch.dropped(str(msg.reason), time.monotonic())
         await self._grant(grants)
 
     async def _on_groups_dropped(self, ident: bytes, msg: m.GroupsDropped) -> None:
         self.reporter.group_reasons["dropped_" + msg.reason] += msg.n
+        self.progress_watch.dropped("learner_" + msg.reason, time.monotonic(), msg.n)
         await self._grant(self.admission.groups_dropped(msg.n))
 
     async def _on_published(self, ident: bytes, msg: m.WeightsPublished) -> None:
+        self.progress_watch.stepped(time.monotonic())
         await self._apply(self.weights.publish(msg.version, msg.path))
         self.reporter.train(msg.version, msg.metrics, self.role_stats)
 
@@ -518,6 +557,7 @@ class Controller:
         if step is None:
             return
         prev, v = step
+        await self._prune_weights()
         if v <= self.gate.version:  # resumed run: the checkpoint's weights are live everywhere
             if v == self.start_version and v not in self.reporter.evals:
                 await self._request_eval(v)
@@ -526,6 +566,12 @@ class Controller:
         # versions skipped by coalesced updates still count: an evaluation due at one of them runs at `v`
         if v >= self.total_steps or (self.eval_every and any(u % self.eval_every == 0 for u in range(prev + 1, v + 1))):
             await self._request_eval(v)
+
+    async def _prune_weights(self) -> None:
+        """Tell the learner which weight files no inference server will read again (it deletes those)."""
+        ident = self.peers.get(("learner", 0))
+        if ident is not None:
+            await self._send(ident, m.PruneWeights(below=self.weights.lowest_needed()))
 
     async def _tell_rollouts(self, msg: m.ControlMessage) -> None:
         for r in range(self.num_rollout):

@@ -22,7 +22,7 @@ import tempfile
 from typing import Any, Optional, Sequence
 
 from arl.config import ConfigError, ExperimentConfig, import_user_modules, load_yaml, parse_overrides, \
-    resolve_threads, split_experiment
+    resolve_threads, rollout_deadlines, split_experiment
 
 logger = logging.getLogger("arl.evaluate")
 
@@ -135,13 +135,14 @@ async def evaluate_model(cfg: ExperimentConfig, model_dir: str, version: int = -
     server = InferenceWorker(index=0, engine=engine, router=router, send_control=_noop_send)
     serving = asyncio.create_task(server.serve())
     dealer = sockets.Dealer(max_bytes=cfg.max_message_bytes).connect(address)
-    client = InferenceClient([dealer], request_timeout=cfg.rollout.request_timeout)
+    base, per_token, trajectory_timeout = rollout_deadlines(cfg)
+    client = InferenceClient([dealer], request_timeout=base, timeout_per_token=per_token)
     client.start()
     worker = RolloutWorker(
         index=0, make_agent=parts.make_agent, make_eval_agent=parts.make_eval_agent,
         make_env=lambda: make_env(cfg.env.name, **cfg.env.args),
         prompts=PromptStream(parts.train_rows or [{}], seed=cfg.seed), test_rows=parts.test_rows, client=client,
-        send_control=_noop_send, push_group=_noop_send, capacity=1, trajectory_timeout=cfg.rollout.trajectory_timeout,
+        send_control=_noop_send, push_group=_noop_send, capacity=1, trajectory_timeout=trajectory_timeout,
         eval_concurrency=cfg.eval.concurrency, seed=cfg.seed, env_timeout=cfg.rollout.env_timeout,
         verify_token_ledger=cfg.rollout.verify_token_ledger,
     )

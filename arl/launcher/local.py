@@ -102,6 +102,8 @@ def make_controller(cfg: ExperimentConfig, run_dir: str, **overrides: Any) -> Co
         secret=secret,
         bind_host=bind_host,
         max_bytes=cfg.max_message_bytes,
+        max_no_progress_s=cfg.rollout.max_no_progress_s,
+        max_consecutive_drops=cfg.rollout.max_consecutive_drops,
         sinks=make_sinks(cfg.loggers, run_dir, dataclasses.asdict(dataclasses.replace(cfg, secret="")),
                          cfg.experiment),
     )

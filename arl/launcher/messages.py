@@ -16,7 +16,7 @@ from typing import Any, Callable, ClassVar, Optional, Union
 
 __all__ = ["ControlMessage", "MESSAGES", "parse", "Register", "Ack", "Heartbeat", "Lookup", "Addresses",
            "GateAcquire", "GateGrant", "GroupDone", "GroupsDropped", "WeightsPublished", "UpdateWeights",
-           "WeightsLoaded", "Eval", "EvalDone", "Error", "WorkerLost", "WorkerBack", "Shutdown"]
+           "WeightsLoaded", "PruneWeights", "GenAbort", "Eval", "EvalDone", "Error", "WorkerLost", "WorkerBack", "Shutdown"]
 
 ROLES = ("inference", "learner", "rollout")
 
@@ -196,6 +196,25 @@ class WeightsLoaded(ControlMessage):
     version: int
     index: int
     ms: Optional[float] = None
+
+
+@_message("prune_weights")
+class PruneWeights(ControlMessage):
+    """Controller -> learner, after the live version advanced: no inference server will read a weights file of a
+    version below `below` again (every live one acked a newer version; a restarted one is sent the newest)."""
+
+    below: int
+
+    def validate(self) -> None:
+        _nonneg(self, "below")
+
+
+@_message("gen_abort")
+class GenAbort(ControlMessage):
+    """Rollout worker -> inference worker, on the request socket: stop generating the request with wire id `qid`
+    (sent by this peer) and send no answer; the client re-sent it elsewhere or gave up on it."""
+
+    qid: str
 
 
 @_message("eval")

@@ -36,9 +36,110 @@ class JsonlSink:
         self._f.close()
 
 
+class ProgressWatch:
+    """Is the run getting anywhere? Pure: events and the time come from the caller (the controller).
+
+    Progress is a group accepted or a learner step. Time counts only while the watch is not held (the controller
+    holds it while admission is closed, i.e. before the first evaluation, and while an evaluation runs): a
+    warm-up or an evaluation is not "no progress". Drops are every other outcome of a group, by reason (a rollout
+    drop such as 'timeout', 'error:ValueError', 'env_error', a filter such as 'uniform_groups', or the learner's
+    'learner_stale' / 'learner_invalid'); a filtered group makes no progress either, so it counts, under its name.
+
+    `check` says 'warn' when no learner step happened for `warn_after_s` (again every `warn_after_s`) and 'stop'
+    when no group was accepted for `max_no_progress_s` while groups kept being dropped (a run where nothing
+    finishes is left to the trajectory timeout and the heartbeats), or when the last `max_consecutive_drops` groups
+    were all dropped for the same reason. 0 turns a limit off.
+    """
+
+    def __init__(self, *, max_no_progress_s: float = 0.0, max_consecutive_drops: int = 0,
+                 warn_after_s: float = 0.0) -> None:
+        self.max_no_progress_s = float(max_no_progress_s)
+        self.max_consecutive_drops = int(max_consecutive_drops)
+        self.warn_after_s = float(warn_after_s)
+        self.drops: collections.Counter = collections.Counter()  # every drop of the run, by reason
+        self._recent: collections.Counter = collections.Counter()  # drops since the last accepted group or step
+        self.streak, self.streak_reason = 0, ""  # consecutive drops for one reason (an accepted group ends it)
+        self.since_progress = self.since_step = 0.0  # un-held seconds since the last progress / learner step
+        self._warned_at = 0.0  # since_step when the last warning was given
+        self._held = True  # until the controller opens admission
+        self._last: Optional[float] = None
+
+    def _tick(self, now: float) -> None:
+        if self._last is not None and not self._held:
+            dt = max(0.0, now - self._last)
+            self.since_progress += dt
+            self.since_step += dt
+        self._last = now
+
+    def hold(self, held: bool, now: float) -> None:
+        """Held (warm-up, admission closed, an evaluation): the time from now on does not count."""
+        self._tick(now)
+        self._held = held
+
+    def accepted(self, now: float) -> None:
+        self._tick(now)
+        self.since_progress = 0.0
+        self._recent.clear()
+        self.streak, self.streak_reason = 0, ""
+
+    def stepped(self, now: float) -> None:
+        self._tick(now)
+        self.since_progress = self.since_step = self._warned_at = 0.0
+        self._recent.clear()
+
+    def dropped(self, reason: str, now: float, n: int = 1) -> None:
+        self._tick(now)
+        if n <= 0:
+            return
+        self.drops[reason] += n
+        self._recent[reason] += n
+        if reason == self.streak_reason:
+            self.streak += n
+        else:
+            self.streak, self.streak_reason = n, reason
+
+    def top_reason(self) -> tuple[str, int]:
+        """The most frequent drop reason since the last progress (else of the whole run) and its count."""
+        counts = self._recent or self.drops
+        return counts.most_common(1)[0] if counts else ("none", 0)
+
+    def check(self, now: float) -> Optional[tuple[str, str]]:
+        """None, ('warn', text) or ('stop', reason to stop the run with)."""
+        self._tick(now)
+        if self.max_consecutive_drops and self.streak >= self.max_consecutive_drops:
+            return "stop", (f"the last {self.streak} prompt groups were all dropped for '{self.streak_reason}' "
+                            f"(rollout.max_consecutive_drops={self.max_consecutive_drops}); see logs/rollout*.log")
+        if self.max_no_progress_s and self.since_progress >= self.max_no_progress_s and self._recent:
+            reason, n = self.top_reason()
+            return "stop", (f"no prompt group accepted for {self.since_progress:.0f}s while "
+                            f"{sum(self._recent.values())} were dropped, most for '{reason}' ({n}) "
+                            f"(rollout.max_no_progress_s={self.max_no_progress_s:g}); see logs/rollout*.log")
+        if self.warn_after_s and self.since_step - self._warned_at >= self.warn_after_s:
+            self._warned_at = self.since_step
+            reason, n = self.top_reason()
+            text = (f"no learner step for {self.since_step:.0f}s; groups dropped by reason: "
+                    f"{format_drops(self._recent or self.drops) or 'none'}")
+            if n:
+                text += f"; top reason '{reason}'"
+            return "warn", text
+        return None
+
+
+def format_drops(counts: Any, top: int = 3) -> str:
+    """'timeout 12, error:ValueError 3' for the `top` most frequent reasons (those beyond: '+k more')."""
+    items = [(str(k), int(v)) for k, v in collections.Counter(counts).most_common() if v > 0]
+    text = ", ".join(f"{k} {v}" for k, v in items[:top])
+    return text + (f", +{len(items) - top} more" if len(items) > top else "")
+
+
 LEARNER_KEYS = ("groups_received", "trajectories_received", "trained_groups", "trained_trajectories",
               "stale_groups_dropped", "stale_trajectories_dropped", "invalid_groups", "buffered_groups",
               "buffered_trajectories", "in_step_groups", "trained_twice")
+
+
+# the inference client's counters the accounting sums over rollout workers (arl.rollout.client)
+REQUEST_KEYS = ("sent", "received", "resent_timeout", "resent_lost", "timeout", "aborted_resent",
+                "aborted_abandoned", "late")
 
 
 class Reporter:
@@ -62,6 +163,8 @@ class Reporter:
         self._traj_sums: collections.Counter = collections.Counter()  # trajectory metadata since the last step
         self._infer_busy_prev: dict[int, tuple[float, float]] = {}
         self._bar: Any = None
+        self._postfix: dict = {}
+        self._drops_text = ""
 
     def elapsed(self) -> float:
         return self.clock() - self.t_start
@@ -150,18 +253,40 @@ class Reporter:
             self.page.request()  # rebuilt in a thread: the controller's loop goes on
         return msg
 
-    def _update_progress(self, version: int, metrics: dict) -> None:
-        if not self.progress:
-            return
+    def _ensure_bar(self) -> Any:
         if self._bar is None:
             from tqdm import tqdm
 
             self._bar = tqdm(total=self.total_steps, desc="train", dynamic_ncols=True, file=sys.stderr)
+        return self._bar
+
+    def _update_progress(self, version: int, metrics: dict) -> None:
+        if not self.progress:
+            return
+        bar = self._ensure_bar()
         last_eval = max((v for v, e in self.evals.items() if e), default=None)
         acc = self.evals[last_eval]["first_acc"] if last_eval is not None else float("nan")
-        self._bar.set_postfix(v=version, reward=f"{metrics.get('reward_mean', float('nan')):.3f}",
-                              acc=f"{acc:.3f}", stale=metrics.get("head_offpolicyness"), refresh=False)
-        self._bar.update(version - self._bar.n)
+        self._postfix = dict(v=version, reward=f"{metrics.get('reward_mean', float('nan')):.3f}",
+                             acc=f"{acc:.3f}", stale=metrics.get("head_offpolicyness"))
+        bar.set_postfix(**self._postfix, **({"dropped": self._drops_text} if self._drops_text else {}),
+                        refresh=False)
+        bar.update(version - bar.n)
+
+    def show_drops(self, drops: Any) -> None:
+        """Dropped groups by reason in the progress line (the controller calls this periodically, so a run that
+        drops everything shows why before its first step)."""
+        text = format_drops(drops)
+        if not self.progress or not text or text == self._drops_text:
+            return
+        self._drops_text = text
+        self._ensure_bar().set_postfix(**self._postfix, dropped=text)
+
+    def say(self, text: str) -> bool:
+        """A line for the console (stderr) above the progress bar; False (nothing written) without a bar."""
+        if self._bar is None:
+            return False
+        self._bar.write(text, file=sys.stderr)
+        return True
 
     # -- the end -----------------------------------------------------------------------------------------------
     def accounting(self, *, role_stats: dict, steps: int, running_groups: int, failure: Optional[str],
@@ -177,12 +302,18 @@ class Reporter:
         for (role, _), st in role_stats.items():
             if role == "rollout":
                 env.update({k: v for k, v in dict(st.get("env") or {}).items() if k != "env_calls_in_flight"})
+        requests: collections.Counter = collections.Counter()  # re-sends and aborts: no silent double work
+        for (role, _), st in role_stats.items():
+            if role == "rollout":
+                requests.update({k: int(v) for k, v in dict(st.get("client") or {}).items() if k in REQUEST_KEYS})
+            elif role == "inference":
+                requests["aborted_by_inference"] += int(st.get("aborted", 0) or 0)
         out = {"finished": failure is None and steps >= self.total_steps, "failure": (failure or "")[:2000],
                "steps": steps, "groups": dict(self.group_reasons), "accepted_groups": self.accepted_groups,
                "accepted_trajectories": self.accepted_trajectories, "lost_in_flight_groups": self.lost_groups,
                "running_groups": running_groups, "rollout_restarts": rollout_restarts,
                "inference_restarts": inference_restarts, "learner": {k: ls.get(k) for k in LEARNER_KEYS},
-               "env": dict(env), "transport": transport, "faults": list(self.faults)}
+               "env": dict(env), "requests": dict(requests), "transport": transport, "faults": list(self.faults)}
         if ls:
             received = int(ls.get("groups_received") or 0)
             out["lost_accepted_groups"] = max(0, self.accepted_groups - received)

@@ -58,9 +58,13 @@ class WeightSync:
 
     def lowest_needed(self) -> int:
         """The oldest version whose weights file may still be read: every version below it has been superseded
-        on every server in the ack set (each acked a newer one), no load of it is in flight (only newer ones are
-        ever sent), and a restarted server is sent the newest. Files of older versions can be deleted."""
-        return self.live
+        on every server in the ack set (each acked a newer one), no load of it is in flight (a server in the ack
+        set is only sent versions newer than its ack; a rejoining one may still be loading a version older than
+        `live`, which is kept), and a restarted server is sent the newest. Files of older versions can be
+        deleted; the newest is never below this."""
+        loads = [self.sent[i] for i in range(self.num_servers)
+                 if self.loading(i) and (i not in self.lost or i in self.rejoining)]
+        return min([self.live, *loads])
 
     def prunable(self, version: int) -> bool:
         return version < self.lowest_needed()

@@ -16,9 +16,9 @@ import sys
 import time
 from typing import Any, Awaitable, Callable, Optional
 
-from arl.config import ExperimentConfig, import_user_modules, load_yaml, resolve_threads
+from arl.config import ExperimentConfig, import_user_modules, load_yaml, resolve_threads, rollout_deadlines
 from arl.launcher.forensics import install_stack_dump_handler
-from arl.launcher.messages import ControlMessage, Error, Heartbeat
+from arl.launcher.messages import ControlMessage, Error, Heartbeat, PruneWeights
 from arl.launcher.security import advertised_address, effective_bind_host, resolve_secret
 from arl.transport import sockets as _sockets
 from arl.transport.loop import run as run_loop
@@ -217,12 +217,22 @@ async def run_learner(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
         weights_dir=os.path.join(run_dir, "weights"),
         keep_versions=lc.keep_weight_versions,
         max_head_offpolicyness=cfg.max_head_offpolicyness,
+        stale_tokens=str(lc.ppo.stale_tokens),
         checkpoint_dir=os.path.join(run_dir, "checkpoints") if real else None,
         checkpoint_every=lc.checkpoint_every,
         keep_checkpoints=lc.keep_checkpoints,
         vocab_size=_vocab_size(cfg) if real else None,
         export_final=_final_exporter(cfg, run_dir) if real else None,
     )
+    async def on_prune(p: dict) -> None:  # the controller: no server reads versions below p["below"] again
+        try:
+            msg = PruneWeights.from_payload(p)
+        except ValueError as e:
+            logger.warning("ignored a bad prune_weights: %s", e)
+            return
+        worker.prune_below(msg.below)
+
+    ctl.handlers["prune_weights"] = on_prune
     if cfg.recover == "auto":
         await worker.resume()  # before registering: the controller sends the exported weights to inference
     await ctl.request("register", {"role": "learner", "index": 0, "address": address, "pid": os.getpid()},
@@ -316,7 +326,9 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
     make_agent, make_eval_agent = parts.make_agent, parts.make_eval_agent
 
     addrs = await ctl.request("lookup", {"role": "rollout", "index": index}, "addresses", cfg.startup_timeout)
-    client = InferenceClient([Dealer().connect(a) for a in addrs["inference"]], request_timeout=cfg.rollout.request_timeout)
+    base, per_token, trajectory_timeout = rollout_deadlines(cfg)  # 0 = auto: from the generation budget
+    client = InferenceClient([Dealer().connect(a) for a in addrs["inference"]], request_timeout=base,
+                             timeout_per_token=per_token)
     client.start()
     push = Push().connect(addrs["learner"])
     per_worker = max(1, cfg.rollout.max_concurrent_rollouts // cfg.rollout.num_workers)
@@ -332,7 +344,7 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
         send_control=ctl.send,
         push_group=lambda group: push.send("traj", group),
         capacity=per_worker,
-        trajectory_timeout=cfg.rollout.trajectory_timeout,
+        trajectory_timeout=trajectory_timeout,
         eval_concurrency=cfg.eval.concurrency,
         seed=cfg.seed,
         env_timeout=cfg.rollout.env_timeout,

@@ -62,6 +62,7 @@ class LearnerWorker:
         weights_dir: str,
         keep_versions: int = 3,
         max_head_offpolicyness: int | None = None,
+        stale_tokens: str = "keep",
         checkpoint_dir: Optional[str] = None,
         checkpoint_every: int = 0,
         keep_checkpoints: int = 2,
@@ -78,9 +79,14 @@ class LearnerWorker:
         self.weights_dir = weights_dir
         self.keep_versions = max(1, keep_versions)
         self.eta = max_head_offpolicyness
+        if stale_tokens not in ("keep", "drop", "downweight"):
+            raise ValueError(f"stale_tokens must be 'keep', 'drop' or 'downweight', got {stale_tokens!r}")
+        self.stale_tokens = str(stale_tokens)  # the actor's `ppo.stale_tokens`: decides what a stale group is
         self.buffer: collections.deque[list[Trajectory]] = collections.deque()
         self._arrived = asyncio.Event()
-        self._exported: collections.deque[str] = collections.deque()
+        # exported weight files, oldest first: deleted once below what the controller says is still needed
+        self._exported: collections.deque[tuple[int, str]] = collections.deque()
+        self.needed_from = 0  # versions below this are read by no inference server again (`prune_below`)
         self.stats = {"groups_received": 0, "trajectories_received": 0, "steps": 0, "idle_seconds": 0.0,
                       "train_seconds": 0.0, "staleness_violations": 0, "stale_groups_dropped": 0}
         self.checkpoint_dir = checkpoint_dir
@@ -118,12 +124,31 @@ class LearnerWorker:
             self.stats["trajectories_received"] += len(group)
             self._arrived.set()
 
+    def is_stale(self, group: list[Trajectory]) -> bool:
+        """Whether `group` is too stale to train on at the current version (it is dropped, its budget returned).
+
+        Only generated tokens count (a trajectory without any, e.g. an answer cut to nothing, never makes its
+        group stale). With ``stale_tokens='keep'`` a group with any generated token older than ``version - eta``
+        is stale: the whole group goes, so no consumed token is more than eta behind. With ``'drop'`` and
+        ``'downweight'`` the actor handles old tokens one by one (out of the loss, or weighted down), so a group is
+        stale only when every generated token is older than ``version - eta`` (nothing in it is within the bound).
+        """
+        if self.eta is None:
+            return False
+        gen = [t.versions[t.loss_mask.astype(bool)] for t in group]
+        gen = [g for g in gen if len(g)]
+        if not gen:
+            return False
+        oldest_ok = self.engine.version - self.eta
+        if self.stale_tokens == "keep":
+            return min(int(g.min()) for g in gen) < oldest_ok
+        return max(int(g.max()) for g in gen) < oldest_ok
+
     def _drop_stale(self) -> int:
-        """Remove buffered groups with a token older than `version - eta` (long-tailed stragglers)."""
+        """Remove buffered groups that are too stale (`is_stale`: long-tailed stragglers)."""
         if self.eta is None:
             return 0
-        oldest_ok = self.engine.version - self.eta
-        keep = [g for g in self.buffer if min(t.min_version() for t in g) >= oldest_ok]
+        keep = [g for g in self.buffer if not self.is_stale(g)]
         dropped = len(self.buffer) - len(keep)
         if dropped:
             self.stats["stale_trajectories_dropped"] += sum(len(g) for g in self.buffer) - sum(len(g) for g in keep)
@@ -187,7 +212,7 @@ class LearnerWorker:
         v = self.engine.version
         path = os.path.join(self.weights_dir, f"v{v}.safetensors")
         await asyncio.to_thread(self.engine.export_weights, path)
-        self._exported.append(path)
+        self._exported.append((v, path))
         logger.info("resumed from checkpoint v%d (%d groups consumed, data position %s)", v, self.groups_consumed,
                     self.data_position)
         return v
@@ -207,7 +232,7 @@ class LearnerWorker:
     async def train(self) -> None:
         """The learner loop: one policy version per batch of B prompt groups, until ``total_steps``."""
         while self.engine.version < self.total_steps:
-            trajs, waited = await self.next_batch()  # B groups, FIFO; groups older than v - eta were dropped
+            trajs, waited = await self.next_batch()  # B groups, FIFO; too stale groups were dropped (is_stale)
             t0, stale_tokens = time.monotonic(), staleness_counts(trajs, self.engine.version)
             self.waiting_on = f"train step {self.engine.version + 1} ({len(trajs)} trajectories)"
             self._in_step = len(set(t.group_id.split(":", 1)[0] for t in trajs))
@@ -224,7 +249,8 @@ class LearnerWorker:
             # publish: the controller sends the weights to inference, reopens the gate and schedules evaluation
             await self._send("weights_published", {"version": self.engine.version, "path": path,
                                                    "metrics": metrics})
-            self._prune(path)
+            self._exported.append((self.engine.version, path))
+            self._prune()
 
     async def _export(self) -> str:
         path = os.path.join(self.weights_dir, f"v{self.engine.version}.safetensors")
@@ -238,7 +264,9 @@ class LearnerWorker:
         self.stats["train_seconds"] += train_s
         self.stats["steps"] += 1
         head = metrics.get("head_offpolicyness")
-        if self.eta is not None and head is not None and head > self.eta:
+        # head is measured as received: with stale_tokens drop/downweight the actor took the old tokens out of the
+        # loss (or weighted them down, as configured), so only 'keep' can consume a token beyond eta
+        if self.eta is not None and head is not None and head > self.eta and self.stale_tokens == "keep":
             self.stats["staleness_violations"] += 1
             logger.error("batch head off-policyness %s exceeds eta=%d", head, self.eta)
         out = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
@@ -261,10 +289,17 @@ class LearnerWorker:
         self.stats["trained_groups"] += len(ids)
         self.stats["trained_trajectories"] += len(batch)
 
-    def _prune(self, newest: str) -> None:
-        self._exported.append(newest)
-        while len(self._exported) > self.keep_versions:
-            old = self._exported.popleft()
+    def prune_below(self, version: int) -> None:
+        """The controller says no inference server will read a weights file older than `version` again (every
+        live one acked a newer one): those may go (`_prune`)."""
+        self.needed_from = max(self.needed_from, int(version))
+        self._prune()
+
+    def _prune(self) -> None:
+        """Delete exported weight files the inference servers no longer need: only versions below
+        `needed_from`, and never the newest `keep_versions` (a floor: at least the newest is always kept)."""
+        while len(self._exported) > self.keep_versions and self._exported[0][0] < self.needed_from:
+            _, old = self._exported.popleft()
             try:
                 os.remove(old)
             except OSError:

@@ -5,9 +5,16 @@ session stay on the worker that served the session before (its prefix may still 
 mapping is forgotten when the policy version changes (learned from the responses' `output_versions`, or told with
 `set_version`): after an update no worker holds a prefix computed by the current policy, so balance wins again.
 
-A worker that is lost (the controller says so with `worker_lost`, or a request to it times out) gets no new
-requests, and its outstanding requests are re-sent to the remaining workers under the same wire id: whichever
-answer comes first is used, a later duplicate is dropped and counted as "late".
+A worker that is lost (the controller says so with `worker_lost`) gets no new requests, and its outstanding
+requests are re-sent to the remaining workers under the same wire id: whichever answer comes first is used, a later
+duplicate is dropped and counted as "late".
+
+Deadlines scale with the generation budget, so they do not cut long answers more often than short ones (which
+would push the policy toward short answers): an attempt may take ``request_timeout + timeout_per_token *
+max_new_tokens`` seconds. An attempt past its deadline is re-sent to another worker (while attempts remain) and
+the original is aborted (``gen_abort``: its worker stops generating it), so the work is not done twice; a request
+its caller gives up on (out of attempts, or the trajectory was cancelled) is aborted too. Re-sends and aborts are
+counted in `stats`.
 """
 
 from __future__ import annotations
@@ -66,18 +73,24 @@ class InferenceClient:
 
     Args:
         dealers: one connected DEALER per inference worker (index = worker index).
-        request_timeout: seconds one attempt may wait for its answer.
+        request_timeout: seconds one attempt may wait for its answer, plus `timeout_per_token` seconds per token
+            of the request's ``max_new_tokens``.
         max_sessions: sticky sessions remembered (LRU).
         max_attempts: sends of one request in all (a timed-out attempt is re-sent to another live worker while
             attempts remain; re-sends after a worker is lost do not count).
     """
 
     def __init__(self, dealers: list[Any], request_timeout: float = 60.0, max_sessions: int = 100_000,
-                 max_attempts: int = 2) -> None:
+                 max_attempts: int = 2, timeout_per_token: float = 0.0) -> None:
         if not dealers:
             raise ValueError("InferenceClient needs at least one inference worker")
+        if request_timeout <= 0 or timeout_per_token < 0:
+            raise ValueError("request_timeout must be > 0 and timeout_per_token >= 0")
         self._dealers = dealers
         self._timeout = request_timeout
+        self._per_token = timeout_per_token
+        self._aborts: set[asyncio.Task] = set()
+        self._closing = False
         self._max_attempts = max(1, max_attempts)
         self._load = [0] * len(dealers)
         self._alive = [True] * len(dealers)
@@ -102,6 +115,7 @@ class InferenceClient:
         self._tasks = [asyncio.create_task(self._recv_loop(i)) for i in range(len(self._dealers))]
 
     async def close(self) -> None:
+        self._closing = True
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -117,6 +131,18 @@ class InferenceClient:
                 self.stats["sticky_resets"] += 1
                 self._sticky.clear()
             self._version = version
+
+    def deadline(self, req: GenerateRequest) -> float:
+        """Seconds one attempt of `req` may take: a base plus an allowance per token it may generate."""
+        return self._timeout + self._per_token * max(0, int(req.gconfig.max_new_tokens))
+
+    async def _abort(self, idx: int, wire_id: str, why: str) -> None:
+        """Tell worker `idx` to stop generating `wire_id` (best effort: a lost worker may not hear it)."""
+        self.stats[f"aborted_{why}"] += 1
+        try:
+            await self._dealers[idx].send("gen_abort", {"qid": wire_id})
+        except Exception as e:  # noqa: BLE001 - a closed socket: nothing left to stop
+            logger.debug("could not abort request %s on worker %d: %s", wire_id, idx, e)
 
     def _choose(self, session_id: Optional[str], exclude: int = -1) -> int:
         """Sticky worker of the session if it is alive, else the live worker with the least outstanding work."""
@@ -196,12 +222,13 @@ class InferenceClient:
         if idx < 0:
             return GenerateResponse(qid=req.qid, error="no inference worker left")
         self._pending[wire_id] = p
+        deadline = self.deadline(req)
         try:
             await self._send(p, idx)
             while True:
                 # One timer per attempt that resolves the attempt's future with _TIMEOUT (not wait_for + shield:
                 # three futures and their callbacks per request, on the hottest path of a rollout worker).
-                timer = loop.call_later(self._timeout, _expire, p.future)
+                timer = loop.call_later(deadline, _expire, p.future)
                 try:
                     resp = await p.future
                 finally:
@@ -210,18 +237,23 @@ class InferenceClient:
                     break
                 target = self._choose(req.session_id, exclude=p.idx)
                 if p.attempts < self._max_attempts and target >= 0:
-                    logger.warning("request %s: no answer from inference worker %d in %.0fs; re-sending to %d",
-                                   wire_id, p.idx, self._timeout, target)
+                    logger.warning("request %s: no answer from inference worker %d in %.0fs; aborting it there and "
+                                   "re-sending to %d", wire_id, p.idx, deadline, target)
                     self.stats["resent_timeout"] += 1
+                    await self._abort(p.idx, wire_id, "resent")  # no double work (its answer would be late anyway)
                     p.future = loop.create_future()  # the next attempt's; a late answer to the first still counts
                     await self._send(p, target)
                     continue
                 self.stats["timeout"] += 1
                 return GenerateResponse(qid=req.qid,
-                                        error=f"no response from inference worker {p.idx} in {self._timeout}s")
+                                        error=f"no response from inference worker {p.idx} in {deadline:.0f}s")
         finally:
             if self._pending.pop(wire_id, None) is not None and p.idx >= 0:
                 self._load[p.idx] -= p.work
+                if not self._closing:  # given up (out of attempts, or the caller was cancelled): stop it there
+                    t = loop.create_task(self._abort(p.idx, wire_id, "abandoned"))
+                    self._aborts.add(t)
+                    t.add_done_callback(self._aborts.discard)
             if info is not None:
                 info["worker"], info["attempts"] = p.answered_by, p.attempts
         if resp is None:

@@ -77,6 +77,8 @@ CONTROL_TYPES = frozenset(
         "weights_published",
         "update_weights",
         "weights_loaded",
+        "prune_weights",
+        "gen_abort",
         "metrics",
         "shutdown",
         "ack",

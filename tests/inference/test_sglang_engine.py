@@ -90,6 +90,24 @@ async def test_generate_uses_sglang_schema_and_parses_answers(fake, tmp_path):
 
 
 @pytest.mark.asyncio
+async def test_without_version_spans_tokens_get_the_submitted_version(fake, tmp_path):
+    """An answer with only the server's final weight_version (no per-token spans): an update during the request
+    made that newer than the early tokens, so every token gets the version it was submitted under (staler)."""
+    engine = make_engine(fake, tmp_path)
+    lp = [[-0.1, 7, None], [-0.2, 8, None]]
+    answer = {"output_ids": [7, 8], "meta_info": {"output_token_logprobs": lp, "finish_reason": {"type": "length"},
+                                                  "weight_version": "5"}}
+    assert engine._parse_generate(answer, 3)[2] == [3, 3]
+    assert engine._parse_generate(answer, 5)[2] == [5, 5]
+    del answer["meta_info"]["weight_version"]
+    assert engine._parse_generate(answer, 4)[2] == [4, 4]
+    spans = [{"version": "3", "start": 0, "end": 1}, {"version": "5", "start": 1, "end": 2}]
+    answer["meta_info"]["weight_versions"] = spans  # spans say exactly which token came from which version
+    assert engine._parse_generate(answer, 3)[2] == [3, 5]
+    await engine.close()
+
+
+@pytest.mark.asyncio
 async def test_truncated_sampling_is_refused_with_a_clear_error(fake, tmp_path):
     """SGLang reports logprobs before top-p/top-k truncation: such a request would get dishonest behaviour
     logprobs, so it is refused before it reaches the server; greedy and untruncated sampling are served."""

@@ -119,6 +119,10 @@ async def test_inference_restart_rejoins_only_with_the_newest_weights(tmp_path):
     await ctl._dispatch(b"L", "register", {"role": "learner", "index": 0, "address": "tcp://l:1"})
     assert ctl.router.sent[-1] == (b"r0", "eval", {"version": 0, "max_prompts": 4})  # all registered
     sent = ctl.router.sent
+
+    def last():  # the newest message to a role other than the learner's prune_weights
+        return [s for s in sent if s[1] != "prune_weights"][-1]
+
     await ctl._dispatch(b"L", "weights_published", {"version": 3, "path": "/w/v3"})
     assert sent[-2:] == [(b"i0", "update_weights", {"version": 3, "path": "/w/v3"}),
                          (b"i1", "update_weights", {"version": 3, "path": "/w/v3"})]
@@ -138,12 +142,13 @@ async def test_inference_restart_rejoins_only_with_the_newest_weights(tmp_path):
     assert [s for s in sent[n:] if s[1] == "update_weights"] == []
     # ... each gets v4 once it acked v3; v3 is live on the ack set (server 0) meanwhile
     await ctl._dispatch(b"i0", "weights_loaded", {"version": 3, "index": 0})
-    assert sent[-1] == (b"i0", "update_weights", {"version": 4, "path": "/w/v4"}) and ctl.gate.version == 3
+    assert last() == (b"i0", "update_weights", {"version": 4, "path": "/w/v4"}) and ctl.gate.version == 3
+    assert sent[-1] == (b"L", "prune_weights", {"below": 3})  # v3 is needed: the restarted server still loads it
     await ctl._dispatch(b"i1b", "weights_loaded", {"version": 3, "index": 1})
     assert sent[-1] == (b"i1b", "update_weights", {"version": 4, "path": "/w/v4"}) and 1 in ctl.lost_inference
     await ctl._dispatch(b"i1b", "weights_loaded", {"version": 4, "index": 1})
     assert ctl.lost_inference == set() and ctl.weights.rejoining == set()
-    assert sent[-1] == (b"r0", "worker_back", {"role": "inference", "index": 1, "address": "tcp://b:1"})
+    assert last() == (b"r0", "worker_back", {"role": "inference", "index": 1, "address": "tcp://b:1"})
     await ctl._dispatch(b"i0", "weights_loaded", {"version": 4, "index": 0})
     assert ctl.gate.version == 4
     # it dies again after rejoining: lost and restarted again (cap 2); then the cap holds
@@ -179,4 +184,22 @@ async def test_restarted_inference_that_never_registers_is_given_up(tmp_path):
     # a role that reports a fatal error it cannot be restarted for stops the run
     await ctl._dispatch(b"L", "error", {"message": "CUDA OOM"})
     assert ctl._failure == "role reported a fatal error: CUDA OOM"
+    ctl.reporter.close()
+
+
+@pytest.mark.asyncio
+async def test_every_group_dropped_for_one_reason_stops_the_run(tmp_path, capsys):
+    ctl = make_controller(tmp_path, max_consecutive_drops=3, progress=True)
+    for r in (0, 1):
+        await ctl._dispatch(f"r{r}".encode(), "register", {"role": "rollout", "index": r})
+    await ctl._grant(ctl.admission.open())
+    await ctl._dispatch(b"r0", "gate_acquire", {"want": 4})
+    for _ in range(2):
+        await ctl._dispatch(b"r0", "group_done", {"accepted": False, "reason": "reward_error"})
+    assert await ctl._check()
+    assert "reward_error 2" in capsys.readouterr().err  # the progress line shows the drops by reason
+    await ctl._dispatch(b"r0", "group_done", {"accepted": False, "reason": "reward_error"})
+    assert not await ctl._check()
+    assert "no progress" in ctl._failure and "dropped for 'reward_error'" in ctl._failure
+    assert [r for r in records(tmp_path) if r["type"] == "no_progress"][0]["drops"] == {"reward_error": 3}
     ctl.reporter.close()

@@ -22,6 +22,8 @@ EXAMPLES = [
     m.WeightsPublished(version=3, path="/w/v3", metrics={"loss": 0.1}),
     m.UpdateWeights(version=3, path="/w/v3"),
     m.WeightsLoaded(version=3, index=1, ms=12.5),
+    m.PruneWeights(below=2),
+    m.GenAbort(qid="17"),
     m.Eval(version=2, max_prompts=16),
     m.EvalDone(version=2, n=4, first_acc=0.5, solved_acc=0.75, seconds=3.0,
                extra={"errors": {}, "token_versions": [2, 2]}),

@@ -19,10 +19,14 @@ class FakeDealer:
     def __init__(self, index: int) -> None:
         self.index = index
         self.sent: list[GenerateRequest] = []
+        self.aborted: list[str] = []  # wire ids the client told this worker to stop generating
         self._inbox: asyncio.Queue = asyncio.Queue()
         self.got = asyncio.Event()
 
     async def send(self, msg_type: str, payload: Any) -> None:
+        if msg_type == "gen_abort":
+            self.aborted.append(payload["qid"])
+            return
         assert msg_type == "gen_req"
         self.sent.append(payload)
         self.got.set()
@@ -127,12 +131,55 @@ async def test_timed_out_request_is_resent_to_another_worker():
     client.start()
     t = asyncio.create_task(client.generate(gen("slow")))
     await until(lambda: len(d0.sent) == 1)
-    await until(lambda: len(d1.sent) == 1)  # no answer from 0 within the timeout: re-sent to 1
+    await until(lambda: len(d1.sent) == 1)  # no answer from 0 within the timeout: re-sent to 1 ...
+    assert d0.aborted == [d0.sent[0].qid] and d1.aborted == []  # ... and aborted on 0: no double work
     d1.answer(d1.sent[0])
     r = await t
-    assert r.error is None and client.stats["resent_timeout"] == 1
-    # out of attempts: the caller gets an error, never a hang
+    assert r.error is None and client.stats["resent_timeout"] == 1 and client.stats["aborted_resent"] == 1
+    # out of attempts: the caller gets an error, never a hang; the last attempt is aborted too
     t = asyncio.create_task(client.generate(gen("lost")))
     r = await t
     assert r.error is not None and "no response" in r.error and client.stats["timeout"] == 1
+    wire = d1.sent[1].qid if len(d1.sent) > 1 else d0.sent[1].qid
+    await until(lambda: client.stats["aborted_abandoned"] == 1)
+    assert wire in d0.aborted + d1.aborted and client.stats["aborted_resent"] == 2
+    await client.close()
+
+
+@pytest.mark.asyncio
+async def test_deadline_grows_with_the_generation_budget():
+    d0, d1 = FakeDealer(0), FakeDealer(1)
+    client = InferenceClient([d0, d1], request_timeout=0.05, timeout_per_token=0.001, max_attempts=2)
+    assert client.deadline(gen("a", max_new=10)) == pytest.approx(0.06)
+    assert client.deadline(gen("b", max_new=100_000)) == pytest.approx(100.05)
+    client.start()
+    long = asyncio.create_task(client.generate(gen("long", max_new=100_000)))
+    await until(lambda: len(d0.sent) == 1)
+    short = asyncio.create_task(client.generate(gen("short", max_new=10)))  # d0 is busier: goes to d1
+    await until(lambda: len(d1.sent) == 1)
+    await until(lambda: len(d0.sent) == 2)  # the short one timed out on 1 and went to 0; the long one waits on
+    assert client.stats["resent_timeout"] == 1 and d1.aborted == [d1.sent[0].qid] and not long.done()
+    d0.answer(d0.sent[1])
+    d0.answer(d0.sent[0])
+    assert (await short).error is None and (await long).error is None
+    await client.close()
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_request_is_aborted_on_its_worker():
+    d0, d1 = FakeDealer(0), FakeDealer(1)
+    client = InferenceClient([d0, d1], request_timeout=30.0)
+    client.start()
+    t = asyncio.create_task(client.generate(gen("x")))  # say its trajectory hit the trajectory timeout
+    await until(lambda: len(d0.sent) == 1)
+    t.cancel()
+    await until(lambda: d0.aborted == [d0.sent[0].qid])
+    assert client.stats["aborted_abandoned"] == 1
+    # an answered request is not aborted
+    t = asyncio.create_task(client.generate(gen("y")))
+    await until(lambda: len(d0.sent) + len(d1.sent) == 2)
+    (d0 if len(d0.sent) == 2 else d1).answer((d0.sent + d1.sent)[-1])
+    assert (await t).error is None
+    await asyncio.sleep(0)
+    assert client.stats["aborted_abandoned"] == 1 and len(d0.aborted + d1.aborted) == 1
     await client.close()

@@ -10,6 +10,7 @@ import sys
 import time
 from typing import Any, Callable, Optional, Protocol
 
+from arl.launcher.evaluate import format_result
 from arl.report.page import ReportBuilder
 from arl.report.traces import TraceWriter
 
@@ -142,8 +143,7 @@ class Reporter:
         self.evals[version] = result
         roles = {f"{r}{i}": st for (r, i), st in sorted(role_stats.items())}
         self.write({"type": "eval", "step": version, "elapsed": self.elapsed(), **result, "roles": roles}, version)
-        msg = (f"eval v{version}: first-answer acc {result['first_acc']:.3f}, solved within all turns "
-               f"{result['solved_acc']:.3f} ({result['n']} prompts, {result.get('seconds', 0):.1f}s)")
+        msg = format_result({**result, "version": version})
         if self._bar is not None:
             self._bar.write(msg)
         if self.page is not None:

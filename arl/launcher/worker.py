@@ -250,24 +250,15 @@ def agent_parts(cfg: ExperimentConfig) -> AgentParts:
 
     from arl.data.splits import load_splits
 
-    AGENTS.get(cfg.agent.name)  # fail fast, listing what is registered
+    agent_cls = AGENTS.get(cfg.agent.name)  # fail fast, listing what is registered
     make_env(cfg.env.name, **cfg.env.args)
     tok = PreTrainedTokenizerFast.from_pretrained(cfg.model.path)
     d = cfg.dataset
     train_rows, test_rows = load_splits(name=d.name, train_path=d.train_path, test_path=d.test_path,
                                         max_operand=d.max_operand, test_size=d.test_size, seed=0,
                                         prompt_field=d.prompt_field, answer_field=d.answer_field)
-    gconfig = GenerationConfig(
-        n=1,
-        max_new_tokens=cfg.gen.max_new_tokens,
-        min_new_tokens=cfg.gen.min_new_tokens,
-        temperature=cfg.gen.temperature,
-        top_p=cfg.gen.top_p,
-        top_k=cfg.gen.top_k,
-    )
+    gconfig = GenerationConfig(n=1, **dataclasses.asdict(cfg.gen))
     gconfig.validate()
-    agent_cls = AGENTS.get(cfg.agent.name)
-
     group_size = cfg.rollout.group_size or cfg.agent.group_size  # env group size = trajectories per prompt
 
     def make_agent() -> Any:
@@ -287,22 +278,19 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
     from arl.rollout.worker import PromptStream, RolloutWorker
 
     parts = agent_parts(cfg)
-    train_rows, test_rows, group_size = parts.train_rows, parts.test_rows, parts.group_size
-    make_agent, make_eval_agent = parts.make_agent, parts.make_eval_agent
-
     addrs = await ctl.request("lookup", {"role": "rollout", "index": index}, "addresses", cfg.startup_timeout)
     client = InferenceClient([Dealer().connect(a) for a in addrs["inference"]], request_timeout=cfg.rollout.request_timeout)
     client.start()
     push = Push().connect(addrs["learner"])
     per_worker = max(1, cfg.rollout.max_concurrent_rollouts // cfg.rollout.num_workers)
-    prompts = PromptStream(train_rows, seed=cfg.seed, shard=index, num_shards=cfg.rollout.num_workers)
+    prompts = PromptStream(parts.train_rows, seed=cfg.seed, shard=index, num_shards=cfg.rollout.num_workers)
     worker = RolloutWorker(
         index=index,
-        make_agent=make_agent,
-        make_eval_agent=make_eval_agent,
+        make_agent=parts.make_agent,
+        make_eval_agent=parts.make_eval_agent,
         make_env=lambda: make_env(cfg.env.name, **cfg.env.args),
         prompts=prompts,
-        test_rows=test_rows,
+        test_rows=parts.test_rows,
         client=client,
         send_control=ctl.send,
         push_group=lambda group: push.send("traj", group),
@@ -311,7 +299,7 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
         eval_concurrency=cfg.eval.concurrency,
         seed=cfg.seed,
         env_timeout=cfg.rollout.env_timeout,
-        env_groups=_env_group_spec(cfg, index, group_size),
+        env_groups=_env_group_spec(cfg, index, parts.group_size),
         filter_void_turns=cfg.rollout.filter_void_turns,
         filter_uniform_groups=cfg.rollout.filter_uniform_groups,
         verify_token_ledger=cfg.rollout.verify_token_ledger,
@@ -338,10 +326,7 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
         if p.get("role") == "inference":
             client.worker_back(int(p["index"]), Dealer().connect(str(p["address"])))
 
-    ctl.handlers["gate_grant"] = on_grant
-    ctl.handlers["eval"] = on_eval
-    ctl.handlers["worker_lost"] = on_worker_lost
-    ctl.handlers["worker_back"] = on_worker_back
+    ctl.handlers.update(gate_grant=on_grant, eval=on_eval, worker_lost=on_worker_lost, worker_back=on_worker_back)
     ack = await ctl.register(cfg.startup_timeout)
     if ack.get("prompt_position"):  # resuming a run: continue this worker's prompt stream where it stood
         prompts.seek(int(ack["prompt_position"]))

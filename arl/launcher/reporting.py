@@ -42,6 +42,11 @@ LEARNER_KEYS = ("groups_received", "trajectories_received", "trained_groups", "t
               "buffered_trajectories", "in_step_groups", "trained_twice")
 
 
+def _env_counts(rollout_stats: dict) -> dict:
+    """A rollout worker's env counters from its heartbeat, less the gauge of calls in flight."""
+    return {k: v for k, v in dict(rollout_stats.get("env") or {}).items() if k != "env_calls_in_flight"}
+
+
 class Reporter:
     """Counts of the run (groups by outcome, faults) and the records written about it."""
 
@@ -176,7 +181,7 @@ class Reporter:
         env = collections.Counter(self.env_of_restarted)
         for (role, _), st in role_stats.items():
             if role == "rollout":
-                env.update({k: v for k, v in dict(st.get("env") or {}).items() if k != "env_calls_in_flight"})
+                env.update(_env_counts(st))
         out = {"finished": failure is None and steps >= self.total_steps, "failure": (failure or "")[:2000],
                "steps": steps, "groups": dict(self.group_reasons), "accepted_groups": self.accepted_groups,
                "accepted_trajectories": self.accepted_trajectories, "lost_in_flight_groups": self.lost_groups,
@@ -192,8 +197,7 @@ class Reporter:
 
     def keep_env_counts(self, old_stats: dict) -> None:
         """A restarted rollout worker's counters start over: keep the dead incarnation's env counts."""
-        env = dict(old_stats.get("env") or {})
-        self.env_of_restarted.update({k: v for k, v in env.items() if k != "env_calls_in_flight"})
+        self.env_of_restarted.update(_env_counts(old_stats))
 
     def final_report(self) -> None:
         """The run is over: the report page (and curves.png) once more, with the summary."""

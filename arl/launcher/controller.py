@@ -20,15 +20,17 @@ from typing import Any, Awaitable, Callable, Optional
 
 from arl.launcher import messages as m
 from arl.launcher.admission import Admission, Grant
-from arl.launcher.process import ProcessGroup, tail
+from arl.launcher.process import LocalLauncher
 from arl.launcher.reporting import JsonlSink, MetricsSink, ProgressWatch, Reporter
+from arl.launcher.security import advertised_address
+from arl.launcher.supervision import RoleLauncher, Supervisor
+from arl.launcher.weight_sync import Action, Rejoin, Send, WeightSync
 from arl.report.page import ReportBuilder
 from arl.report.traces import TraceWriter
-from arl.launcher.security import advertised_address
-from arl.launcher.supervision import LocalLauncher, RoleLauncher, Supervisor
-from arl.launcher.weight_sync import Action, Rejoin, Send, WeightSync
 from arl.rollout.staleness import StalenessGate
 from arl.transport.sockets import Router, bind_random
+from arl.utils.net import free_port
+from arl.utils.proc import tail
 
 logger = logging.getLogger("arl.launcher")
 
@@ -139,9 +141,9 @@ class Controller:
         return self.admission.gate
 
     @property
-    def procs(self) -> ProcessGroup:
-        """The local launcher's processes (the secret goes into their environment; benchmarks read pids)."""
-        return self.launcher.group  # type: ignore[attr-defined]
+    def procs(self) -> LocalLauncher:
+        """The local launcher (the secret goes into its children's environment; benchmarks read pids)."""
+        return self.launcher  # type: ignore[return-value]
 
     @property
     def lost_inference(self) -> set[int]:
@@ -173,13 +175,8 @@ class Controller:
             self._spawn(f"inference{i}", base + ["--role", "inference", "--index", str(i)], logs)
         learner_argv = base + ["--role", "learner", "--index", "0"]
         if self.learner_ranks > 1:  # rank 0 registers and talks to us; the others follow it (arl.learner.ranks)
-            import socket
-
-            with socket.socket() as sock:  # torchrun's rendezvous port
-                sock.bind(("127.0.0.1", 0))
-                port = sock.getsockname()[1]
             learner_argv = [python, "-m", "torch.distributed.run", "--nproc_per_node", str(self.learner_ranks),
-                            "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", *learner_argv[2:]]
+                            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", *learner_argv[2:]]
         self._spawn("learner", learner_argv, logs)
         for i in range(self.num_rollout):
             self._spawn(f"rollout{i}", base + ["--role", "rollout", "--index", str(i)], logs)
@@ -325,7 +322,7 @@ class Controller:
     async def _restart_rollout(self, name: str, reason: str) -> None:
         """Its in-flight groups are counted as lost and their staleness budget returned; the new process gets
         the prompt position and evaluations of the old one."""
-        index = int(name[len("rollout"):])
+        index = self.sup.rollout_index(name)
         key = ("rollout", index)
         lost, grants = self.admission.worker_lost(index)
         self.reporter.groups_lost(lost)

@@ -117,7 +117,7 @@ async def evaluate_model(cfg: ExperimentConfig, model_dir: str, version: int = -
     from arl.api.registry import make_env
     from arl.inference.factory import build_engine
     from arl.inference.worker import InferenceWorker
-    from arl.launcher.worker import _sglang_settings, _sim_settings, agent_parts
+    from arl.launcher.worker import agent_parts
     from arl.rollout.client import InferenceClient
     from arl.rollout.worker import PromptStream, RolloutWorker
     from arl.transport import sockets
@@ -127,9 +127,7 @@ async def evaluate_model(cfg: ExperimentConfig, model_dir: str, version: int = -
     parts = agent_parts(cfg)
     scratch = tempfile.mkdtemp(prefix="arl-eval-")  # the sglang backend writes its server log here
     os.makedirs(os.path.join(scratch, "logs"), exist_ok=True)
-    engine = build_engine(ic.backend, model_path=model_dir, device=ic.device, max_batch_size=ic.max_batch_size,
-                          max_context_len=ic.max_context_len, seed=cfg.seed * 1000, name="inference0", index=0,
-                          run_dir=scratch, sim=_sim_settings(cfg), sglang=_sglang_settings(cfg))
+    engine = build_engine(model_dir, ic, seed=cfg.seed, index=0, run_dir=scratch)  # server 0's seed, as in a run
     router = sockets.Router(max_bytes=cfg.max_message_bytes)
     address = sockets.bind_random(router, "127.0.0.1")
     server = InferenceWorker(index=0, engine=engine, router=router, send_control=_noop_send)
@@ -162,7 +160,7 @@ async def evaluate_model(cfg: ExperimentConfig, model_dir: str, version: int = -
 
 
 def format_result(p: dict) -> str:
-    """The line the controller logs for each evaluation of a run."""
+    """The line the controller logs for each evaluation of a run (and scripts/evaluate.py prints)."""
     return (f"eval v{p['version']}: first-answer acc {p['first_acc']:.3f}, solved within all turns "
             f"{p['solved_acc']:.3f} ({p['n']} prompts, {p.get('seconds', 0):.1f}s)")
 

@@ -28,28 +28,23 @@ def install_stack_dump_handler(file: Optional[IO] = None) -> None:
     faulthandler.register(DUMP_SIGNAL, file=f, all_threads=True, chain=False)
 
 
-def process_state(pid: int) -> str:
-    """The kernel's one-letter state of `pid` (R running, S sleeping, D disk wait, T stopped, Z zombie), or '?'."""
+def _stat(pid: int | str) -> list[str]:
+    """The fields of /proc/<pid>/stat after the command name (state, ppid, ...); [] if unreadable."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read().decode("ascii", "replace")
-        return stat[stat.rindex(")") + 2]
-    except (OSError, ValueError, IndexError):
-        return "?"
+        return stat[stat.rindex(")") + 2:].split()
+    except (OSError, ValueError):
+        return []
+
+
+def process_state(pid: int) -> str:
+    """The kernel's one-letter state of `pid` (R running, S sleeping, D disk wait, T stopped, Z zombie), or '?'."""
+    return (_stat(pid) or ["?"])[0]
 
 
 def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as f:
-                    stat = f.read().decode("ascii", "replace")
-                if int(stat[stat.rindex(")") + 2:].split()[1]) == pid:
-                    out.append(int(entry))
-            except (OSError, ValueError, IndexError):
-                pass
-    return out
+    return [int(e) for e in os.listdir("/proc") if e.isdigit() and _stat(e)[1:2] == [str(pid)]]
 
 
 def dump_targets(pid: int) -> list[int]:

@@ -64,19 +64,15 @@ def prepare_model(cfg: ExperimentConfig) -> str:
     )
 
 
-def _trains_model(cfg: ExperimentConfig) -> bool:
-    """Whether the learner backend trains a real model (only then may it run on several ranks)."""
-    from arl.learner.backends import LEARNER_BACKENDS
-
-    return LEARNER_BACKENDS.get(cfg.learner.backend).trains_model
-
-
 def make_controller(cfg: ExperimentConfig, run_dir: str, **overrides: Any) -> Controller:
     """The run's Controller with every setting taken from `cfg` (`overrides` replace some: the benchmarks turn
     the progress bar off); the shared secret, if any, goes to the roles through their environment, never into
     config.yaml."""
+    from arl.learner.backends import LEARNER_BACKENDS
+
     bind_host = effective_bind_host(cfg.bind_host)
     secret = resolve_secret(cfg.secret, bind_host)
+    trains_model = LEARNER_BACKENDS.get(cfg.learner.backend).trains_model  # only a real model runs on several ranks
     kwargs: dict[str, Any] = dict(
         run_dir=run_dir,
         num_inference=cfg.inference.num_workers,
@@ -92,7 +88,7 @@ def make_controller(cfg: ExperimentConfig, run_dir: str, **overrides: Any) -> Co
         servers_per_process=cfg.inference.servers_per_process,
         tolerate_inference_loss=cfg.inference.tolerate_worker_loss,
         resume=resume_state(cfg, run_dir),
-        learner_ranks=cfg.learner.num_ranks if _trains_model(cfg) else 1,
+        learner_ranks=cfg.learner.num_ranks if trains_model else 1,
         heartbeat_timeouts={"inference": cfg.inference.heartbeat_timeout, "learner": cfg.learner.heartbeat_timeout,
                             "rollout": cfg.rollout.heartbeat_timeout},
         restart_rollout=cfg.rollout.restart_on_failure,

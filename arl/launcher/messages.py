@@ -11,12 +11,9 @@ No zmq here: the state machines and their tests use these types without sockets.
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from typing import Any, Callable, ClassVar, Optional, Union
-
-__all__ = ["ControlMessage", "MESSAGES", "parse", "Register", "Ack", "Heartbeat", "Lookup", "Addresses",
-           "GateAcquire", "GateGrant", "GroupDone", "GroupsDropped", "WeightsPublished", "UpdateWeights",
-           "WeightsLoaded", "PruneWeights", "GenAbort", "Eval", "EvalDone", "Error", "WorkerLost", "WorkerBack", "Shutdown"]
 
 ROLES = ("inference", "learner", "rollout")
 
@@ -40,12 +37,28 @@ def _checker(tp: Any) -> Callable[[Any], bool]:
     return _SIMPLE[origin or tp]
 
 
+MESSAGES: dict[str, type["ControlMessage"]] = {}
+
+
+@typing.dataclass_transform()
 class ControlMessage:
-    """Base of every control message: `TYPE` names it on the wire; fields are its payload."""
+    """Base of every control message: a subclass is a dataclass, registered in MESSAGES under its `TYPE`, the
+    class name in snake case (GateAcquire: 'gate_acquire'), which names it on the wire; fields are its payload."""
 
     TYPE: ClassVar[str] = ""
     _SPEC: ClassVar[list[tuple[str, Callable[[Any], bool], bool, str]]] = []  # name, check, required, type name
     _EXTRA: ClassVar[bool] = False  # keeps unknown keys in its `extra` field
+
+    def __init_subclass__(cls) -> None:
+        dataclasses.dataclass(cls)
+        hints = typing.get_type_hints(cls)
+        cls._SPEC = [(f.name, _checker(hints[f.name]),
+                      f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+                      str(hints[f.name]).replace("typing.", ""))
+                     for f in dataclasses.fields(cls) if f.name != "extra"]
+        cls._EXTRA = "extra" in hints
+        cls.TYPE = re.sub(r"(?<!^)(?=[A-Z])", "_", cls.__name__).lower()
+        MESSAGES[cls.TYPE] = cls
 
     @classmethod
     def from_payload(cls, payload: Any) -> "ControlMessage":
@@ -75,25 +88,6 @@ class ControlMessage:
         return out
 
 
-def _message(type_name: str) -> Callable[[type], type]:
-    def wrap(cls: type) -> type:
-        cls = dataclasses.dataclass(cls)
-        hints = typing.get_type_hints(cls)
-        cls._SPEC = [(f.name, _checker(hints[f.name]),  # type: ignore[attr-defined]
-                      f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
-                      str(hints[f.name]).replace("typing.", ""))
-                     for f in dataclasses.fields(cls) if f.name != "extra"]
-        cls._EXTRA = "extra" in hints  # type: ignore[attr-defined]
-        cls.TYPE = type_name  # type: ignore[attr-defined]
-        MESSAGES[type_name] = cls
-        return cls
-
-    return wrap
-
-
-MESSAGES: dict[str, type[ControlMessage]] = {}
-
-
 def _nonneg(msg: ControlMessage, *names: str) -> None:
     for n in names:
         if getattr(msg, n) < 0:
@@ -105,7 +99,6 @@ def _known_role(msg: Any) -> None:
         raise ValueError(f"{msg.TYPE}: unknown role {msg.role[:20]!r}")
 
 
-@_message("register")
 class Register(ControlMessage):
     role: str
     index: int = 0
@@ -116,13 +109,11 @@ class Register(ControlMessage):
         _known_role(self)
 
 
-@_message("ack")
 class Ack(ControlMessage):
     ok: bool = True
     prompt_position: Optional[int] = None
 
 
-@_message("heartbeat")
 class Heartbeat(ControlMessage):
     role: str
     index: int = 0
@@ -132,19 +123,16 @@ class Heartbeat(ControlMessage):
         _known_role(self)
 
 
-@_message("lookup")
 class Lookup(ControlMessage):
     role: Optional[str] = None
     index: Optional[int] = None
 
 
-@_message("addresses")
 class Addresses(ControlMessage):
     inference: list[Optional[str]]
     learner: Optional[str]
 
 
-@_message("gate_acquire")
 class GateAcquire(ControlMessage):
     want: int
 
@@ -152,12 +140,10 @@ class GateAcquire(ControlMessage):
         _nonneg(self, "want")
 
 
-@_message("gate_grant")
 class GateGrant(ControlMessage):
     n: int
 
 
-@_message("group_done")
 class GroupDone(ControlMessage):
     accepted: bool
     reason: Optional[str] = None
@@ -169,7 +155,6 @@ class GroupDone(ControlMessage):
     traces: Optional[list[dict]] = None  # sampled or forced trajectory traces (arl.report.traces), for traces.jsonl
 
 
-@_message("groups_dropped")
 class GroupsDropped(ControlMessage):
     n: int
     reason: str = "learner"
@@ -178,27 +163,23 @@ class GroupsDropped(ControlMessage):
         _nonneg(self, "n")
 
 
-@_message("weights_published")
 class WeightsPublished(ControlMessage):
     version: int
     path: str
     metrics: dict = dataclasses.field(default_factory=dict)
 
 
-@_message("update_weights")
 class UpdateWeights(ControlMessage):
     version: int
     path: str
 
 
-@_message("weights_loaded")
 class WeightsLoaded(ControlMessage):
     version: int
     index: int
     ms: Optional[float] = None
 
 
-@_message("prune_weights")
 class PruneWeights(ControlMessage):
     """Controller -> learner, after the live version advanced: no inference server will read a weights file of a
     version below `below` again (every live one acked a newer version; a restarted one is sent the newest)."""
@@ -209,7 +190,6 @@ class PruneWeights(ControlMessage):
         _nonneg(self, "below")
 
 
-@_message("gen_abort")
 class GenAbort(ControlMessage):
     """Rollout worker -> inference worker, on the request socket: stop generating the request with wire id `qid`
     (sent by this peer) and send no answer; the client re-sent it elsewhere or gave up on it."""
@@ -217,13 +197,11 @@ class GenAbort(ControlMessage):
     qid: str
 
 
-@_message("eval")
 class Eval(ControlMessage):
     version: int
     max_prompts: int = 0
 
 
-@_message("eval_done")
 class EvalDone(ControlMessage):
     version: int
     n: int
@@ -233,30 +211,25 @@ class EvalDone(ControlMessage):
     extra: dict = dataclasses.field(default_factory=dict)  # mean_turns, traj_means, errors, token_versions...
 
 
-@_message("error")
 class Error(ControlMessage):
     message: Any = ""  # said as it came: a role's error text is only logged
 
 
-@_message("worker_lost")
 class WorkerLost(ControlMessage):
     role: str
     indices: list[int]
 
 
-@_message("worker_back")
 class WorkerBack(ControlMessage):
     role: str
     index: int
     address: str
 
 
-@_message("shutdown")
 class Shutdown(ControlMessage):
     reason: str = ""
 
 
-@_message("metrics")
 class Metrics(ControlMessage):
     extra: dict = dataclasses.field(default_factory=dict)
 

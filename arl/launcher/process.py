@@ -15,10 +15,8 @@ import subprocess
 import time
 from typing import Optional, Sequence
 
-from arl.utils.proc import die_with_parent_preexec, tail
-from arl.utils.proc import signal_group as _signal_group
-
-__all__ = ["Child", "ProcessGroup", "tail", "_signal_group"]  # tail/_signal_group: the controller's imports
+from arl.launcher.forensics import request_stack_dump
+from arl.utils.proc import die_with_parent_preexec, signal_group
 
 logger = logging.getLogger("arl.launcher")
 
@@ -31,76 +29,88 @@ class Child:
     expected_exit: bool = False
 
 
-class ProcessGroup:
-    """The set of role processes of one run."""
+class LocalLauncher:
+    """`RoleLauncher` (arl.launcher.supervision) over the local OS processes of one run."""
 
     def __init__(self) -> None:
         self.children: dict[str, Child] = {}
         self.env: dict[str, str] = {}  # extra environment of every child (e.g. the run's shared secret)
 
-    def spawn(self, name: str, argv: Sequence[str], log_path: str, env: Optional[dict[str, str]] = None) -> Child:
+    def spawn(self, name: str, argv: Sequence[str], log_path: str) -> None:
         if name in self.children:
             raise ValueError(f"a child named {name!r} already exists")
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
-        log = open(log_path, "ab", buffering=0)
-        full_env = dict(os.environ)
-        full_env.update(self.env)
-        full_env.update(env or {})
-        full_env.setdefault("PYTHONUNBUFFERED", "1")
-        proc = subprocess.Popen(
-            list(argv),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=full_env,
-            start_new_session=True,
-            preexec_fn=die_with_parent_preexec(),
-        )
-        log.close()
-        child = Child(name, proc, log_path)
-        self.children[name] = child
+        with open(log_path, "ab", buffering=0) as log:
+            proc = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env={"PYTHONUNBUFFERED": "1", **os.environ, **self.env},
+                                    start_new_session=True, preexec_fn=die_with_parent_preexec())
+        self.children[name] = Child(name, proc, log_path)
         logger.info("started %s (pid %d), log %s", name, proc.pid, log_path)
-        return child
 
-    def respawn(self, name: str) -> Child:
-        """Start `name` again with its argv and log (appended to): a restart after it died or was killed."""
+    def respawn(self, name: str) -> None:
+        """Start `name` again with its argv and log (appended to), killed first if it still runs (a hung one)."""
         old = self.children[name]
         if old.proc.poll() is None:
-            raise RuntimeError(f"{name} (pid {old.proc.pid}) is still running")
+            self.kill(name)
+            try:
+                old.proc.wait(10.0)
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"{name} (pid {old.proc.pid}) is still running") from None
         del self.children[name]
-        return self.spawn(name, list(old.proc.args), old.log_path)
+        self.spawn(name, list(old.proc.args), old.log_path)
 
-    def dead(self) -> list[Child]:
-        """Children that exited without being asked to."""
-        return [c for c in self.children.values() if not c.expected_exit and c.proc.poll() is not None]
+    def kill(self, name: str) -> None:
+        """Kill `name` now if it runs; its exit is expected (not reported by `dead`)."""
+        child = self.children.get(name)
+        if child is not None:
+            child.expected_exit = True
+            if child.proc.poll() is None:
+                signal_group(child.proc.pid, signal.SIGKILL)
 
-    def alive(self) -> list[Child]:
-        return [c for c in self.children.values() if c.proc.poll() is None]
+    def dead(self) -> list[tuple[str, Optional[int]]]:
+        """(name, exit code) of children that exited without being asked to."""
+        return [(c.name, c.proc.returncode) for c in self.children.values()
+                if not c.expected_exit and c.proc.poll() is not None]
 
-    def pids(self) -> list[int]:
-        return [c.proc.pid for c in self.children.values()]
+    def has(self, name: str) -> bool:
+        return name in self.children
+
+    def alive(self, name: str) -> bool:
+        child = self.children.get(name)
+        return child is not None and child.proc.poll() is None
+
+    def log_path(self, name: str) -> str:
+        child = self.children.get(name)
+        return child.log_path if child is not None else ""
+
+    def stack_dump(self, name: str, wait: float) -> tuple[str, str]:
+        if not self.alive(name):
+            return "?", ""
+        child = self.children[name]
+        return request_stack_dump(child.proc.pid, child.log_path, wait)
 
     def expect_exit(self) -> None:
         for c in self.children.values():
             c.expected_exit = True
 
+    def _running(self) -> list[Child]:
+        return [c for c in self.children.values() if c.proc.poll() is None]
+
     def wait_all(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not self.alive():
-                return True
+        while self._running() and time.monotonic() < deadline:
             time.sleep(0.05)
-        return not self.alive()
+        return not self._running()
 
-    def terminate(self, grace: float = 3.0) -> None:
+    def terminate_all(self, grace: float = 3.0) -> None:
         """SIGTERM every child's process group, then SIGKILL what is left after `grace` seconds."""
         self.expect_exit()
-        for c in self.alive():
-            _signal_group(c.proc.pid, signal.SIGTERM)
+        for c in self._running():
+            signal_group(c.proc.pid, signal.SIGTERM)
         if not self.wait_all(grace):
-            for c in self.alive():
+            for c in self._running():
                 logger.warning("%s (pid %d) ignored SIGTERM; killing", c.name, c.proc.pid)
-                _signal_group(c.proc.pid, signal.SIGKILL)
+                signal_group(c.proc.pid, signal.SIGKILL)
             self.wait_all(2.0)
         for c in self.children.values():
             try:

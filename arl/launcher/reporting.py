@@ -10,6 +10,7 @@ import sys
 import time
 from typing import Any, Callable, Optional, Protocol
 
+from arl.launcher.evaluate import format_result
 from arl.report.page import ReportBuilder
 from arl.report.traces import TraceWriter
 
@@ -142,6 +143,11 @@ REQUEST_KEYS = ("sent", "received", "resent_timeout", "resent_lost", "timeout", 
                 "aborted_abandoned", "late")
 
 
+def _env_counts(rollout_stats: dict) -> dict:
+    """A rollout worker's env counters from its heartbeat, less the gauge of calls in flight."""
+    return {k: v for k, v in dict(rollout_stats.get("env") or {}).items() if k != "env_calls_in_flight"}
+
+
 class Reporter:
     """Counts of the run (groups by outcome, faults) and the records written about it."""
 
@@ -245,8 +251,7 @@ class Reporter:
         self.evals[version] = result
         roles = {f"{r}{i}": st for (r, i), st in sorted(role_stats.items())}
         self.write({"type": "eval", "step": version, "elapsed": self.elapsed(), **result, "roles": roles}, version)
-        msg = (f"eval v{version}: first-answer acc {result['first_acc']:.3f}, solved within all turns "
-               f"{result['solved_acc']:.3f} ({result['n']} prompts, {result.get('seconds', 0):.1f}s)")
+        msg = format_result({**result, "version": version})
         if self._bar is not None:
             self._bar.write(msg)
         if self.page is not None:
@@ -301,7 +306,7 @@ class Reporter:
         env = collections.Counter(self.env_of_restarted)
         for (role, _), st in role_stats.items():
             if role == "rollout":
-                env.update({k: v for k, v in dict(st.get("env") or {}).items() if k != "env_calls_in_flight"})
+                env.update(_env_counts(st))
         requests: collections.Counter = collections.Counter()  # re-sends and aborts: no silent double work
         for (role, _), st in role_stats.items():
             if role == "rollout":
@@ -323,8 +328,7 @@ class Reporter:
 
     def keep_env_counts(self, old_stats: dict) -> None:
         """A restarted rollout worker's counters start over: keep the dead incarnation's env counts."""
-        env = dict(old_stats.get("env") or {})
-        self.env_of_restarted.update({k: v for k, v in env.items() if k != "env_calls_in_flight"})
+        self.env_of_restarted.update(_env_counts(old_stats))
 
     def final_report(self) -> None:
         """The run is over: the report page (and curves.png) once more, with the summary."""

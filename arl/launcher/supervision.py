@@ -1,7 +1,7 @@
 """Supervision of the role processes: who is alive, who went silent, which failure restarts what.
 
 Two halves. `RoleLauncher` is what the controller needs from whatever runs the processes (`LocalLauncher` here:
-OS processes of one `ProcessGroup`; a Ray launcher would implement the same). `Supervisor` is the decision logic,
+OS processes, in arl.launcher.process; a Ray launcher would implement the same). `Supervisor` is the decision logic,
 pure and clocked by the caller: heartbeats and registration deadlines, and for a failed role whether the run
 restarts it, goes on without it, or stops.
 """
@@ -9,14 +9,7 @@ restarts it, goes on without it, or stops.
 from __future__ import annotations
 
 import dataclasses
-import signal
-import subprocess
 from typing import Optional, Protocol, Sequence
-
-from arl.launcher.forensics import request_stack_dump
-from arl.launcher.process import ProcessGroup, _signal_group
-
-ROLES = ("inference", "learner", "rollout")
 
 
 class RoleLauncher(Protocol):
@@ -47,66 +40,6 @@ class RoleLauncher(Protocol):
     def wait_all(self, timeout: float) -> bool: ...
 
     def terminate_all(self, grace: float) -> None: ...
-
-
-class LocalLauncher:
-    """`RoleLauncher` over local OS processes (`ProcessGroup`)."""
-
-    def __init__(self, group: Optional[ProcessGroup] = None) -> None:
-        self.group = group or ProcessGroup()
-
-    def spawn(self, name: str, argv: Sequence[str], log_path: str) -> None:
-        self.group.spawn(name, argv, log_path)
-
-    def respawn(self, name: str) -> None:
-        child = self.group.children[name]
-        if child.proc.poll() is None:  # a hung one
-            self.kill(name)
-            try:
-                child.proc.wait(10.0)
-            except subprocess.TimeoutExpired:
-                pass
-        self.group.respawn(name)
-
-    def kill(self, name: str) -> None:
-        child = self.group.children.get(name)
-        if child is not None:
-            child.expected_exit = True
-            if child.proc.poll() is None:
-                _signal_group(child.proc.pid, signal.SIGKILL)
-
-    def dead(self) -> list[tuple[str, Optional[int]]]:
-        return [(c.name, c.proc.returncode) for c in self.group.dead()]
-
-    def has(self, name: str) -> bool:
-        return name in self.group.children
-
-    def alive(self, name: str) -> bool:
-        child = self.group.children.get(name)
-        return child is not None and child.proc.poll() is None
-
-    def log_path(self, name: str) -> str:
-        child = self.group.children.get(name)
-        return child.log_path if child is not None else ""
-
-    def stack_dump(self, name: str, wait: float) -> tuple[str, str]:
-        child = self.group.children.get(name)
-        if child is None or child.proc.poll() is not None:
-            return "?", ""
-        return request_stack_dump(child.proc.pid, child.log_path, wait)
-
-    def pid(self, name: str) -> Optional[int]:
-        child = self.group.children.get(name)
-        return child.proc.pid if child is not None else None
-
-    def expect_exit(self) -> None:
-        self.group.expect_exit()
-
-    def wait_all(self, timeout: float) -> bool:
-        return self.group.wait_all(timeout)
-
-    def terminate_all(self, grace: float) -> None:
-        self.group.terminate(grace)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,11 +14,11 @@ import os
 import signal
 import sys
 import time
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any, Awaitable, Callable, Optional, TypeVar
 
 from arl.config import ExperimentConfig, import_user_modules, load_yaml, resolve_threads, rollout_deadlines
 from arl.launcher.forensics import install_stack_dump_handler
-from arl.launcher.messages import ControlMessage, Error, Heartbeat, PruneWeights
+from arl.launcher.messages import ControlMessage, Error, Heartbeat, PruneWeights, Register
 from arl.launcher.security import advertised_address, effective_bind_host, resolve_secret
 from arl.transport import sockets as _sockets
 from arl.transport.loop import run as run_loop
@@ -28,22 +28,15 @@ logger = logging.getLogger("arl.worker")
 # Every socket this process makes gets the run's shared secret (HMAC on every frame) and frame-size limit; main()
 # fills this in before any socket exists. The factories below keep the call sites plain.
 SOCKET_OPTIONS: dict[str, Any] = {}
+_S = TypeVar("_S")
 
 
-def Router(**kw: Any) -> _sockets.Router:  # noqa: N802 - stands in for the class
-    return _sockets.Router(**{**SOCKET_OPTIONS, **kw})
+def _with_options(cls: Callable[..., _S]) -> Callable[..., _S]:
+    return lambda **kw: cls(**{**SOCKET_OPTIONS, **kw})
 
 
-def Dealer(**kw: Any) -> _sockets.Dealer:  # noqa: N802
-    return _sockets.Dealer(**{**SOCKET_OPTIONS, **kw})
-
-
-def Push(**kw: Any) -> _sockets.Push:  # noqa: N802
-    return _sockets.Push(**{**SOCKET_OPTIONS, **kw})
-
-
-def Pull(**kw: Any) -> _sockets.Pull:  # noqa: N802
-    return _sockets.Pull(**{**SOCKET_OPTIONS, **kw})
+Router, Dealer = _with_options(_sockets.Router), _with_options(_sockets.Dealer)
+Push, Pull = _with_options(_sockets.Push), _with_options(_sockets.Pull)
 
 
 def bind_random(sock: Any, host: str = "127.0.0.1") -> str:
@@ -70,6 +63,11 @@ class ControlChannel:
     async def post(self, msg: ControlMessage) -> None:
         """Send a typed control message (a plain map on the wire)."""
         await self.dealer.send(msg.TYPE, msg.to_payload())
+
+    async def register(self, timeout: float, index: Optional[int] = None, address: Optional[str] = None) -> dict:
+        """Register as this role (or as hosted inference server `index`); returns the controller's ack."""
+        msg = Register(role=self.role, index=self.index if index is None else index, address=address, pid=os.getpid())
+        return await self.request(msg.TYPE, msg.to_payload(), "ack", timeout)
 
     async def request(self, msg_type: str, payload: dict, reply_type: str, timeout: float) -> dict:
         fut = asyncio.get_running_loop().create_future()
@@ -120,31 +118,10 @@ RoleParts = tuple[list[Awaitable], list[Awaitable]]  # (coroutines to run, clean
 
 
 async def run_inference(cfg: ExperimentConfig, ctl: ControlChannel, index: int, run_dir: str) -> RoleParts:
-    from arl.inference.factory import build_engine
-    from arl.inference.worker import InferenceWorker
+    """The process's inference servers: `inference.servers_per_process` of them (indices index*k .. index*k+k-1).
 
-    ic = cfg.inference
-    if ic.servers_per_process > 1:
-        return await run_inference_servers(cfg, ctl, index, run_dir)
-    engine = build_engine(cfg.model.path, ic, seed=cfg.seed, index=index, run_dir=run_dir)
-    router = Router()
-    address = bind_random(router, _host(cfg))
-    worker = InferenceWorker(index=index, engine=engine, router=router, send_control=ctl.send)
-
-    async def on_update(p: dict) -> None:
-        await worker.update_weights(int(p["version"]), str(p["path"]))
-
-    ctl.handlers["update_weights"] = on_update
-    await ctl.request("register", {"role": "inference", "index": index, "address": address, "pid": os.getpid()},
-                      "ack", cfg.startup_timeout)
-    return [worker.serve(), ctl.heartbeat(worker.heartbeat_stats)], [engine.close(), _aclose(router)]
-
-
-async def run_inference_servers(cfg: ExperimentConfig, ctl: ControlChannel, index: int, run_dir: str) -> RoleParts:
-    """One process hosting `inference.servers_per_process` servers (indices index*k .. index*k+k-1).
-
-    Why: 64 simulated servers as 64 Python processes would not fit a 2-core machine (each idles at tens of MB
-    and wakes for heartbeats), while the event-driven sim engine costs only per request. Each hosted server
+    Why several: 64 simulated servers as 64 Python processes would not fit a 2-core machine (each idles at tens of
+    MB and wakes for heartbeats), while the event-driven sim engine costs only per request. Each hosted server
     is still a separate engine behind its own ROUTER socket and address, registers under its own index and
     heartbeats for it, so the controller, routing and transport see N servers exactly as with N processes.
     The controller sends `update_weights` once per server; the first message for a version updates all of
@@ -156,33 +133,32 @@ async def run_inference_servers(cfg: ExperimentConfig, ctl: ControlChannel, inde
     ic = cfg.inference
     first = index * ic.servers_per_process
     workers: list[Any] = []
-    routers: list[Any] = []
+    addresses: list[str] = []
     for i in range(first, min(ic.num_workers, first + ic.servers_per_process)):
         engine = build_engine(cfg.model.path, ic, seed=cfg.seed, index=i, run_dir=run_dir)
         router = Router()
-        address = bind_random(router, _host(cfg))
-        routers.append(router)
+        addresses.append(bind_random(router, _host(cfg)))
         workers.append(InferenceWorker(index=i, engine=engine, router=router, send_control=ctl.send))
-        await ctl.request("register", {"role": "inference", "index": i, "address": address, "pid": os.getpid()},
-                          "ack", cfg.startup_timeout)
-    latest = {"version": -1}
+    latest = -1
 
     async def on_update(p: dict) -> None:
+        nonlocal latest
         version = int(p["version"])
-        if version <= latest["version"]:
-            return
-        latest["version"] = version
-        await asyncio.gather(*(w.update_weights(version, str(p["path"])) for w in workers))
+        if version > latest:
+            latest = version
+            await asyncio.gather(*(w.update_weights(version, str(p["path"])) for w in workers))
 
     async def heartbeats() -> None:
         while True:
             for w in workers:
-                await ctl.send("heartbeat", {"role": "inference", "index": w.index, "stats": w.heartbeat_stats()})
+                await ctl.post(Heartbeat(role="inference", index=w.index, stats=w.heartbeat_stats()))
             await asyncio.sleep(HEARTBEAT_SECONDS)
 
-    ctl.handlers["update_weights"] = on_update
+    ctl.handlers["update_weights"] = on_update  # before registering: a restarted server is sent the newest at once
+    for w, address in zip(workers, addresses):
+        await ctl.register(cfg.startup_timeout, index=w.index, address=address)
     return ([*(w.serve() for w in workers), heartbeats()],
-            [*(w.engine.close() for w in workers), *(_aclose(r) for r in routers)])
+            [*(w.engine.close() for w in workers), *(_aclose(w.router) for w in workers)])
 
 
 def _learner_actor(cfg: ExperimentConfig) -> tuple[Any, Any]:
@@ -235,8 +211,7 @@ async def run_learner(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
     ctl.handlers["prune_weights"] = on_prune
     if cfg.recover == "auto":
         await worker.resume()  # before registering: the controller sends the exported weights to inference
-    await ctl.request("register", {"role": "learner", "index": 0, "address": address, "pid": os.getpid()},
-                      "ack", cfg.startup_timeout)
+    await ctl.register(cfg.startup_timeout, address=address)
     cleanups = [_aclose(pull)]
     if leader is not None:
         cleanups.append(asyncio.to_thread(leader.stop))  # release the follower ranks
@@ -285,24 +260,15 @@ def agent_parts(cfg: ExperimentConfig) -> AgentParts:
 
     from arl.data.splits import load_splits
 
-    AGENTS.get(cfg.agent.name)  # fail fast, listing what is registered
+    agent_cls = AGENTS.get(cfg.agent.name)  # fail fast, listing what is registered
     make_env(cfg.env.name, **cfg.env.args)
     tok = PreTrainedTokenizerFast.from_pretrained(cfg.model.path)
     d = cfg.dataset
     train_rows, test_rows = load_splits(name=d.name, train_path=d.train_path, test_path=d.test_path,
                                         max_operand=d.max_operand, test_size=d.test_size, seed=0,
                                         prompt_field=d.prompt_field, answer_field=d.answer_field)
-    gconfig = GenerationConfig(
-        n=1,
-        max_new_tokens=cfg.gen.max_new_tokens,
-        min_new_tokens=cfg.gen.min_new_tokens,
-        temperature=cfg.gen.temperature,
-        top_p=cfg.gen.top_p,
-        top_k=cfg.gen.top_k,
-    )
+    gconfig = GenerationConfig(n=1, **dataclasses.asdict(cfg.gen))
     gconfig.validate()
-    agent_cls = AGENTS.get(cfg.agent.name)
-
     group_size = cfg.rollout.group_size or cfg.agent.group_size  # env group size = trajectories per prompt
 
     def make_agent() -> Any:
@@ -322,9 +288,6 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
     from arl.rollout.worker import PromptStream, RolloutWorker
 
     parts = agent_parts(cfg)
-    train_rows, test_rows, group_size = parts.train_rows, parts.test_rows, parts.group_size
-    make_agent, make_eval_agent = parts.make_agent, parts.make_eval_agent
-
     addrs = await ctl.request("lookup", {"role": "rollout", "index": index}, "addresses", cfg.startup_timeout)
     base, per_token, trajectory_timeout = rollout_deadlines(cfg)  # 0 = auto: from the generation budget
     client = InferenceClient([Dealer().connect(a) for a in addrs["inference"]], request_timeout=base,
@@ -332,14 +295,14 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
     client.start()
     push = Push().connect(addrs["learner"])
     per_worker = max(1, cfg.rollout.max_concurrent_rollouts // cfg.rollout.num_workers)
-    prompts = PromptStream(train_rows, seed=cfg.seed, shard=index, num_shards=cfg.rollout.num_workers)
+    prompts = PromptStream(parts.train_rows, seed=cfg.seed, shard=index, num_shards=cfg.rollout.num_workers)
     worker = RolloutWorker(
         index=index,
-        make_agent=make_agent,
-        make_eval_agent=make_eval_agent,
+        make_agent=parts.make_agent,
+        make_eval_agent=parts.make_eval_agent,
         make_env=lambda: make_env(cfg.env.name, **cfg.env.args),
         prompts=prompts,
-        test_rows=test_rows,
+        test_rows=parts.test_rows,
         client=client,
         send_control=ctl.send,
         push_group=lambda group: push.send("traj", group),
@@ -348,7 +311,7 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
         eval_concurrency=cfg.eval.concurrency,
         seed=cfg.seed,
         env_timeout=cfg.rollout.env_timeout,
-        env_groups=_env_group_spec(cfg, index, group_size),
+        env_groups=_env_group_spec(cfg, index, parts.group_size),
         filter_void_turns=cfg.rollout.filter_void_turns,
         filter_uniform_groups=cfg.rollout.filter_uniform_groups,
         verify_token_ledger=cfg.rollout.verify_token_ledger,
@@ -363,7 +326,7 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
         result = await worker.evaluate(int(p["version"]), int(p.get("max_prompts", 0)))
         # fresh counters first (same socket, so they arrive first): the eval record carries this worker's stats as
         # of the evaluation, not a heartbeat up to a second old (a short run can finish within one heartbeat)
-        await ctl.send("heartbeat", {"role": "rollout", "index": index, "stats": worker.heartbeat_stats()})
+        await ctl.post(Heartbeat(role="rollout", index=index, stats=worker.heartbeat_stats()))
         await ctl.send("eval_done", result)
 
     async def on_worker_lost(p: dict) -> None:  # the controller dropped an inference server: re-route its requests
@@ -375,12 +338,8 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
         if p.get("role") == "inference":
             client.worker_back(int(p["index"]), Dealer().connect(str(p["address"])))
 
-    ctl.handlers["gate_grant"] = on_grant
-    ctl.handlers["eval"] = on_eval
-    ctl.handlers["worker_lost"] = on_worker_lost
-    ctl.handlers["worker_back"] = on_worker_back
-    ack = await ctl.request("register", {"role": "rollout", "index": index, "pid": os.getpid()}, "ack",
-                            cfg.startup_timeout)
+    ctl.handlers.update(gate_grant=on_grant, eval=on_eval, worker_lost=on_worker_lost, worker_back=on_worker_back)
+    ack = await ctl.register(cfg.startup_timeout)
     if ack.get("prompt_position"):  # resuming a run: continue this worker's prompt stream where it stood
         prompts.seek(int(ack["prompt_position"]))
         logger.info("rollout%d: prompt stream resumes at position %d", index, prompts.position)
@@ -451,7 +410,7 @@ async def amain(cfg: ExperimentConfig, role: str, index: int, controller: str, r
     except Exception as e:
         logger.exception("%s%d failed", role, index)
         try:
-            await asyncio.wait_for(ctl.send("error", {"message": f"{role}{index}: {type(e).__name__}: {e}"}), 1.0)
+            await asyncio.wait_for(ctl.post(Error(message=f"{role}{index}: {type(e).__name__}: {e}")), 1.0)
         except Exception:  # noqa: BLE001
             pass
         return 1

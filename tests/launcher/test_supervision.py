@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from arl.launcher.supervision import LocalLauncher, RoleLauncher, Supervisor
+from arl.launcher.process import LocalLauncher
+from arl.launcher.supervision import RoleLauncher, Supervisor
 
 
 def make(**kw) -> Supervisor:
@@ -93,13 +94,13 @@ def test_local_launcher_spawns_kills_and_reports_deaths(tmp_path):
     try:
         launcher.spawn("a", sleeper, str(tmp_path / "a.log"))
         launcher.spawn("b", [sys.executable, "-c", "raise SystemExit(3)"], str(tmp_path / "b.log"))
-        launcher.group.children["b"].proc.wait()  # type: ignore[attr-defined]
+        launcher.children["b"].proc.wait()  # type: ignore[attr-defined]
         assert launcher.dead() == [("b", 3)] and launcher.alive("a") and launcher.has("b")
         assert launcher.log_path("a") == str(tmp_path / "a.log")
         launcher.respawn("a")  # a hung one is killed first
         assert launcher.alive("a")
         launcher.kill("a")
-        launcher.group.children["a"].proc.wait()  # type: ignore[attr-defined]
+        launcher.children["a"].proc.wait()  # type: ignore[attr-defined]
         assert not launcher.alive("a") and launcher.dead() == [("b", 3)]  # a killed one is no death
         assert launcher.stack_dump("a", 0.1) == ("?", "")
     finally:

@@ -45,7 +45,7 @@ import torch
 
 from arl.api.engine import LossFn, LossWeightFn, TrainBatch
 from arl.config import DeepSpeedConfig, OptimizerConfig, PackedAttention
-from arl.learner.batching import MicroBatch, build_micro_batches, build_packed_micro_batches
+from arl.learner.batching import MicroBatch, build_micro_batches
 from arl.learner.checkpoint import CHECKPOINT_STATE_FILE
 from arl.learner.packing import enable_varlen_attention, packed_forward_kwargs
 from arl.learner.ppo import token_logprobs
@@ -218,13 +218,10 @@ class DeepSpeedEngine:
 
     # ------------------------------------------------------------------ micro-batches
     def _micro_batches(self, batch: TrainBatch) -> list[MicroBatch]:
-        per_token = {k: v for k, v in batch.fields.items() if k != "advantages"}
-        adv = batch.fields.get("advantages")
-        if self.packing:
-            built = build_packed_micro_batches(batch.trajs, self.max_tokens_per_mb, adv, **per_token)
-        else:
-            built = build_micro_batches(batch.trajs, self.max_tokens_per_mb, adv, pad_token_id=self.pad_token_id,
-                                        **per_token)
+        per_token = dict(batch.fields)
+        adv = per_token.pop("advantages", None)
+        built = build_micro_batches(batch.trajs, self.max_tokens_per_mb, adv, packed=self.packing,
+                                    pad_token_id=self.pad_token_id, **per_token)
         return [mb.to(self.device) for mb in built]
 
     def _equal_counts(self, mbs: list[MicroBatch]) -> list[MicroBatch]:

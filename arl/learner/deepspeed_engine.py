@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from arl.api.engine import LossFn, LossWeightFn, TrainBatch
-from arl.config import DeepSpeedConfig, OptimizerConfig, PackedAttention
+from arl.config import DeepSpeedConfig, LRSchedule, OptimizerConfig, PackedAttention
 from arl.learner.batching import MicroBatch, build_micro_batches
 from arl.learner.checkpoint import CHECKPOINT_STATE_FILE
 from arl.learner.packing import enable_varlen_attention, packed_forward_kwargs
@@ -102,8 +102,7 @@ def ensure_distributed() -> None:
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0):
     """LR multiplier per optimizer step ``k`` (0-based): linear warm-up over ``warmup_steps`` (from ``1/warmup``
     to 1), then ``constant``, ``linear`` decay or ``cosine`` decay down to ``min_lr_ratio`` at ``total_steps``."""
-    if schedule not in ("constant", "linear", "cosine"):
-        raise ValueError(f"lr_schedule must be 'constant', 'linear' or 'cosine', got {schedule!r}")
+    schedule = LRSchedule(schedule)  # ValueError on an unknown name
     if warmup_steps < 0 or not 0.0 <= min_lr_ratio <= 1.0:
         raise ValueError(f"bad LR schedule: warmup_steps={warmup_steps}, min_lr_ratio={min_lr_ratio}")
 
@@ -146,12 +145,8 @@ class DeepSpeedEngine:
                  ref_model: Optional[torch.nn.Module] = None) -> None:
         import deepspeed as ds
 
-        ds_cfg, opt_cfg = deepspeed, optimizer
-        if ds_cfg.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"zero_stage must be 0..3, got {ds_cfg.zero_stage}")
-        if ds_cfg.offload_optimizer and ds_cfg.zero_stage == 0:
-            raise ValueError("offload_optimizer needs zero_stage >= 1")
-        self.packed_attention = PackedAttention(ds_cfg.packed_attention)  # ValueError on an unknown mode
+        ds_cfg, opt_cfg = deepspeed, optimizer  # each section checked its own fields
+        self.packed_attention = ds_cfg.packed_attention
         lr_fn = lr_lambda(opt_cfg.lr_schedule, int(opt_cfg.warmup_steps), int(total_optimizer_steps),
                           float(opt_cfg.min_lr_ratio))
         self.version = int(version)

@@ -23,6 +23,7 @@ import numpy as np
 
 from arl.api.engine import LossFn, LossWeightFn, TrainBatch
 from arl.config import SimLearnerConfig
+from arl.learner.checkpoint import replacing_file
 
 
 class SimLearner:
@@ -55,11 +56,9 @@ class SimLearner:
         """A placeholder weights file (atomic write): the inference side checks it exists and 'loads' it."""
         from safetensors.numpy import save_file
 
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        tmp = f"{path}.tmp{os.getpid()}"
-        save_file({"sim.version": np.array([self.version], np.int64)}, tmp,
-                  metadata={"format": "np", "version": str(self.version), "sim": "1"})
-        os.replace(tmp, path)
+        with replacing_file(path) as tmp:
+            save_file({"sim.version": np.array([self.version], np.int64)}, tmp,
+                      metadata={"format": "np", "version": str(self.version), "sim": "1"})
 
     def save(self, path: str, client_state: Optional[dict] = None, keep_last: Optional[int] = None) -> str:
         os.makedirs(path, exist_ok=True)

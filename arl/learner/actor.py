@@ -58,8 +58,6 @@ def split_minibatches(lengths: Sequence[int], k: int) -> list[list[int]]:
     """Indices of `lengths` in `min(k, n)` minibatches of nearly equal token counts (longest first onto the
     lightest; each list in arrival order). Deterministic, so a resumed run splits the same way."""
     k = max(1, min(int(k), len(lengths)))
-    if k == 1:
-        return [list(range(len(lengths)))]
     loads = [0] * k
     parts: list[list[int]] = [[] for _ in range(k)]
     for i in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
@@ -131,8 +129,7 @@ class PPOActor:
         stats.add("n_seqs", len(trajs))
         stats.add("reward_mean", float(rewards.sum()), "mean", weight=len(trajs))
         stats.add("reward_sq", float((rewards**2).sum()), "mean", weight=len(trajs))
-        gen = [t.versions[t.loss_mask.astype(bool)] for t in trajs]
-        gen = np.concatenate(gen) if gen else np.zeros(0)
+        gen = np.concatenate([t.versions[t.loss_mask.astype(bool)] for t in trajs])
         stats.add("version_min", float(gen.min()) if gen.size else math.inf, "min")  # as received, before drops
         stats.add("version_max", float(gen.max()) if gen.size else -math.inf, "max")
         out, weights, n_stale, scored = [], [], 0, 0

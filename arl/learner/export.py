@@ -88,14 +88,12 @@ def _generation_config(model_dir: str, gen: Optional[Mapping[str, Any]]) -> dict
         out["do_sample"] = True
         out["temperature"] = float(gen.get("temperature", 1.0))
         top_p, top_k = float(gen.get("top_p", 1.0)), int(gen.get("top_k", 0))
+        out.pop("top_p", None)
+        out.pop("top_k", None)
         if top_p < 1.0:
             out["top_p"] = top_p
-        else:
-            out.pop("top_p", None)
         if top_k > 0:  # ARL's 0 means off; transformers' off is None
             out["top_k"] = top_k
-        else:
-            out.pop("top_k", None)
         if gen.get("max_new_tokens"):
             out["max_new_tokens"] = int(gen["max_new_tokens"])
         if int(gen.get("min_new_tokens", 0) or 0) > 0:

@@ -441,10 +441,7 @@ def parse_overrides(config_cls: type, overrides: Sequence[str], base: Any = None
 
 
 def _expected_type(cls: type, key: str) -> str:
-    for k, tname, _default, _help in _field_rows(cls()):
-        if k == key:
-            return tname
-    return "a different type"
+    return next((tname for k, tname, *_ in _field_rows(cls()) if k == key), "a different type")
 
 
 def validate(cfg: Any) -> None:

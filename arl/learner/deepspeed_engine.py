@@ -346,10 +346,8 @@ class DeepSpeedEngine:
         )
         self._barrier()
         if keep_last is not None and self.rank == 0:
-            tags = sorted(
-                (d for d in os.listdir(path) if d.startswith("v") and d[1:].isdigit() and d != tag),
-                key=lambda d: int(d[1:]),
-            )
+            tags = sorted((d for d in os.listdir(path) if d.startswith("v") and d[1:].isdigit() and d != tag),
+                          key=lambda d: int(d[1:]))
             for old in tags[: max(0, len(tags) - (keep_last - 1))]:
                 shutil.rmtree(os.path.join(path, old), ignore_errors=True)
         return os.path.join(path, tag)

@@ -17,6 +17,16 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 
+class ConfigError(ValueError):
+    """A user-facing configuration problem; the CLI prints it without a traceback."""
+
+
+def _require(checks: Sequence[tuple[bool, str]]) -> None:
+    for ok, msg in checks:
+        if not ok:
+            raise ConfigError(msg)
+
+
 def field(default: Any = MISSING, help: str = "", factory: Any = None) -> Any:
     md = {"help": help}
     if factory is not None:
@@ -223,6 +233,22 @@ class PPOConfig:
                                                         "or 'downweight'.")
     stale_token_decay: float = field(0.5, "downweight: weight decay ** (lag - eta) for stale tokens.")
 
+    def __post_init__(self) -> None:
+        """Checked once, here: both the command line and code that builds the section directly come through."""
+        self.loss_agg = LossAgg(self.loss_agg)
+        self.kl_estimator = KLEstimator(self.kl_estimator)
+        self.stale_tokens = StaleTokens(self.stale_tokens)
+        _require([
+            (isinstance(self.minibatches, int) and self.minibatches >= 1,
+             f"learner.ppo.minibatches must be an int >= 1, got {self.minibatches!r}"),
+            (self.behav_imp_weight_cap is None or self.behav_imp_weight_cap > 1.0,
+             f"learner.ppo.behav_imp_weight_cap must be > 1 (or null), got {self.behav_imp_weight_cap}"),
+            (self.dual_clip_c is None or self.dual_clip_c > 1.0,
+             f"learner.ppo.dual_clip_c must be > 1 (or null), got {self.dual_clip_c}"),
+            (self.turn_discount is None or 0.0 <= self.turn_discount <= 1.0,
+             f"learner.ppo.turn_discount must be in [0, 1] (or null), got {self.turn_discount}"),
+        ])
+
 
 @dataclasses.dataclass
 class OptimizerConfig:
@@ -250,6 +276,14 @@ class DeepSpeedConfig:
     packed_attention: PackedAttention = field(PackedAttention.varlen, "Packed rows: 'varlen' (per-sequence SDPA) or "
                                                                       "'mask' (transformers' block-diagonal mask).")
 
+    def __post_init__(self) -> None:
+        self.packed_attention = PackedAttention(self.packed_attention)
+        _require([
+            (self.zero_stage in (0, 1, 2, 3), f"learner.deepspeed.zero_stage must be in 0..3, got {self.zero_stage}"),
+            (not self.offload_optimizer or self.zero_stage >= 1,
+             "learner.deepspeed.offload_optimizer needs learner.deepspeed.zero_stage >= 1"),
+        ])
+
 
 @dataclasses.dataclass
 class SimLearnerConfig:
@@ -258,6 +292,10 @@ class SimLearnerConfig:
     s_per_token: float = field(1.0e-5, "Seconds per batch token (7B on 8 H100s, NeMo fit).")
     step_base_s: float = field(0.5, "Fixed seconds per step (optimizer step, export).")
     time_scale: float = field(1.0, "Multiplies its simulated durations.")
+
+    def __post_init__(self) -> None:
+        _require([(self.s_per_token >= 0 and self.step_base_s >= 0 and self.time_scale > 0,
+                   "learner.sim: s_per_token and step_base_s must be >= 0 and time_scale > 0")])
 
 
 @dataclasses.dataclass
@@ -327,10 +365,6 @@ class ExperimentConfig:
     rollout: RolloutConfig = field(factory=RolloutConfig)
     learner: LearnerConfig = field(factory=LearnerConfig)
     eval: EvalConfig = field(factory=EvalConfig)
-
-
-class ConfigError(ValueError):
-    """A user-facing configuration problem; the CLI prints it without a traceback."""
 
 
 def _all_keys(cls: type) -> list[str]:
@@ -418,10 +452,7 @@ def parse_overrides(config_cls: type, overrides: Sequence[str], base: Any = None
 
 
 def _expected_type(cls: type, key: str) -> str:
-    for k, tname, _default, _help in _field_rows(cls()):
-        if k == key:
-            return tname
-    return "a different type"
+    return next((tname for k, tname, *_ in _field_rows(cls()) if k == key), "a different type")
 
 
 def validate(cfg: Any) -> None:
@@ -440,15 +471,6 @@ def validate(cfg: Any) -> None:
         (lc.batch_size >= lc.num_ranks,
          "learner.batch_size must be >= learner.num_ranks (every rank trains on whole prompt groups)"),
         (lc.checkpoint_every >= 0, "learner.checkpoint_every must be >= 0"),
-        (lc.ppo.minibatches >= 1, "learner.ppo.minibatches must be >= 1"),
-        (lc.ppo.behav_imp_weight_cap is None or lc.ppo.behav_imp_weight_cap > 1.0,
-         "learner.ppo.behav_imp_weight_cap must be > 1 (or null)"),
-        (lc.ppo.dual_clip_c is None or lc.ppo.dual_clip_c > 1.0, "learner.ppo.dual_clip_c must be > 1 (or null)"),
-        (lc.ppo.turn_discount is None or 0.0 <= lc.ppo.turn_discount <= 1.0,
-         "learner.ppo.turn_discount must be in [0, 1] (or null)"),
-        (0 <= lc.deepspeed.zero_stage <= 3, "learner.deepspeed.zero_stage must be in 0..3"),
-        (not lc.deepspeed.offload_optimizer or lc.deepspeed.zero_stage >= 1,
-         "learner.deepspeed.offload_optimizer needs learner.deepspeed.zero_stage >= 1"),
         (rc.num_workers >= 1, "rollout.num_workers must be >= 1"),
         (rc.max_concurrent_rollouts >= 1, "rollout.max_concurrent_rollouts must be >= 1"),
         (rc.env_timeout > 0, "rollout.env_timeout must be > 0"),
@@ -478,9 +500,7 @@ def validate(cfg: Any) -> None:
 
     checks.append((lc.backend in LEARNER_BACKENDS, f"learner.backend: {LEARNER_BACKENDS.unknown(lc.backend)}"))
     checks += [(name == "jsonl" or name in TRACKERS, f"loggers: {TRACKERS.unknown(name)}") for name in cfg.loggers]
-    for ok, msg in checks:
-        if not ok:
-            raise ConfigError(msg)
+    _require(checks)
     if rc.num_env_groups > 0:  # env groups: partition and per-worker capacity, before any process starts
         from arl.rollout.env_groups import check_env_capacity, partition_groups
 

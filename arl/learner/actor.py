@@ -29,7 +29,7 @@ import torch
 
 from arl.api.engine import TrainBatch, TrainEngine
 from arl.api.types import Trajectory
-from arl.config import KLEstimator, LossAgg, PPOConfig, StaleTokens
+from arl.config import LossAgg, PPOConfig, StaleTokens
 from arl.learner.batching import MicroBatch
 from arl.learner.ppo import (
     decoupled_ppo_loss,
@@ -58,8 +58,6 @@ def split_minibatches(lengths: Sequence[int], k: int) -> list[list[int]]:
     """Indices of `lengths` in `min(k, n)` minibatches of nearly equal token counts (longest first onto the
     lightest; each list in arrival order). Deterministic, so a resumed run splits the same way."""
     k = max(1, min(int(k), len(lengths)))
-    if k == 1:
-        return [list(range(len(lengths)))]
     loads = [0] * k
     parts: list[list[int]] = [[] for _ in range(k)]
     for i in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
@@ -102,22 +100,10 @@ class PPOActor:
 
     def __init__(self, engine: TrainEngine, ppo: PPOConfig, temperature: float = 1.0,
                  eta: Optional[int] = None) -> None:
+        if ppo.stale_tokens != StaleTokens.keep and eta is None:  # the section checks its own fields
+            raise ValueError("stale_tokens='drop'/'downweight' needs max_head_offpolicyness (eta)")
         self.engine = engine
-        self.ppo = dataclasses.replace(ppo, loss_agg=LossAgg(ppo.loss_agg), kl_estimator=KLEstimator(ppo.kl_estimator),
-                                       stale_tokens=StaleTokens(ppo.stale_tokens))  # ValueError on unknown choices
-        for ok, msg in ((temperature > 0, f"temperature must be > 0, got {temperature}"),
-                        (ppo.behav_imp_weight_cap is None or ppo.behav_imp_weight_cap > 1.0,
-                         f"behav_imp_weight_cap must be > 1 (or None), got {ppo.behav_imp_weight_cap}"),
-                        (ppo.dual_clip_c is None or ppo.dual_clip_c > 1.0,
-                         f"dual_clip_c must be > 1 (or None), got {ppo.dual_clip_c}"),
-                        (ppo.turn_discount is None or 0.0 <= ppo.turn_discount <= 1.0,
-                         f"turn_discount must be in [0, 1] (or None), got {ppo.turn_discount}"),
-                        (ppo.stale_tokens == StaleTokens.keep or eta is not None,
-                         "stale_tokens='drop'/'downweight' needs max_head_offpolicyness (eta)"),
-                        (isinstance(ppo.minibatches, int) and ppo.minibatches >= 1,
-                         f"ppo minibatches must be an int >= 1, got {ppo.minibatches!r}")):
-            if not ok:
-                raise ValueError(msg)
+        self.ppo = ppo
         self.temperature = float(temperature)
         self.eta = eta
 
@@ -143,8 +129,7 @@ class PPOActor:
         stats.add("n_seqs", len(trajs))
         stats.add("reward_mean", float(rewards.sum()), "mean", weight=len(trajs))
         stats.add("reward_sq", float((rewards**2).sum()), "mean", weight=len(trajs))
-        gen = [t.versions[t.loss_mask.astype(bool)] for t in trajs]
-        gen = np.concatenate(gen) if gen else np.zeros(0)
+        gen = np.concatenate([t.versions[t.loss_mask.astype(bool)] for t in trajs])
         stats.add("version_min", float(gen.min()) if gen.size else math.inf, "min")  # as received, before drops
         stats.add("version_max", float(gen.max()) if gen.size else -math.inf, "max")
         out, weights, n_stale, scored = [], [], 0, 0

@@ -6,8 +6,8 @@ later without touching the learner loop:
 1. `split_by_token_budget(lengths, max_tokens_per_mb)` -> groups of sequence indices;
 2. `collate_padded(trajs, indices, advantages)` -> one `MicroBatch`.
 
-`build_micro_batches` runs both. The packed layout (no padding at all) is `pack_by_token_budget` +
-`collate_packed` (`build_packed_micro_batches`): each micro-batch is one row ``[1, T]`` holding several sequences
+`build_micro_batches` runs both. The packed layout (no padding at all, ``packed=True``) is `pack_by_token_budget` +
+`collate_packed`: each micro-batch is one row ``[1, T]`` holding several sequences
 back to back, ``position_ids`` restarting at 0 for each and ``cu_seqlens`` marking their boundaries, so attention
 can be kept inside each sequence (see `arl.learner.packing`).
 
@@ -29,16 +29,8 @@ import torch
 
 from arl.api.types import Trajectory
 
-__all__ = [
-    "PER_TOKEN",
-    "MicroBatch",
-    "split_by_token_budget",
-    "collate_padded",
-    "build_micro_batches",
-    "pack_by_token_budget",
-    "collate_packed",
-    "build_packed_micro_batches",
-]
+__all__ = ["PER_TOKEN", "MicroBatch", "split_by_token_budget", "collate_padded", "build_micro_batches",
+           "pack_by_token_budget", "collate_packed", "build_packed_micro_batches"]
 
 
 PER_TOKEN = ("token_weights", "prox_logp", "ref_logp")  # optional float per-token fields of a MicroBatch
@@ -92,32 +84,11 @@ class MicroBatch:
         does the same number of backward passes)."""
         n = int(self.seq_lens[0])
         cut = (lambda x: x[:, :n]) if self.packed else (lambda x: x[:1])
-        extra = {k: None if getattr(self, k) is None else cut(getattr(self, k)) for k in PER_TOKEN}
-        if self.packed:
-            return MicroBatch(
-                input_ids=self.input_ids[:, :n],
-                attention_mask=None,
-                loss_mask=torch.zeros_like(self.loss_mask[:, :n]),
-                logprobs=self.logprobs[:, :n],
-                versions=self.versions[:, :n],
-                advantages=self.advantages[:, :n],
-                seq_lens=self.seq_lens[:1],
-                indices=[],
-                position_ids=self.position_ids[:, :n],
-                cu_seqlens=self.cu_seqlens[:2],
-                **extra,
-            )
-        return MicroBatch(
-            input_ids=self.input_ids[:1],
-            attention_mask=self.attention_mask[:1],
-            loss_mask=torch.zeros_like(self.loss_mask[:1]),
-            logprobs=self.logprobs[:1],
-            versions=self.versions[:1],
-            advantages=self.advantages[:1],
-            seq_lens=self.seq_lens[:1],
-            indices=[],
-            **extra,
-        )
+        rows = {f.name: cut(v) for f in dataclasses.fields(self)
+                if f.name not in ("seq_lens", "indices", "cu_seqlens") and (v := getattr(self, f.name)) is not None}
+        rows["loss_mask"] = torch.zeros_like(rows["loss_mask"])
+        return dataclasses.replace(self, **rows, seq_lens=self.seq_lens[:1], indices=[],
+                                   cu_seqlens=None if self.cu_seqlens is None else self.cu_seqlens[:2])
 
     @property
     def n_loss_tokens(self) -> int:
@@ -128,11 +99,8 @@ class MicroBatch:
         return int(self.input_ids.numel())
 
     def to(self, device: torch.device | str) -> "MicroBatch":
-        kw = {}
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            kw[f.name] = v.to(device) if isinstance(v, torch.Tensor) else v
-        return MicroBatch(**kw)
+        return dataclasses.replace(self, **{f.name: v.to(device) for f in dataclasses.fields(self)
+                                            if isinstance(v := getattr(self, f.name), torch.Tensor)})
 
 
 def split_by_token_budget(lengths: Sequence[int], max_tokens_per_mb: int) -> list[list[int]]:
@@ -163,99 +131,6 @@ def split_by_token_budget(lengths: Sequence[int], max_tokens_per_mb: int) -> lis
     return groups
 
 
-def _per_token_advantages(traj: Trajectory, adv: float | np.ndarray) -> np.ndarray:
-    a = np.asarray(adv, dtype=np.float32)
-    if a.ndim == 0:
-        return np.full(len(traj.input_ids), float(a), np.float32)
-    if a.shape != (len(traj.input_ids),):
-        raise ValueError(f"per-token advantages have shape {a.shape}, trajectory has {len(traj.input_ids)} tokens")
-    return a
-
-
-def collate_padded(
-    trajs: Sequence[Trajectory],
-    indices: Sequence[int],
-    advantages: Sequence[float | np.ndarray],
-    *,
-    pad_token_id: int = 0,
-    **per_token: Optional[Sequence[float | np.ndarray]],
-) -> MicroBatch:
-    """Right-pad ``trajs[i] for i in indices`` into one `MicroBatch`.
-
-    ``advantages[i]`` is either a scalar (broadcast to the trajectory's loss-mask tokens, the GRPO case) or a
-    per-token array aligned with ``trajs[i].input_ids``. Values off the loss mask are zeroed. ``per_token``
-    (optional `PER_TOKEN` fields, e.g. ``token_weights``, same convention) fill the micro-batch's tensors.
-    """
-    idx = list(indices)
-    if not idx:
-        raise ValueError("a micro-batch needs at least one sequence")
-    lens = [len(trajs[i].input_ids) for i in idx]
-    B, L = len(idx), max(max(lens), 1)
-    input_ids = np.full((B, L), pad_token_id, np.int64)
-    attn = np.zeros((B, L), np.int64)
-    loss_mask = np.zeros((B, L), bool)
-    logprobs = np.zeros((B, L), np.float32)
-    versions = np.full((B, L), -1, np.int64)
-    adv = np.zeros((B, L), np.float32)
-    extra = {k: np.zeros((B, L), np.float32) for k, v in per_token.items() if v is not None}
-    for row, i in enumerate(idx):
-        t = trajs[i]
-        n = lens[row]
-        m = t.loss_mask.astype(bool).copy()
-        if n:
-            m[0] = False  # no prefix to condition on: cannot be scored
-        input_ids[row, :n] = t.input_ids
-        attn[row, :n] = 1
-        loss_mask[row, :n] = m
-        logprobs[row, :n] = np.where(m, t.logprobs, 0.0)
-        versions[row, :n] = np.where(m, t.versions, -1)
-        adv[row, :n] = np.where(m, _per_token_advantages(t, advantages[i]), 0.0)
-        for k, arr in extra.items():
-            arr[row, :n] = np.where(m, _per_token_advantages(t, per_token[k][i]), 0.0)
-    return MicroBatch(
-        input_ids=torch.from_numpy(input_ids),
-        attention_mask=torch.from_numpy(attn),
-        loss_mask=torch.from_numpy(loss_mask),
-        logprobs=torch.from_numpy(logprobs),
-        versions=torch.from_numpy(versions),
-        advantages=torch.from_numpy(adv),
-        seq_lens=torch.tensor(lens, dtype=torch.long),
-        indices=idx,
-        **{k: torch.from_numpy(v) for k, v in extra.items()},
-    )
-
-
-def build_micro_batches(
-    trajs: Sequence[Trajectory],
-    max_tokens_per_mb: int,
-    advantages: Optional[Sequence[float | np.ndarray]] = None,
-    *,
-    pad_token_id: int = 0,
-    **per_token: Optional[Sequence[float | np.ndarray]],
-) -> list[MicroBatch]:
-    """Split ``trajs`` by token budget and collate each group (see module doc). ``advantages`` defaults to 0."""
-    advantages = _check_per_traj(trajs, advantages, per_token)
-    groups = split_by_token_budget([len(t.input_ids) for t in trajs], max_tokens_per_mb)
-    return [collate_padded(trajs, g, advantages, pad_token_id=pad_token_id, **per_token) for g in groups]
-
-
-def _check_per_traj(
-    trajs: Sequence[Trajectory],
-    advantages: Optional[Sequence[float | np.ndarray]],
-    per_token: dict[str, Optional[Sequence[float | np.ndarray]]],
-) -> Sequence[float | np.ndarray]:
-    if advantages is None:
-        advantages = [0.0] * len(trajs)
-    if len(advantages) != len(trajs):
-        raise ValueError(f"{len(advantages)} advantages for {len(trajs)} trajectories")
-    for k, v in per_token.items():
-        if k not in PER_TOKEN:
-            raise ValueError(f"unknown per-token field {k!r} (known: {PER_TOKEN})")
-        if v is not None and len(v) != len(trajs):
-            raise ValueError(f"{len(v)} {k} entries for {len(trajs)} trajectories")
-    return advantages
-
-
 def pack_by_token_budget(lengths: Sequence[int], max_tokens_per_mb: int) -> list[list[int]]:
     """Bin-pack sequence indices so each bin's *total* length stays within ``max_tokens_per_mb`` (first-fit
     decreasing: no padding, so only the sum matters). A sequence longer than the budget gets a bin of its own.
@@ -278,6 +153,75 @@ def pack_by_token_budget(lengths: Sequence[int], max_tokens_per_mb: int) -> list
     return [sorted(b) for b in bins]
 
 
+def _per_token(traj: Trajectory, value: float | np.ndarray) -> np.ndarray:
+    """A scalar broadcast over the trajectory's tokens, or a per-token array aligned with its input_ids."""
+    a = np.asarray(value, dtype=np.float32)
+    if a.ndim == 0:
+        return np.full(len(traj.input_ids), float(a), np.float32)
+    if a.shape != (len(traj.input_ids),):
+        raise ValueError(f"per-token values have shape {a.shape}, trajectory has {len(traj.input_ids)} tokens")
+    return a
+
+
+def _columns(
+    trajs: Sequence[Trajectory],
+    idx: list[int],
+    advantages: Sequence[float | np.ndarray],
+    per_token: dict[str, Optional[Sequence[float | np.ndarray]]],
+) -> dict[str, list[np.ndarray]]:
+    """Per `MicroBatch` field, one array per sequence of ``idx``: position 0 leaves the loss mask (no prefix to
+    condition on, and in a packed row the logits before it belong to the previous sequence); values off the loss
+    mask are zeroed (versions: -1)."""
+    if not idx:
+        raise ValueError("a micro-batch needs at least one sequence")
+    values = {"advantages": advantages, **{k: v for k, v in per_token.items() if v is not None}}
+    cols: dict[str, list[np.ndarray]] = {k: [] for k in ("input_ids", "loss_mask", "logprobs", "versions", *values)}
+    for i in idx:
+        t = trajs[i]
+        m = t.loss_mask.astype(bool).copy()
+        if len(m):
+            m[0] = False
+        cols["input_ids"].append(t.input_ids.astype(np.int64))
+        cols["loss_mask"].append(m)
+        cols["logprobs"].append(np.where(m, t.logprobs, 0.0).astype(np.float32))
+        cols["versions"].append(np.where(m, t.versions, -1).astype(np.int64))
+        for k, v in values.items():
+            cols[k].append(np.where(m, _per_token(t, v[i]), 0.0).astype(np.float32))
+    return cols
+
+
+def collate_padded(
+    trajs: Sequence[Trajectory],
+    indices: Sequence[int],
+    advantages: Sequence[float | np.ndarray],
+    *,
+    pad_token_id: int = 0,
+    **per_token: Optional[Sequence[float | np.ndarray]],
+) -> MicroBatch:
+    """Right-pad ``trajs[i] for i in indices`` into one `MicroBatch`.
+
+    ``advantages[i]`` is either a scalar (broadcast to the trajectory's loss-mask tokens, the GRPO case) or a
+    per-token array aligned with ``trajs[i].input_ids``. Values off the loss mask are zeroed. ``per_token``
+    (optional `PER_TOKEN` fields, e.g. ``token_weights``, same convention) fill the micro-batch's tensors.
+    """
+    idx = list(indices)
+    cols = _columns(trajs, idx, advantages, per_token)
+    lens = [len(a) for a in cols["input_ids"]]
+    shape = (len(idx), max(max(lens), 1))
+    fill = {"input_ids": pad_token_id, "versions": -1}
+
+    def pad(key: str) -> torch.Tensor:
+        out = np.full(shape, fill.get(key, 0), cols[key][0].dtype)
+        for row, a in enumerate(cols[key]):
+            out[row, : len(a)] = a
+        return torch.from_numpy(out)
+
+    attn = torch.zeros(shape, dtype=torch.long)
+    for row, n in enumerate(lens):
+        attn[row, :n] = 1
+    return MicroBatch(**{k: pad(k) for k in cols}, attention_mask=attn, seq_lens=torch.tensor(lens), indices=idx)
+
+
 def collate_packed(
     trajs: Sequence[Trajectory],
     indices: Sequence[int],
@@ -285,47 +229,43 @@ def collate_packed(
     **per_token: Optional[Sequence[float | np.ndarray]],
 ) -> MicroBatch:
     """Concatenate ``trajs[i] for i in indices`` into one padding-free row (see `MicroBatch`). Per-token values
-    follow `collate_padded`; the first token of every sequence is out of the loss (it has no prefix in its own
-    sequence, and in the packed row the logits before it belong to the previous sequence)."""
+    follow `collate_padded`; the first token of every sequence is out of the loss."""
     idx = list(indices)
-    if not idx:
-        raise ValueError("a micro-batch needs at least one sequence")
-    lens = [len(trajs[i].input_ids) for i in idx]
+    cols = _columns(trajs, idx, advantages, per_token)
+    lens = [len(a) for a in cols["input_ids"]]
     if min(lens) < 1:
         raise ValueError("packing needs non-empty sequences")
-    extra = [k for k, v in per_token.items() if v is not None]
-    parts: dict[str, list[np.ndarray]] = {k: [] for k in ("ids", "mask", "lp", "ver", "adv", "pos", *extra)}
-    for i, n in zip(idx, lens):
-        t = trajs[i]
-        m = t.loss_mask.astype(bool).copy()
-        m[0] = False
-        parts["ids"].append(t.input_ids.astype(np.int64))
-        parts["mask"].append(m)
-        parts["lp"].append(np.where(m, t.logprobs, 0.0).astype(np.float32))
-        parts["ver"].append(np.where(m, t.versions, -1).astype(np.int64))
-        parts["adv"].append(np.where(m, _per_token_advantages(t, advantages[i]), 0.0).astype(np.float32))
-        parts["pos"].append(np.arange(n, dtype=np.int64))
-        for k in extra:
-            parts[k].append(np.where(m, _per_token_advantages(t, per_token[k][i]), 0.0).astype(np.float32))
-
-    def row(key: str) -> torch.Tensor:
-        return torch.from_numpy(np.concatenate(parts[key])).unsqueeze(0)
-
+    cols["position_ids"] = [np.arange(n, dtype=np.int64) for n in lens]
     cu = np.zeros(len(lens) + 1, np.int32)
     cu[1:] = np.cumsum(lens)
-    return MicroBatch(
-        input_ids=row("ids"),
-        attention_mask=None,
-        loss_mask=row("mask"),
-        logprobs=row("lp"),
-        versions=row("ver"),
-        advantages=row("adv"),
-        seq_lens=torch.tensor(lens, dtype=torch.long),
-        indices=idx,
-        position_ids=row("pos"),
-        cu_seqlens=torch.from_numpy(cu),
-        **{k: row(k) for k in extra},
-    )
+    return MicroBatch(**{k: torch.from_numpy(np.concatenate(v)).unsqueeze(0) for k, v in cols.items()},
+                      attention_mask=None, seq_lens=torch.tensor(lens), indices=idx, cu_seqlens=torch.from_numpy(cu))
+
+
+def build_micro_batches(
+    trajs: Sequence[Trajectory],
+    max_tokens_per_mb: int,
+    advantages: Optional[Sequence[float | np.ndarray]] = None,
+    *,
+    packed: bool = False,
+    pad_token_id: int = 0,
+    **per_token: Optional[Sequence[float | np.ndarray]],
+) -> list[MicroBatch]:
+    """Split ``trajs`` by token budget and collate each group (see module doc), right-padded or, with ``packed``,
+    bin-packed into padding-free rows. ``advantages`` defaults to 0."""
+    if advantages is None:
+        advantages = [0.0] * len(trajs)
+    for k, v in {"advantages": advantages, **per_token}.items():
+        if k != "advantages" and k not in PER_TOKEN:
+            raise ValueError(f"unknown per-token field {k!r} (known: {PER_TOKEN})")
+        if v is not None and len(v) != len(trajs):
+            raise ValueError(f"{len(v)} {k} entries for {len(trajs)} trajectories")
+    lengths = [len(t.input_ids) for t in trajs]
+    if packed:
+        return [collate_packed(trajs, b, advantages, **per_token)
+                for b in pack_by_token_budget(lengths, max_tokens_per_mb)]
+    return [collate_padded(trajs, g, advantages, pad_token_id=pad_token_id, **per_token)
+            for g in split_by_token_budget(lengths, max_tokens_per_mb)]
 
 
 def build_packed_micro_batches(
@@ -334,7 +274,5 @@ def build_packed_micro_batches(
     advantages: Optional[Sequence[float | np.ndarray]] = None,
     **per_token: Optional[Sequence[float | np.ndarray]],
 ) -> list[MicroBatch]:
-    """Bin-pack ``trajs`` by token budget and concatenate each bin into one padding-free row."""
-    advantages = _check_per_traj(trajs, advantages, per_token)
-    bins = pack_by_token_budget([len(t.input_ids) for t in trajs], max_tokens_per_mb)
-    return [collate_packed(trajs, b, advantages, **per_token) for b in bins]
+    """`build_micro_batches` with ``packed=True``: bin-packed, padding-free rows."""
+    return build_micro_batches(trajs, max_tokens_per_mb, advantages, packed=True, **per_token)

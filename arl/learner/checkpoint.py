@@ -1,4 +1,5 @@
-"""Finding the latest learner checkpoint of a run without importing torch or DeepSpeed (the launcher needs it).
+"""Finding the latest learner checkpoint of a run without importing torch or DeepSpeed (the launcher needs it), and
+the atomic file and folder writes the learner's checkpoints and exports use.
 
 Layout (written by `DeepSpeedEngine.save`): ``<run>/checkpoints/latest`` names a tag ``v<version>``;
 ``<run>/checkpoints/v<version>/`` holds DeepSpeed's files and `CHECKPOINT_STATE_FILE`, a JSON dict with the policy
@@ -7,11 +8,15 @@ version and the learner worker's resume state (groups consumed, data position, c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from typing import Optional
+import shutil
+import tempfile
+from typing import Iterator, Optional
 
-__all__ = ["CHECKPOINT_STATE_FILE", "CHECKPOINT_SUBDIR", "latest_checkpoint", "read_checkpoint_state"]
+__all__ = ["CHECKPOINT_STATE_FILE", "CHECKPOINT_SUBDIR", "latest_checkpoint", "read_checkpoint_state",
+           "replacing_file", "replacing_dir"]
 
 CHECKPOINT_STATE_FILE = "arl_state.json"
 CHECKPOINT_SUBDIR = "checkpoints"
@@ -43,3 +48,41 @@ def read_checkpoint_state(path: str) -> Optional[dict]:
     if not isinstance(state, dict) or not isinstance(state.get("version"), int):
         raise RuntimeError(f"checkpoint {d}: {CHECKPOINT_STATE_FILE} has no integer 'version'")
     return state
+
+
+@contextlib.contextmanager
+def replacing_file(path: str) -> Iterator[str]:
+    """A temporary file in ``path``'s folder to write, renamed onto ``path`` when the block ends (removed if it
+    raises), so readers see the old file or the whole new one."""
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.splitext(path)[1], dir=d)
+    os.close(fd)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def replacing_dir(out_dir: str, prefix: str = ".tmp-") -> Iterator[str]:
+    """A sibling temporary folder to fill, swapped in for ``out_dir`` when the block ends (removed if it raises),
+    so a crash leaves either the old folder or the new one."""
+    out_dir = os.path.abspath(out_dir)
+    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=prefix, dir=os.path.dirname(out_dir))
+    try:
+        yield tmp
+        if os.path.isdir(out_dir):
+            old = out_dir + f".old-{os.getpid()}"
+            os.replace(out_dir, old)
+            os.replace(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -37,16 +37,15 @@ import math
 import os
 import random
 import shutil
-import tempfile
 from typing import Any, Optional
 
 import numpy as np
 import torch
 
 from arl.api.engine import LossFn, LossWeightFn, TrainBatch
-from arl.config import DeepSpeedConfig, OptimizerConfig, PackedAttention
-from arl.learner.batching import MicroBatch, build_micro_batches, build_packed_micro_batches
-from arl.learner.checkpoint import CHECKPOINT_STATE_FILE
+from arl.config import DeepSpeedConfig, LRSchedule, OptimizerConfig, PackedAttention
+from arl.learner.batching import MicroBatch, build_micro_batches
+from arl.learner.checkpoint import CHECKPOINT_STATE_FILE, replacing_dir, replacing_file
 from arl.learner.packing import enable_varlen_attention, packed_forward_kwargs
 from arl.learner.ppo import token_logprobs
 from arl.utils.net import free_port
@@ -71,22 +70,12 @@ def ensure_distributed() -> None:
     # find it half-rebuilt and fail to import it: keep one folder per torch version.
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.expanduser("~/.cache/torch_extensions"),
                                                                f"torch-{torch.__version__}"))
-    if not all(k in os.environ for k in _DIST_ENV):
-        defaults = {
-            "RANK": "0",
-            "WORLD_SIZE": "1",
-            "LOCAL_RANK": "0",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(free_port()),
-        }
-        if any(k in os.environ for k in _DIST_ENV) and os.environ.get("WORLD_SIZE", "1") != "1":
-            missing = [k for k in _DIST_ENV if k not in os.environ]
-            raise RuntimeError(f"partial distributed environment (WORLD_SIZE>1 but {missing} unset)")
-        added = [k for k in defaults if k not in os.environ]
-        for k in added:
-            os.environ[k] = defaults[k]
-    else:
-        added = []
+    added = [k for k in _DIST_ENV if k not in os.environ]
+    if added and os.environ.get("WORLD_SIZE", "1") != "1":
+        raise RuntimeError(f"partial distributed environment (WORLD_SIZE>1 but {added} unset)")
+    defaults = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    for k in added:
+        os.environ[k] = defaults[k] if k in defaults else str(free_port())
     backend = None if torch.cuda.is_available() else "gloo"
     try:
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
@@ -102,8 +91,7 @@ def ensure_distributed() -> None:
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0):
     """LR multiplier per optimizer step ``k`` (0-based): linear warm-up over ``warmup_steps`` (from ``1/warmup``
     to 1), then ``constant``, ``linear`` decay or ``cosine`` decay down to ``min_lr_ratio`` at ``total_steps``."""
-    if schedule not in ("constant", "linear", "cosine"):
-        raise ValueError(f"lr_schedule must be 'constant', 'linear' or 'cosine', got {schedule!r}")
+    schedule = LRSchedule(schedule)  # ValueError on an unknown name
     if warmup_steps < 0 or not 0.0 <= min_lr_ratio <= 1.0:
         raise ValueError(f"bad LR schedule: warmup_steps={warmup_steps}, min_lr_ratio={min_lr_ratio}")
 
@@ -146,31 +134,18 @@ class DeepSpeedEngine:
                  ref_model: Optional[torch.nn.Module] = None) -> None:
         import deepspeed as ds
 
-        ds_cfg, opt_cfg = deepspeed, optimizer
-        if ds_cfg.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"zero_stage must be 0..3, got {ds_cfg.zero_stage}")
-        if ds_cfg.offload_optimizer and ds_cfg.zero_stage == 0:
-            raise ValueError("offload_optimizer needs zero_stage >= 1")
-        self.packed_attention = PackedAttention(ds_cfg.packed_attention)  # ValueError on an unknown mode
-        lr_fn = lr_lambda(opt_cfg.lr_schedule, int(opt_cfg.warmup_steps), int(total_optimizer_steps),
-                          float(opt_cfg.min_lr_ratio))
+        self.cfg = deepspeed  # the section checked its own fields
+        opt_cfg = optimizer
+        lr_fn = lr_lambda(opt_cfg.lr_schedule, opt_cfg.warmup_steps, total_optimizer_steps, opt_cfg.min_lr_ratio)
         self.version = int(version)
-        self.zero_stage = int(ds_cfg.zero_stage)
-        self.bf16 = bool(ds_cfg.bf16)
-        self.max_tokens_per_mb = int(ds_cfg.max_tokens_per_mb)
-        self.packing = bool(ds_cfg.packing)
         self.ref_model: Optional[torch.nn.Module] = None
         if reference or ref_model is not None:
-            ref = ref_model if ref_model is not None else copy.deepcopy(model)
-            ref.eval()
-            for p_ in ref.parameters():
-                p_.requires_grad_(False)
-            self.ref_model = ref
-        if self.packing and self.packed_attention == PackedAttention.varlen:
-            enable_varlen_attention(model)
-            if self.ref_model is not None:
-                enable_varlen_attention(self.ref_model)
-        if self.bf16 and self.zero_stage == 0:
+            self.ref_model = (ref_model if ref_model is not None else copy.deepcopy(model)).eval().requires_grad_(False)
+        if deepspeed.packing and deepspeed.packed_attention == PackedAttention.varlen:
+            for m in (model, self.ref_model):
+                if m is not None:
+                    enable_varlen_attention(m)
+        if deepspeed.bf16 and deepspeed.zero_stage == 0:
             # DeepSpeed 0.19.8 wraps bf16 + stage 0 + a client optimizer in FP16_UnfusedOptimizer, which
             # accumulates gradients in bf16; stage >= 1 uses fp32 gradient accumulation.
             logger.warning("bf16 with zero_stage=0 accumulates gradients in bf16; prefer zero_stage>=1 with bf16")
@@ -184,17 +159,17 @@ class DeepSpeedEngine:
         self._dist = dist
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
-        zero: dict[str, Any] = {"stage": self.zero_stage}
-        if ds_cfg.offload_optimizer:
+        zero: dict[str, Any] = {"stage": deepspeed.zero_stage}
+        if deepspeed.offload_optimizer:
             zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
-        if self.zero_stage == 3:
+        if deepspeed.zero_stage == 3:
             zero["stage3_gather_16bit_weights_on_model_save"] = True
         self.ds_config: dict[str, Any] = {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,
             "gradient_clipping": float(opt_cfg.grad_clip),
             "zero_optimization": zero,
-            "bf16": {"enabled": self.bf16},
+            "bf16": {"enabled": bool(deepspeed.bf16)},
             # A client torch AdamW with ZeRO-Offload: allowed (DeepSpeedCPUAdam would JIT-compile an op).
             "zero_force_ds_cpu_optimizer": False,
             "steps_per_print": 1 << 30,
@@ -218,13 +193,10 @@ class DeepSpeedEngine:
 
     # ------------------------------------------------------------------ micro-batches
     def _micro_batches(self, batch: TrainBatch) -> list[MicroBatch]:
-        per_token = {k: v for k, v in batch.fields.items() if k != "advantages"}
-        adv = batch.fields.get("advantages")
-        if self.packing:
-            built = build_packed_micro_batches(batch.trajs, self.max_tokens_per_mb, adv, **per_token)
-        else:
-            built = build_micro_batches(batch.trajs, self.max_tokens_per_mb, adv, pad_token_id=self.pad_token_id,
-                                        **per_token)
+        per_token = dict(batch.fields)
+        adv = per_token.pop("advantages", None)
+        built = build_micro_batches(batch.trajs, self.cfg.max_tokens_per_mb, adv, packed=self.cfg.packing,
+                                    pad_token_id=self.pad_token_id, **per_token)
         return [mb.to(self.device) for mb in built]
 
     def _equal_counts(self, mbs: list[MicroBatch]) -> list[MicroBatch]:
@@ -238,7 +210,7 @@ class DeepSpeedEngine:
         module = self.model_engine if module is None else module
         if mb.packed:
             kw = packed_forward_kwargs(mb)
-            if self.packed_attention == PackedAttention.mask:  # transformers detects the restarts of position_ids
+            if self.cfg.packed_attention == PackedAttention.mask:  # transformers detects the restarts of position_ids
                 kw = {k: kw[k] for k in ("input_ids", "position_ids", "attention_mask")}
             out = module(**kw, use_cache=False)  # a cache would switch off transformers' packed detection
         else:
@@ -300,27 +272,19 @@ class DeepSpeedEngine:
     def _optimizer_step(self) -> float:
         """engine.step() at a gradient accumulation boundary; returns the gradient norm before clipping."""
         manual = None
-        if self.zero_stage == 0 and not self.bf16:
-            manual = self._grad_norm_stage0()  # client AdamW exposes no norm; grads are all-reduced here
+        if self.cfg.zero_stage == 0 and not self.cfg.bf16:  # client AdamW exposes no norm; grads are all-reduced
+            manual = math.sqrt(sum(float(p.grad.detach().float().pow(2).sum())
+                                   for p in self.model_engine.module.parameters() if p.grad is not None))
         self.model_engine.step()
-        grad_norm = self.model_engine.get_global_grad_norm()
-        if grad_norm is None or manual is not None:
-            grad_norm = manual if manual is not None else float("nan")
-        return float(grad_norm.item() if isinstance(grad_norm, torch.Tensor) else grad_norm)
-
-    def _grad_norm_stage0(self) -> float:
-        sq = 0.0
-        for p in self.model_engine.module.parameters():
-            if p.grad is not None:
-                sq += float(p.grad.detach().float().pow(2).sum())
-        return math.sqrt(sq)
+        norm = manual if manual is not None else self.model_engine.get_global_grad_norm()
+        return float("nan") if norm is None else float(norm)
 
     # ------------------------------------------------------------------ weights out
     def full_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
         """The full model state dict on CPU, keys as the HF model's ``state_dict()`` (ZeRO-3: gathered; collective,
         call on every rank). Rank 0 gets the dict, other ranks None. Tensors are independent copies (tied weights
         are not shared), so the dict can be written with safetensors."""
-        if self.zero_stage == 3:
+        if self.cfg.zero_stage == 3:
             sd = self.model_engine._zero3_consolidated_16bit_state_dict()
         else:
             sd = self.model_engine.module.state_dict() if self.rank == 0 else None
@@ -339,17 +303,8 @@ class DeepSpeedEngine:
             assert sd is not None
             if dtype is not None:
                 sd = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in sd.items()}
-            d = os.path.dirname(os.path.abspath(path))
-            os.makedirs(d, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=d)
-            os.close(fd)
-            try:
+            with replacing_file(path) as tmp:
                 save_file(sd, tmp, metadata={"format": "pt", "version": str(self.version)})
-                os.replace(tmp, path)
-            except BaseException:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-                raise
         self._barrier()
 
     def export_hf(self, dir: str, tokenizer: Any = None) -> None:
@@ -357,24 +312,10 @@ class DeepSpeedEngine:
         swapped in. Collective under ZeRO-3; only rank 0 writes."""
         sd = self.full_state_dict()
         if self.rank == 0:
-            dir = os.path.abspath(dir)
-            parent = os.path.dirname(dir)
-            os.makedirs(parent, exist_ok=True)
-            tmp = tempfile.mkdtemp(prefix=".tmp-hf-", dir=parent)
-            try:
+            with replacing_dir(dir, ".tmp-hf-") as tmp:
                 self.model_engine.module.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
                 if tokenizer is not None:
                     tokenizer.save_pretrained(tmp)
-                if os.path.isdir(dir):
-                    old = dir + f".old-{os.getpid()}"
-                    os.replace(dir, old)
-                    os.replace(tmp, dir)
-                    shutil.rmtree(old, ignore_errors=True)
-                else:
-                    os.replace(tmp, dir)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
         self._barrier()
 
     def _barrier(self) -> None:
@@ -394,17 +335,10 @@ class DeepSpeedEngine:
         tag = f"v{self.version}"
         state = {"version": self.version, **(client_state or {})}
         if self.rank == 0:
-            os.makedirs(os.path.join(path, tag), exist_ok=True)
-            tmp = os.path.join(path, tag, CHECKPOINT_STATE_FILE + ".tmp")
-            with open(tmp, "w") as f:
+            with replacing_file(os.path.join(path, tag, CHECKPOINT_STATE_FILE)) as tmp, open(tmp, "w") as f:
                 json.dump(state, f)
-            os.replace(tmp, os.path.join(path, tag, CHECKPOINT_STATE_FILE))
         self._barrier()
-        rng = {
-            "python": random.getstate(),
-            "numpy": np.random.get_state(),
-            "torch": torch.get_rng_state(),
-        }
+        rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
         self.model_engine.save_checkpoint(
@@ -412,10 +346,8 @@ class DeepSpeedEngine:
         )
         self._barrier()
         if keep_last is not None and self.rank == 0:
-            tags = sorted(
-                (d for d in os.listdir(path) if d.startswith("v") and d[1:].isdigit() and d != tag),
-                key=lambda d: int(d[1:]),
-            )
+            tags = sorted((d for d in os.listdir(path) if d.startswith("v") and d[1:].isdigit() and d != tag),
+                          key=lambda d: int(d[1:]))
             for old in tags[: max(0, len(tags) - (keep_last - 1))]:
                 shutil.rmtree(os.path.join(path, old), ignore_errors=True)
         return os.path.join(path, tag)

@@ -18,11 +18,11 @@ import fnmatch
 import json
 import os
 import shutil
-import tempfile
 from typing import Any, Mapping, Optional, Union
 
 import torch
 
+from arl.learner.checkpoint import replacing_dir
 from arl.models.tiny import stop_token_ids
 
 __all__ = ["export_final", "load_weights", "TOKENIZER_FILES", "EXPORT_INFO_FILE"]
@@ -88,14 +88,12 @@ def _generation_config(model_dir: str, gen: Optional[Mapping[str, Any]]) -> dict
         out["do_sample"] = True
         out["temperature"] = float(gen.get("temperature", 1.0))
         top_p, top_k = float(gen.get("top_p", 1.0)), int(gen.get("top_k", 0))
+        out.pop("top_p", None)
+        out.pop("top_k", None)
         if top_p < 1.0:
             out["top_p"] = top_p
-        else:
-            out.pop("top_p", None)
         if top_k > 0:  # ARL's 0 means off; transformers' off is None
             out["top_k"] = top_k
-        else:
-            out.pop("top_k", None)
         if gen.get("max_new_tokens"):
             out["max_new_tokens"] = int(gen["max_new_tokens"])
         if int(gen.get("min_new_tokens", 0) or 0) > 0:
@@ -164,11 +162,7 @@ def export_final(weights: Weights, model_dir: str, out_dir: str, *, gen: Optiona
     if missing or unexpected:
         raise ValueError(f"weights do not fit the model of {model_dir!r}: missing {sorted(missing)[:5]}, "
                          f"unexpected {sorted(unexpected)[:5]}")
-    out_dir = os.path.abspath(out_dir)
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-final-", dir=parent)
-    try:
+    with replacing_dir(out_dir, ".tmp-final-") as tmp:
         model.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
         _copy_tokenizer(model_dir, tmp)
         with open(os.path.join(tmp, "generation_config.json"), "w") as f:
@@ -177,14 +171,4 @@ def export_final(weights: Weights, model_dir: str, out_dir: str, *, gen: Optiona
                 "weights": os.path.abspath(weights) if isinstance(weights, (str, os.PathLike)) else None}
         with open(os.path.join(tmp, EXPORT_INFO_FILE), "w") as f:
             json.dump(info, f, indent=2)
-        if os.path.isdir(out_dir):
-            old = out_dir + f".old-{os.getpid()}"
-            os.replace(out_dir, old)
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+    return os.path.abspath(out_dir)

@@ -30,7 +30,6 @@ from arl.learner.batching import MicroBatch
 __all__ = ["VARLEN_ATTENTION", "register_varlen_attention", "enable_varlen_attention", "packed_forward_kwargs"]
 
 VARLEN_ATTENTION = "arl_varlen"
-_registered = False
 
 
 def _segments_from_positions(position_ids: torch.Tensor) -> Optional[list[int]]:
@@ -58,9 +57,8 @@ def _varlen_attention(
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     cu = kwargs.pop("cu_seq_lens_q", None)
-    kwargs.pop("cu_seq_lens_k", None)
-    kwargs.pop("max_length_q", None)
-    kwargs.pop("max_length_k", None)
+    for k in ("cu_seq_lens_k", "max_length_q", "max_length_k"):
+        kwargs.pop(k, None)
     bounds: Optional[list[int]] = None
     q_len = query.shape[2]
     if query.shape[0] == 1 and attention_mask is None and q_len > 1 and q_len == key.shape[2]:
@@ -96,16 +94,12 @@ def _varlen_mask(*args: Any, **kwargs: Any) -> Optional[torch.Tensor]:
 
 
 def register_varlen_attention() -> None:
-    """Register ``arl_varlen`` with transformers' attention and mask interfaces (idempotent)."""
-    global _registered
-    if _registered:
-        return
+    """Register ``arl_varlen`` with transformers' attention and mask interfaces (idempotent: a mapping update)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(VARLEN_ATTENTION, _varlen_attention)
     AttentionMaskInterface.register(VARLEN_ATTENTION, _varlen_mask)
-    _registered = True
 
 
 def enable_varlen_attention(model: torch.nn.Module) -> str:

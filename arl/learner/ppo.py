@@ -24,20 +24,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = [
-    "group_advantages",
-    "decoupled_ppo_loss",
-    "kl_penalty",
-    "turn_segments",
-    "discounted_turn_returns",
-    "turn_level_advantages",
-    "sequence_level_weights",
-    "stale_token_weights",
-    "token_logprobs",
-    "entropy_from_logits",
-    "shift_right",
-    "masked_mean",
-]
+__all__ = ["group_advantages", "decoupled_ppo_loss", "kl_penalty", "turn_segments", "discounted_turn_returns",
+           "turn_level_advantages", "sequence_level_weights", "stale_token_weights", "token_logprobs",
+           "entropy_from_logits", "shift_right", "masked_mean"]
 
 
 def masked_mean(x: Tensor, mask: Tensor, denominator: Optional[float | Tensor] = None) -> Tensor:
@@ -75,16 +64,13 @@ def group_advantages(
         raise ValueError(f"group_ids has {len(group_ids)} entries but rewards has {rewards.numel()}")
     index: dict[str, int] = {}
     gid = torch.tensor([index.setdefault(g, len(index)) for g in group_ids], dtype=torch.long, device=rewards.device)
-    n_groups = len(index)
-    count = torch.zeros(n_groups, dtype=rewards.dtype, device=rewards.device).index_add_(
-        0, gid, torch.ones_like(rewards)
-    )
-    mean = torch.zeros(n_groups, dtype=rewards.dtype, device=rewards.device).index_add_(0, gid, rewards) / count
-    centred = rewards - mean[gid]
-    if not std_norm:
-        return centred
-    var = torch.zeros(n_groups, dtype=rewards.dtype, device=rewards.device).index_add_(0, gid, centred**2) / count
-    return centred / (var.sqrt()[gid] + eps)
+
+    def group_mean(x: Tensor) -> Tensor:  # per sequence: the mean of x over its group
+        return (rewards.new_zeros(len(index)).index_add_(0, gid, x) / count)[gid]
+
+    count = rewards.new_zeros(len(index)).index_add_(0, gid, torch.ones_like(rewards))
+    centred = rewards - group_mean(rewards)
+    return centred / (group_mean(centred**2).sqrt() + eps) if std_norm else centred
 
 
 def decoupled_ppo_loss(

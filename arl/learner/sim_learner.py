@@ -23,6 +23,7 @@ import numpy as np
 
 from arl.api.engine import LossFn, LossWeightFn, TrainBatch
 from arl.config import SimLearnerConfig
+from arl.learner.checkpoint import replacing_file
 
 
 class SimLearner:
@@ -32,15 +33,11 @@ class SimLearner:
     world_size = 1
 
     def __init__(self, sim: SimLearnerConfig, version: int = 0) -> None:
-        if sim.s_per_token < 0 or sim.step_base_s < 0 or sim.time_scale <= 0:
-            raise ValueError("s_per_token and step_base_s must be >= 0 and time_scale > 0")
-        self.s_per_token = float(sim.s_per_token)
-        self.step_base_s = float(sim.step_base_s)
-        self.time_scale = float(sim.time_scale)
+        self.sim = sim  # checked by the section
         self.version = int(version)
 
     def step_seconds(self, tokens: int) -> float:
-        return (self.step_base_s + self.s_per_token * tokens) * self.time_scale
+        return (self.sim.step_base_s + self.sim.s_per_token * tokens) * self.sim.time_scale
 
     def forward_logprobs(self, batch: TrainBatch, temperature: float = 1.0,
                          reference: bool = False) -> list[np.ndarray]:
@@ -59,11 +56,9 @@ class SimLearner:
         """A placeholder weights file (atomic write): the inference side checks it exists and 'loads' it."""
         from safetensors.numpy import save_file
 
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        tmp = f"{path}.tmp{os.getpid()}"
-        save_file({"sim.version": np.array([self.version], np.int64)}, tmp,
-                  metadata={"format": "np", "version": str(self.version), "sim": "1"})
-        os.replace(tmp, path)
+        with replacing_file(path) as tmp:
+            save_file({"sim.version": np.array([self.version], np.int64)}, tmp,
+                      metadata={"format": "np", "version": str(self.version), "sim": "1"})
 
     def save(self, path: str, client_state: Optional[dict] = None, keep_last: Optional[int] = None) -> str:
         os.makedirs(path, exist_ok=True)

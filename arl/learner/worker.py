@@ -42,12 +42,8 @@ def staleness_counts(batch: list[Trajectory], version: int) -> dict[int, int]:
     histogram the benchmarks report (metrics keys `stale_tokens_<k>`)."""
     import numpy as np
 
-    gen = [t.versions[t.loss_mask.astype(bool)] for t in batch]
-    gen = [v for v in gen if len(v)]
-    if not gen:
-        return {}
-    counts = np.bincount(np.maximum(version - np.concatenate(gen).astype(np.int64), 0))
-    return {k: int(n) for k, n in enumerate(counts) if n}
+    gen = np.concatenate([t.versions[t.loss_mask.astype(bool)] for t in batch] or [np.zeros(0)]).astype(np.int64)
+    return {k: int(n) for k, n in enumerate(np.bincount(np.maximum(version - gen, 0))) if n}
 
 
 class LearnerWorker:
@@ -87,17 +83,17 @@ class LearnerWorker:
         # exported weight files, oldest first: deleted once below what the controller says is still needed
         self._exported: collections.deque[tuple[int, str]] = collections.deque()
         self.needed_from = 0  # versions below this are read by no inference server again (`prune_below`)
+        # accounting: every received group ends up trained, dropped as stale or invalid, or still buffered
         self.stats = {"groups_received": 0, "trajectories_received": 0, "steps": 0, "idle_seconds": 0.0,
-                      "train_seconds": 0.0, "staleness_violations": 0, "stale_groups_dropped": 0}
+                      "train_seconds": 0.0, "staleness_violations": 0, "stale_groups_dropped": 0,
+                      "trained_groups": 0, "trained_trajectories": 0, "stale_trajectories_dropped": 0,
+                      "invalid_groups": 0, "trained_twice": 0}
         self.checkpoint_dir = checkpoint_dir
         self.checkpoint_every = max(0, int(checkpoint_every))
         self.keep_checkpoints = max(1, int(keep_checkpoints))
         self.groups_consumed = 0
         self.data_position: dict[str, int] = {}  # rollout worker index -> next prompt-stream position
-        # accounting (every received group ends up trained, dropped as stale or invalid, or still buffered)
         self.vocab_size = vocab_size
-        self.stats.update(trained_groups=0, trained_trajectories=0, stale_trajectories_dropped=0,
-                          invalid_groups=0, trained_twice=0)
         self._trained_ids: set[str] = set()
         self._in_step = 0  # groups of the step being trained (taken from the buffer, not yet counted as trained)
         self._last_invalid_log = -1e9
@@ -219,9 +215,7 @@ class LearnerWorker:
 
     async def maybe_checkpoint(self, force: bool = False) -> Optional[str]:
         v = self.engine.version
-        if not self.checkpoint_dir or not self.checkpoint_every:
-            return None
-        if not force and v % self.checkpoint_every:
+        if not self.checkpoint_dir or not self.checkpoint_every or (not force and v % self.checkpoint_every):
             return None
         t0 = time.monotonic()
         path = await asyncio.to_thread(self.engine.save, self.checkpoint_dir, self.checkpoint_state(),

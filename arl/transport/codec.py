@@ -39,55 +39,21 @@ from typing import Any, Optional
 import msgpack
 import numpy as np
 
-from arl.api.types import (
-    FINISH_REASONS,
-    GenerateRequest,
-    GenerateResponse,
-    GenerationConfig,
-    SampleOutput,
-    Trajectory,
-)
+from arl.api.types import FINISH_REASONS, GenerateRequest, GenerateResponse, GenerationConfig, SampleOutput, Trajectory
 
-__all__ = [
-    "PROTOCOL_VERSION",
-    "DEFAULT_MAX_BYTES",
-    "TAG_SIZE",
-    "TYPED_TYPES",
-    "CONTROL_TYPES",
-    "MESSAGE_TYPES",
-    "MalformedMessage",
-    "encode",
-    "decode",
-]
+__all__ = ["PROTOCOL_VERSION", "DEFAULT_MAX_BYTES", "TAG_SIZE", "TYPED_TYPES", "CONTROL_TYPES", "MESSAGE_TYPES",
+           "MalformedMessage", "encode", "decode"]
 
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 TAG_SIZE = 32  # HMAC-SHA256 digest size
 
 TYPED_TYPES = frozenset({"gen_req", "gen_resp", "traj"})
-CONTROL_TYPES = frozenset(
-    {
-        "register",
-        "heartbeat",
-        "lookup",
-        "addresses",
-        "gate_acquire",
-        "gate_grant",
-        "group_done",
-        "weights_published",
-        "update_weights",
-        "weights_loaded",
-        "metrics",
-        "shutdown",
-        "ack",
-        "error",
-        "eval_done",
-        "eval",
-        "groups_dropped",
-        "worker_lost",
-        "worker_back",
-    }
-)
+CONTROL_TYPES = frozenset({
+    "register", "heartbeat", "lookup", "addresses", "gate_acquire", "gate_grant", "group_done", "weights_published",
+    "update_weights", "weights_loaded", "metrics", "shutdown", "ack", "error", "eval_done", "eval", "groups_dropped",
+    "worker_lost", "worker_back",
+})
 MESSAGE_TYPES = TYPED_TYPES | CONTROL_TYPES
 
 _METADATA_MAX_DEPTH = 32

@@ -45,16 +45,7 @@ import zmq.asyncio
 
 from arl.transport.codec import DEFAULT_MAX_BYTES, TAG_SIZE, MalformedMessage, decode, encode
 
-__all__ = [
-    "DEFAULT_HWM",
-    "SocketClosed",
-    "context",
-    "bind_random",
-    "Router",
-    "Dealer",
-    "Push",
-    "Pull",
-]
+__all__ = ["DEFAULT_HWM", "SocketClosed", "context", "bind_random", "Router", "Dealer", "Push", "Pull"]
 
 logger = logging.getLogger("arl.transport")
 

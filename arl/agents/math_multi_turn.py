@@ -24,17 +24,9 @@ DEFAULT_FEEDBACK = "Wrong, try again."
 
 
 class MathMultiTurnAgent(Agent):
-    def __init__(
-        self,
-        tokenizer: Any,
-        gconfig: GenerationConfig,
-        group_size: int = 8,
-        num_turns: int = 3,
-        turn_discount: float = 0.9,
-        feedback: str = DEFAULT_FEEDBACK,
-        filter_uniform_groups: bool = True,
-        max_total_tokens: Optional[int] = None,
-    ) -> None:
+    def __init__(self, tokenizer: Any, gconfig: GenerationConfig, group_size: int = 8, num_turns: int = 3,
+                 turn_discount: float = 0.9, feedback: str = DEFAULT_FEEDBACK, filter_uniform_groups: bool = True,
+                 max_total_tokens: Optional[int] = None) -> None:
         check_int("group_size", group_size)
         check_int("num_turns", num_turns)
         if not 0.0 < turn_discount <= 1.0:

@@ -117,28 +117,14 @@ class _Path:
 
 
 class ToolAgent(Agent):
-    def __init__(
-        self,
-        tokenizer: Any,
-        gconfig: GenerationConfig,
-        group_size: int = 8,
-        tools: Sequence[Any] = ("calculator", "python"),
-        parser: Any = "hermes",
-        max_turns: int = 4,
-        max_new_tokens_per_turn: Optional[int] = None,
-        max_total_tokens: int = 1024,
-        max_observation_tokens: int = 128,
-        max_total_observation_tokens: int = 0,
-        tool_timeout: Optional[float] = None,
-        rollout: str = "chain",
-        tree_branching: int = 2,
-        tree_max_nodes: int = 16,
-        answer_regex: str = r"\S",
-        tools_in_prompt: bool = True,
-        system_prompt: Optional[str] = None,
-        filter_uniform_groups: bool = False,
-        tool_kwargs: Optional[dict[str, dict[str, Any]]] = None,
-    ) -> None:
+    def __init__(self, tokenizer: Any, gconfig: GenerationConfig, group_size: int = 8,
+                 tools: Sequence[Any] = ("calculator", "python"), parser: Any = "hermes", max_turns: int = 4,
+                 max_new_tokens_per_turn: Optional[int] = None, max_total_tokens: int = 1024,
+                 max_observation_tokens: int = 128, max_total_observation_tokens: int = 0,
+                 tool_timeout: Optional[float] = None, rollout: str = "chain", tree_branching: int = 2,
+                 tree_max_nodes: int = 16, answer_regex: str = r"\S", tools_in_prompt: bool = True,
+                 system_prompt: Optional[str] = None, filter_uniform_groups: bool = False,
+                 tool_kwargs: Optional[dict[str, dict[str, Any]]] = None) -> None:
         check_int("group_size", group_size)
         check_int("max_turns", max_turns)
         if rollout not in ("chain", "tree"):

@@ -265,12 +265,6 @@ class TrajectoryBuilder:
 
     def build(self, reward: float, group_id: str, **kw: Any) -> Trajectory:
         kw["metadata"] = {**(kw.get("metadata") or {}), "token_ledger": self.ledger}
-        return Trajectory(
-            input_ids=self.input_ids,
-            loss_mask=np.concatenate(self._mask),
-            logprobs=np.concatenate(self._logp),
-            versions=np.concatenate(self._ver),
-            reward=reward,
-            group_id=group_id,
-            **kw,
-        )
+        return Trajectory(input_ids=self.input_ids, loss_mask=np.concatenate(self._mask),
+                          logprobs=np.concatenate(self._logp), versions=np.concatenate(self._ver), reward=reward,
+                          group_id=group_id, **kw)

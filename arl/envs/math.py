@@ -192,12 +192,8 @@ class MathEnv(EnvironmentService):
     """Stateless reward wrapper. `reset(options={"answer": ...})` stores the reference answer;
     `step(completion_text)` returns `(None, reward, correct, False, {"correct": bool, "error": str | None})`."""
 
-    def __init__(
-        self,
-        reward_fn: Union[str, RewardFn] = "arl.envs.math:exact_number_match",
-        timeout: float = 5.0,
-        correct_threshold: float = 1.0,
-    ) -> None:
+    def __init__(self, reward_fn: Union[str, RewardFn] = "arl.envs.math:exact_number_match", timeout: float = 5.0,
+                 correct_threshold: float = 1.0) -> None:
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"MathEnv timeout must be > 0 seconds, got {timeout!r}")
         self.reward_fn = resolve_reward_fn(reward_fn)

@@ -88,19 +88,9 @@ class _SimRequest:
 class SimEngine:
     """Event-driven simulated continuous-batching engine (implements ``InferenceEngine``); see the module doc."""
 
-    def __init__(
-        self,
-        config: Optional[SimEngineConfig] = None,
-        *,
-        max_batch_size: int = 256,
-        max_context_len: int = 32768,
-        eos_token_id: Optional[int] = None,
-        version: int = 0,
-        seed: int = 0,
-        workload_seed: int = 0,
-        max_sessions: int = 100_000,
-        name: str = "sim",
-    ) -> None:
+    def __init__(self, config: Optional[SimEngineConfig] = None, *, max_batch_size: int = 256,
+                 max_context_len: int = 32768, eos_token_id: Optional[int] = None, version: int = 0, seed: int = 0,
+                 workload_seed: int = 0, max_sessions: int = 100_000, name: str = "sim") -> None:
         """`config`: the latency and output-length model (`inference.sim`); the rest is per run and per server."""
         c = self.config = config if config is not None else SimEngineConfig()
         checks = [

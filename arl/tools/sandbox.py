@@ -252,15 +252,9 @@ class PythonSandbox:
                     reason = f"signal {signal.Signals(sig).name}"
                 except ValueError:
                     reason = f"signal {sig}"
-        return SandboxResult(
-            stdout=bufs["out"].decode("utf-8", errors="replace"),
-            stderr=bufs["err"].decode("utf-8", errors="replace"),
-            exit_code=code,
-            timed_out=timed_out,
-            output_truncated=truncated.is_set(),
-            seconds=time.monotonic() - t0,
-            killed_reason=reason,
-        )
+        return SandboxResult(stdout=bufs["out"].decode("utf-8", errors="replace"),
+                             stderr=bufs["err"].decode("utf-8", errors="replace"), exit_code=code, timed_out=timed_out,
+                             output_truncated=truncated.is_set(), seconds=time.monotonic() - t0, killed_reason=reason)
 
     @staticmethod
     def _kill(proc: asyncio.subprocess.Process) -> None:

@@ -430,18 +430,8 @@ def decode(
     if n == 0:
         raise MalformedMessage("empty frame")
     try:
-        msg = msgpack.unpackb(
-            frame,
-            raw=False,
-            strict_map_key=True,
-            use_list=True,
-            max_bin_len=n,
-            max_str_len=n,
-            max_array_len=n,
-            max_map_len=n // 2,
-            max_ext_len=0,
-            ext_hook=_reject_ext,
-        )
+        msg = msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True, max_bin_len=n, max_str_len=n,
+                              max_array_len=n, max_map_len=n // 2, max_ext_len=0, ext_hook=_reject_ext)
     except Exception as e:  # msgpack raises ValueError, FormatError, StackError, ExtraData, UnicodeDecodeError...
         raise MalformedMessage(f"invalid msgpack ({type(e).__name__})") from None
     if type(msg) is not dict:

@@ -97,14 +97,8 @@ class _Socket:
     _kind: int = -1
     _drops = False  # Router: a batch that cannot go is dropped and counted (stats["dropped"]), never waited for
 
-    def __init__(
-        self,
-        *,
-        secret: Optional[bytes] = None,
-        max_bytes: int = DEFAULT_MAX_BYTES,
-        hwm: int = DEFAULT_HWM,
-        name: Optional[str] = None,
-    ) -> None:
+    def __init__(self, *, secret: Optional[bytes] = None, max_bytes: int = DEFAULT_MAX_BYTES, hwm: int = DEFAULT_HWM,
+                 name: Optional[str] = None) -> None:
         if secret is not None and not isinstance(secret, bytes):
             raise TypeError("secret must be bytes or None")
         sock = context().socket(self._kind)

@@ -233,12 +233,11 @@ class ToolAgent(Agent):
 
     def _finish(self, p: _Path, termination: str, reward: float, info: dict, group_id: str, pid: str) -> Trajectory:
         solved = bool(info.get("correct", False)) if termination == "answered" else False
-        meta: dict[str, Any] = {
-            "turns": p.turns, "tool_calls": p.tool_calls, "tool_errors": p.tool_errors, "void_turns": p.void_turns,
-            "obs_tokens": p.obs_tokens, "obs_truncated": p.obs_truncated, "termination": termination,
-            "solved": solved, "first_correct": solved, "path": p.path, "prompt_id": pid,
-            "turn_kinds": ",".join(p.turn_kinds),
-        }
+        meta: dict[str, Any] = {"turns": p.turns, "tool_calls": p.tool_calls, "tool_errors": p.tool_errors,
+                                "void_turns": p.void_turns, "obs_tokens": p.obs_tokens,
+                                "obs_truncated": p.obs_truncated, "termination": termination, "solved": solved,
+                                "first_correct": solved, "path": p.path, "prompt_id": pid,
+                                "turn_kinds": ",".join(p.turn_kinds)}
         for name in self.toolset.names():
             meta[f"tool_calls_{name}"] = int(p.by_tool.get(name, 0))
         if info.get("error"):

@@ -240,23 +240,11 @@ class SimEngine:
     def stats(self) -> dict[str, Any]:
         if self._loop is not None and not self._closed:
             self._advance(self._loop.time())
-        return {
-            "name": self.name,
-            "backend": "sim",
-            "version": self._version,
-            "decode_steps": int(self._clock),
-            "tokens_generated": self._tokens,
-            "prefill_tokens": self._prefill_tokens,
-            "busy_s": self._busy_s,
-            "running": self._rows,
-            "waiting": len(self._waiting),
-            "requests_done": self._requests_done,
-            "requests_refused": self._requests_refused,
-            "weight_updates": self._weight_updates,
-            "last_update_s": self._last_update_s,
-            "paused": self._paused,
-            "closed": self._closed,
-        }
+        return {"name": self.name, "backend": "sim", "version": self._version, "decode_steps": int(self._clock),
+                "tokens_generated": self._tokens, "prefill_tokens": self._prefill_tokens, "busy_s": self._busy_s,
+                "running": self._rows, "waiting": len(self._waiting), "requests_done": self._requests_done,
+                "requests_refused": self._requests_refused, "weight_updates": self._weight_updates,
+                "last_update_s": self._last_update_s, "paused": self._paused, "closed": self._closed}
 
     def step_seconds(self, batch: int) -> float:
         """Wall seconds of one decode step with `batch` running samples (time scale applied)."""

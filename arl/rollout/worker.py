@@ -378,17 +378,11 @@ class RolloutWorker:
         first = sum(bool(m.get("first_correct")) for m in results)
         solved = sum(bool(m.get("solved")) for m in results)
         turns = [m.get("turns", 1) for m in results]
-        return {
-            "version": version,
-            "n": n,
-            "first_acc": first / n if n else 0.0,
-            "solved_acc": solved / n if n else 0.0,
-            "mean_turns": sum(turns) / len(turns) if turns else 0.0,
-            "traj_means": {k: v / len(results) for k, v in sorted(stats.items())} if results else {},
-            "errors": dict(errors),
-            "token_versions": [min(versions), max(versions)] if versions else [],
-            "seconds": time.monotonic() - t0,
-        }
+        return {"version": version, "n": n, "first_acc": first / n if n else 0.0,
+                "solved_acc": solved / n if n else 0.0, "mean_turns": sum(turns) / len(turns) if turns else 0.0,
+                "traj_means": {k: v / len(results) for k, v in sorted(stats.items())} if results else {},
+                "errors": dict(errors), "token_versions": [min(versions), max(versions)] if versions else [],
+                "seconds": time.monotonic() - t0}
 
     def heartbeat_stats(self) -> dict:
         return {

@@ -153,14 +153,9 @@ class PythonSandbox:
         return out + ["rlimits", "audit hook", "wall-clock kill"]
 
     def _command(self, workdir: str) -> list[str]:
-        cfg = {
-            "cpu_seconds": self.cpu_seconds,
-            "memory_bytes": self.memory_bytes,
-            "file_size_bytes": self.file_size_bytes,
-            "max_open_files": self.max_open_files,
-            "max_processes": 0,
-            "preload": list(self.preload),
-        }
+        cfg = {"cpu_seconds": self.cpu_seconds, "memory_bytes": self.memory_bytes,
+               "file_size_bytes": self.file_size_bytes, "max_open_files": self.max_open_files, "max_processes": 0,
+               "preload": list(self.preload)}
         if self.drop_uid is not None:
             cfg["drop_to_uid"] = self.drop_uid
             cfg["drop_to_gid"] = self.drop_uid

@@ -49,11 +49,9 @@ DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 TAG_SIZE = 32  # HMAC-SHA256 digest size
 
 TYPED_TYPES = frozenset({"gen_req", "gen_resp", "traj"})
-CONTROL_TYPES = frozenset({
-    "register", "heartbeat", "lookup", "addresses", "gate_acquire", "gate_grant", "group_done", "weights_published",
-    "update_weights", "weights_loaded", "metrics", "shutdown", "ack", "error", "eval_done", "eval", "groups_dropped",
-    "worker_lost", "worker_back",
-})
+CONTROL_TYPES = frozenset({"register", "heartbeat", "lookup", "addresses", "gate_acquire", "gate_grant", "group_done",
+                           "weights_published", "update_weights", "weights_loaded", "metrics", "shutdown", "ack",
+                           "error", "eval_done", "eval", "groups_dropped", "worker_lost", "worker_back"})
 MESSAGE_TYPES = TYPED_TYPES | CONTROL_TYPES
 
 _METADATA_MAX_DEPTH = 32
@@ -136,16 +134,9 @@ def _keys(obj: Any, keys: frozenset, what: str) -> None:
 
 # --------------------------------------------------------------------------------------------- GenerationConfig
 
-_GCONFIG_TYPES: dict[str, tuple] = {
-    "n": (int,),
-    "max_new_tokens": (int,),
-    "min_new_tokens": (int,),
-    "temperature": (float, int),
-    "top_p": (float, int),
-    "top_k": (int,),
-    "greedy": (bool,),
-    "stop_token_ids": (list,),
-}
+_GCONFIG_TYPES: dict[str, tuple] = {"n": (int,), "max_new_tokens": (int,), "min_new_tokens": (int,),
+                                    "temperature": (float, int), "top_p": (float, int), "top_k": (int,),
+                                    "greedy": (bool,), "stop_token_ids": (list,)}
 _GCONFIG_KEYS = frozenset(_GCONFIG_TYPES)
 
 
@@ -159,16 +150,9 @@ def _check_gconfig_dict(d: dict, err: type[Exception]) -> None:
 
 
 def _gconfig_out(g: GenerationConfig) -> dict:
-    d = {
-        "n": g.n,
-        "max_new_tokens": g.max_new_tokens,
-        "min_new_tokens": g.min_new_tokens,
-        "temperature": float(g.temperature),
-        "top_p": float(g.top_p),
-        "top_k": g.top_k,
-        "greedy": g.greedy,
-        "stop_token_ids": [int(t) for t in g.stop_token_ids],
-    }
+    d = {"n": g.n, "max_new_tokens": g.max_new_tokens, "min_new_tokens": g.min_new_tokens,
+         "temperature": float(g.temperature), "top_p": float(g.top_p), "top_k": g.top_k, "greedy": g.greedy,
+         "stop_token_ids": [int(t) for t in g.stop_token_ids]}
     _check_gconfig_dict(d, TypeError)
     return d
 
@@ -191,24 +175,16 @@ def _gen_req_out(r: Any) -> dict:
         raise TypeError(f"gen_req needs a GenerateRequest, got {type(r).__name__}")
     if type(r.qid) is not str or (r.session_id is not None and type(r.session_id) is not str):
         raise TypeError("GenerateRequest.qid must be str and session_id str or None")
-    return {
-        "qid": r.qid,
-        "input_ids": _arr_out(r.input_ids, _I32),
-        "gconfig": _gconfig_out(r.gconfig),
-        "session_id": r.session_id,
-    }
+    return {"qid": r.qid, "input_ids": _arr_out(r.input_ids, _I32), "gconfig": _gconfig_out(r.gconfig),
+            "session_id": r.session_id}
 
 
 def _gen_req_in(p: Any) -> GenerateRequest:
     _keys(p, _GEN_REQ_KEYS, "gen_req")
     return _build(
         GenerateRequest,
-        {
-            "qid": _str(p["qid"], "qid"),
-            "input_ids": _arr_in(p["input_ids"], _I32, "input_ids"),
-            "gconfig": _gconfig_in(p["gconfig"]),
-            "session_id": _opt_str(p["session_id"], "session_id"),
-        },
+        {"qid": _str(p["qid"], "qid"), "input_ids": _arr_in(p["input_ids"], _I32, "input_ids"),
+         "gconfig": _gconfig_in(p["gconfig"]), "session_id": _opt_str(p["session_id"], "session_id")},
     )
 
 
@@ -222,12 +198,8 @@ def _gen_resp_out(r: Any) -> dict:
         if not isinstance(s, SampleOutput):
             raise TypeError(f"GenerateResponse.samples must hold SampleOutput, got {type(s).__name__}")
         samples.append(
-            {
-                "output_ids": _arr_out(s.output_ids, _I32),
-                "output_logprobs": _arr_out(s.output_logprobs, _F32),
-                "output_versions": _arr_out(s.output_versions, _I32),
-                "finish_reason": s.finish_reason,
-            }
+            {"output_ids": _arr_out(s.output_ids, _I32), "output_logprobs": _arr_out(s.output_logprobs, _F32),
+             "output_versions": _arr_out(s.output_versions, _I32), "finish_reason": s.finish_reason}
         )
     return {"qid": r.qid, "samples": samples, "error": r.error}
 
@@ -254,11 +226,8 @@ def _gen_resp_in(p: Any) -> GenerateResponse:
         raise MalformedMessage("samples: expected an array")
     return _build(
         GenerateResponse,
-        {
-            "qid": _str(p["qid"], "qid"),
-            "samples": [_sample_in(s) for s in samples],
-            "error": _opt_str(p["error"], "error"),
-        },
+        {"qid": _str(p["qid"], "qid"), "samples": [_sample_in(s) for s in samples],
+         "error": _opt_str(p["error"], "error")},
     )
 
 
@@ -304,16 +273,9 @@ def _traj_out(group: Any) -> list:
             raise TypeError("Trajectory.metadata must be a dict")
         _check_meta(t.metadata, "metadata", 0, TypeError, allow_tuple=True)
         out.append(
-            {
-                "input_ids": _arr_out(t.input_ids, _I32),
-                "loss_mask": _arr_out(t.loss_mask, _I8),
-                "logprobs": _arr_out(t.logprobs, _F32),
-                "versions": _arr_out(t.versions, _I32),
-                "reward": float(t.reward),
-                "group_id": t.group_id,
-                "turn_rewards": turn_rewards,
-                "metadata": t.metadata,
-            }
+            {"input_ids": _arr_out(t.input_ids, _I32), "loss_mask": _arr_out(t.loss_mask, _I8),
+             "logprobs": _arr_out(t.logprobs, _F32), "versions": _arr_out(t.versions, _I32), "reward": float(t.reward),
+             "group_id": t.group_id, "turn_rewards": turn_rewards, "metadata": t.metadata}
         )
     return out
 
@@ -335,16 +297,9 @@ def _one_traj_in(p: Any) -> Trajectory:
     _check_meta(meta, "metadata", 0, MalformedMessage, allow_tuple=False)
     return _build(
         Trajectory,
-        {
-            "input_ids": ids,
-            "loss_mask": mask,
-            "logprobs": logp,
-            "versions": ver,
-            "reward": _float(p["reward"], "reward"),
-            "group_id": _str(p["group_id"], "group_id"),
-            "turn_rewards": [_float(r, "turn_rewards") for r in tr],
-            "metadata": meta,
-        },
+        {"input_ids": ids, "loss_mask": mask, "logprobs": logp, "versions": ver,
+         "reward": _float(p["reward"], "reward"), "group_id": _str(p["group_id"], "group_id"),
+         "turn_rewards": [_float(r, "turn_rewards") for r in tr], "metadata": meta},
     )
 
 

@@ -213,15 +213,12 @@ class ToolAgent(Agent):
             return "answered", scalar_reward(reward), dict(info or {})
         p.turn_kinds.append("tool")
         p.tool_calls += len(parsed.calls) + len(parsed.errors)
+        p.tool_errors += len(parsed.errors)
+        p.by_tool.update(c.name for c in parsed.calls)
         if p.turns >= self.max_turns:
-            p.tool_errors += len(parsed.errors)
-            for c in parsed.calls:
-                p.by_tool[c.name] += 1
             return "max_turns", 0.0, {}
         results = await self.toolset.call_all(parsed.calls)
-        p.tool_errors += len(parsed.errors) + sum(r.error for r in results)
-        for c in parsed.calls:
-            p.by_tool[c.name] += 1
+        p.tool_errors += sum(r.error for r in results)
         obs_ids, source = self._observation(p, results, parsed.errors)
         if self.max_total_obs and p.obs_tokens + len(obs_ids) > self.max_total_obs:
             return "observation_budget", 0.0, {}

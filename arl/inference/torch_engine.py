@@ -663,21 +663,14 @@ class TorchEngine:
             self._ack_pause_locked()
             rows, self._rows = self._rows, []
             self._cache, self._mask = None, None
-        for owner in waiting:
+        for r in rows:  # running requests keep their samples so far
+            if not r.owner.responded:
+                r.owner.samples[r.index] = r.to_sample(r.finish or "abort")
+        for owner in [*waiting, *{id(r.owner): r.owner for r in rows}.values()]:
             if not owner.cancelled and not owner.responded:
                 owner.responded = True
-                _post(owner.loop, owner.future, GenerateResponse(qid=owner.qid, samples=[], error=ENGINE_CLOSED))
-        by_owner: dict[int, tuple[_Request, list[_Row]]] = {}
-        for r in rows:
-            by_owner.setdefault(id(r.owner), (r.owner, []))[1].append(r)
-        for owner, orows in by_owner.values():
-            if owner.cancelled or owner.responded:
-                continue
-            owner.responded = True
-            for r in orows:
-                owner.samples[r.index] = r.to_sample(r.finish or "abort")
-            samples = [s for s in owner.samples if s is not None]
-            _post(owner.loop, owner.future, GenerateResponse(qid=owner.qid, samples=samples, error=ENGINE_CLOSED))
+                samples = [s for s in owner.samples if s is not None]
+                _post(owner.loop, owner.future, GenerateResponse(qid=owner.qid, samples=samples, error=ENGINE_CLOSED))
         for _, _, loop, fut in cmds:
             _post(loop, fut, exc=RuntimeError(f"{self.name}: {ENGINE_CLOSED}"))
 

@@ -8,7 +8,7 @@ import uuid
 import weakref
 from typing import Any, Optional
 
-from arl.api import GenerateRequest, GenerateResponse
+from arl.api import GenerateRequest, GenerateResponse, GenerationConfig, Trajectory
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +29,44 @@ def encode_chat(tokenizer: Any, messages: list[dict[str, str]], add_generation_p
     """Render `messages` with the tokenizer's chat template and tokenize the text once (no extra BOS)."""
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def check_int(name: str, value: Any, minimum: int = 1) -> None:
+    if not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def agent_gconfig(gconfig: GenerationConfig, tokenizer: Any, **changes: Any) -> GenerationConfig:
+    """`gconfig` with `changes` that also stops on the tokenizer's eos, validated."""
+    g = gconfig.new(**changes)
+    stops = list(g.stop_token_ids)
+    if tokenizer.eos_token_id is not None and int(tokenizer.eos_token_id) not in stops:
+        stops.append(int(tokenizer.eos_token_id))
+    g = g.new(stop_token_ids=stops)
+    g.validate()
+    return g
+
+
+def filter_uniform(trajs: list[Trajectory], enabled: bool) -> list[Trajectory]:
+    """[] when `enabled` and every trajectory got the same reward (no group-relative signal); a group of one
+    (evaluation) is kept."""
+    rewards = [t.reward for t in trajs]
+    if enabled and len(rewards) > 1 and all(r == rewards[0] for r in rewards):
+        return []
+    return trajs
+
+
+async def gather_or_cancel(coros: Any) -> list[Any]:
+    """Run `coros` concurrently; when one fails (or the caller is cancelled), cancel the others and wait for them
+    instead of leaking them."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def new_id(prefix: str) -> str:

@@ -15,38 +15,20 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Optional
 
-from arl.agents.common import encode_chat, env_for, generate, new_id, start_prompt
-from arl.agents.math_single_step import _with_eos_stop, is_uniform
-from arl.api import (
-    Agent,
-    EnvironmentService,
-    GenerateRequest,
-    GenerationConfig,
-    Trajectory,
-    TrajectoryBuilder,
-    register_agent,
-    scalar_reward,
-)
+from arl.agents.common import (agent_gconfig, check_int, encode_chat, env_for, filter_uniform, gather_or_cancel,
+                               generate, new_id, start_prompt)
+from arl.api import (Agent, EnvironmentService, GenerateRequest, GenerationConfig, Trajectory, TrajectoryBuilder,
+                     register_agent, scalar_reward)
 
 DEFAULT_FEEDBACK = "Wrong, try again."
 
 
 class MathMultiTurnAgent(Agent):
-    def __init__(
-        self,
-        tokenizer: Any,
-        gconfig: GenerationConfig,
-        group_size: int = 8,
-        num_turns: int = 3,
-        turn_discount: float = 0.9,
-        feedback: str = DEFAULT_FEEDBACK,
-        filter_uniform_groups: bool = True,
-        max_total_tokens: Optional[int] = None,
-    ) -> None:
-        if not isinstance(group_size, int) or group_size < 1:
-            raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
-        if not isinstance(num_turns, int) or num_turns < 1:
-            raise ValueError(f"num_turns must be an int >= 1, got {num_turns!r}")
+    def __init__(self, tokenizer: Any, gconfig: GenerationConfig, group_size: int = 8, num_turns: int = 3,
+                 turn_discount: float = 0.9, feedback: str = DEFAULT_FEEDBACK, filter_uniform_groups: bool = True,
+                 max_total_tokens: Optional[int] = None) -> None:
+        check_int("group_size", group_size)
+        check_int("num_turns", num_turns)
         if not 0.0 < turn_discount <= 1.0:
             raise ValueError(f"turn_discount must be in (0, 1], got {turn_discount!r}")
         self.tokenizer = tokenizer
@@ -55,8 +37,7 @@ class MathMultiTurnAgent(Agent):
         self.turn_discount = float(turn_discount)
         self.filter_uniform_groups = filter_uniform_groups
         self.max_total_tokens = max_total_tokens
-        self.gconfig = _with_eos_stop(gconfig.new(n=1), tokenizer.eos_token_id)
-        self.gconfig.validate()
+        self.gconfig = agent_gconfig(gconfig, tokenizer, n=1)
         # "<|user|>Wrong, try again.<|assistant|>" with the tiny tokenizer; tokenised once, appended as-is.
         self.feedback_ids = encode_chat(tokenizer, [{"role": "user", "content": feedback}], add_generation_prompt=True)
 
@@ -108,26 +89,12 @@ class MathMultiTurnAgent(Agent):
             meta["reward_errors"] = errors
         return b.build(reward=reward, group_id=group_id, turn_rewards=turn_rewards, metadata=meta)
 
-    async def collect_trajectory(
-        self,
-        prompt: dict[str, Any],
-        env: EnvironmentService,
-        obs_queue: asyncio.Queue,
-        act_queue: asyncio.Queue,
-    ) -> list[Trajectory]:
+    async def collect_trajectory(self, prompt: dict[str, Any], env: EnvironmentService, obs_queue: asyncio.Queue,
+                                 act_queue: asyncio.Queue) -> list[Trajectory]:
         pid, group_id, prompt_ids = await start_prompt(self.tokenizer, prompt, env)
-        chains = [asyncio.ensure_future(self._chain(i, prompt_ids, pid, group_id, env, obs_queue, act_queue))
-                  for i in range(self.group_size)]
-        try:
-            trajs = list(await asyncio.gather(*chains))
-        except BaseException:
-            for c in chains:
-                c.cancel()
-            await asyncio.gather(*chains, return_exceptions=True)
-            raise
-        if self.filter_uniform_groups and is_uniform([t.reward for t in trajs]):
-            return []
-        return trajs
+        trajs = await gather_or_cancel(self._chain(i, prompt_ids, pid, group_id, env, obs_queue, act_queue)
+                                       for i in range(self.group_size))
+        return filter_uniform(trajs, self.filter_uniform_groups)
 
 
 register_agent("math-multi-turn", MathMultiTurnAgent)

@@ -22,17 +22,9 @@ from typing import Any, Optional
 
 import numpy as np
 
-from arl.agents.common import generate, new_id
-from arl.api import (
-    Agent,
-    EnvironmentService,
-    GenerateRequest,
-    GenerationConfig,
-    Trajectory,
-    TrajectoryBuilder,
-    register_agent,
-    scalar_reward,
-)
+from arl.agents.common import gather_or_cancel, generate, new_id
+from arl.api import (Agent, EnvironmentService, GenerateRequest, GenerationConfig, Trajectory, TrajectoryBuilder,
+                     register_agent, scalar_reward)
 from arl.envs.sim_tool import keyed_rng
 
 
@@ -98,12 +90,7 @@ class SimAgent(Agent):
     async def collect_trajectory(self, prompt: dict[str, Any], env: EnvironmentService, obs_queue: asyncio.Queue,
                                  act_queue: asyncio.Queue) -> list[Trajectory]:
         pid = str(prompt.get("id", prompt.get("prompt", "?")))
-        chats = [asyncio.ensure_future(self._chat(pid, i, env, obs_queue, act_queue)) for i in range(self.group_size)]
-        try:
-            return list(await asyncio.gather(*chats))
-        finally:  # one chat failed (or we were cancelled): stop the others instead of leaking them
-            for c in chats:
-                c.cancel()
+        return await gather_or_cancel(self._chat(pid, i, env, obs_queue, act_queue) for i in range(self.group_size))
 
 
 register_agent("sim-agent", SimAgent)

@@ -40,19 +40,9 @@ import dataclasses
 import re
 from typing import Any, Optional, Sequence
 
-from arl.agents.common import env_for, generate, new_id, row_messages
-from arl.agents.math_single_step import _with_eos_stop, is_uniform
-from arl.api import (
-    Agent,
-    EnvironmentService,
-    GenerateRequest,
-    GenerationConfig,
-    SampleOutput,
-    Trajectory,
-    TrajectoryBuilder,
-    register_agent,
-    scalar_reward,
-)
+from arl.agents.common import agent_gconfig, check_int, env_for, filter_uniform, generate, new_id, row_messages
+from arl.api import (Agent, EnvironmentService, GenerateRequest, GenerationConfig, SampleOutput, Trajectory,
+                     TrajectoryBuilder, register_agent, scalar_reward)
 from arl.tools.base import ToolResult, ToolSet
 from arl.tools.parsers import ParsedOutput, get_parser
 
@@ -127,32 +117,16 @@ class _Path:
 
 
 class ToolAgent(Agent):
-    def __init__(
-        self,
-        tokenizer: Any,
-        gconfig: GenerationConfig,
-        group_size: int = 8,
-        tools: Sequence[Any] = ("calculator", "python"),
-        parser: Any = "hermes",
-        max_turns: int = 4,
-        max_new_tokens_per_turn: Optional[int] = None,
-        max_total_tokens: int = 1024,
-        max_observation_tokens: int = 128,
-        max_total_observation_tokens: int = 0,
-        tool_timeout: Optional[float] = None,
-        rollout: str = "chain",
-        tree_branching: int = 2,
-        tree_max_nodes: int = 16,
-        answer_regex: str = r"\S",
-        tools_in_prompt: bool = True,
-        system_prompt: Optional[str] = None,
-        filter_uniform_groups: bool = False,
-        tool_kwargs: Optional[dict[str, dict[str, Any]]] = None,
-    ) -> None:
-        if not isinstance(group_size, int) or group_size < 1:
-            raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
-        if not isinstance(max_turns, int) or max_turns < 1:
-            raise ValueError(f"max_turns must be an int >= 1, got {max_turns!r}")
+    def __init__(self, tokenizer: Any, gconfig: GenerationConfig, group_size: int = 8,
+                 tools: Sequence[Any] = ("calculator", "python"), parser: Any = "hermes", max_turns: int = 4,
+                 max_new_tokens_per_turn: Optional[int] = None, max_total_tokens: int = 1024,
+                 max_observation_tokens: int = 128, max_total_observation_tokens: int = 0,
+                 tool_timeout: Optional[float] = None, rollout: str = "chain", tree_branching: int = 2,
+                 tree_max_nodes: int = 16, answer_regex: str = r"\S", tools_in_prompt: bool = True,
+                 system_prompt: Optional[str] = None, filter_uniform_groups: bool = False,
+                 tool_kwargs: Optional[dict[str, dict[str, Any]]] = None) -> None:
+        check_int("group_size", group_size)
+        check_int("max_turns", max_turns)
         if rollout not in ("chain", "tree"):
             raise ValueError(f"rollout must be 'chain' or 'tree', got {rollout!r}")
         if rollout == "tree" and (tree_branching < 1 or tree_max_nodes < tree_branching):
@@ -172,16 +146,11 @@ class ToolAgent(Agent):
         self.tools_in_prompt = tools_in_prompt
         self.system_prompt = system_prompt
         self.filter_uniform_groups = filter_uniform_groups
-        specs = []
-        for t in tools:
-            if isinstance(t, str) and tool_kwargs and t in tool_kwargs:
-                specs.append({"name": t, **tool_kwargs[t]})
-            else:
-                specs.append(t)
+        tool_kwargs = tool_kwargs or {}
+        specs = [{"name": t, **tool_kwargs[t]} if isinstance(t, str) and t in tool_kwargs else t for t in tools]
         self.toolset = ToolSet(specs, default_timeout=tool_timeout)
         self.parser = get_parser(parser)
-        self.gconfig = _with_eos_stop(gconfig.new(n=1, max_new_tokens=self.per_turn), tokenizer.eos_token_id)
-        self.gconfig.validate()
+        self.gconfig = agent_gconfig(gconfig, tokenizer, n=1, max_new_tokens=self.per_turn)
         self.eos_id = tokenizer.eos_token_id
         self.obs_encoder = ObservationEncoder(tokenizer)
 
@@ -244,15 +213,12 @@ class ToolAgent(Agent):
             return "answered", scalar_reward(reward), dict(info or {})
         p.turn_kinds.append("tool")
         p.tool_calls += len(parsed.calls) + len(parsed.errors)
+        p.tool_errors += len(parsed.errors)
+        p.by_tool.update(c.name for c in parsed.calls)
         if p.turns >= self.max_turns:
-            p.tool_errors += len(parsed.errors)
-            for c in parsed.calls:
-                p.by_tool[c.name] += 1
             return "max_turns", 0.0, {}
         results = await self.toolset.call_all(parsed.calls)
-        p.tool_errors += len(parsed.errors) + sum(r.error for r in results)
-        for c in parsed.calls:
-            p.by_tool[c.name] += 1
+        p.tool_errors += sum(r.error for r in results)
         obs_ids, source = self._observation(p, results, parsed.errors)
         if self.max_total_obs and p.obs_tokens + len(obs_ids) > self.max_total_obs:
             return "observation_budget", 0.0, {}
@@ -264,12 +230,11 @@ class ToolAgent(Agent):
 
     def _finish(self, p: _Path, termination: str, reward: float, info: dict, group_id: str, pid: str) -> Trajectory:
         solved = bool(info.get("correct", False)) if termination == "answered" else False
-        meta: dict[str, Any] = {
-            "turns": p.turns, "tool_calls": p.tool_calls, "tool_errors": p.tool_errors, "void_turns": p.void_turns,
-            "obs_tokens": p.obs_tokens, "obs_truncated": p.obs_truncated, "termination": termination,
-            "solved": solved, "first_correct": solved, "path": p.path, "prompt_id": pid,
-            "turn_kinds": ",".join(p.turn_kinds),
-        }
+        meta: dict[str, Any] = {"turns": p.turns, "tool_calls": p.tool_calls, "tool_errors": p.tool_errors,
+                                "void_turns": p.void_turns, "obs_tokens": p.obs_tokens,
+                                "obs_truncated": p.obs_truncated, "termination": termination, "solved": solved,
+                                "first_correct": solved, "path": p.path, "prompt_id": pid,
+                                "turn_kinds": ",".join(p.turn_kinds)}
         for name in self.toolset.names():
             meta[f"tool_calls_{name}"] = int(p.by_tool.get(name, 0))
         if info.get("error"):
@@ -301,13 +266,8 @@ class ToolAgent(Agent):
         ctx["nodes"] += n
         return await self._expand(p, n, ctx)
 
-    async def collect_trajectory(
-        self,
-        prompt: dict[str, Any],
-        env: EnvironmentService,
-        obs_queue: asyncio.Queue,
-        act_queue: asyncio.Queue,
-    ) -> list[Trajectory]:
+    async def collect_trajectory(self, prompt: dict[str, Any], env: EnvironmentService, obs_queue: asyncio.Queue,
+                                 act_queue: asyncio.Queue) -> list[Trajectory]:
         pid = str(prompt.get("id", "prompt"))
         group_id = new_id(pid)
         await env.reset(options=dict(prompt))
@@ -318,10 +278,7 @@ class ToolAgent(Agent):
         if len(root.builder) >= self.max_total_tokens:
             raise ValueError(f"prompt {pid!r} has {len(root.builder)} tokens, max_total_tokens is "
                              f"{self.max_total_tokens}")
-        trajs = await self._expand(root, first, ctx)
-        if self.filter_uniform_groups and is_uniform([t.reward for t in trajs]):
-            return []
-        return trajs
+        return filter_uniform(await self._expand(root, first, ctx), self.filter_uniform_groups)
 
 
 register_agent("tool-agent", ToolAgent)

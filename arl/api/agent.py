@@ -35,11 +35,6 @@ class Agent(abc.ABC):
     """
 
     @abc.abstractmethod
-    async def collect_trajectory(
-        self,
-        prompt: dict[str, Any],
-        env: EnvironmentService,
-        obs_queue: asyncio.Queue,
-        act_queue: asyncio.Queue,
-    ) -> list[Trajectory]:
+    async def collect_trajectory(self, prompt: dict[str, Any], env: EnvironmentService, obs_queue: asyncio.Queue,
+                                 act_queue: asyncio.Queue) -> list[Trajectory]:
         ...

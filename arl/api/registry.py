@@ -29,10 +29,8 @@ class Registry(Generic[T]):
         if not isinstance(name, str) or not name:
             raise ValueError(f"{self.kind} name must be a non-empty string, got {name!r}")
         if name in self._items and self._items[name] is not obj:
-            raise RegistryError(
-                f"{self.kind} {name!r} is already registered (to {self._items[name]!r}); "
-                f"registered {self.kind}s: {self.names()}"
-            )
+            raise RegistryError(f"{self.kind} {name!r} is already registered (to {self._items[name]!r}); "
+                                f"registered {self.kind}s: {self.names()}")
         self._items[name] = obj
         return obj
 

@@ -88,12 +88,10 @@ class GenerationConfig:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"GenerationConfig.max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
         if not isinstance(self.min_new_tokens, int) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
-            raise ValueError(
-                f"GenerationConfig.min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens!r}"
-            )
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)) or (
-            self.temperature <= 0 and not self.greedy
-        ):
+            raise ValueError(f"GenerationConfig.min_new_tokens must be in [0, max_new_tokens], got "
+                             f"{self.min_new_tokens!r}")
+        finite_temperature = isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+        if not finite_temperature or (self.temperature <= 0 and not self.greedy):
             raise ValueError(f"GenerationConfig.temperature must be > 0 (or greedy=True), got {self.temperature!r}")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise ValueError(f"GenerationConfig.top_p must be in (0, 1], got {self.top_p!r}")
@@ -265,12 +263,6 @@ class TrajectoryBuilder:
 
     def build(self, reward: float, group_id: str, **kw: Any) -> Trajectory:
         kw["metadata"] = {**(kw.get("metadata") or {}), "token_ledger": self.ledger}
-        return Trajectory(
-            input_ids=self.input_ids,
-            loss_mask=np.concatenate(self._mask),
-            logprobs=np.concatenate(self._logp),
-            versions=np.concatenate(self._ver),
-            reward=reward,
-            group_id=group_id,
-            **kw,
-        )
+        return Trajectory(input_ids=self.input_ids, loss_mask=np.concatenate(self._mask),
+                          logprobs=np.concatenate(self._logp), versions=np.concatenate(self._ver), reward=reward,
+                          group_id=group_id, **kw)

@@ -16,11 +16,9 @@ NAMES = ["Tom"]
 ITEMS = ["pens"]
 # One fixed wording per operation: a 0.5M-parameter char model learns to copy numbers from fixed offsets within
 # a few hundred warm-up steps; varied names and items (add them here) make that much slower.
-TEMPLATES = {
-    "+": "{n} has {a} {i} and gets {b} more. How many {i}?",
-    "-": "{n} has {a} {i} and gives away {b}. How many {i} are left?",
-    "*": "{n} buys {a} bags with {b} {i} each. How many {i}?",
-}
+TEMPLATES = {"+": "{n} has {a} {i} and gets {b} more. How many {i}?",
+             "-": "{n} has {a} {i} and gives away {b}. How many {i} are left?",
+             "*": "{n} buys {a} bags with {b} {i} each. How many {i}?"}
 
 
 def make_problem(rng: random.Random, lo: int = 10, hi: int = 99, ops: str = "+-*") -> dict:

@@ -192,12 +192,8 @@ class MathEnv(EnvironmentService):
     """Stateless reward wrapper. `reset(options={"answer": ...})` stores the reference answer;
     `step(completion_text)` returns `(None, reward, correct, False, {"correct": bool, "error": str | None})`."""
 
-    def __init__(
-        self,
-        reward_fn: Union[str, RewardFn] = "arl.envs.math:exact_number_match",
-        timeout: float = 5.0,
-        correct_threshold: float = 1.0,
-    ) -> None:
+    def __init__(self, reward_fn: Union[str, RewardFn] = "arl.envs.math:exact_number_match", timeout: float = 5.0,
+                 correct_threshold: float = 1.0) -> None:
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"MathEnv timeout must be > 0 seconds, got {timeout!r}")
         self.reward_fn = resolve_reward_fn(reward_fn)
@@ -231,23 +227,25 @@ class MathEnv(EnvironmentService):
 
     async def step(self, action: Any) -> tuple[Any, float, bool, bool, dict]:
         if self.answer is None:
-            return None, 0.0, False, False, {
-                "correct": False, "error": "no reference answer: call reset(options={'answer': ...}) first"}
+            return _no_reward("no reference answer: call reset(options={'answer': ...}) first")
         if not isinstance(action, str):
-            return None, 0.0, False, False, {
-                "correct": False, "error": f"action must be the completion text (str), got {type(action).__name__}"}
+            return _no_reward(f"action must be the completion text (str), got {type(action).__name__}")
         try:
             raw = await self._call(action, self.answer)
             reward = float(raw)
             if reward != reward:  # NaN
                 raise ValueError("reward function returned NaN")
         except asyncio.TimeoutError:
-            return None, 0.0, False, False, {"correct": False, "error": f"reward timed out after {self.timeout:g}s "
-                                                                     f"({_fn_name(self.reward_fn)})"}
+            return _no_reward(f"reward timed out after {self.timeout:g}s ({_fn_name(self.reward_fn)})")
         except Exception as e:  # noqa: BLE001 - a bad reward function must not kill the worker
-            return None, 0.0, False, False, {"correct": False, "error": f"reward error: {type(e).__name__}: {e}"}
+            return _no_reward(f"reward error: {type(e).__name__}: {e}")
         correct = reward >= self.correct_threshold
         return None, reward, correct, False, {"correct": correct, "error": None}
+
+
+def _no_reward(error: str) -> tuple[Any, float, bool, bool, dict]:
+    """A step that gives reward 0 and says why (`step` never raises)."""
+    return None, 0.0, False, False, {"correct": False, "error": error}
 
 
 register_env("math", MathEnv)

@@ -224,15 +224,11 @@ class SGLangEngine:
                  weights_dir: str = "", max_context_len: int = 0, request_timeout: float = 3600.0,
                  control_timeout: float = 600.0, health_interval: float = 5.0, max_health_failures: int = 3,
                  empty_device_cache: bool = False, max_connections: int = 1024) -> None:
-        try:
-            mode = PauseMode(pause_mode)
-        except ValueError:
-            raise ValueError(f"pause_mode must be one of {[m.value for m in PauseMode]}, got {pause_mode!r}") from None
         self.base_url = base_url.rstrip("/")
         self.model_path = model_path
         self.name = name
         self.server = server
-        self.pause_mode: str = mode.value  # plain str: it goes into JSON bodies and heartbeat stats
+        self.pause_mode: str = PauseMode(pause_mode).value  # plain str: it goes into JSON bodies and heartbeat stats
         self.weights_dir = weights_dir
         self.max_context_len = int(max_context_len)
         self.request_timeout = float(request_timeout)
@@ -318,7 +314,7 @@ class SGLangEngine:
             try:
                 if self.pause_mode == "abort":
                     self._abort_epoch += 1
-                await self._post("/pause_generation", {"mode": self.pause_mode}, self.control_timeout)
+                await self.pause()
                 try:
                     body = {"model_path": path, "weight_version": str(int(version)),
                             "flush_cache": self.pause_mode != "in_place"}
@@ -329,8 +325,7 @@ class SGLangEngine:
                         raise SGLangError(f"update_weights_from_disk({path}) failed: {msg}")
                     self._version = int(version)
                 finally:
-                    await self._post("/continue_generation", {"torch_empty_cache": self.empty_device_cache},
-                                     self.control_timeout)
+                    await self.resume()
             finally:
                 self._updating = False
             self._last_update_s = time.perf_counter() - t0

@@ -88,19 +88,9 @@ class _SimRequest:
 class SimEngine:
     """Event-driven simulated continuous-batching engine (implements ``InferenceEngine``); see the module doc."""
 
-    def __init__(
-        self,
-        config: Optional[SimEngineConfig] = None,
-        *,
-        max_batch_size: int = 256,
-        max_context_len: int = 32768,
-        eos_token_id: Optional[int] = None,
-        version: int = 0,
-        seed: int = 0,
-        workload_seed: int = 0,
-        max_sessions: int = 100_000,
-        name: str = "sim",
-    ) -> None:
+    def __init__(self, config: Optional[SimEngineConfig] = None, *, max_batch_size: int = 256,
+                 max_context_len: int = 32768, eos_token_id: Optional[int] = None, version: int = 0, seed: int = 0,
+                 workload_seed: int = 0, max_sessions: int = 100_000, name: str = "sim") -> None:
         """`config`: the latency and output-length model (`inference.sim`); the rest is per run and per server."""
         c = self.config = config if config is not None else SimEngineConfig()
         checks = [
@@ -250,23 +240,11 @@ class SimEngine:
     def stats(self) -> dict[str, Any]:
         if self._loop is not None and not self._closed:
             self._advance(self._loop.time())
-        return {
-            "name": self.name,
-            "backend": "sim",
-            "version": self._version,
-            "decode_steps": int(self._clock),
-            "tokens_generated": self._tokens,
-            "prefill_tokens": self._prefill_tokens,
-            "busy_s": self._busy_s,
-            "running": self._rows,
-            "waiting": len(self._waiting),
-            "requests_done": self._requests_done,
-            "requests_refused": self._requests_refused,
-            "weight_updates": self._weight_updates,
-            "last_update_s": self._last_update_s,
-            "paused": self._paused,
-            "closed": self._closed,
-        }
+        return {"name": self.name, "backend": "sim", "version": self._version, "decode_steps": int(self._clock),
+                "tokens_generated": self._tokens, "prefill_tokens": self._prefill_tokens, "busy_s": self._busy_s,
+                "running": self._rows, "waiting": len(self._waiting), "requests_done": self._requests_done,
+                "requests_refused": self._requests_refused, "weight_updates": self._weight_updates,
+                "last_update_s": self._last_update_s, "paused": self._paused, "closed": self._closed}
 
     def step_seconds(self, batch: int) -> float:
         """Wall seconds of one decode step with `batch` running samples (time scale applied)."""

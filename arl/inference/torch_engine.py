@@ -58,6 +58,8 @@ from arl.inference.requests import check_request
 logger = logging.getLogger("arl.inference")
 
 ENGINE_CLOSED = "engine closed"
+_Prepared = tuple[str, list[tuple[torch.nn.Parameter, torch.Tensor]]]  # (source, [(parameter, new tensor)])
+_Command = tuple[_Prepared, int, asyncio.AbstractEventLoop, asyncio.Future]  # a weight update: (weights, version, ...)
 
 
 def _resolve(fut: asyncio.Future, result: Any = None, exc: Optional[BaseException] = None) -> None:
@@ -125,12 +127,9 @@ class _Row:
         return self.owner.prompt_len + len(self.ids) - 1
 
     def to_sample(self, finish_reason: str) -> SampleOutput:
-        return SampleOutput(
-            output_ids=np.asarray(self.ids, np.int32),
-            output_logprobs=np.asarray(self.logps, np.float32),
-            output_versions=np.asarray(self.versions, np.int32),
-            finish_reason=finish_reason,
-        )
+        return SampleOutput(output_ids=np.asarray(self.ids, np.int32),
+                            output_logprobs=np.asarray(self.logps, np.float32),
+                            output_versions=np.asarray(self.versions, np.int32), finish_reason=finish_reason)
 
 
 class TorchEngine:
@@ -151,19 +150,9 @@ class TorchEngine:
         name: used in the decode thread's name and in log lines.
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        *,
-        pad_token_id: int,
-        eos_token_id: int | Sequence[int] | None,
-        max_batch_size: int = 64,
-        max_context_len: int = 512,
-        device: str = "cpu",
-        version: int = 0,
-        seed: int = 0,
-        name: str = "engine",
-    ) -> None:
+    def __init__(self, model: torch.nn.Module, *, pad_token_id: int, eos_token_id: int | Sequence[int] | None,
+                 max_batch_size: int = 64, max_context_len: int = 512, device: str = "cpu", version: int = 0,
+                 seed: int = 0, name: str = "engine") -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_context_len < 2:
@@ -193,7 +182,7 @@ class TorchEngine:
         # Shared between callers and the decode thread, guarded by _cv's lock.
         self._cv = threading.Condition(threading.Lock())
         self._waiting: collections.deque[_Request] = collections.deque()
-        self._commands: list[tuple[str, Any, int, asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._commands: list[_Command] = []
         self._paused = False
         self._pause_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._closed = False
@@ -293,7 +282,7 @@ class TorchEngine:
         with self._cv:
             if self._closed:
                 raise RuntimeError(f"{self.name}: {ENGINE_CLOSED}")
-            self._commands.append(("update", prepared, int(version), loop, fut))
+            self._commands.append((prepared, int(version), loop, fut))
             self._cv.notify_all()
         del prepared
         retired = await fut
@@ -357,15 +346,13 @@ class TorchEngine:
             "closed": self._closed,
         }
 
-    # ------------------------------------------------------------------ validation (caller side)
-
     # ------------------------------------------------------------------ decode thread
 
     def _thread_main(self) -> None:
         try:
             with torch.inference_mode():
                 while True:
-                    cmds: list[tuple[str, Any, int, asyncio.AbstractEventLoop, asyncio.Future]] = []
+                    cmds: list[_Command] = []
                     newcomers: list[_Request] = []
                     with self._cv:
                         while True:
@@ -414,11 +401,9 @@ class TorchEngine:
             free -= r.n
         return admitted
 
-    def _run_command(self, cmd: tuple[str, Any, int, asyncio.AbstractEventLoop, asyncio.Future]) -> None:
-        kind, prepared, version, loop, fut = cmd
-        if kind != "update":  # pragma: no cover - only one kind today
-            _post(loop, fut, exc=ValueError(f"unknown command {kind!r}"))
-            return
+    def _run_command(self, cmd: _Command) -> None:
+        """A weight update, between two steps."""
+        prepared, version, loop, fut = cmd
         source = prepared[0]
         retired: list[torch.Tensor] = []
         t0 = time.perf_counter()
@@ -547,8 +532,6 @@ class TorchEngine:
             v = torch.cat([F.pad(old_l.values, (0, 0, width - t_old, 0)),
                            F.pad(new_l.values, (0, 0, width - t_new, 0))])
             new_kv.append((k, v))
-        if len(new_kv) != len(self._cache.layers) or len(cache.layers) != len(self._cache.layers):
-            raise RuntimeError("cache layer count mismatch between running batch and newcomers")
         new_mask = torch.cat([F.pad(self._mask, (width - t_old, 0)), F.pad(mask, (width - t_new, 0))])
         # commit only once everything was built
         for layer, (k, v) in zip(self._cache.layers, new_kv):
@@ -680,40 +663,31 @@ class TorchEngine:
             self._ack_pause_locked()
             rows, self._rows = self._rows, []
             self._cache, self._mask = None, None
-        for owner in waiting:
+        for r in rows:  # running requests keep their samples so far
+            if not r.owner.responded:
+                r.owner.samples[r.index] = r.to_sample(r.finish or "abort")
+        for owner in [*waiting, *{id(r.owner): r.owner for r in rows}.values()]:
             if not owner.cancelled and not owner.responded:
                 owner.responded = True
-                _post(owner.loop, owner.future, GenerateResponse(qid=owner.qid, samples=[], error=ENGINE_CLOSED))
-        by_owner: dict[int, tuple[_Request, list[_Row]]] = {}
-        for r in rows:
-            by_owner.setdefault(id(r.owner), (r.owner, []))[1].append(r)
-        for owner, orows in by_owner.values():
-            if owner.cancelled or owner.responded:
-                continue
-            owner.responded = True
-            for r in orows:
-                owner.samples[r.index] = r.to_sample(r.finish or "abort")
-            samples = [s for s in owner.samples if s is not None]
-            _post(owner.loop, owner.future, GenerateResponse(qid=owner.qid, samples=samples, error=ENGINE_CLOSED))
-        for _, _, _, loop, fut in cmds:
+                samples = [s for s in owner.samples if s is not None]
+                _post(owner.loop, owner.future, GenerateResponse(qid=owner.qid, samples=samples, error=ENGINE_CLOSED))
+        for _, _, loop, fut in cmds:
             _post(loop, fut, exc=RuntimeError(f"{self.name}: {ENGINE_CLOSED}"))
 
     # ---- weights
 
-    def _commit_weights(self, prepared: tuple[str, list[tuple[torch.nn.Parameter, torch.Tensor]]],
-                        retired: Optional[list[torch.Tensor]] = None) -> int:
+    def _commit_weights(self, prepared: _Prepared, retired: list[torch.Tensor]) -> int:
         """Decode thread, between steps: point every parameter at its new tensor (no copy; tied weights share one
         Parameter, so they stay tied). The old tensors go to `retired`, so that freeing them (hundreds of ms for a
         GB of weights) happens on the caller's side, not in the decode loop."""
         _, pairs = prepared
         with torch.inference_mode(False), torch.no_grad():
             for param, new in pairs:
-                if retired is not None:
-                    retired.append(param.data)
+                retired.append(param.data)
                 param.data = new
         return len(pairs)
 
-    def _prepare_weights(self, source: str) -> tuple[str, list[tuple[torch.nn.Parameter, torch.Tensor]]]:
+    def _prepare_weights(self, source: str) -> _Prepared:
         """Any thread: read the safetensors of `source`, check them against model.state_dict() (names, shapes) and
         cast them to each parameter's dtype/device. Raises (the model is untouched) when they do not match."""
         files = _safetensors_files(source)

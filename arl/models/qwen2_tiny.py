@@ -180,13 +180,11 @@ def build_qwen2_model(vocab_size: int, *, hidden_size: int = 128, num_layers: in
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     eos = list(eos_token_ids or [])
-    config = Qwen2Config(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_position_embeddings, tie_word_embeddings=True, rms_norm_eps=1e-6,
-        rope_theta=1000000.0, use_sliding_window=False, bos_token_id=None, pad_token_id=pad_token_id,
-        eos_token_id=eos[0] if eos else None,
-    )
+    config = Qwen2Config(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                         max_position_embeddings=max_position_embeddings, tie_word_embeddings=True, rms_norm_eps=1e-6,
+                         rope_theta=1000000.0, use_sliding_window=False, bos_token_id=None, pad_token_id=pad_token_id,
+                         eos_token_id=eos[0] if eos else None)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config)

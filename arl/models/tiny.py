@@ -56,16 +56,9 @@ def build_char_tokenizer(extra_chars: str = "") -> PreTrainedTokenizerFast:
     tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
     tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # every char is one "word"
     tk.decoder = decoders.Fuse()  # join tokens without separators
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=tk,
-        pad_token=PAD_TOKEN,
-        eos_token=EOS_TOKEN,
-        unk_token=UNK_TOKEN,
-        additional_special_tokens=[USER_TOKEN, ASSISTANT_TOKEN],
-        clean_up_tokenization_spaces=False,
-        padding_side="left",
-        model_max_length=1 << 30,
-    )
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token=PAD_TOKEN, eos_token=EOS_TOKEN, unk_token=UNK_TOKEN,
+                                  additional_special_tokens=[USER_TOKEN, ASSISTANT_TOKEN],
+                                  clean_up_tokenization_spaces=False, padding_side="left", model_max_length=1 << 30)
     tok.chat_template = CHAT_TEMPLATE
     return tok
 
@@ -87,20 +80,10 @@ def build_tiny_model(
 
     The defaults for pad/eos ids match `build_char_tokenizer`. The global torch RNG is left untouched.
     """
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=tie_word_embeddings,
-        pad_token_id=pad_token_id,
-        eos_token_id=eos_token_id,
-        bos_token_id=None,
-        rms_norm_eps=1e-6,
-    )
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_heads,
+                         max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
+                         pad_token_id=pad_token_id, eos_token_id=eos_token_id, bos_token_id=None, rms_norm_eps=1e-6)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)

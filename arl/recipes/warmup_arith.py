@@ -53,20 +53,9 @@ def greedy_accuracy(model: Any, tokenizer: Any, rows: Sequence[dict], max_new_to
     return correct / len(rows)
 
 
-def warmup_sft(
-    model: Any,
-    tokenizer: Any,
-    train_rows: Sequence[dict],
-    *,
-    target_acc: float = 0.30,
-    max_steps: int = 400,
-    batch_size: int = 64,
-    lr: float = 1e-3,
-    eval_rows: Sequence[dict],
-    seed: int = 0,
-    eval_every: int = 25,
-    max_new_tokens: int = 4,
-) -> dict[str, Any]:
+def warmup_sft(model: Any, tokenizer: Any, train_rows: Sequence[dict], *, target_acc: float = 0.30,
+               max_steps: int = 400, batch_size: int = 64, lr: float = 1e-3, eval_rows: Sequence[dict], seed: int = 0,
+               eval_every: int = 25, max_new_tokens: int = 4) -> dict[str, Any]:
     """Train on `prompt -> answer<eos>` (loss on the answer tokens only) until greedy accuracy on `eval_rows`,
     checked every `eval_every` steps, is >= `target_acc`, or `max_steps` is reached.
 
@@ -86,21 +75,10 @@ def warmup_sft(
                       batch_size=batch_size, lr=lr, eval_every=eval_every, seed=seed, log_name="warm-up")
 
 
-def get_warm_model(
-    cache_dir: str,
-    *,
-    seed: int = 0,
-    target_acc: float = 0.30,
-    max_steps: int = 400,
-    batch_size: int = 64,
-    lr: float = 1e-3,
-    eval_every: int = 25,
-    max_operand: int = 49,
-    test_size: int = 200,
-    data_seed: int = 0,
-    model_kwargs: Optional[dict[str, Any]] = None,
-    num_threads: Optional[int] = None,
-) -> str:
+def get_warm_model(cache_dir: str, *, seed: int = 0, target_acc: float = 0.30, max_steps: int = 400,
+                   batch_size: int = 64, lr: float = 1e-3, eval_every: int = 25, max_operand: int = 49,
+                   test_size: int = 200, data_seed: int = 0, model_kwargs: Optional[dict[str, Any]] = None,
+                   num_threads: Optional[int] = None) -> str:
     """Path of a warmed-up tiny model folder (HF format, loadable with `load_model_dir`).
 
     The folder is `cache_dir/tiny-<hash of the settings>/`. It is built in a temporary folder, a marker file is

@@ -77,7 +77,6 @@ def verify_trajectory(t: Trajectory, log: EngineLog) -> dict[str, int]:
                 raise _fail(t, f"inserted tokens {a}:{b} ({source!r}) have loss_mask 1: the learner would train on "
                                "tokens the model did not generate")
             continue
-        ok = False
         reasons = []
         for req_ids, s in log.candidates(seg):
             if len(req_ids) != a or not np.array_equal(req_ids, t.input_ids[:a]):
@@ -90,9 +89,8 @@ def verify_trajectory(t: Trajectory, log: EngineLog) -> dict[str, int]:
             if not np.array_equal(s.output_versions[m], t.versions[a:b][m]):
                 reasons.append("token versions differ from the engine's")
                 continue
-            ok = True
-            break
-        if not ok:
+            break  # a sample the engine returned matches
+        else:
             why = "; ".join(sorted(set(reasons))) or "no sample the engine returned has exactly these tokens"
             raise _fail(t, f"engine segment {a}:{b} ({b - a} tokens): {why}")
     if pos != n:

@@ -25,11 +25,8 @@ class StalenessGate:
 
     def capacity(self) -> int:
         """How many more groups may start right now."""
-        by_staleness = (self.version + self.max_head_offpolicyness + 1) * self.batch_size - (
-            self.accepted + self.running
-        )
-        by_concurrency = self.max_concurrent - self.running
-        cap = min(by_staleness, by_concurrency)
+        by_staleness = (self.version + self.max_head_offpolicyness + 1) * self.batch_size - self.accepted
+        cap = min(by_staleness, self.max_concurrent) - self.running
         if self.max_groups is not None:
             cap = min(cap, self.max_groups - (self.accepted + self.running))
         return max(0, cap)

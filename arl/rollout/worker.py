@@ -158,30 +158,14 @@ def trajectory_stats(trajs: Sequence[Trajectory]) -> dict[str, float]:
 
 
 class RolloutWorker:
-    def __init__(
-        self,
-        *,
-        index: int,
-        make_agent: Callable[[], Agent],
-        make_eval_agent: Callable[[], Agent],
-        make_env: Callable[[], EnvironmentService],
-        prompts: PromptStream,
-        test_rows: Sequence[dict],
-        client: InferenceClient,
-        send_control: SendFn,
-        push_group: Callable[[list[Trajectory]], Awaitable[None]],
-        capacity: int,
-        trajectory_timeout: float,
-        eval_concurrency: int = 64,
-        seed: int = 0,
-        env_timeout: Optional[float] = None,
-        env_groups: Optional[EnvGroupSpec] = None,
-        filter_void_turns: bool = False,
-        filter_uniform_groups: bool = False,
-        verify_token_ledger: bool = False,
-        tokenizer: Any = None,
-        trace_rate: float = 0.0,
-    ) -> None:
+    def __init__(self, *, index: int, make_agent: Callable[[], Agent], make_eval_agent: Callable[[], Agent],
+                 make_env: Callable[[], EnvironmentService], prompts: PromptStream, test_rows: Sequence[dict],
+                 client: InferenceClient, send_control: SendFn,
+                 push_group: Callable[[list[Trajectory]], Awaitable[None]], capacity: int, trajectory_timeout: float,
+                 eval_concurrency: int = 64, seed: int = 0, env_timeout: Optional[float] = None,
+                 env_groups: Optional[EnvGroupSpec] = None, filter_void_turns: bool = False,
+                 filter_uniform_groups: bool = False, verify_token_ledger: bool = False, tokenizer: Any = None,
+                 trace_rate: float = 0.0) -> None:
         self.index = index
         self._make_agent, self._make_eval_agent, self._make_env = make_agent, make_eval_agent, make_env
         self._prompts = prompts
@@ -394,17 +378,11 @@ class RolloutWorker:
         first = sum(bool(m.get("first_correct")) for m in results)
         solved = sum(bool(m.get("solved")) for m in results)
         turns = [m.get("turns", 1) for m in results]
-        return {
-            "version": version,
-            "n": n,
-            "first_acc": first / n if n else 0.0,
-            "solved_acc": solved / n if n else 0.0,
-            "mean_turns": sum(turns) / len(turns) if turns else 0.0,
-            "traj_means": {k: v / len(results) for k, v in sorted(stats.items())} if results else {},
-            "errors": dict(errors),
-            "token_versions": [min(versions), max(versions)] if versions else [],
-            "seconds": time.monotonic() - t0,
-        }
+        return {"version": version, "n": n, "first_acc": first / n if n else 0.0,
+                "solved_acc": solved / n if n else 0.0, "mean_turns": sum(turns) / len(turns) if turns else 0.0,
+                "traj_means": {k: v / len(results) for k, v in sorted(stats.items())} if results else {},
+                "errors": dict(errors), "token_versions": [min(versions), max(versions)] if versions else [],
+                "seconds": time.monotonic() - t0}
 
     def heartbeat_stats(self) -> dict:
         return {

@@ -153,14 +153,9 @@ class PythonSandbox:
         return out + ["rlimits", "audit hook", "wall-clock kill"]
 
     def _command(self, workdir: str) -> list[str]:
-        cfg = {
-            "cpu_seconds": self.cpu_seconds,
-            "memory_bytes": self.memory_bytes,
-            "file_size_bytes": self.file_size_bytes,
-            "max_open_files": self.max_open_files,
-            "max_processes": 0,
-            "preload": list(self.preload),
-        }
+        cfg = {"cpu_seconds": self.cpu_seconds, "memory_bytes": self.memory_bytes,
+               "file_size_bytes": self.file_size_bytes, "max_open_files": self.max_open_files, "max_processes": 0,
+               "preload": list(self.preload)}
         if self.drop_uid is not None:
             cfg["drop_to_uid"] = self.drop_uid
             cfg["drop_to_gid"] = self.drop_uid
@@ -252,15 +247,9 @@ class PythonSandbox:
                     reason = f"signal {signal.Signals(sig).name}"
                 except ValueError:
                     reason = f"signal {sig}"
-        return SandboxResult(
-            stdout=bufs["out"].decode("utf-8", errors="replace"),
-            stderr=bufs["err"].decode("utf-8", errors="replace"),
-            exit_code=code,
-            timed_out=timed_out,
-            output_truncated=truncated.is_set(),
-            seconds=time.monotonic() - t0,
-            killed_reason=reason,
-        )
+        return SandboxResult(stdout=bufs["out"].decode("utf-8", errors="replace"),
+                             stderr=bufs["err"].decode("utf-8", errors="replace"), exit_code=code, timed_out=timed_out,
+                             output_truncated=truncated.is_set(), seconds=time.monotonic() - t0, killed_reason=reason)
 
     @staticmethod
     def _kill(proc: asyncio.subprocess.Process) -> None:

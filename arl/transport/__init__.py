@@ -6,32 +6,9 @@ drop and count malformed input.
 ``loop``: the opt-in event loop that polls before it sleeps (config ``busy_poll_us``).
 """
 
-from arl.transport.codec import (
-    CONTROL_TYPES,
-    DEFAULT_MAX_BYTES,
-    MESSAGE_TYPES,
-    PROTOCOL_VERSION,
-    TYPED_TYPES,
-    MalformedMessage,
-    decode,
-    encode,
-)
+from arl.transport.codec import (CONTROL_TYPES, DEFAULT_MAX_BYTES, MESSAGE_TYPES, PROTOCOL_VERSION, TYPED_TYPES,
+                                 MalformedMessage, decode, encode)
 from arl.transport.sockets import Dealer, Pull, Push, Router, SocketClosed, bind_random, context
 
-__all__ = [
-    "CONTROL_TYPES",
-    "DEFAULT_MAX_BYTES",
-    "MESSAGE_TYPES",
-    "PROTOCOL_VERSION",
-    "TYPED_TYPES",
-    "MalformedMessage",
-    "decode",
-    "encode",
-    "Dealer",
-    "Pull",
-    "Push",
-    "Router",
-    "SocketClosed",
-    "bind_random",
-    "context",
-]
+__all__ = ["CONTROL_TYPES", "DEFAULT_MAX_BYTES", "MESSAGE_TYPES", "PROTOCOL_VERSION", "TYPED_TYPES", "MalformedMessage",
+           "decode", "encode", "Dealer", "Pull", "Push", "Router", "SocketClosed", "bind_random", "context"]

@@ -39,57 +39,20 @@ from typing import Any, Optional
 import msgpack
 import numpy as np
 
-from arl.api.types import (
-    FINISH_REASONS,
-    GenerateRequest,
-    GenerateResponse,
-    GenerationConfig,
-    SampleOutput,
-    Trajectory,
-)
+from arl.api.types import FINISH_REASONS, GenerateRequest, GenerateResponse, GenerationConfig, SampleOutput, Trajectory
 
-__all__ = [
-    "PROTOCOL_VERSION",
-    "DEFAULT_MAX_BYTES",
-    "TAG_SIZE",
-    "TYPED_TYPES",
-    "CONTROL_TYPES",
-    "MESSAGE_TYPES",
-    "MalformedMessage",
-    "encode",
-    "decode",
-]
+__all__ = ["PROTOCOL_VERSION", "DEFAULT_MAX_BYTES", "TAG_SIZE", "TYPED_TYPES", "CONTROL_TYPES", "MESSAGE_TYPES",
+           "MalformedMessage", "encode", "decode"]
 
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 TAG_SIZE = 32  # HMAC-SHA256 digest size
 
 TYPED_TYPES = frozenset({"gen_req", "gen_resp", "traj"})
-CONTROL_TYPES = frozenset(
-    {
-        "register",
-        "heartbeat",
-        "lookup",
-        "addresses",
-        "gate_acquire",
-        "gate_grant",
-        "group_done",
-        "weights_published",
-        "update_weights",
-        "weights_loaded",
-        "prune_weights",
-        "gen_abort",
-        "metrics",
-        "shutdown",
-        "ack",
-        "error",
-        "eval_done",
-        "eval",
-        "groups_dropped",
-        "worker_lost",
-        "worker_back",
-    }
-)
+CONTROL_TYPES = frozenset({"register", "heartbeat", "lookup", "addresses", "gate_acquire", "gate_grant", "group_done",
+                           "weights_published", "update_weights", "weights_loaded", "prune_weights", "gen_abort",
+                           "metrics", "shutdown", "ack", "error", "eval_done", "eval", "groups_dropped",
+                           "worker_lost", "worker_back"})
 MESSAGE_TYPES = TYPED_TYPES | CONTROL_TYPES
 
 _METADATA_MAX_DEPTH = 32
@@ -125,6 +88,22 @@ def _arr_in(obj: Any, dtype: np.dtype, field: str) -> np.ndarray:
     if len(data) % dtype.itemsize:
         raise MalformedMessage(f"{field}: data length {len(data)} is not a multiple of {dtype.itemsize}")
     return np.frombuffer(data, dtype=dtype)
+
+
+_SAMPLE_ARRAYS = {"output_ids": _I32, "output_logprobs": _F32, "output_versions": _I32}
+_TRAJ_ARRAYS = {"input_ids": _I32, "loss_mask": _I8, "logprobs": _F32, "versions": _I32}
+
+
+def _arrays_out(obj: Any, spec: dict[str, np.dtype]) -> dict:
+    return {k: _arr_out(getattr(obj, k), dtype) for k, dtype in spec.items()}
+
+
+def _arrays_in(p: dict, spec: dict[str, np.dtype], what: str) -> dict[str, np.ndarray]:
+    """The arrays named in `spec`, checked to share one length."""
+    arrays = {k: _arr_in(p[k], dtype, k) for k, dtype in spec.items()}
+    if len({len(a) for a in arrays.values()}) > 1:
+        raise MalformedMessage(f"{what} arrays differ in length")
+    return arrays
 
 
 def _build(cls: type, fields: dict) -> Any:
@@ -172,16 +151,9 @@ def _keys(obj: Any, keys: frozenset, what: str) -> None:
 
 # --------------------------------------------------------------------------------------------- GenerationConfig
 
-_GCONFIG_TYPES: dict[str, tuple] = {
-    "n": (int,),
-    "max_new_tokens": (int,),
-    "min_new_tokens": (int,),
-    "temperature": (float, int),
-    "top_p": (float, int),
-    "top_k": (int,),
-    "greedy": (bool,),
-    "stop_token_ids": (list,),
-}
+_GCONFIG_TYPES: dict[str, tuple] = {"n": (int,), "max_new_tokens": (int,), "min_new_tokens": (int,),
+                                    "temperature": (float, int), "top_p": (float, int), "top_k": (int,),
+                                    "greedy": (bool,), "stop_token_ids": (list,)}
 _GCONFIG_KEYS = frozenset(_GCONFIG_TYPES)
 
 
@@ -195,16 +167,9 @@ def _check_gconfig_dict(d: dict, err: type[Exception]) -> None:
 
 
 def _gconfig_out(g: GenerationConfig) -> dict:
-    d = {
-        "n": g.n,
-        "max_new_tokens": g.max_new_tokens,
-        "min_new_tokens": g.min_new_tokens,
-        "temperature": float(g.temperature),
-        "top_p": float(g.top_p),
-        "top_k": g.top_k,
-        "greedy": g.greedy,
-        "stop_token_ids": [int(t) for t in g.stop_token_ids],
-    }
+    d = {"n": g.n, "max_new_tokens": g.max_new_tokens, "min_new_tokens": g.min_new_tokens,
+         "temperature": float(g.temperature), "top_p": float(g.top_p), "top_k": g.top_k, "greedy": g.greedy,
+         "stop_token_ids": [int(t) for t in g.stop_token_ids]}
     _check_gconfig_dict(d, TypeError)
     return d
 
@@ -218,7 +183,7 @@ def _gconfig_in(d: Any) -> GenerationConfig:
 # --------------------------------------------------------------------------------------------- gen_req / gen_resp
 
 _GEN_REQ_KEYS = frozenset({"qid", "input_ids", "gconfig", "session_id"})
-_SAMPLE_KEYS = frozenset({"output_ids", "output_logprobs", "output_versions", "finish_reason"})
+_SAMPLE_KEYS = frozenset({*_SAMPLE_ARRAYS, "finish_reason"})
 _GEN_RESP_KEYS = frozenset({"qid", "samples", "error"})
 
 
@@ -227,25 +192,16 @@ def _gen_req_out(r: Any) -> dict:
         raise TypeError(f"gen_req needs a GenerateRequest, got {type(r).__name__}")
     if type(r.qid) is not str or (r.session_id is not None and type(r.session_id) is not str):
         raise TypeError("GenerateRequest.qid must be str and session_id str or None")
-    return {
-        "qid": r.qid,
-        "input_ids": _arr_out(r.input_ids, _I32),
-        "gconfig": _gconfig_out(r.gconfig),
-        "session_id": r.session_id,
-    }
+    return {"qid": r.qid, "input_ids": _arr_out(r.input_ids, _I32), "gconfig": _gconfig_out(r.gconfig),
+            "session_id": r.session_id}
 
 
 def _gen_req_in(p: Any) -> GenerateRequest:
     _keys(p, _GEN_REQ_KEYS, "gen_req")
-    return _build(
-        GenerateRequest,
-        {
-            "qid": _str(p["qid"], "qid"),
-            "input_ids": _arr_in(p["input_ids"], _I32, "input_ids"),
-            "gconfig": _gconfig_in(p["gconfig"]),
-            "session_id": _opt_str(p["session_id"], "session_id"),
-        },
-    )
+    return _build(GenerateRequest, {"qid": _str(p["qid"], "qid"),
+                                    "input_ids": _arr_in(p["input_ids"], _I32, "input_ids"),
+                                    "gconfig": _gconfig_in(p["gconfig"]),
+                                    "session_id": _opt_str(p["session_id"], "session_id")})
 
 
 def _gen_resp_out(r: Any) -> dict:
@@ -257,14 +213,7 @@ def _gen_resp_out(r: Any) -> dict:
     for s in r.samples:
         if not isinstance(s, SampleOutput):
             raise TypeError(f"GenerateResponse.samples must hold SampleOutput, got {type(s).__name__}")
-        samples.append(
-            {
-                "output_ids": _arr_out(s.output_ids, _I32),
-                "output_logprobs": _arr_out(s.output_logprobs, _F32),
-                "output_versions": _arr_out(s.output_versions, _I32),
-                "finish_reason": s.finish_reason,
-            }
-        )
+        samples.append({**_arrays_out(s, _SAMPLE_ARRAYS), "finish_reason": s.finish_reason})
     return {"qid": r.qid, "samples": samples, "error": r.error}
 
 
@@ -273,14 +222,7 @@ def _sample_in(s: Any) -> SampleOutput:
     reason = s["finish_reason"]
     if reason not in FINISH_REASONS or type(reason) is not str:
         raise MalformedMessage(f"finish_reason must be one of {FINISH_REASONS}")
-    ids = _arr_in(s["output_ids"], _I32, "output_ids")
-    logp = _arr_in(s["output_logprobs"], _F32, "output_logprobs")
-    ver = _arr_in(s["output_versions"], _I32, "output_versions")
-    if not len(ids) == len(logp) == len(ver):
-        raise MalformedMessage("sample arrays differ in length")
-    return _build(
-        SampleOutput, {"output_ids": ids, "output_logprobs": logp, "output_versions": ver, "finish_reason": reason}
-    )
+    return _build(SampleOutput, {**_arrays_in(s, _SAMPLE_ARRAYS, "sample"), "finish_reason": reason})
 
 
 def _gen_resp_in(p: Any) -> GenerateResponse:
@@ -288,21 +230,13 @@ def _gen_resp_in(p: Any) -> GenerateResponse:
     samples = p["samples"]
     if type(samples) is not list:
         raise MalformedMessage("samples: expected an array")
-    return _build(
-        GenerateResponse,
-        {
-            "qid": _str(p["qid"], "qid"),
-            "samples": [_sample_in(s) for s in samples],
-            "error": _opt_str(p["error"], "error"),
-        },
-    )
+    return _build(GenerateResponse, {"qid": _str(p["qid"], "qid"), "samples": [_sample_in(s) for s in samples],
+                                     "error": _opt_str(p["error"], "error")})
 
 
 # --------------------------------------------------------------------------------------------- traj
 
-_TRAJ_KEYS = frozenset(
-    {"input_ids", "loss_mask", "logprobs", "versions", "reward", "group_id", "turn_rewards", "metadata"}
-)
+_TRAJ_KEYS = frozenset({*_TRAJ_ARRAYS, "reward", "group_id", "turn_rewards", "metadata"})
 _META_SCALARS = (str, int, float, bool, type(None))
 
 
@@ -339,29 +273,14 @@ def _traj_out(group: Any) -> list:
         if type(t.metadata) is not dict:
             raise TypeError("Trajectory.metadata must be a dict")
         _check_meta(t.metadata, "metadata", 0, TypeError, allow_tuple=True)
-        out.append(
-            {
-                "input_ids": _arr_out(t.input_ids, _I32),
-                "loss_mask": _arr_out(t.loss_mask, _I8),
-                "logprobs": _arr_out(t.logprobs, _F32),
-                "versions": _arr_out(t.versions, _I32),
-                "reward": float(t.reward),
-                "group_id": t.group_id,
-                "turn_rewards": turn_rewards,
-                "metadata": t.metadata,
-            }
-        )
+        out.append({**_arrays_out(t, _TRAJ_ARRAYS), "reward": float(t.reward), "group_id": t.group_id,
+                    "turn_rewards": turn_rewards, "metadata": t.metadata})
     return out
 
 
 def _one_traj_in(p: Any) -> Trajectory:
     _keys(p, _TRAJ_KEYS, "traj")
-    ids = _arr_in(p["input_ids"], _I32, "input_ids")
-    mask = _arr_in(p["loss_mask"], _I8, "loss_mask")
-    logp = _arr_in(p["logprobs"], _F32, "logprobs")
-    ver = _arr_in(p["versions"], _I32, "versions")
-    if not len(ids) == len(mask) == len(logp) == len(ver):
-        raise MalformedMessage("trajectory arrays differ in length")
+    arrays = _arrays_in(p, _TRAJ_ARRAYS, "trajectory")
     tr = p["turn_rewards"]
     if type(tr) is not list:
         raise MalformedMessage("turn_rewards: expected an array")
@@ -369,19 +288,9 @@ def _one_traj_in(p: Any) -> Trajectory:
     if type(meta) is not dict:
         raise MalformedMessage("metadata: expected a map")
     _check_meta(meta, "metadata", 0, MalformedMessage, allow_tuple=False)
-    return _build(
-        Trajectory,
-        {
-            "input_ids": ids,
-            "loss_mask": mask,
-            "logprobs": logp,
-            "versions": ver,
-            "reward": _float(p["reward"], "reward"),
-            "group_id": _str(p["group_id"], "group_id"),
-            "turn_rewards": [_float(r, "turn_rewards") for r in tr],
-            "metadata": meta,
-        },
-    )
+    return _build(Trajectory, {**arrays, "reward": _float(p["reward"], "reward"),
+                               "group_id": _str(p["group_id"], "group_id"),
+                               "turn_rewards": [_float(r, "turn_rewards") for r in tr], "metadata": meta})
 
 
 def _traj_in(p: Any) -> list[Trajectory]:
@@ -466,18 +375,8 @@ def decode(
     if n == 0:
         raise MalformedMessage("empty frame")
     try:
-        msg = msgpack.unpackb(
-            frame,
-            raw=False,
-            strict_map_key=True,
-            use_list=True,
-            max_bin_len=n,
-            max_str_len=n,
-            max_array_len=n,
-            max_map_len=n // 2,
-            max_ext_len=0,
-            ext_hook=_reject_ext,
-        )
+        msg = msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True, max_bin_len=n, max_str_len=n,
+                              max_array_len=n, max_map_len=n // 2, max_ext_len=0, ext_hook=_reject_ext)
     except Exception as e:  # msgpack raises ValueError, FormatError, StackError, ExtraData, UnicodeDecodeError...
         raise MalformedMessage(f"invalid msgpack ({type(e).__name__})") from None
     if type(msg) is not dict:

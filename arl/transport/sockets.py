@@ -45,16 +45,7 @@ import zmq.asyncio
 
 from arl.transport.codec import DEFAULT_MAX_BYTES, TAG_SIZE, MalformedMessage, decode, encode
 
-__all__ = [
-    "DEFAULT_HWM",
-    "SocketClosed",
-    "context",
-    "bind_random",
-    "Router",
-    "Dealer",
-    "Push",
-    "Pull",
-]
+__all__ = ["DEFAULT_HWM", "SocketClosed", "context", "bind_random", "Router", "Dealer", "Push", "Pull"]
 
 logger = logging.getLogger("arl.transport")
 
@@ -104,16 +95,12 @@ def bind_random(sock: Any, host: str = "127.0.0.1") -> str:
 
 class _Socket:
     _kind: int = -1
-    _drops = False  # Router: a batch that cannot go is dropped and counted (stats["dropped"]), never waited for
+    # Router: messages carry the peer's identity first; a batch that cannot go is dropped and counted
+    # (stats["dropped"]), never waited for
+    _drops = False
 
-    def __init__(
-        self,
-        *,
-        secret: Optional[bytes] = None,
-        max_bytes: int = DEFAULT_MAX_BYTES,
-        hwm: int = DEFAULT_HWM,
-        name: Optional[str] = None,
-    ) -> None:
+    def __init__(self, *, secret: Optional[bytes] = None, max_bytes: int = DEFAULT_MAX_BYTES, hwm: int = DEFAULT_HWM,
+                 name: Optional[str] = None) -> None:
         if secret is not None and not isinstance(secret, bytes):
             raise TypeError("secret must be bytes or None")
         sock = context().socket(self._kind)
@@ -324,13 +311,10 @@ class _Socket:
                 self._wake()
             return parts
 
-    def _try_send(self, parts: Any, multipart: bool) -> bool:
+    def _try_send(self, parts: list[bytes]) -> bool:
         """Non-blocking send; False if the queue is full (zmq.Again). Other ZMQErrors propagate."""
         try:
-            if multipart:
-                self._sync.send_multipart(parts, _DONTWAIT, copy=True)
-            else:
-                self._sync.send(parts, _DONTWAIT, copy=True)
+            self._sync.send_multipart(parts, _DONTWAIT, copy=True)
         except zmq.Again:
             return False
         finally:
@@ -340,11 +324,12 @@ class _Socket:
                 self._wake()
         return True
 
-    async def _recv_single(self) -> tuple[str, Any]:
-        """Next good message of a socket without routing (Dealer, Pull)."""
+    async def _recv(self) -> Any:
+        """Next good message: (type, payload), or (identity, type, payload) on a Router."""
         await self._yield_now_and_then()
         while not self._inbox:
-            self._unpack(None, await self._recv_parts(), 0)
+            parts = await self._recv_parts()
+            self._unpack(parts[0] if self._drops else None, parts, 1 if self._drops else 0)
         return self._inbox.popleft()
 
     def _unpack(self, route: Optional[bytes], parts: list, start: int) -> None:
@@ -400,7 +385,7 @@ class _Socket:
         for route, frames in outbox.items():
             why = "queue full"
             try:
-                ok = self._try_send(frames if route is None else [route, *frames], True)
+                ok = self._try_send(frames if route is None else [route, *frames])
             except zmq.ZMQError as e:  # a callback must not raise: the other peers' batches still go
                 ok = False
                 why = "peer unknown or gone" if e.errno == zmq.EHOSTUNREACH else f"{type(e).__name__}: {e}"
@@ -459,16 +444,9 @@ class Router(_Socket):
         super().__init__(**kw)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable replies raise (we count them) instead of vanishing
 
-    async def _recv_one(self) -> tuple[bytes, str, Any]:
-        await self._yield_now_and_then()
-        while not self._inbox:
-            parts = await self._recv_parts()
-            self._unpack(parts[0], parts, 1)
-        return self._inbox.popleft()
-
     def recv(self, timeout: Optional[float] = None):
         """Await the next good request -> (identity, type, payload)."""
-        return _with_timeout(self._recv_one(), timeout)
+        return _with_timeout(self._recv(), timeout)
 
     async def send(self, identity: bytes, msg_type: str, payload: Any = None) -> None:
         """Queue a reply to ``identity``. Never blocks: if the peer is gone or its queue is full when the batch is
@@ -496,7 +474,7 @@ class Dealer(_Socket):
 
     def recv(self, timeout: Optional[float] = None):
         """Await the next good reply -> (type, payload)."""
-        return _with_timeout(self._recv_single(), timeout)
+        return _with_timeout(self._recv(), timeout)
 
 
 class Push(_Socket):
@@ -514,4 +492,4 @@ class Pull(_Socket):
     _kind = zmq.PULL
 
     def recv(self, timeout: Optional[float] = None):
-        return _with_timeout(self._recv_single(), timeout)
+        return _with_timeout(self._recv(), timeout)

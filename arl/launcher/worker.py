@@ -282,21 +282,24 @@ def agent_parts(cfg: ExperimentConfig) -> AgentParts:
     return AgentParts(tok, list(train_rows), list(test_rows), group_size, make_agent, make_eval_agent)
 
 
-async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, run_dir: str) -> RoleParts:
-    from arl.api.registry import make_env
+def inference_client(cfg: ExperimentConfig, dealers: list[Any]) -> Any:
+    """A rollout worker's (started) client of the inference servers behind `dealers`."""
     from arl.rollout.client import InferenceClient
-    from arl.rollout.worker import PromptStream, RolloutWorker
 
-    parts = agent_parts(cfg)
-    addrs = await ctl.request("lookup", {"role": "rollout", "index": index}, "addresses", cfg.startup_timeout)
-    base, per_token, trajectory_timeout = rollout_deadlines(cfg)  # 0 = auto: from the generation budget
-    client = InferenceClient([Dealer().connect(a) for a in addrs["inference"]], request_timeout=base,
-                             timeout_per_token=per_token)
+    base, per_token, _ = rollout_deadlines(cfg)  # 0 = auto: from the generation budget
+    client = InferenceClient(dealers, request_timeout=base, timeout_per_token=per_token)
     client.start()
-    push = Push().connect(addrs["learner"])
-    per_worker = max(1, cfg.rollout.max_concurrent_rollouts // cfg.rollout.num_workers)
-    prompts = PromptStream(parts.train_rows, seed=cfg.seed, shard=index, num_shards=cfg.rollout.num_workers)
-    worker = RolloutWorker(
+    return client
+
+
+def rollout_worker(cfg: ExperimentConfig, parts: AgentParts, client: Any, *, index: int, prompts: Any,
+                   capacity: int, send_control: Callable[..., Awaitable[None]],
+                   push_group: Callable[[Any], Awaitable[None]]) -> Any:
+    """Rollout worker `index`, as the run and `arl.launcher.evaluate` build it."""
+    from arl.api.registry import make_env
+    from arl.rollout.worker import RolloutWorker
+
+    return RolloutWorker(
         index=index,
         make_agent=parts.make_agent,
         make_eval_agent=parts.make_eval_agent,
@@ -304,10 +307,10 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
         prompts=prompts,
         test_rows=parts.test_rows,
         client=client,
-        send_control=ctl.send,
-        push_group=lambda group: push.send("traj", group),
-        capacity=per_worker,
-        trajectory_timeout=trajectory_timeout,
+        send_control=send_control,
+        push_group=push_group,
+        capacity=capacity,
+        trajectory_timeout=rollout_deadlines(cfg)[2],
         eval_concurrency=cfg.eval.concurrency,
         seed=cfg.seed,
         env_timeout=cfg.rollout.env_timeout,
@@ -318,6 +321,19 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
         tokenizer=parts.tokenizer,  # trajectory traces decode with it
         trace_rate=cfg.rollout.trace_rate,
     )
+
+
+async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, run_dir: str) -> RoleParts:
+    from arl.rollout.worker import PromptStream
+
+    parts = agent_parts(cfg)
+    addrs = await ctl.request("lookup", {"role": "rollout", "index": index}, "addresses", cfg.startup_timeout)
+    push = Push().connect(addrs["learner"])
+    prompts = PromptStream(parts.train_rows, seed=cfg.seed, shard=index, num_shards=cfg.rollout.num_workers)
+    client = inference_client(cfg, [Dealer().connect(a) for a in addrs["inference"]])
+    per_worker = max(1, cfg.rollout.max_concurrent_rollouts // cfg.rollout.num_workers)
+    worker = rollout_worker(cfg, parts, client, index=index, prompts=prompts, capacity=per_worker,
+                            send_control=ctl.send, push_group=lambda group: push.send("traj", group))
 
     async def on_grant(p: dict) -> None:
         worker.on_grant(int(p["n"]))

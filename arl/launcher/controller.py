@@ -46,26 +46,16 @@ class Controller:
         self,
         *,
         run_dir: str,
-        num_inference: int,
-        num_rollout: int,
+        supervisor: Supervisor,
         batch_size: int,
         max_head_offpolicyness: int,
         max_concurrent_rollouts: int,
         total_train_steps: int,
         eval_every: int,
         eval_max_prompts: int,
-        startup_timeout: float,
-        heartbeat_timeout: float = 120.0,
         progress: bool = True,
-        servers_per_process: int = 1,
-        tolerate_inference_loss: bool = False,
         resume: Optional[dict] = None,
         learner_ranks: int = 1,
-        heartbeat_timeouts: Optional[dict[str, float]] = None,
-        restart_rollout: bool = True,
-        max_restarts: int = 3,
-        restart_inference: bool = False,
-        max_inference_restarts: int = 3,
         secret: Optional[bytes] = None,
         bind_host: str = "127.0.0.1",
         max_bytes: Optional[int] = None,
@@ -75,11 +65,11 @@ class Controller:
         max_no_progress_s: float = 0.0,
         max_consecutive_drops: int = 0,
     ) -> None:
+        """`supervisor` holds the run's shape (servers, rollout workers) and its restart and timeout policy."""
         self.run_dir = run_dir
-        self.num_inference, self.num_rollout = num_inference, num_rollout
+        self.sup = supervisor
         self.total_steps = total_train_steps
         self.eval_every, self.eval_max_prompts = eval_every, eval_max_prompts
-        self.startup_timeout = startup_timeout
         self.learner_ranks = max(1, int(learner_ranks))  # > 1: the learner role runs under torchrun
         gate = StalenessGate(batch_size=batch_size, max_head_offpolicyness=max_head_offpolicyness,
                              max_concurrent=max_concurrent_rollouts, max_groups=total_train_steps * batch_size)
@@ -92,16 +82,7 @@ class Controller:
             gate.accepted = int(self.resume.get("groups_consumed", self.start_version * batch_size))
         self._prompt_positions = {int(k): int(v) for k, v in dict(self.resume.get("data_position", {})).items()}
         self.admission = Admission(gate)
-        self.weights = WeightSync(num_inference)
-        timeouts = {r: heartbeat_timeout for r in m.ROLES}
-        timeouts.update(heartbeat_timeouts or {})
-        # tolerate_inference_loss: an inference process that dies (or stops heartbeating) is dropped instead of
-        # failing the run, while another server remains; rollout workers re-send its requests elsewhere
-        self.sup = Supervisor(num_inference=num_inference, num_rollout=num_rollout,
-                              servers_per_process=servers_per_process, startup_timeout=startup_timeout,
-                              heartbeat_timeouts=timeouts, tolerate_inference_loss=tolerate_inference_loss,
-                              restart_rollout=restart_rollout, max_restarts=max_restarts,
-                              restart_inference=restart_inference, max_inference_restarts=max_inference_restarts)
+        self.weights = WeightSync(supervisor.num_inference)
         self.launcher: RoleLauncher = launcher or LocalLauncher()
         self.reporter = Reporter([JsonlSink(os.path.join(run_dir, "metrics.jsonl")), *(sinks or [])],
                                  total_steps=total_train_steps, progress=progress,
@@ -119,7 +100,7 @@ class Controller:
         self.address = ""
         self.peers: dict[Key, bytes] = {}  # (role, index) -> router identity
         self._who: dict[bytes, Key] = {}  # router identity of a registered role -> (role, index)
-        self.addresses: dict[str, Any] = {"inference": [None] * num_inference, "learner": None}
+        self.addresses: dict[str, Any] = {"inference": [None] * supervisor.num_inference, "learner": None}
         self.role_stats: dict[Key, dict] = {}
         self._lookups: list[bytes] = []
         self._eval_pending: set[int] = set()
@@ -171,14 +152,14 @@ class Controller:
         base = [python, "-m", "arl.launcher.worker", "--run-dir", self.run_dir, "--controller", self.address]
         logs = os.path.join(self.run_dir, "logs")
         k = self.sup.servers_per_process
-        for i in range(-(-self.num_inference // k)):  # process i hosts servers i*k..i*k+k-1
+        for i in range(-(-self.sup.num_inference // k)):  # process i hosts servers i*k..i*k+k-1
             self._spawn(f"inference{i}", base + ["--role", "inference", "--index", str(i)], logs)
         learner_argv = base + ["--role", "learner", "--index", "0"]
         if self.learner_ranks > 1:  # rank 0 registers and talks to us; the others follow it (arl.learner.ranks)
             learner_argv = [python, "-m", "torch.distributed.run", "--nproc_per_node", str(self.learner_ranks),
                             "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", *learner_argv[2:]]
         self._spawn("learner", learner_argv, logs)
-        for i in range(self.num_rollout):
+        for i in range(self.sup.num_rollout):
             self._spawn(f"rollout{i}", base + ["--role", "rollout", "--index", str(i)], logs)
 
     def _spawn(self, name: str, argv: list[str], logs: str) -> None:
@@ -238,13 +219,13 @@ class Controller:
         late = self.sup.late(now)
         for name in [n for n in late if self.sup.servers_of(n)]:  # the run goes on without it
             late.remove(name)
-            self._give_up_inference(name, f"did not register within {self.startup_timeout}s of its restart")
+            self._give_up_inference(name, f"did not register within {self.sup.startup_timeout}s of its restart")
         if late:
-            self.fail(f"restarted roles did not register within {self.startup_timeout}s: {late}")
+            self.fail(f"restarted roles did not register within {self.sup.startup_timeout}s: {late}")
             return False
         if self.sup.startup_overdue(now):
             missing = [n for n in self._names if not any(self.sup.process_of(*k) == n for k in self.peers)]
-            self.fail(f"roles did not register within {self.startup_timeout}s: {missing}")
+            self.fail(f"roles did not register within {self.sup.startup_timeout}s: {missing}")
             return False
         if not self._watch_progress(now):
             return False
@@ -350,7 +331,7 @@ class Controller:
         for s in servers:
             self.sup.forget(("inference", s))
             self.role_stats.pop(("inference", s), None)
-        remaining = sorted(set(range(self.num_inference)) - self.weights.lost)
+        remaining = sorted(set(range(self.sup.num_inference)) - self.weights.lost)
         log = self.launcher.log_path(name)
         logger.warning("inference process %s %s; dropping servers %s, the run goes on with %s; last lines of its "
                        "log:\n%s", name, reason, servers, remaining, tail(log, 10))
@@ -430,7 +411,7 @@ class Controller:
         await self.router.send(ident, msg.TYPE, msg.to_payload())
 
     async def _on_register(self, ident: bytes, msg: m.Register) -> None:
-        limit = {"inference": self.num_inference, "learner": 1, "rollout": self.num_rollout}[msg.role]
+        limit = {"inference": self.sup.num_inference, "learner": 1, "rollout": self.sup.num_rollout}[msg.role]
         if not 0 <= msg.index < limit or (msg.role == "inference" and msg.address is None):
             self._control_error("bad_register", f"refused a registration as {msg.role}/{msg.index}")
             return
@@ -571,7 +552,7 @@ class Controller:
             await self._send(ident, m.PruneWeights(below=self.weights.lowest_needed()))
 
     async def _tell_rollouts(self, msg: m.ControlMessage) -> None:
-        for r in range(self.num_rollout):
+        for r in range(self.sup.num_rollout):
             ident = self.peers.get(("rollout", r))
             if ident is not None:
                 await self._send(ident, msg)

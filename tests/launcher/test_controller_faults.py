@@ -3,20 +3,25 @@ erroring role leads to, and what reaches the roles and metrics.jsonl."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import time
 
 import pytest
 
 from arl.launcher.controller import Controller
+from arl.launcher.supervision import Supervisor
 
 from .fakes import FakeLauncher, FakeRouter
 
 
 def make_controller(tmp_path, **kw) -> Controller:
-    args = dict(run_dir=str(tmp_path), num_inference=1, num_rollout=2, batch_size=2, max_head_offpolicyness=3,
-                max_concurrent_rollouts=8, total_train_steps=4, eval_every=0, eval_max_prompts=4,
-                startup_timeout=60, progress=False, launcher=FakeLauncher())
+    """A controller with a small run's settings; `kw` replaces some (the supervisor's go to the Supervisor)."""
+    supervision = dict(num_inference=1, num_rollout=2, startup_timeout=60)
+    supervision.update({k: kw.pop(k) for k in list(kw) if k in inspect.signature(Supervisor).parameters})
+    args = dict(run_dir=str(tmp_path), supervisor=Supervisor(**supervision), batch_size=2, max_head_offpolicyness=3,
+                max_concurrent_rollouts=8, total_train_steps=4, eval_every=0, eval_max_prompts=4, progress=False,
+                launcher=FakeLauncher())
     args.update(kw)
     ctl = Controller(**args)
     ctl.router = FakeRouter()

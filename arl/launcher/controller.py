@@ -103,7 +103,6 @@ class Controller:
         self.addresses: dict[str, Any] = {"inference": [None] * supervisor.num_inference, "learner": None}
         self.role_stats: dict[Key, dict] = {}
         self._lookups: list[bytes] = []
-        self._eval_pending: set[int] = set()
         self._names: list[str] = []  # the processes spawn_roles started
         self._done = asyncio.Event()
         self._failure: Optional[str] = None
@@ -244,7 +243,7 @@ class Controller:
         failed, with the reason) when no group gets through. Evaluations and the time before admission opens do
         not count as no progress."""
         watch = self.progress_watch
-        watch.hold(not self.admission.is_open or bool(self._eval_pending), now)
+        watch.hold(not self.admission.is_open or bool(self.reporter.pending_evals()), now)
         if watch.drops and now - self._last_drops_shown >= 1.0:
             self._last_drops_shown = now
             self.reporter.show_drops(watch.drops)
@@ -410,6 +409,12 @@ class Controller:
         assert self.router is not None
         await self.router.send(ident, msg.TYPE, msg.to_payload())
 
+    async def _send_to(self, key: Key, msg: m.ControlMessage) -> None:
+        """Send to role `key` if it is registered (else it is being restarted, or gone)."""
+        ident = self.peers.get(key)
+        if ident is not None:
+            await self._send(ident, msg)
+
     async def _on_register(self, ident: bytes, msg: m.Register) -> None:
         limit = {"inference": self.sup.num_inference, "learner": 1, "rollout": self.sup.num_rollout}[msg.role]
         if not 0 <= msg.index < limit or (msg.role == "inference" and msg.address is None):
@@ -434,7 +439,7 @@ class Controller:
         await self._answer_lookups()
         await self._maybe_start()
         if restarted and key == ("rollout", 0):  # evaluations it was running died with it: ask again
-            for v in sorted(self._eval_pending):
+            for v in self.reporter.pending_evals():
                 await self._send(ident, m.Eval(version=v, max_prompts=self.eval_max_prompts))
 
     async def _on_lookup(self, ident: bytes, msg: m.Lookup) -> None:
@@ -492,11 +497,10 @@ class Controller:
         await self._advance()
 
     async def _on_eval_done(self, ident: bytes, msg: m.EvalDone) -> None:
-        self._eval_pending.discard(msg.version)
         logger.info("%s", self.reporter.eval_done(msg.version, msg.to_payload(), self.role_stats))
         if msg.version == self.start_version and not self.admission.is_open:
             await self._grant(self.admission.open())
-        if msg.version >= self.total_steps and not self._eval_pending:
+        if msg.version >= self.total_steps and not self.reporter.pending_evals():
             self._done.set()
 
     async def _on_error(self, ident: bytes, msg: m.Error) -> None:
@@ -508,16 +512,12 @@ class Controller:
     # -- actions -------------------------------------------------------------------------------------------------
     async def _grant(self, grants: list[Grant]) -> None:
         for index, n in grants:
-            ident = self.peers.get(("rollout", index))  # type: ignore[arg-type]
-            if ident is not None:
-                await self._send(ident, m.GateGrant(n=n))
+            await self._send_to(("rollout", index), m.GateGrant(n=n))  # type: ignore[arg-type]
 
     async def _apply(self, actions: list[Action]) -> None:
         for a in actions:
             if isinstance(a, Send):
-                ident = self.peers.get(("inference", a.server))
-                if ident is not None:
-                    await self._send(ident, m.UpdateWeights(version=a.version, path=a.path))
+                await self._send_to(("inference", a.server), m.UpdateWeights(version=a.version, path=a.path))
             elif isinstance(a, Rejoin):
                 await self._rejoin(a)
 
@@ -547,15 +547,11 @@ class Controller:
 
     async def _prune_weights(self) -> None:
         """Tell the learner which weight files no inference server will read again (it deletes those)."""
-        ident = self.peers.get(("learner", 0))
-        if ident is not None:
-            await self._send(ident, m.PruneWeights(below=self.weights.lowest_needed()))
+        await self._send_to(("learner", 0), m.PruneWeights(below=self.weights.lowest_needed()))
 
     async def _tell_rollouts(self, msg: m.ControlMessage) -> None:
         for r in range(self.sup.num_rollout):
-            ident = self.peers.get(("rollout", r))
-            if ident is not None:
-                await self._send(ident, msg)
+            await self._send_to(("rollout", r), msg)
 
     async def _answer_lookups(self) -> None:
         if None in self.addresses["inference"] or self.addresses["learner"] is None:
@@ -577,11 +573,9 @@ class Controller:
             await self._apply(self.weights.publish(v, os.path.join(self.run_dir, "weights", f"v{v}.safetensors")))
 
     async def _request_eval(self, version: int) -> None:
-        self._eval_pending.add(version)
         self.reporter.eval_requested(version)
-        ident = self.peers.get(("rollout", 0))
-        if ident is not None:  # else rollout0 is being restarted: it gets the pending evaluations when it registers
-            await self._send(ident, m.Eval(version=version, max_prompts=self.eval_max_prompts))
+        # unless rollout0 is being restarted: it gets the pending evaluations when it registers
+        await self._send_to(("rollout", 0), m.Eval(version=version, max_prompts=self.eval_max_prompts))
 
     # -- the end -------------------------------------------------------------------------------------------------
     async def _await_learner_accounting(self, timeout: float) -> None:

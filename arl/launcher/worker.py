@@ -18,7 +18,8 @@ from typing import Any, Awaitable, Callable, Optional, TypeVar
 
 from arl.config import ExperimentConfig, import_user_modules, load_yaml, resolve_threads, rollout_deadlines
 from arl.launcher.forensics import install_stack_dump_handler
-from arl.launcher.messages import ControlMessage, Error, Heartbeat, PruneWeights, Register
+from arl.launcher.messages import ControlMessage, Error, Eval, GateGrant, Heartbeat, PruneWeights, Register, \
+    UpdateWeights, WorkerBack, WorkerLost, parse
 from arl.launcher.security import advertised_address, effective_bind_host, resolve_secret
 from arl.transport import sockets as _sockets
 from arl.transport.loop import run as run_loop
@@ -52,7 +53,7 @@ class ControlChannel:
     def __init__(self, address: str, role: str, index: int) -> None:
         self.dealer = Dealer().connect(address)
         self.role, self.index = role, index
-        self.handlers: dict[str, Callable[[dict], Awaitable[None]]] = {}
+        self.handlers: dict[str, Callable[[Any], Awaitable[None]]] = {}  # command type -> handler of its message
         self._waiters: dict[str, asyncio.Future] = {}
         self.stopped = asyncio.Event()
         self.stop_reason = ""
@@ -94,8 +95,8 @@ class ControlChannel:
                 logger.warning("unexpected control message %s", msg_type)
 
     async def _run_handler(self, msg_type: str, payload: dict) -> None:
-        try:
-            await self.handlers[msg_type](payload)
+        try:  # the handler gets the typed command; a malformed one is reported like a failed handler
+            await self.handlers[msg_type](parse(msg_type, payload))
         except Exception as e:  # noqa: BLE001 - report, then let the controller decide
             logger.exception("handler for %s failed", msg_type)
             await self.post(Error(message=f"{self.role}{self.index}: {msg_type} failed: {e}"))
@@ -141,12 +142,11 @@ async def run_inference(cfg: ExperimentConfig, ctl: ControlChannel, index: int, 
         workers.append(InferenceWorker(index=i, engine=engine, router=router, send_control=ctl.send))
     latest = -1
 
-    async def on_update(p: dict) -> None:
+    async def on_update(msg: UpdateWeights) -> None:
         nonlocal latest
-        version = int(p["version"])
-        if version > latest:
-            latest = version
-            await asyncio.gather(*(w.update_weights(version, str(p["path"])) for w in workers))
+        if msg.version > latest:
+            latest = msg.version
+            await asyncio.gather(*(w.update_weights(msg.version, msg.path) for w in workers))
 
     async def heartbeats() -> None:
         while True:
@@ -200,12 +200,8 @@ async def run_learner(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
         vocab_size=_vocab_size(cfg) if real else None,
         export_final=_final_exporter(cfg, run_dir) if real else None,
     )
-    async def on_prune(p: dict) -> None:  # the controller: no server reads versions below p["below"] again
-        try:
-            msg = PruneWeights.from_payload(p)
-        except ValueError as e:
-            logger.warning("ignored a bad prune_weights: %s", e)
-            return
+
+    async def on_prune(msg: PruneWeights) -> None:  # the controller: no server reads versions below msg.below again
         worker.prune_below(msg.below)
 
     ctl.handlers["prune_weights"] = on_prune
@@ -335,24 +331,24 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
     worker = rollout_worker(cfg, parts, client, index=index, prompts=prompts, capacity=per_worker,
                             send_control=ctl.send, push_group=lambda group: push.send("traj", group))
 
-    async def on_grant(p: dict) -> None:
-        worker.on_grant(int(p["n"]))
+    async def on_grant(msg: GateGrant) -> None:
+        worker.on_grant(msg.n)
 
-    async def on_eval(p: dict) -> None:
-        result = await worker.evaluate(int(p["version"]), int(p.get("max_prompts", 0)))
+    async def on_eval(msg: Eval) -> None:
+        result = await worker.evaluate(msg.version, msg.max_prompts)
         # fresh counters first (same socket, so they arrive first): the eval record carries this worker's stats as
         # of the evaluation, not a heartbeat up to a second old (a short run can finish within one heartbeat)
         await ctl.post(Heartbeat(role="rollout", index=index, stats=worker.heartbeat_stats()))
         await ctl.send("eval_done", result)
 
-    async def on_worker_lost(p: dict) -> None:  # the controller dropped an inference server: re-route its requests
-        if p.get("role") == "inference":
-            for i in p.get("indices", []):
-                await client.worker_lost(int(i))
+    async def on_worker_lost(msg: WorkerLost) -> None:  # the controller dropped an inference server: re-route
+        if msg.role == "inference":
+            for i in msg.indices:
+                await client.worker_lost(i)
 
-    async def on_worker_back(p: dict) -> None:  # the controller restarted an inference server: route to it again
-        if p.get("role") == "inference":
-            client.worker_back(int(p["index"]), Dealer().connect(str(p["address"])))
+    async def on_worker_back(msg: WorkerBack) -> None:  # the controller restarted an inference server: route to it
+        if msg.role == "inference":
+            client.worker_back(msg.index, Dealer().connect(msg.address))
 
     ctl.handlers.update(gate_grant=on_grant, eval=on_eval, worker_lost=on_worker_lost, worker_back=on_worker_back)
     ack = await ctl.register(cfg.startup_timeout)

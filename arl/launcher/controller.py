@@ -308,10 +308,8 @@ class Controller:
         self.reporter.groups_lost(lost)
         self._who.pop(self.peers.pop(key, b""), None)
         self.sup.forget(key)
-        old = self.role_stats.pop(key, {})
-        if isinstance(old.get("prompt_position"), int):  # the new one continues its prompt stream
-            self._prompt_positions[index] = max(old["prompt_position"], self._prompt_positions.get(index, 0))
-        self.reporter.keep_env_counts(old)
+        # the new one continues its prompt stream from the position its heartbeats reported (_on_heartbeat)
+        self.reporter.keep_env_counts(self.role_stats.pop(key, {}))
         n = self.sup.restarting(name, time.monotonic())
         logger.warning("%s %s; restarted it (restart %d of at most %d); %d in-flight groups lost, their budget "
                        "returned; last lines of its log:\n%s", name, reason, n, self.sup.max_restarts, lost,

@@ -42,6 +42,7 @@ def prepare_model(cfg: ExperimentConfig) -> str:
         if not os.path.isdir(cfg.model.path):
             raise FileNotFoundError(f"model.path {cfg.model.path!r} is not a directory")
         return os.path.abspath(cfg.model.path)
+    extra: dict[str, Any] = {}
     if cfg.model.warmup:  # an experiment's own warm-up recipe ("module:function"), e.g. tool calling
         import importlib
 
@@ -50,19 +51,12 @@ def prepare_model(cfg: ExperimentConfig) -> str:
             build = getattr(importlib.import_module(mod), fn)
         except (ImportError, AttributeError, ValueError) as e:
             raise FileNotFoundError(f"model.warmup {cfg.model.warmup!r}: {e}") from None
-        return build(os.path.expanduser(cfg.model.cache_dir), seed=0, target_acc=cfg.model.warmup_target_acc,
-                     max_steps=cfg.model.warmup_max_steps, num_threads=1)
-    from arl.recipes.warmup_arith import get_warm_model
+    else:
+        from arl.recipes.warmup_arith import get_warm_model as build
 
-    return get_warm_model(
-        os.path.expanduser(cfg.model.cache_dir),
-        seed=0,
-        target_acc=cfg.model.warmup_target_acc,
-        max_steps=cfg.model.warmup_max_steps,
-        max_operand=cfg.dataset.max_operand,
-        test_size=cfg.dataset.test_size,
-        num_threads=1,
-    )
+        extra = dict(max_operand=cfg.dataset.max_operand, test_size=cfg.dataset.test_size)
+    return build(os.path.expanduser(cfg.model.cache_dir), seed=0, target_acc=cfg.model.warmup_target_acc,
+                 max_steps=cfg.model.warmup_max_steps, num_threads=1, **extra)
 
 
 def make_controller(cfg: ExperimentConfig, run_dir: str, **overrides: Any) -> Controller:

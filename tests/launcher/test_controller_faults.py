@@ -71,7 +71,8 @@ async def test_dead_rollout_worker_is_restarted_and_its_groups_released(tmp_path
     assert ctl.admission.held[1] == 1 and ctl.reporter.accepted_groups == 1
     assert ctl.reporter.accepted_trajectories == 4
     # rollout1 dies holding one group: released (budget back), counted as lost, and the process respawned
-    ctl.role_stats[("rollout", 1)] = {"prompt_position": 7, "env": {"env_timeout": 2}}
+    await ctl._dispatch(b"r1", "heartbeat", {"role": "rollout", "index": 1,
+                                             "stats": {"prompt_position": 7, "env": {"env_timeout": 2}}})
     ctl.launcher.exit("rollout1", -9)
     assert await ctl._check()
     assert ctl.gate.running == 3 and ctl.reporter.lost_groups == 1

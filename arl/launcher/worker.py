@@ -56,7 +56,6 @@ class ControlChannel:
         self.handlers: dict[str, Callable[[Any], Awaitable[None]]] = {}  # command type -> handler of its message
         self._waiters: dict[str, asyncio.Future] = {}
         self.stopped = asyncio.Event()
-        self.stop_reason = ""
 
     async def send(self, msg_type: str, payload: dict) -> None:
         await self.dealer.send(msg_type, payload)
@@ -87,7 +86,6 @@ class ControlChannel:
                 if not fut.done():
                     fut.set_result(payload)
             elif msg_type == "shutdown":
-                self.stop_reason = str(payload.get("reason", ""))
                 self.stopped.set()
             elif msg_type in self.handlers:
                 asyncio.create_task(self._run_handler(msg_type, payload))

@@ -21,8 +21,8 @@ import os
 import tempfile
 from typing import Any, Optional, Sequence
 
-from arl.config import ConfigError, ExperimentConfig, import_user_modules, load_yaml, parse_overrides, \
-    resolve_threads, split_experiment
+from arl.config import ConfigError, ExperimentConfig, import_user_modules, parse_overrides, resolve_threads, \
+    split_experiment
 
 logger = logging.getLogger("arl.evaluate")
 
@@ -74,12 +74,10 @@ def load_eval_config(target: Target, argv: Sequence[str]) -> ExperimentConfig:
     name, rest = split_experiment(argv)
     run_cfg = os.path.join(target.run_dir, "config.yaml") if target.run_dir else None
     if name is None and run_cfg:
-        from omegaconf import OmegaConf
+        from arl.launcher.worker import load_run_config
 
-        raw = OmegaConf.load(run_cfg)
-        import_user_modules(list(raw.get("imports", [])))
-        cls = EXPERIMENTS.get(str(raw.get("experiment", "async-ppo-math")))
-        cfg = parse_overrides(cls, rest, base=load_yaml(run_cfg, cls))
+        base = load_run_config(run_cfg)
+        cfg = parse_overrides(type(base), rest, base=base)
     else:
         cls = EXPERIMENTS.get(name or "async-ppo-math")
         cfg = parse_overrides(cls, rest)

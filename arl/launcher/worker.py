@@ -437,6 +437,20 @@ async def amain(cfg: ExperimentConfig, role: str, index: int, controller: str, r
         ctl.close()
 
 
+def load_run_config(path: str) -> ExperimentConfig:
+    """A run's config.yaml, as its experiment's config class, after the builtins and the modules it imports
+    (the experiment's own module is one, see arl.cli) registered what they define."""
+    from omegaconf import OmegaConf
+
+    from arl.api.registry import EXPERIMENTS
+    from arl.builtin import load_builtins
+
+    raw = OmegaConf.load(path)
+    load_builtins()
+    import_user_modules(list(raw.get("imports", [])))
+    return load_yaml(path, EXPERIMENTS.get(str(raw.get("experiment", "async-ppo-math"))))
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--role", required=True, choices=sorted(ROLES))
@@ -445,23 +459,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--controller", required=True)
     args = ap.parse_args(argv)
     name = f"{args.role}{args.index}"
-    if args.role == "learner" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    ranked = args.role == "learner" and int(os.environ.get("WORLD_SIZE", "1")) > 1  # learner under torchrun
+    if ranked:
         from arl.utils.proc import die_with_parent
 
         die_with_parent()  # torchrun starts each rank in a session of its own: die with torchrun
         name += f"-rank{os.environ.get('RANK', '?')}"
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
-    from omegaconf import OmegaConf
-
-    from arl.api.registry import EXPERIMENTS
-    from arl.builtin import load_builtins
-
-    cfg_path = os.path.join(args.run_dir, "config.yaml")
-    raw = OmegaConf.load(cfg_path)
-    load_builtins()
-    import_user_modules(list(raw.get("imports", [])))  # the experiment's own module is one (see arl.cli)
-    cfg: ExperimentConfig = load_yaml(cfg_path, EXPERIMENTS.get(str(raw.get("experiment", "async-ppo-math"))))
+    cfg = load_run_config(os.path.join(args.run_dir, "config.yaml"))
     install_stack_dump_handler()  # SIGUSR1 -> every thread's stack in this role's log (the controller asks)
     SOCKET_OPTIONS.update(secret=resolve_secret(cfg.secret, _host(cfg)), max_bytes=cfg.max_message_bytes)
     threads = resolve_threads(cfg, args.role)
@@ -472,8 +478,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     logger.info("starting %s%d (pid %d, %d torch threads%s)", args.role, args.index, os.getpid(), threads,
                 f", busy poll {cfg.busy_poll_us:g} us" if cfg.busy_poll_us > 0 else "")
     t0 = time.monotonic()
-    if args.role == "learner" and int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ["RANK"]) > 0:
-        return run_learner_follower(cfg)  # learner.num_ranks > 1 under torchrun: rank 0 runs the role
+    if ranked and int(os.environ["RANK"]) > 0:
+        return run_learner_follower(cfg)  # rank 0 runs the role
     code = run_loop(amain(cfg, args.role, args.index, args.controller, args.run_dir), cfg.busy_poll_us)
     logger.info("%s%d exiting with %d after %.1fs", args.role, args.index, code, time.monotonic() - t0)
     return code

@@ -99,9 +99,10 @@ class ControlChannel:
             logger.exception("handler for %s failed", msg_type)
             await self.post(Error(message=f"{self.role}{self.index}: {msg_type} failed: {e}"))
 
-    async def heartbeat(self, stats: Callable[[], dict]) -> None:
+    async def heartbeat(self, stats: Callable[[], dict], index: Optional[int] = None) -> None:
+        """Heartbeat as this role (or as hosted inference server `index`) every HEARTBEAT_SECONDS."""
         while True:
-            await self.post(Heartbeat(role=self.role, index=self.index, stats=stats()))
+            await self.post(Heartbeat(role=self.role, index=self.index if index is None else index, stats=stats()))
             await asyncio.sleep(HEARTBEAT_SECONDS)
 
     def close(self) -> None:
@@ -146,16 +147,10 @@ async def run_inference(cfg: ExperimentConfig, ctl: ControlChannel, index: int, 
             latest = msg.version
             await asyncio.gather(*(w.update_weights(msg.version, msg.path) for w in workers))
 
-    async def heartbeats() -> None:
-        while True:
-            for w in workers:
-                await ctl.post(Heartbeat(role="inference", index=w.index, stats=w.heartbeat_stats()))
-            await asyncio.sleep(HEARTBEAT_SECONDS)
-
     ctl.handlers["update_weights"] = on_update  # before registering: a restarted server is sent the newest at once
     for w, address in zip(workers, addresses):
         await ctl.register(cfg.startup_timeout, index=w.index, address=address)
-    return ([*(w.serve() for w in workers), heartbeats()],
+    return ([*(w.serve() for w in workers), *(ctl.heartbeat(w.heartbeat_stats, w.index) for w in workers)],
             [*(w.engine.close() for w in workers), *(_aclose(w.router) for w in workers)])
 
 

@@ -46,26 +46,16 @@ class Controller:
         self,
         *,
         run_dir: str,
-        num_inference: int,
-        num_rollout: int,
+        supervisor: Supervisor,
         batch_size: int,
         max_head_offpolicyness: int,
         max_concurrent_rollouts: int,
         total_train_steps: int,
         eval_every: int,
         eval_max_prompts: int,
-        startup_timeout: float,
-        heartbeat_timeout: float = 120.0,
         progress: bool = True,
-        servers_per_process: int = 1,
-        tolerate_inference_loss: bool = False,
         resume: Optional[dict] = None,
         learner_ranks: int = 1,
-        heartbeat_timeouts: Optional[dict[str, float]] = None,
-        restart_rollout: bool = True,
-        max_restarts: int = 3,
-        restart_inference: bool = False,
-        max_inference_restarts: int = 3,
         secret: Optional[bytes] = None,
         bind_host: str = "127.0.0.1",
         max_bytes: Optional[int] = None,
@@ -75,11 +65,11 @@ class Controller:
         max_no_progress_s: float = 0.0,
         max_consecutive_drops: int = 0,
     ) -> None:
+        """`supervisor` holds the run's shape (servers, rollout workers) and its restart and timeout policy."""
         self.run_dir = run_dir
-        self.num_inference, self.num_rollout = num_inference, num_rollout
+        self.sup = supervisor
         self.total_steps = total_train_steps
         self.eval_every, self.eval_max_prompts = eval_every, eval_max_prompts
-        self.startup_timeout = startup_timeout
         self.learner_ranks = max(1, int(learner_ranks))  # > 1: the learner role runs under torchrun
         gate = StalenessGate(batch_size=batch_size, max_head_offpolicyness=max_head_offpolicyness,
                              max_concurrent=max_concurrent_rollouts, max_groups=total_train_steps * batch_size)
@@ -92,16 +82,7 @@ class Controller:
             gate.accepted = int(self.resume.get("groups_consumed", self.start_version * batch_size))
         self._prompt_positions = {int(k): int(v) for k, v in dict(self.resume.get("data_position", {})).items()}
         self.admission = Admission(gate)
-        self.weights = WeightSync(num_inference)
-        timeouts = {r: heartbeat_timeout for r in m.ROLES}
-        timeouts.update(heartbeat_timeouts or {})
-        # tolerate_inference_loss: an inference process that dies (or stops heartbeating) is dropped instead of
-        # failing the run, while another server remains; rollout workers re-send its requests elsewhere
-        self.sup = Supervisor(num_inference=num_inference, num_rollout=num_rollout,
-                              servers_per_process=servers_per_process, startup_timeout=startup_timeout,
-                              heartbeat_timeouts=timeouts, tolerate_inference_loss=tolerate_inference_loss,
-                              restart_rollout=restart_rollout, max_restarts=max_restarts,
-                              restart_inference=restart_inference, max_inference_restarts=max_inference_restarts)
+        self.weights = WeightSync(supervisor.num_inference)
         self.launcher: RoleLauncher = launcher or LocalLauncher()
         self.reporter = Reporter([JsonlSink(os.path.join(run_dir, "metrics.jsonl")), *(sinks or [])],
                                  total_steps=total_train_steps, progress=progress,
@@ -119,10 +100,9 @@ class Controller:
         self.address = ""
         self.peers: dict[Key, bytes] = {}  # (role, index) -> router identity
         self._who: dict[bytes, Key] = {}  # router identity of a registered role -> (role, index)
-        self.addresses: dict[str, Any] = {"inference": [None] * num_inference, "learner": None}
+        self.addresses: dict[str, Any] = {"inference": [None] * supervisor.num_inference, "learner": None}
         self.role_stats: dict[Key, dict] = {}
         self._lookups: list[bytes] = []
-        self._eval_pending: set[int] = set()
         self._names: list[str] = []  # the processes spawn_roles started
         self._done = asyncio.Event()
         self._failure: Optional[str] = None
@@ -171,14 +151,14 @@ class Controller:
         base = [python, "-m", "arl.launcher.worker", "--run-dir", self.run_dir, "--controller", self.address]
         logs = os.path.join(self.run_dir, "logs")
         k = self.sup.servers_per_process
-        for i in range(-(-self.num_inference // k)):  # process i hosts servers i*k..i*k+k-1
+        for i in range(-(-self.sup.num_inference // k)):  # process i hosts servers i*k..i*k+k-1
             self._spawn(f"inference{i}", base + ["--role", "inference", "--index", str(i)], logs)
         learner_argv = base + ["--role", "learner", "--index", "0"]
         if self.learner_ranks > 1:  # rank 0 registers and talks to us; the others follow it (arl.learner.ranks)
             learner_argv = [python, "-m", "torch.distributed.run", "--nproc_per_node", str(self.learner_ranks),
                             "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", *learner_argv[2:]]
         self._spawn("learner", learner_argv, logs)
-        for i in range(self.num_rollout):
+        for i in range(self.sup.num_rollout):
             self._spawn(f"rollout{i}", base + ["--role", "rollout", "--index", str(i)], logs)
 
     def _spawn(self, name: str, argv: list[str], logs: str) -> None:
@@ -238,13 +218,13 @@ class Controller:
         late = self.sup.late(now)
         for name in [n for n in late if self.sup.servers_of(n)]:  # the run goes on without it
             late.remove(name)
-            self._give_up_inference(name, f"did not register within {self.startup_timeout}s of its restart")
+            self._give_up_inference(name, f"did not register within {self.sup.startup_timeout}s of its restart")
         if late:
-            self.fail(f"restarted roles did not register within {self.startup_timeout}s: {late}")
+            self.fail(f"restarted roles did not register within {self.sup.startup_timeout}s: {late}")
             return False
         if self.sup.startup_overdue(now):
             missing = [n for n in self._names if not any(self.sup.process_of(*k) == n for k in self.peers)]
-            self.fail(f"roles did not register within {self.startup_timeout}s: {missing}")
+            self.fail(f"roles did not register within {self.sup.startup_timeout}s: {missing}")
             return False
         if not self._watch_progress(now):
             return False
@@ -263,7 +243,7 @@ class Controller:
         failed, with the reason) when no group gets through. Evaluations and the time before admission opens do
         not count as no progress."""
         watch = self.progress_watch
-        watch.hold(not self.admission.is_open or bool(self._eval_pending), now)
+        watch.hold(not self.admission.is_open or bool(self.reporter.pending_evals()), now)
         if watch.drops and now - self._last_drops_shown >= 1.0:
             self._last_drops_shown = now
             self.reporter.show_drops(watch.drops)
@@ -328,10 +308,8 @@ class Controller:
         self.reporter.groups_lost(lost)
         self._who.pop(self.peers.pop(key, b""), None)
         self.sup.forget(key)
-        old = self.role_stats.pop(key, {})
-        if isinstance(old.get("prompt_position"), int):  # the new one continues its prompt stream
-            self._prompt_positions[index] = max(old["prompt_position"], self._prompt_positions.get(index, 0))
-        self.reporter.keep_env_counts(old)
+        # the new one continues its prompt stream from the position its heartbeats reported (_on_heartbeat)
+        self.reporter.keep_env_counts(self.role_stats.pop(key, {}))
         n = self.sup.restarting(name, time.monotonic())
         logger.warning("%s %s; restarted it (restart %d of at most %d); %d in-flight groups lost, their budget "
                        "returned; last lines of its log:\n%s", name, reason, n, self.sup.max_restarts, lost,
@@ -350,7 +328,7 @@ class Controller:
         for s in servers:
             self.sup.forget(("inference", s))
             self.role_stats.pop(("inference", s), None)
-        remaining = sorted(set(range(self.num_inference)) - self.weights.lost)
+        remaining = sorted(set(range(self.sup.num_inference)) - self.weights.lost)
         log = self.launcher.log_path(name)
         logger.warning("inference process %s %s; dropping servers %s, the run goes on with %s; last lines of its "
                        "log:\n%s", name, reason, servers, remaining, tail(log, 10))
@@ -429,8 +407,14 @@ class Controller:
         assert self.router is not None
         await self.router.send(ident, msg.TYPE, msg.to_payload())
 
+    async def _send_to(self, key: Key, msg: m.ControlMessage) -> None:
+        """Send to role `key` if it is registered (else it is being restarted, or gone)."""
+        ident = self.peers.get(key)
+        if ident is not None:
+            await self._send(ident, msg)
+
     async def _on_register(self, ident: bytes, msg: m.Register) -> None:
-        limit = {"inference": self.num_inference, "learner": 1, "rollout": self.num_rollout}[msg.role]
+        limit = {"inference": self.sup.num_inference, "learner": 1, "rollout": self.sup.num_rollout}[msg.role]
         if not 0 <= msg.index < limit or (msg.role == "inference" and msg.address is None):
             self._control_error("bad_register", f"refused a registration as {msg.role}/{msg.index}")
             return
@@ -453,7 +437,7 @@ class Controller:
         await self._answer_lookups()
         await self._maybe_start()
         if restarted and key == ("rollout", 0):  # evaluations it was running died with it: ask again
-            for v in sorted(self._eval_pending):
+            for v in self.reporter.pending_evals():
                 await self._send(ident, m.Eval(version=v, max_prompts=self.eval_max_prompts))
 
     async def _on_lookup(self, ident: bytes, msg: m.Lookup) -> None:
@@ -511,11 +495,10 @@ class Controller:
         await self._advance()
 
     async def _on_eval_done(self, ident: bytes, msg: m.EvalDone) -> None:
-        self._eval_pending.discard(msg.version)
         logger.info("%s", self.reporter.eval_done(msg.version, msg.to_payload(), self.role_stats))
         if msg.version == self.start_version and not self.admission.is_open:
             await self._grant(self.admission.open())
-        if msg.version >= self.total_steps and not self._eval_pending:
+        if msg.version >= self.total_steps and not self.reporter.pending_evals():
             self._done.set()
 
     async def _on_error(self, ident: bytes, msg: m.Error) -> None:
@@ -527,16 +510,12 @@ class Controller:
     # -- actions -------------------------------------------------------------------------------------------------
     async def _grant(self, grants: list[Grant]) -> None:
         for index, n in grants:
-            ident = self.peers.get(("rollout", index))  # type: ignore[arg-type]
-            if ident is not None:
-                await self._send(ident, m.GateGrant(n=n))
+            await self._send_to(("rollout", index), m.GateGrant(n=n))  # type: ignore[arg-type]
 
     async def _apply(self, actions: list[Action]) -> None:
         for a in actions:
             if isinstance(a, Send):
-                ident = self.peers.get(("inference", a.server))
-                if ident is not None:
-                    await self._send(ident, m.UpdateWeights(version=a.version, path=a.path))
+                await self._send_to(("inference", a.server), m.UpdateWeights(version=a.version, path=a.path))
             elif isinstance(a, Rejoin):
                 await self._rejoin(a)
 
@@ -566,15 +545,11 @@ class Controller:
 
     async def _prune_weights(self) -> None:
         """Tell the learner which weight files no inference server will read again (it deletes those)."""
-        ident = self.peers.get(("learner", 0))
-        if ident is not None:
-            await self._send(ident, m.PruneWeights(below=self.weights.lowest_needed()))
+        await self._send_to(("learner", 0), m.PruneWeights(below=self.weights.lowest_needed()))
 
     async def _tell_rollouts(self, msg: m.ControlMessage) -> None:
-        for r in range(self.num_rollout):
-            ident = self.peers.get(("rollout", r))
-            if ident is not None:
-                await self._send(ident, msg)
+        for r in range(self.sup.num_rollout):
+            await self._send_to(("rollout", r), msg)
 
     async def _answer_lookups(self) -> None:
         if None in self.addresses["inference"] or self.addresses["learner"] is None:
@@ -596,11 +571,9 @@ class Controller:
             await self._apply(self.weights.publish(v, os.path.join(self.run_dir, "weights", f"v{v}.safetensors")))
 
     async def _request_eval(self, version: int) -> None:
-        self._eval_pending.add(version)
         self.reporter.eval_requested(version)
-        ident = self.peers.get(("rollout", 0))
-        if ident is not None:  # else rollout0 is being restarted: it gets the pending evaluations when it registers
-            await self._send(ident, m.Eval(version=version, max_prompts=self.eval_max_prompts))
+        # unless rollout0 is being restarted: it gets the pending evaluations when it registers
+        await self._send_to(("rollout", 0), m.Eval(version=version, max_prompts=self.eval_max_prompts))
 
     # -- the end -------------------------------------------------------------------------------------------------
     async def _await_learner_accounting(self, timeout: float) -> None:

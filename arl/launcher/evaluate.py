@@ -21,8 +21,8 @@ import os
 import tempfile
 from typing import Any, Optional, Sequence
 
-from arl.config import ConfigError, ExperimentConfig, import_user_modules, load_yaml, parse_overrides, \
-    resolve_threads, rollout_deadlines, split_experiment
+from arl.config import ConfigError, ExperimentConfig, import_user_modules, parse_overrides, resolve_threads, \
+    split_experiment
 
 logger = logging.getLogger("arl.evaluate")
 
@@ -74,12 +74,10 @@ def load_eval_config(target: Target, argv: Sequence[str]) -> ExperimentConfig:
     name, rest = split_experiment(argv)
     run_cfg = os.path.join(target.run_dir, "config.yaml") if target.run_dir else None
     if name is None and run_cfg:
-        from omegaconf import OmegaConf
+        from arl.launcher.worker import load_run_config
 
-        raw = OmegaConf.load(run_cfg)
-        import_user_modules(list(raw.get("imports", [])))
-        cls = EXPERIMENTS.get(str(raw.get("experiment", "async-ppo-math")))
-        cfg = parse_overrides(cls, rest, base=load_yaml(run_cfg, cls))
+        base = load_run_config(run_cfg)
+        cfg = parse_overrides(type(base), rest, base=base)
     else:
         cls = EXPERIMENTS.get(name or "async-ppo-math")
         cfg = parse_overrides(cls, rest)
@@ -114,12 +112,10 @@ async def _noop_send(*_: Any) -> None:
 
 async def evaluate_model(cfg: ExperimentConfig, model_dir: str, version: int = -1) -> dict:
     """`RolloutWorker.evaluate` of the model in `model_dir` under `cfg` (see the module docstring)."""
-    from arl.api.registry import make_env
     from arl.inference.factory import build_engine
     from arl.inference.worker import InferenceWorker
-    from arl.launcher.worker import agent_parts
-    from arl.rollout.client import InferenceClient
-    from arl.rollout.worker import PromptStream, RolloutWorker
+    from arl.launcher.worker import agent_parts, inference_client, rollout_worker
+    from arl.rollout.worker import PromptStream
     from arl.transport import sockets
 
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=model_dir))
@@ -133,17 +129,10 @@ async def evaluate_model(cfg: ExperimentConfig, model_dir: str, version: int = -
     server = InferenceWorker(index=0, engine=engine, router=router, send_control=_noop_send)
     serving = asyncio.create_task(server.serve())
     dealer = sockets.Dealer(max_bytes=cfg.max_message_bytes).connect(address)
-    base, per_token, trajectory_timeout = rollout_deadlines(cfg)
-    client = InferenceClient([dealer], request_timeout=base, timeout_per_token=per_token)
-    client.start()
-    worker = RolloutWorker(
-        index=0, make_agent=parts.make_agent, make_eval_agent=parts.make_eval_agent,
-        make_env=lambda: make_env(cfg.env.name, **cfg.env.args),
-        prompts=PromptStream(parts.train_rows or [{}], seed=cfg.seed), test_rows=parts.test_rows, client=client,
-        send_control=_noop_send, push_group=_noop_send, capacity=1, trajectory_timeout=trajectory_timeout,
-        eval_concurrency=cfg.eval.concurrency, seed=cfg.seed, env_timeout=cfg.rollout.env_timeout,
-        verify_token_ledger=cfg.rollout.verify_token_ledger,
-    )
+    client = inference_client(cfg, [dealer])
+    prompts = PromptStream(parts.train_rows or [{}], seed=cfg.seed)
+    worker = rollout_worker(cfg, parts, client, index=0, prompts=prompts, capacity=1, send_control=_noop_send,
+                            push_group=_noop_send)
     try:
         result = await worker.evaluate(version, cfg.eval.max_prompts)
         result["ledger_checked"] = int(worker.stats["ledger_checked"])

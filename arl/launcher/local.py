@@ -14,6 +14,7 @@ from typing import Any, Optional
 from arl.config import ExperimentConfig, to_yaml
 from arl.launcher.controller import Controller, RunFailed
 from arl.launcher.security import SECRET_ENV, effective_bind_host, resolve_secret
+from arl.launcher.supervision import Supervisor
 from arl.report.trackers import make_sinks
 
 logger = logging.getLogger("arl.launcher")
@@ -41,6 +42,7 @@ def prepare_model(cfg: ExperimentConfig) -> str:
         if not os.path.isdir(cfg.model.path):
             raise FileNotFoundError(f"model.path {cfg.model.path!r} is not a directory")
         return os.path.abspath(cfg.model.path)
+    extra: dict[str, Any] = {}
     if cfg.model.warmup:  # an experiment's own warm-up recipe ("module:function"), e.g. tool calling
         import importlib
 
@@ -49,19 +51,12 @@ def prepare_model(cfg: ExperimentConfig) -> str:
             build = getattr(importlib.import_module(mod), fn)
         except (ImportError, AttributeError, ValueError) as e:
             raise FileNotFoundError(f"model.warmup {cfg.model.warmup!r}: {e}") from None
-        return build(os.path.expanduser(cfg.model.cache_dir), seed=0, target_acc=cfg.model.warmup_target_acc,
-                     max_steps=cfg.model.warmup_max_steps, num_threads=1)
-    from arl.recipes.warmup_arith import get_warm_model
+    else:
+        from arl.recipes.warmup_arith import get_warm_model as build
 
-    return get_warm_model(
-        os.path.expanduser(cfg.model.cache_dir),
-        seed=0,
-        target_acc=cfg.model.warmup_target_acc,
-        max_steps=cfg.model.warmup_max_steps,
-        max_operand=cfg.dataset.max_operand,
-        test_size=cfg.dataset.test_size,
-        num_threads=1,
-    )
+        extra = dict(max_operand=cfg.dataset.max_operand, test_size=cfg.dataset.test_size)
+    return build(os.path.expanduser(cfg.model.cache_dir), seed=0, target_acc=cfg.model.warmup_target_acc,
+                 max_steps=cfg.model.warmup_max_steps, num_threads=1, **extra)
 
 
 def make_controller(cfg: ExperimentConfig, run_dir: str, **overrides: Any) -> Controller:
@@ -73,33 +68,37 @@ def make_controller(cfg: ExperimentConfig, run_dir: str, **overrides: Any) -> Co
     bind_host = effective_bind_host(cfg.bind_host)
     secret = resolve_secret(cfg.secret, bind_host)
     trains_model = LEARNER_BACKENDS.get(cfg.learner.backend).trains_model  # only a real model runs on several ranks
+    ic, rc = cfg.inference, cfg.rollout
+    supervisor = Supervisor(
+        num_inference=ic.num_workers,
+        num_rollout=rc.num_workers,
+        servers_per_process=ic.servers_per_process,
+        startup_timeout=cfg.startup_timeout,
+        heartbeat_timeouts={"inference": ic.heartbeat_timeout, "learner": cfg.learner.heartbeat_timeout,
+                            "rollout": rc.heartbeat_timeout},
+        tolerate_inference_loss=ic.tolerate_worker_loss,
+        restart_rollout=rc.restart_on_failure,
+        max_restarts=rc.max_restarts,
+        restart_inference=ic.restart_on_failure and ic.tolerate_worker_loss,
+        max_inference_restarts=ic.max_restarts,
+    )
     kwargs: dict[str, Any] = dict(
         run_dir=run_dir,
-        num_inference=cfg.inference.num_workers,
-        num_rollout=cfg.rollout.num_workers,
+        supervisor=supervisor,
         batch_size=cfg.learner.batch_size,
         max_head_offpolicyness=cfg.max_head_offpolicyness,
-        max_concurrent_rollouts=cfg.rollout.max_concurrent_rollouts,
+        max_concurrent_rollouts=rc.max_concurrent_rollouts,
         total_train_steps=cfg.total_train_steps,
         eval_every=cfg.eval.every_n_steps,
         eval_max_prompts=cfg.eval.max_prompts,
-        startup_timeout=cfg.startup_timeout,
         progress=cfg.progress,
-        servers_per_process=cfg.inference.servers_per_process,
-        tolerate_inference_loss=cfg.inference.tolerate_worker_loss,
         resume=resume_state(cfg, run_dir),
         learner_ranks=cfg.learner.num_ranks if trains_model else 1,
-        heartbeat_timeouts={"inference": cfg.inference.heartbeat_timeout, "learner": cfg.learner.heartbeat_timeout,
-                            "rollout": cfg.rollout.heartbeat_timeout},
-        restart_rollout=cfg.rollout.restart_on_failure,
-        max_restarts=cfg.rollout.max_restarts,
-        restart_inference=cfg.inference.restart_on_failure and cfg.inference.tolerate_worker_loss,
-        max_inference_restarts=cfg.inference.max_restarts,
         secret=secret,
         bind_host=bind_host,
         max_bytes=cfg.max_message_bytes,
-        max_no_progress_s=cfg.rollout.max_no_progress_s,
-        max_consecutive_drops=cfg.rollout.max_consecutive_drops,
+        max_no_progress_s=rc.max_no_progress_s,
+        max_consecutive_drops=rc.max_consecutive_drops,
         sinks=make_sinks(cfg.loggers, run_dir, dataclasses.asdict(dataclasses.replace(cfg, secret="")),
                          cfg.experiment),
     )

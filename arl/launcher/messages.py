@@ -13,21 +13,26 @@ from __future__ import annotations
 import dataclasses
 import re
 import typing
-from typing import Any, Callable, ClassVar, Optional, Union
+from typing import Any, Callable, ClassVar, Literal, NewType, Optional, Union
 
-ROLES = ("inference", "learner", "rollout")
-
+Role = Literal["inference", "learner", "rollout"]
+ROLES: tuple[str, ...] = typing.get_args(Role)
+Count = NewType("Count", int)  # an int that must not be negative
 
 _SIMPLE: dict[Any, Callable[[Any], bool]] = {
-    int: lambda v: type(v) is int, float: lambda v: type(v) in (int, float), str: lambda v: type(v) is str,
+    int: lambda v: type(v) is int, Count: lambda v: type(v) is int and v >= 0,
+    float: lambda v: type(v) in (int, float), str: lambda v: type(v) is str,
     bool: lambda v: type(v) is bool, dict: lambda v: isinstance(v, dict), list: lambda v: isinstance(v, list),
     Any: lambda v: True,
 }
 
 
 def _checker(tp: Any) -> Callable[[Any], bool]:
-    """A test for values of field type `tp` (int, float, str, bool, dict, Any, list[...], Optional[...])."""
+    """A test for values of field type `tp` (int, Count, float, str, bool, dict, Any, list[...], Optional[...],
+    Literal[...])."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        return lambda v: v in args
     if origin is Union:
         inner = _checker(next(a for a in args if a is not type(None)))
         return lambda v: v is None or inner(v)
@@ -70,17 +75,12 @@ class ControlMessage:
                 if required:
                     raise ValueError(f"{cls.TYPE}: missing field {name!r}")
             elif not check(payload[name]):
-                raise ValueError(f"{cls.TYPE}.{name}: expected {tp}, got {type(payload[name]).__name__}")
+                raise ValueError(f"{cls.TYPE}.{name}: expected {tp}, got {payload[name]!r:.40}")
             else:
                 kwargs[name] = payload[name]
         if cls._EXTRA:
             kwargs["extra"] = {k: v for k, v in payload.items() if k not in kwargs and k != "extra"}
-        msg = cls(**kwargs)
-        msg.validate()
-        return msg
-
-    def validate(self) -> None:
-        """Checks beyond field types (overridden where a value has a range)."""
+        return cls(**kwargs)
 
     def to_payload(self) -> dict:
         out = {name: getattr(self, name) for name, *_ in self._SPEC if getattr(self, name) is not None}
@@ -88,25 +88,11 @@ class ControlMessage:
         return out
 
 
-def _nonneg(msg: ControlMessage, *names: str) -> None:
-    for n in names:
-        if getattr(msg, n) < 0:
-            raise ValueError(f"{msg.TYPE}.{n} is negative")
-
-
-def _known_role(msg: Any) -> None:
-    if msg.role not in ROLES:
-        raise ValueError(f"{msg.TYPE}: unknown role {msg.role[:20]!r}")
-
-
 class Register(ControlMessage):
-    role: str
+    role: Role
     index: int = 0
     address: Optional[str] = None
     pid: Optional[int] = None
-
-    def validate(self) -> None:
-        _known_role(self)
 
 
 class Ack(ControlMessage):
@@ -115,12 +101,9 @@ class Ack(ControlMessage):
 
 
 class Heartbeat(ControlMessage):
-    role: str
+    role: Role
     index: int = 0
     stats: dict = dataclasses.field(default_factory=dict)
-
-    def validate(self) -> None:
-        _known_role(self)
 
 
 class Lookup(ControlMessage):
@@ -134,10 +117,7 @@ class Addresses(ControlMessage):
 
 
 class GateAcquire(ControlMessage):
-    want: int
-
-    def validate(self) -> None:
-        _nonneg(self, "want")
+    want: Count
 
 
 class GateGrant(ControlMessage):
@@ -156,11 +136,8 @@ class GroupDone(ControlMessage):
 
 
 class GroupsDropped(ControlMessage):
-    n: int
+    n: Count
     reason: str = "learner"
-
-    def validate(self) -> None:
-        _nonneg(self, "n")
 
 
 class WeightsPublished(ControlMessage):
@@ -184,10 +161,7 @@ class PruneWeights(ControlMessage):
     """Controller -> learner, after the live version advanced: no inference server will read a weights file of a
     version below `below` again (every live one acked a newer version; a restarted one is sent the newest)."""
 
-    below: int
-
-    def validate(self) -> None:
-        _nonneg(self, "below")
+    below: Count
 
 
 class GenAbort(ControlMessage):

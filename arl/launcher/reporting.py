@@ -246,6 +246,10 @@ class Reporter:
     def eval_requested(self, version: int) -> None:
         self.evals[version] = {}
 
+    def pending_evals(self) -> list[int]:
+        """Versions whose evaluation was requested and has no result yet."""
+        return sorted(v for v, e in self.evals.items() if not e)
+
     def eval_done(self, version: int, result: dict, role_stats: dict) -> str:
         """Record an evaluation's result (with every role's latest stats); returns the line to show."""
         self.evals[version] = result
@@ -300,16 +304,13 @@ class Reporter:
         faults handled and malformed input dropped. `lost_accepted_groups` and `trained_twice` must stay 0."""
         ls = role_stats.get(("learner", 0), {})
         transport = dict(transport)
+        env = collections.Counter(self.env_of_restarted)
+        requests: collections.Counter = collections.Counter()  # re-sends and aborts: no silent double work
         for (role, index), st in sorted(role_stats.items()):
             if isinstance(st.get("transport"), dict):
                 transport[f"{role}{index}"] = st["transport"]
-        env = collections.Counter(self.env_of_restarted)
-        for (role, _), st in role_stats.items():
             if role == "rollout":
                 env.update(_env_counts(st))
-        requests: collections.Counter = collections.Counter()  # re-sends and aborts: no silent double work
-        for (role, _), st in role_stats.items():
-            if role == "rollout":
                 requests.update({k: int(v) for k, v in dict(st.get("client") or {}).items() if k in REQUEST_KEYS})
             elif role == "inference":
                 requests["aborted_by_inference"] += int(st.get("aborted", 0) or 0)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Protocol, Sequence
 
+from arl.launcher.messages import ROLES
+
 
 class RoleLauncher(Protocol):
     """Starts and stops role processes by name (e.g. 'rollout1'); everything blocking may run in a thread."""
@@ -59,13 +61,15 @@ class Supervisor:
     """
 
     def __init__(self, *, num_inference: int, num_rollout: int, servers_per_process: int = 1,
-                 startup_timeout: float, heartbeat_timeouts: dict[str, float], tolerate_inference_loss: bool = False,
-                 restart_rollout: bool = True, max_restarts: int = 3, restart_inference: bool = False,
-                 max_inference_restarts: int = 3) -> None:
+                 startup_timeout: float, heartbeat_timeouts: Optional[dict[str, float]] = None,
+                 tolerate_inference_loss: bool = False, restart_rollout: bool = True, max_restarts: int = 3,
+                 restart_inference: bool = False, max_inference_restarts: int = 3) -> None:
         self.num_inference, self.num_rollout = num_inference, num_rollout
         self.servers_per_process = max(1, servers_per_process)
         self.startup_timeout = startup_timeout
-        self.heartbeat_timeouts = dict(heartbeat_timeouts)
+        self.heartbeat_timeouts = {r: 120.0 for r in ROLES} | dict(heartbeat_timeouts or {})  # per role
+        # tolerate_inference_loss: an inference process that dies (or stops heartbeating) is dropped instead of
+        # failing the run, while another server remains; rollout workers re-send its requests elsewhere
         self.tolerate_inference_loss = tolerate_inference_loss
         self.restart_rollout, self.max_restarts = restart_rollout, max_restarts
         self.restart_inference, self.max_inference_restarts = restart_inference, max_inference_restarts

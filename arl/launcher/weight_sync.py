@@ -66,9 +66,6 @@ class WeightSync:
                  if self.loading(i) and (i not in self.lost or i in self.rejoining)]
         return min([self.live, *loads])
 
-    def prunable(self, version: int) -> bool:
-        return version < self.lowest_needed()
-
     # -- events ----------------------------------------------------------------------------------------------
     def publish(self, version: int, path: str) -> list[Action]:
         """The learner exported `version`: send it to every server in the ack set that is not busy loading."""

@@ -18,7 +18,8 @@ from typing import Any, Awaitable, Callable, Optional, TypeVar
 
 from arl.config import ExperimentConfig, import_user_modules, load_yaml, resolve_threads, rollout_deadlines
 from arl.launcher.forensics import install_stack_dump_handler
-from arl.launcher.messages import ControlMessage, Error, Heartbeat, PruneWeights, Register
+from arl.launcher.messages import ControlMessage, Error, Eval, GateGrant, Heartbeat, PruneWeights, Register, \
+    UpdateWeights, WorkerBack, WorkerLost, parse
 from arl.launcher.security import advertised_address, effective_bind_host, resolve_secret
 from arl.transport import sockets as _sockets
 from arl.transport.loop import run as run_loop
@@ -52,10 +53,9 @@ class ControlChannel:
     def __init__(self, address: str, role: str, index: int) -> None:
         self.dealer = Dealer().connect(address)
         self.role, self.index = role, index
-        self.handlers: dict[str, Callable[[dict], Awaitable[None]]] = {}
+        self.handlers: dict[str, Callable[[Any], Awaitable[None]]] = {}  # command type -> handler of its message
         self._waiters: dict[str, asyncio.Future] = {}
         self.stopped = asyncio.Event()
-        self.stop_reason = ""
 
     async def send(self, msg_type: str, payload: dict) -> None:
         await self.dealer.send(msg_type, payload)
@@ -86,7 +86,6 @@ class ControlChannel:
                 if not fut.done():
                     fut.set_result(payload)
             elif msg_type == "shutdown":
-                self.stop_reason = str(payload.get("reason", ""))
                 self.stopped.set()
             elif msg_type in self.handlers:
                 asyncio.create_task(self._run_handler(msg_type, payload))
@@ -94,15 +93,16 @@ class ControlChannel:
                 logger.warning("unexpected control message %s", msg_type)
 
     async def _run_handler(self, msg_type: str, payload: dict) -> None:
-        try:
-            await self.handlers[msg_type](payload)
+        try:  # the handler gets the typed command; a malformed one is reported like a failed handler
+            await self.handlers[msg_type](parse(msg_type, payload))
         except Exception as e:  # noqa: BLE001 - report, then let the controller decide
             logger.exception("handler for %s failed", msg_type)
             await self.post(Error(message=f"{self.role}{self.index}: {msg_type} failed: {e}"))
 
-    async def heartbeat(self, stats: Callable[[], dict]) -> None:
+    async def heartbeat(self, stats: Callable[[], dict], index: Optional[int] = None) -> None:
+        """Heartbeat as this role (or as hosted inference server `index`) every HEARTBEAT_SECONDS."""
         while True:
-            await self.post(Heartbeat(role=self.role, index=self.index, stats=stats()))
+            await self.post(Heartbeat(role=self.role, index=self.index if index is None else index, stats=stats()))
             await asyncio.sleep(HEARTBEAT_SECONDS)
 
     def close(self) -> None:
@@ -141,23 +141,16 @@ async def run_inference(cfg: ExperimentConfig, ctl: ControlChannel, index: int, 
         workers.append(InferenceWorker(index=i, engine=engine, router=router, send_control=ctl.send))
     latest = -1
 
-    async def on_update(p: dict) -> None:
+    async def on_update(msg: UpdateWeights) -> None:
         nonlocal latest
-        version = int(p["version"])
-        if version > latest:
-            latest = version
-            await asyncio.gather(*(w.update_weights(version, str(p["path"])) for w in workers))
-
-    async def heartbeats() -> None:
-        while True:
-            for w in workers:
-                await ctl.post(Heartbeat(role="inference", index=w.index, stats=w.heartbeat_stats()))
-            await asyncio.sleep(HEARTBEAT_SECONDS)
+        if msg.version > latest:
+            latest = msg.version
+            await asyncio.gather(*(w.update_weights(msg.version, msg.path) for w in workers))
 
     ctl.handlers["update_weights"] = on_update  # before registering: a restarted server is sent the newest at once
     for w, address in zip(workers, addresses):
         await ctl.register(cfg.startup_timeout, index=w.index, address=address)
-    return ([*(w.serve() for w in workers), heartbeats()],
+    return ([*(w.serve() for w in workers), *(ctl.heartbeat(w.heartbeat_stats, w.index) for w in workers)],
             [*(w.engine.close() for w in workers), *(_aclose(w.router) for w in workers)])
 
 
@@ -200,12 +193,8 @@ async def run_learner(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
         vocab_size=_vocab_size(cfg) if real else None,
         export_final=_final_exporter(cfg, run_dir) if real else None,
     )
-    async def on_prune(p: dict) -> None:  # the controller: no server reads versions below p["below"] again
-        try:
-            msg = PruneWeights.from_payload(p)
-        except ValueError as e:
-            logger.warning("ignored a bad prune_weights: %s", e)
-            return
+
+    async def on_prune(msg: PruneWeights) -> None:  # the controller: no server reads versions below msg.below again
         worker.prune_below(msg.below)
 
     ctl.handlers["prune_weights"] = on_prune
@@ -282,21 +271,24 @@ def agent_parts(cfg: ExperimentConfig) -> AgentParts:
     return AgentParts(tok, list(train_rows), list(test_rows), group_size, make_agent, make_eval_agent)
 
 
-async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, run_dir: str) -> RoleParts:
-    from arl.api.registry import make_env
+def inference_client(cfg: ExperimentConfig, dealers: list[Any]) -> Any:
+    """A rollout worker's (started) client of the inference servers behind `dealers`."""
     from arl.rollout.client import InferenceClient
-    from arl.rollout.worker import PromptStream, RolloutWorker
 
-    parts = agent_parts(cfg)
-    addrs = await ctl.request("lookup", {"role": "rollout", "index": index}, "addresses", cfg.startup_timeout)
-    base, per_token, trajectory_timeout = rollout_deadlines(cfg)  # 0 = auto: from the generation budget
-    client = InferenceClient([Dealer().connect(a) for a in addrs["inference"]], request_timeout=base,
-                             timeout_per_token=per_token)
+    base, per_token, _ = rollout_deadlines(cfg)  # 0 = auto: from the generation budget
+    client = InferenceClient(dealers, request_timeout=base, timeout_per_token=per_token)
     client.start()
-    push = Push().connect(addrs["learner"])
-    per_worker = max(1, cfg.rollout.max_concurrent_rollouts // cfg.rollout.num_workers)
-    prompts = PromptStream(parts.train_rows, seed=cfg.seed, shard=index, num_shards=cfg.rollout.num_workers)
-    worker = RolloutWorker(
+    return client
+
+
+def rollout_worker(cfg: ExperimentConfig, parts: AgentParts, client: Any, *, index: int, prompts: Any,
+                   capacity: int, send_control: Callable[..., Awaitable[None]],
+                   push_group: Callable[[Any], Awaitable[None]]) -> Any:
+    """Rollout worker `index`, as the run and `arl.launcher.evaluate` build it."""
+    from arl.api.registry import make_env
+    from arl.rollout.worker import RolloutWorker
+
+    return RolloutWorker(
         index=index,
         make_agent=parts.make_agent,
         make_eval_agent=parts.make_eval_agent,
@@ -304,10 +296,10 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
         prompts=prompts,
         test_rows=parts.test_rows,
         client=client,
-        send_control=ctl.send,
-        push_group=lambda group: push.send("traj", group),
-        capacity=per_worker,
-        trajectory_timeout=trajectory_timeout,
+        send_control=send_control,
+        push_group=push_group,
+        capacity=capacity,
+        trajectory_timeout=rollout_deadlines(cfg)[2],
         eval_concurrency=cfg.eval.concurrency,
         seed=cfg.seed,
         env_timeout=cfg.rollout.env_timeout,
@@ -319,24 +311,37 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
         trace_rate=cfg.rollout.trace_rate,
     )
 
-    async def on_grant(p: dict) -> None:
-        worker.on_grant(int(p["n"]))
 
-    async def on_eval(p: dict) -> None:
-        result = await worker.evaluate(int(p["version"]), int(p.get("max_prompts", 0)))
+async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, run_dir: str) -> RoleParts:
+    from arl.rollout.worker import PromptStream
+
+    parts = agent_parts(cfg)
+    addrs = await ctl.request("lookup", {"role": "rollout", "index": index}, "addresses", cfg.startup_timeout)
+    push = Push().connect(addrs["learner"])
+    prompts = PromptStream(parts.train_rows, seed=cfg.seed, shard=index, num_shards=cfg.rollout.num_workers)
+    client = inference_client(cfg, [Dealer().connect(a) for a in addrs["inference"]])
+    per_worker = max(1, cfg.rollout.max_concurrent_rollouts // cfg.rollout.num_workers)
+    worker = rollout_worker(cfg, parts, client, index=index, prompts=prompts, capacity=per_worker,
+                            send_control=ctl.send, push_group=lambda group: push.send("traj", group))
+
+    async def on_grant(msg: GateGrant) -> None:
+        worker.on_grant(msg.n)
+
+    async def on_eval(msg: Eval) -> None:
+        result = await worker.evaluate(msg.version, msg.max_prompts)
         # fresh counters first (same socket, so they arrive first): the eval record carries this worker's stats as
         # of the evaluation, not a heartbeat up to a second old (a short run can finish within one heartbeat)
         await ctl.post(Heartbeat(role="rollout", index=index, stats=worker.heartbeat_stats()))
         await ctl.send("eval_done", result)
 
-    async def on_worker_lost(p: dict) -> None:  # the controller dropped an inference server: re-route its requests
-        if p.get("role") == "inference":
-            for i in p.get("indices", []):
-                await client.worker_lost(int(i))
+    async def on_worker_lost(msg: WorkerLost) -> None:  # the controller dropped an inference server: re-route
+        if msg.role == "inference":
+            for i in msg.indices:
+                await client.worker_lost(i)
 
-    async def on_worker_back(p: dict) -> None:  # the controller restarted an inference server: route to it again
-        if p.get("role") == "inference":
-            client.worker_back(int(p["index"]), Dealer().connect(str(p["address"])))
+    async def on_worker_back(msg: WorkerBack) -> None:  # the controller restarted an inference server: route to it
+        if msg.role == "inference":
+            client.worker_back(msg.index, Dealer().connect(msg.address))
 
     ctl.handlers.update(gate_grant=on_grant, eval=on_eval, worker_lost=on_worker_lost, worker_back=on_worker_back)
     ack = await ctl.register(cfg.startup_timeout)
@@ -427,6 +432,20 @@ async def amain(cfg: ExperimentConfig, role: str, index: int, controller: str, r
         ctl.close()
 
 
+def load_run_config(path: str) -> ExperimentConfig:
+    """A run's config.yaml, as its experiment's config class, after the builtins and the modules it imports
+    (the experiment's own module is one, see arl.cli) registered what they define."""
+    from omegaconf import OmegaConf
+
+    from arl.api.registry import EXPERIMENTS
+    from arl.builtin import load_builtins
+
+    raw = OmegaConf.load(path)
+    load_builtins()
+    import_user_modules(list(raw.get("imports", [])))
+    return load_yaml(path, EXPERIMENTS.get(str(raw.get("experiment", "async-ppo-math"))))
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--role", required=True, choices=sorted(ROLES))
@@ -435,23 +454,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--controller", required=True)
     args = ap.parse_args(argv)
     name = f"{args.role}{args.index}"
-    if args.role == "learner" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    ranked = args.role == "learner" and int(os.environ.get("WORLD_SIZE", "1")) > 1  # learner under torchrun
+    if ranked:
         from arl.utils.proc import die_with_parent
 
         die_with_parent()  # torchrun starts each rank in a session of its own: die with torchrun
         name += f"-rank{os.environ.get('RANK', '?')}"
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
-    from omegaconf import OmegaConf
-
-    from arl.api.registry import EXPERIMENTS
-    from arl.builtin import load_builtins
-
-    cfg_path = os.path.join(args.run_dir, "config.yaml")
-    raw = OmegaConf.load(cfg_path)
-    load_builtins()
-    import_user_modules(list(raw.get("imports", [])))  # the experiment's own module is one (see arl.cli)
-    cfg: ExperimentConfig = load_yaml(cfg_path, EXPERIMENTS.get(str(raw.get("experiment", "async-ppo-math"))))
+    cfg = load_run_config(os.path.join(args.run_dir, "config.yaml"))
     install_stack_dump_handler()  # SIGUSR1 -> every thread's stack in this role's log (the controller asks)
     SOCKET_OPTIONS.update(secret=resolve_secret(cfg.secret, _host(cfg)), max_bytes=cfg.max_message_bytes)
     threads = resolve_threads(cfg, args.role)
@@ -462,8 +473,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     logger.info("starting %s%d (pid %d, %d torch threads%s)", args.role, args.index, os.getpid(), threads,
                 f", busy poll {cfg.busy_poll_us:g} us" if cfg.busy_poll_us > 0 else "")
     t0 = time.monotonic()
-    if args.role == "learner" and int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ["RANK"]) > 0:
-        return run_learner_follower(cfg)  # learner.num_ranks > 1 under torchrun: rank 0 runs the role
+    if ranked and int(os.environ["RANK"]) > 0:
+        return run_learner_follower(cfg)  # rank 0 runs the role
     code = run_loop(amain(cfg, args.role, args.index, args.controller, args.run_dir), cfg.busy_poll_us)
     logger.info("%s%d exiting with %d after %.1fs", args.role, args.index, code, time.monotonic() - t0)
     return code

@@ -3,20 +3,25 @@ erroring role leads to, and what reaches the roles and metrics.jsonl."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import time
 
 import pytest
 
 from arl.launcher.controller import Controller
+from arl.launcher.supervision import Supervisor
 
 from .fakes import FakeLauncher, FakeRouter
 
 
 def make_controller(tmp_path, **kw) -> Controller:
-    args = dict(run_dir=str(tmp_path), num_inference=1, num_rollout=2, batch_size=2, max_head_offpolicyness=3,
-                max_concurrent_rollouts=8, total_train_steps=4, eval_every=0, eval_max_prompts=4,
-                startup_timeout=60, progress=False, launcher=FakeLauncher())
+    """A controller with a small run's settings; `kw` replaces some (the supervisor's go to the Supervisor)."""
+    supervision = dict(num_inference=1, num_rollout=2, startup_timeout=60)
+    supervision.update({k: kw.pop(k) for k in list(kw) if k in inspect.signature(Supervisor).parameters})
+    args = dict(run_dir=str(tmp_path), supervisor=Supervisor(**supervision), batch_size=2, max_head_offpolicyness=3,
+                max_concurrent_rollouts=8, total_train_steps=4, eval_every=0, eval_max_prompts=4, progress=False,
+                launcher=FakeLauncher())
     args.update(kw)
     ctl = Controller(**args)
     ctl.router = FakeRouter()
@@ -66,7 +71,8 @@ async def test_dead_rollout_worker_is_restarted_and_its_groups_released(tmp_path
     assert ctl.admission.held[1] == 1 and ctl.reporter.accepted_groups == 1
     assert ctl.reporter.accepted_trajectories == 4
     # rollout1 dies holding one group: released (budget back), counted as lost, and the process respawned
-    ctl.role_stats[("rollout", 1)] = {"prompt_position": 7, "env": {"env_timeout": 2}}
+    await ctl._dispatch(b"r1", "heartbeat", {"role": "rollout", "index": 1,
+                                             "stats": {"prompt_position": 7, "env": {"env_timeout": 2}}})
     ctl.launcher.exit("rollout1", -9)
     assert await ctl._check()
     assert ctl.gate.running == 3 and ctl.reporter.lost_groups == 1

@@ -17,6 +17,7 @@ import pytest
 from arl.api.types import Trajectory
 from arl.config import PPOConfig, SimLearnerConfig
 from arl.launcher.controller import Controller
+from arl.launcher.supervision import Supervisor
 from arl.learner.actor import PPOActor
 from arl.learner.sim_learner import SimLearner
 from arl.learner.worker import LearnerWorker
@@ -95,9 +96,9 @@ class World:
 
 @pytest.mark.asyncio
 async def test_slow_loader_never_finds_its_file_deleted(tmp_path):
-    ctl = Controller(run_dir=str(tmp_path), num_inference=2, num_rollout=1, batch_size=BATCH,
-                     max_head_offpolicyness=ETA, max_concurrent_rollouts=8, total_train_steps=STEPS, eval_every=0,
-                     eval_max_prompts=1, startup_timeout=60, progress=False, launcher=FakeLauncher())
+    ctl = Controller(run_dir=str(tmp_path), supervisor=Supervisor(num_inference=2, num_rollout=1, startup_timeout=60),
+                     batch_size=BATCH, max_head_offpolicyness=ETA, max_concurrent_rollouts=8, total_train_steps=STEPS,
+                     eval_every=0, eval_max_prompts=1, progress=False, launcher=FakeLauncher())
     ctl.spawn_roles()
     pull = Pull()
     actor = PPOActor(SimLearner(SimLearnerConfig(s_per_token=0.0, step_base_s=0.0)), PPOConfig(), eta=ETA)

@@ -66,7 +66,7 @@ import numpy as np
 
 from arl.api.types import GenerateRequest, GenerateResponse, GenerationConfig, SampleOutput
 from arl.config import PauseMode, SGLangConfig
-from arl.inference.requests import check_request
+from arl.inference.requests import ENGINE_CLOSED, check_request, refusal
 from arl.utils.net import free_port
 from arl.utils.proc import die_with_parent_preexec, signal_group, tail
 
@@ -268,17 +268,16 @@ class SGLangEngine:
 
     async def agenerate(self, req: GenerateRequest) -> GenerateResponse:
         """`req.gconfig.n` samples of `req.input_ids`. Never raises: failures come back as `error`."""
-        qid = getattr(req, "qid", "?")
         err = check_request(req, max_context_len=self.max_context_len)
         if err is None:
             err = truncation_error(req.gconfig)
         if err is None and self._closed:
-            err = "engine closed"
+            err = ENGINE_CLOSED
         if err is None and self._failed:
             err = f"sglang server failed: {self._failed}"
         if err is not None:
             self._counters["requests_refused"] += 1
-            return GenerateResponse(qid=qid, samples=[], error=err)
+            return refusal(req, err)
         await self._ensure_session()
         self._counters["requests"] += 1
         self._enter()
@@ -298,9 +297,9 @@ class SGLangEngine:
                 errors.append(f"{type(r).__name__}: {r}" if not isinstance(r, SGLangError) else str(r))
         if errors:
             self._counters["requests_failed"] += 1
-            return GenerateResponse(qid=qid, samples=samples, error=f"sglang: {errors[0]}")
+            return GenerateResponse(qid=req.qid, samples=samples, error=f"sglang: {errors[0]}")
         self._counters["samples"] += len(samples)
-        return GenerateResponse(qid=qid, samples=samples)
+        return GenerateResponse(qid=req.qid, samples=samples)
 
     async def update_weights(self, source: str, version: int) -> None:
         """Pause the server (per `pause_mode`), load `source` as `version`, resume. Raises (old weights and

@@ -280,12 +280,16 @@ class SGLangEngine:
             return refusal(req, err)
         await self._ensure_session()
         self._counters["requests"] += 1
-        self._enter()
+        if self._inflight == 0:
+            self._busy_since = time.monotonic()
+        self._inflight += 1
         try:
-            results = await asyncio.gather(*(self._sample(req, i) for i in range(req.gconfig.n)),
-                                           return_exceptions=True)
+            results = await asyncio.gather(*(self._sample(req) for _ in range(req.gconfig.n)), return_exceptions=True)
         finally:
-            self._leave()
+            self._inflight -= 1
+            if self._inflight == 0 and self._busy_since is not None:
+                self._busy_s += time.monotonic() - self._busy_since
+                self._busy_since = None
         samples: list[SampleOutput] = []
         errors: list[str] = []
         for r in results:
@@ -383,7 +387,7 @@ class SGLangEngine:
             p["stop_token_ids"] = [int(t) for t in g.stop_token_ids]
         return p
 
-    async def _sample(self, req: GenerateRequest, index: int) -> SampleOutput:
+    async def _sample(self, req: GenerateRequest) -> SampleOutput:
         prompt = [int(t) for t in req.input_ids]
         g = req.gconfig
         ids: list[int] = []
@@ -556,17 +560,6 @@ class SGLangEngine:
             self._failed = reason
         if self._failed_event is not None:
             self._failed_event.set()
-
-    def _enter(self) -> None:
-        if self._inflight == 0:
-            self._busy_since = time.monotonic()
-        self._inflight += 1
-
-    def _leave(self) -> None:
-        self._inflight -= 1
-        if self._inflight == 0 and self._busy_since is not None:
-            self._busy_s += time.monotonic() - self._busy_since
-            self._busy_since = None
 
 
 def launch_sglang_engine(config: SGLangConfig, *, model_path: str, device: str, seed: int, name: str, index: int = 0,

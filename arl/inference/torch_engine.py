@@ -266,10 +266,7 @@ class TorchEngine:
         the new weights; every token records the version that produced it. Returns once the weights are loaded.
         Raises (and keeps the old weights and version) if the file is missing or does not match the model.
         """
-        self._ensure_started()
-        with self._cv:
-            if self._closed:
-                raise RuntimeError(f"{self.name}: {ENGINE_CLOSED}")
+        self.start()
         # read + check off the decode thread (decoding goes on); only the swap happens at the step boundary
         prepared = await asyncio.to_thread(self._prepare_weights, str(source))
         loop = asyncio.get_running_loop()

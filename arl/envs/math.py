@@ -150,9 +150,6 @@ class _DaemonThreadPool(concurrent.futures.Executor):
         frame = sys._current_frames().get(tid) if tid is not None else None
         return "".join(traceback.format_stack(frame)) if frame is not None else ""
 
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:  # daemon threads: nothing
-        return None
-
 
 REWARD_TIMEOUTS: "dict[str, int]" = {}  # reward function name -> timeouts in this process
 _last_timeout_log: dict[str, float] = {}

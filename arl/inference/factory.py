@@ -35,7 +35,6 @@ def _torch_engine(model_path: str, inference: InferenceConfig, *, seed: int, ind
     from arl.models.tiny import load_model_dir, stop_token_ids
 
     model, tok = load_model_dir(model_path)
-    model.to(inference.device).eval()
     # every eos of the folder (tokenizer + generation config), as SGLang and transformers stop on them all
     engine = TorchEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=stop_token_ids(model_path),
                          max_batch_size=inference.max_batch_size, max_context_len=inference.max_context_len,

@@ -5,7 +5,22 @@ from __future__ import annotations
 
 from typing import Optional
 
-from arl.api.types import GenerateRequest, GenerationConfig
+from arl.api.types import GenerateRequest, GenerateResponse, GenerationConfig
+
+ENGINE_CLOSED = "engine closed"
+
+
+def check_limits(max_batch_size: int, max_context_len: int) -> None:
+    """The engine-side limits every embedded backend needs (one sample fits one row, one token fits the window)."""
+    if max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+    if max_context_len < 2:
+        raise ValueError(f"max_context_len must be >= 2, got {max_context_len}")
+
+
+def refusal(req: object, error: str) -> GenerateResponse:
+    """The answer to a request that is not served (bad input, or the engine closed or failed)."""
+    return GenerateResponse(qid=str(getattr(req, "qid", "?")), samples=[], error=error)
 
 
 def check_request(req: GenerateRequest, *, max_context_len: int = 0, vocab_size: int = 0,

@@ -66,7 +66,7 @@ import numpy as np
 
 from arl.api.types import GenerateRequest, GenerateResponse, GenerationConfig, SampleOutput
 from arl.config import PauseMode, SGLangConfig
-from arl.inference.requests import check_request
+from arl.inference.requests import ENGINE_CLOSED, check_request, refusal
 from arl.utils.net import free_port
 from arl.utils.proc import die_with_parent_preexec, signal_group, tail
 
@@ -268,25 +268,28 @@ class SGLangEngine:
 
     async def agenerate(self, req: GenerateRequest) -> GenerateResponse:
         """`req.gconfig.n` samples of `req.input_ids`. Never raises: failures come back as `error`."""
-        qid = getattr(req, "qid", "?")
         err = check_request(req, max_context_len=self.max_context_len)
         if err is None:
             err = truncation_error(req.gconfig)
         if err is None and self._closed:
-            err = "engine closed"
+            err = ENGINE_CLOSED
         if err is None and self._failed:
             err = f"sglang server failed: {self._failed}"
         if err is not None:
             self._counters["requests_refused"] += 1
-            return GenerateResponse(qid=qid, samples=[], error=err)
+            return refusal(req, err)
         await self._ensure_session()
         self._counters["requests"] += 1
-        self._enter()
+        if self._inflight == 0:
+            self._busy_since = time.monotonic()
+        self._inflight += 1
         try:
-            results = await asyncio.gather(*(self._sample(req, i) for i in range(req.gconfig.n)),
-                                           return_exceptions=True)
+            results = await asyncio.gather(*(self._sample(req) for _ in range(req.gconfig.n)), return_exceptions=True)
         finally:
-            self._leave()
+            self._inflight -= 1
+            if self._inflight == 0 and self._busy_since is not None:
+                self._busy_s += time.monotonic() - self._busy_since
+                self._busy_since = None
         samples: list[SampleOutput] = []
         errors: list[str] = []
         for r in results:
@@ -298,9 +301,9 @@ class SGLangEngine:
                 errors.append(f"{type(r).__name__}: {r}" if not isinstance(r, SGLangError) else str(r))
         if errors:
             self._counters["requests_failed"] += 1
-            return GenerateResponse(qid=qid, samples=samples, error=f"sglang: {errors[0]}")
+            return GenerateResponse(qid=req.qid, samples=samples, error=f"sglang: {errors[0]}")
         self._counters["samples"] += len(samples)
-        return GenerateResponse(qid=qid, samples=samples)
+        return GenerateResponse(qid=req.qid, samples=samples)
 
     async def update_weights(self, source: str, version: int) -> None:
         """Pause the server (per `pause_mode`), load `source` as `version`, resume. Raises (old weights and
@@ -384,7 +387,7 @@ class SGLangEngine:
             p["stop_token_ids"] = [int(t) for t in g.stop_token_ids]
         return p
 
-    async def _sample(self, req: GenerateRequest, index: int) -> SampleOutput:
+    async def _sample(self, req: GenerateRequest) -> SampleOutput:
         prompt = [int(t) for t in req.input_ids]
         g = req.gconfig
         ids: list[int] = []
@@ -557,17 +560,6 @@ class SGLangEngine:
             self._failed = reason
         if self._failed_event is not None:
             self._failed_event.set()
-
-    def _enter(self) -> None:
-        if self._inflight == 0:
-            self._busy_since = time.monotonic()
-        self._inflight += 1
-
-    def _leave(self) -> None:
-        self._inflight -= 1
-        if self._inflight == 0 and self._busy_since is not None:
-            self._busy_s += time.monotonic() - self._busy_since
-            self._busy_since = None
 
 
 def launch_sglang_engine(config: SGLangConfig, *, model_path: str, device: str, seed: int, name: str, index: int = 0,

@@ -56,11 +56,10 @@ import numpy as np
 
 from arl.api.types import GenerateRequest, GenerateResponse, SampleOutput
 from arl.config import SimEngineConfig
-from arl.inference.requests import check_request
+from arl.inference.requests import ENGINE_CLOSED, check_limits, check_request, refusal
 
 logger = logging.getLogger("arl.inference")
 
-ENGINE_CLOSED = "engine closed"
 _EPS = 1e-6  # step-clock tolerance when a timer fires a hair early
 
 
@@ -93,9 +92,8 @@ class SimEngine:
                  workload_seed: int = 0, max_sessions: int = 100_000, name: str = "sim") -> None:
         """`config`: the latency and output-length model (`inference.sim`); the rest is per run and per server."""
         c = self.config = config if config is not None else SimEngineConfig()
+        check_limits(max_batch_size, max_context_len)
         checks = [
-            (max_batch_size >= 1, f"max_batch_size must be >= 1, got {max_batch_size}"),
-            (max_context_len >= 2, f"max_context_len must be >= 2, got {max_context_len}"),
             (min(c.step_base_s, c.step_per_token_s, c.prefill_per_token_s, c.update_pause_s) >= 0,
              "sim latencies must be >= 0"),
             (c.step_base_s + c.step_per_token_s > 0,
@@ -151,14 +149,13 @@ class SimEngine:
 
     async def agenerate(self, req: GenerateRequest) -> GenerateResponse:
         """Answer after the simulated decode time. Never raises for bad input: returns a response with ``error``."""
-        qid = getattr(req, "qid", "?")
         err = check_request(req, max_context_len=self.max_context_len, vocab_size=self.config.vocab_size,
                             max_batch_size=self.max_batch_size)
         if err is None and self._closed:
             err = ENGINE_CLOSED
         if err is not None:
             self._requests_refused += 1
-            return GenerateResponse(qid=str(qid), samples=[], error=err)
+            return refusal(req, err)
         loop = self._bind_loop()
         fut: asyncio.Future = loop.create_future()
         state = self._new_request(req, fut)

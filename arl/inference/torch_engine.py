@@ -53,11 +53,10 @@ from safetensors.torch import load_file
 from transformers import DynamicCache
 
 from arl.api.types import GenerateRequest, GenerateResponse, GenerationConfig, SampleOutput
-from arl.inference.requests import check_request
+from arl.inference.requests import ENGINE_CLOSED, check_limits, check_request, refusal
 
 logger = logging.getLogger("arl.inference")
 
-ENGINE_CLOSED = "engine closed"
 _Prepared = tuple[str, list[tuple[torch.nn.Parameter, torch.Tensor]]]  # (source, [(parameter, new tensor)])
 _Command = tuple[_Prepared, int, asyncio.AbstractEventLoop, asyncio.Future]  # a weight update: (weights, version, ...)
 
@@ -153,10 +152,7 @@ class TorchEngine:
     def __init__(self, model: torch.nn.Module, *, pad_token_id: int, eos_token_id: int | Sequence[int] | None,
                  max_batch_size: int = 64, max_context_len: int = 512, device: str = "cpu", version: int = 0,
                  seed: int = 0, name: str = "engine") -> None:
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        if max_context_len < 2:
-            raise ValueError(f"max_context_len must be >= 2, got {max_context_len}")
+        check_limits(max_batch_size, max_context_len)
         _check_attention_supported(getattr(model, "config", None), int(max_context_len))
         self.name = name
         self.device = torch.device(device)
@@ -233,20 +229,19 @@ class TorchEngine:
 
     async def agenerate(self, req: GenerateRequest) -> GenerateResponse:
         """Generate ``req.gconfig.n`` samples. Never raises for bad input: returns a response with ``error``."""
-        qid = getattr(req, "qid", "?")
         err = check_request(req, max_context_len=self.max_context_len, vocab_size=self.vocab_size,
                             max_batch_size=self.max_batch_size)
         if err is not None:
             with self._cv:
                 self._requests_refused += 1
-            return GenerateResponse(qid=qid, samples=[], error=err)
+            return refusal(req, err)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
         state = _Request(req, loop, fut, self.eos_token_ids, self.vocab_size)
         with self._cv:
             if self._closed:
                 self._requests_refused += 1
-                return GenerateResponse(qid=qid, samples=[], error=ENGINE_CLOSED)
+                return refusal(req, ENGINE_CLOSED)
             self._waiting.append(state)
             self._cv.notify_all()
         self._ensure_started()  # if close() won the race, it answers the queued request itself
@@ -271,10 +266,7 @@ class TorchEngine:
         the new weights; every token records the version that produced it. Returns once the weights are loaded.
         Raises (and keeps the old weights and version) if the file is missing or does not match the model.
         """
-        self._ensure_started()
-        with self._cv:
-            if self._closed:
-                raise RuntimeError(f"{self.name}: {ENGINE_CLOSED}")
+        self.start()
         # read + check off the decode thread (decoding goes on); only the swap happens at the step boundary
         prepared = await asyncio.to_thread(self._prepare_weights, str(source))
         loop = asyncio.get_running_loop()

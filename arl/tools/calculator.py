@@ -14,7 +14,7 @@ import math
 import operator
 import re
 from fractions import Fraction
-from typing import Any, Callable, Union
+from typing import Callable, Union
 
 from arl.tools.base import FunctionTool, register_tool
 
@@ -29,20 +29,6 @@ MAX_NODES = 200
 
 class CalculatorError(ValueError):
     pass
-
-
-def _frac(x: Any) -> Number:
-    if isinstance(x, bool):
-        raise CalculatorError("booleans are not numbers here")
-    if isinstance(x, int):
-        return Fraction(x)
-    if isinstance(x, float):
-        if not math.isfinite(x):
-            raise CalculatorError("result is not finite")
-        return x
-    if isinstance(x, Fraction):
-        return x
-    raise CalculatorError(f"not a number: {x!r}")
 
 
 def _check(x: Number) -> Number:
@@ -76,27 +62,19 @@ def _pow(a: Number, b: Number) -> Number:
     return r
 
 
-def _div(a: Number, b: Number) -> Number:
-    if b == 0:
-        raise CalculatorError("division by zero")
-    return a / b
-
-
-def _floordiv(a: Number, b: Number) -> Number:
-    if b == 0:
-        raise CalculatorError("division by zero")
-    return Fraction(math.floor(a / b))
-
-
-def _mod(a: Number, b: Number) -> Number:
-    if b == 0:
-        raise CalculatorError("modulo by zero")
-    return a % b
+def _nonzero(op: Callable[[Number, Number], Number], what: str = "division") -> Callable[[Number, Number], Number]:
+    """`op` refusing a zero right operand with a readable message."""
+    def g(a: Number, b: Number) -> Number:
+        if b == 0:
+            raise CalculatorError(f"{what} by zero")
+        return op(a, b)
+    return g
 
 
 _BINOPS: dict[type, Callable[[Number, Number], Number]] = {
-    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: _div,
-    ast.FloorDiv: _floordiv, ast.Mod: _mod, ast.Pow: _pow, ast.BitXor: _pow,
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: _nonzero(operator.truediv),
+    ast.FloorDiv: _nonzero(lambda a, b: Fraction(math.floor(a / b))), ast.Mod: _nonzero(operator.mod, "modulo"),
+    ast.Pow: _pow, ast.BitXor: _pow,
 }
 
 
@@ -129,7 +107,12 @@ def _eval(node: ast.AST) -> Number:
     if isinstance(node, ast.Expression):
         return _eval(node.body)
     if isinstance(node, ast.Constant):
-        return _frac(node.value) if not isinstance(node.value, float) else Fraction(repr(node.value))
+        v = node.value
+        if isinstance(v, float):
+            return Fraction(repr(v))
+        if type(v) is int:
+            return Fraction(v)
+        raise CalculatorError("booleans are not numbers here" if isinstance(v, bool) else f"not a number: {v!r}")
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
         v = _eval(node.operand)
         return v if isinstance(node.op, ast.UAdd) else -v
@@ -180,9 +163,9 @@ def calculate(expression: str) -> str:
         raise CalculatorError("expression too complex")
     try:
         return format_number(_eval(tree))
-    except (OverflowError, ZeroDivisionError, ValueError, ArithmeticError) as e:
-        if isinstance(e, CalculatorError):
-            raise
+    except CalculatorError:
+        raise
+    except (ArithmeticError, ValueError) as e:
         raise CalculatorError(str(e)) from None
 
 

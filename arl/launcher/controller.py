@@ -379,9 +379,10 @@ class Controller:
         """Only registered roles may talk to the controller, except to `register`/`lookup`; a registration must
         name a role and index this run has. Everything else is dropped and counted, never acted on."""
         if msg_type not in ("register", "lookup") and ident not in self._who:
-            if msg_type == "error":  # a role that failed before registering; its exit is handled by _watch
-                logger.warning("an unregistered peer reported an error: %.500s", dict(payload or {}).get("message"))
-            self._control_error("unknown_peer", f"dropped {msg_type} from an unregistered peer {ident[:16]!r}")
+            what = f"dropped {msg_type} from an unregistered peer {ident[:16]!r}"
+            if msg_type == "error" and isinstance(payload, dict):  # e.g. a role that failed before registering
+                what += f": {str(payload.get('message'))[:500]}"  # (its exit itself is handled by _watch)
+            self._control_error("unknown_peer", what)  # rate-limited: a flood must not flood the log
             return
         handler = self._handlers.get(msg_type)
         if handler is None:
@@ -482,7 +483,7 @@ class Controller:
 
     async def _on_groups_dropped(self, ident: bytes, msg: m.GroupsDropped) -> None:
         self.reporter.group_reasons["dropped_" + msg.reason] += msg.n
-        self.progress_watch.dropped("learner_" + msg.reason, time.monotonic(), msg.n)
+        self.progress_watch.dropped("learner_" + msg.reason, time.monotonic(), msg.n, streak=False)
         await self._grant(self.admission.groups_dropped(msg.n))
 
     async def _on_published(self, ident: bytes, msg: m.WeightsPublished) -> None:

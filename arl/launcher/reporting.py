@@ -88,12 +88,16 @@ class ProgressWatch:
         self.since_progress = self.since_step = self._warned_at = 0.0
         self._recent.clear()
 
-    def dropped(self, reason: str, now: float, n: int = 1) -> None:
+    def dropped(self, reason: str, now: float, n: int = 1, streak: bool = True) -> None:
+        """`streak=False`: counted, but it neither extends nor ends the run of same-reason drops (the learner's
+        drops: a peer that floods the learner with malformed groups must not be able to stop the run)."""
         self._tick(now)
         if n <= 0:
             return
         self.drops[reason] += n
         self._recent[reason] += n
+        if not streak:
+            return
         if reason == self.streak_reason:
             self.streak += n
         else:

@@ -27,7 +27,7 @@ DEPS=(
   "llguidance>=1.7.6,<2.0.0" "openai==2.8.0" "openai-harmony==0.0.4" "anthropic>=0.20.0" tiktoken
   "sentencepiece==0.2.1" xxhash zstandard watchfiles distro easydict "blobfile==3.0.0" scipy "msgpack"
   huggingface_hub "compressed-tensors==0.18.0" gguf "mistral_common>=1.11.5" "smg-grpc-servicer>=0.9.0"
-  "apache-tvm-ffi==0.1.11" ninja nvidia-ml-py "python-dateutil<3" IPython
+  "apache-tvm-ffi==0.1.11" ninja nvidia-ml-py "python-dateutil<3" IPython omegaconf
   pytest pytest-asyncio pytest-timeout
 )
 TORCH=("torch==2.14.1" "torchvision==0.29.1")

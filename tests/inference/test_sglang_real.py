@@ -276,6 +276,7 @@ def test_qwen2_tool_folder_turns_equal_the_embedded_engine(tmp_path):
     eos ids), and its greedy turns of the gsm8k tool conversation equal the embedded engine's, stop tokens
     included: the tool call ends on <|im_end|>, the answer after the calculator's observation on <|endoftext|>."""
     from arl.api.types import GenerateRequest, GenerationConfig
+    from arl.config import SGLangConfig
     from arl.inference.sglang_engine import launch_sglang_engine
     from arl.inference.torch_engine import TorchEngine
     from arl.models.qwen2_tiny import _demo_sequences, build_qwen2_tiny_dir, gsm8k_tool_demo
@@ -304,11 +305,14 @@ def test_qwen2_tool_folder_turns_equal_the_embedded_engine(tmp_path):
         return rs
 
     loop = asyncio.new_event_loop()
-    engine = launch_sglang_engine(model_path=folder, device="cpu", seed=0, name="sgl-qwen2",
-                                  run_dir=str(tmp_path / "run"), max_batch_size=16, max_context_len=1024,
-                                  startup_timeout=300, health_interval=5)
+    engine = launch_sglang_engine(SGLangConfig(startup_timeout=300), model_path=folder, device="cpu", seed=0,
+                                  name="sgl-qwen2", run_dir=str(tmp_path / "run"), max_batch_size=16,
+                                  max_context_len=1024, health_interval=5)
+    async def sglang_turns():
+        return await asyncio.gather(*(engine.agenerate(r) for r in requests()))
+
     try:
-        got = loop.run_until_complete(asyncio.gather(*(engine.agenerate(r) for r in requests())))
+        got = loop.run_until_complete(sglang_turns())
     finally:
         loop.run_until_complete(engine.close())
         loop.close()

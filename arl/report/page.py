@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from arl.report.traces import read_traces
+from arl.report.traces import read_jsonl, read_traces
 
 logger = logging.getLogger("arl.report")
 
@@ -77,18 +77,7 @@ CHARTS: list[tuple[str, str, str, str, list[tuple[str, Callable[[dict], Optional
 
 def read_metrics(path: str) -> list[dict]:
     """The records of metrics.jsonl (a torn last line is skipped)."""
-    out: list[dict] = []
-    if not os.path.exists(path):
-        return out
-    with open(path) as f:
-        for line in f:
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(rec, dict):
-                out.append(rec)
-    return out
+    return read_jsonl(path)
 
 
 def pick_traces(traces: list[dict], limit: int) -> list[dict]:

@@ -36,7 +36,7 @@ from arl.rollout.filters import has_void_turn
 DEFAULT_TRACE_RATE = 0.05
 
 __all__ = ["DEFAULT_TRACE_RATE", "RequestRecord", "GroupTimeline", "TraceSampler", "TraceWriter", "role_of", "trace_record",
-           "request_traces", "group_traces", "read_traces"]
+           "request_traces", "group_traces", "read_jsonl", "read_traces"]
 
 
 @dataclasses.dataclass
@@ -314,15 +314,23 @@ class TraceWriter:
             self._f = None
 
 
-def read_traces(path: str, last: int = 0) -> list[dict]:
-    """The traces in `path` (the `last` ones when > 0); a torn last line (a crash mid-write) is skipped."""
+def read_jsonl(path: str, last: int = 0) -> list[dict]:
+    """The records of a jsonl file the run appends to (metrics.jsonl, traces.jsonl): the `last` ones when > 0; a
+    missing file is empty, and a torn line (a crash or a write in progress) or a non-map line is skipped."""
     if not os.path.exists(path):
         return []
     out = []
     with open(path) as f:
         for line in f:
             try:
-                out.append(json.loads(line))
+                rec = json.loads(line)
             except ValueError:
                 continue
+            if isinstance(rec, dict):
+                out.append(rec)
     return out[-last:] if last > 0 else out
+
+
+def read_traces(path: str, last: int = 0) -> list[dict]:
+    """The traces in `path` (the `last` ones when > 0)."""
+    return read_jsonl(path, last)

@@ -15,6 +15,7 @@ import sys
 import time
 from typing import Callable, Optional
 
+from arl.report.traces import read_jsonl
 from tests.waiting import wait_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -176,17 +177,7 @@ def wait_malformed_drained(proc: subprocess.Popen, targets: dict[str, tuple[Call
 
 
 def read_metrics(run_dir: str) -> list[dict]:
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    out = []
-    with open(path) as f:
-        for line in f:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:  # a line being written
-                pass
-    return out
+    return read_jsonl(os.path.join(run_dir, "metrics.jsonl"))  # a line being written is skipped
 
 
 def train_steps(run_dir: str) -> list[int]:

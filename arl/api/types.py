@@ -103,9 +103,6 @@ class GenerationConfig:
     def new(self, **kwargs: Any) -> "GenerationConfig":
         return dataclasses.replace(self, **kwargs)
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "GenerationConfig":
         names = {f.name for f in dataclasses.fields(cls)}
@@ -198,11 +195,6 @@ class Trajectory:
     @property
     def num_generated(self) -> int:
         return int(self.loss_mask.sum())
-
-    def min_version(self) -> int:
-        """Oldest policy version among generated tokens (-1 if none were generated)."""
-        gen = self.versions[self.loss_mask.astype(bool)]
-        return int(gen.min()) if len(gen) else -1
 
 
 class TrajectoryBuilder:

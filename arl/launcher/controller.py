@@ -120,15 +120,6 @@ class Controller:
     def gate(self) -> StalenessGate:
         return self.admission.gate
 
-    @property
-    def procs(self) -> LocalLauncher:
-        """The local launcher (the secret goes into its children's environment; benchmarks read pids)."""
-        return self.launcher  # type: ignore[return-value]
-
-    @property
-    def lost_inference(self) -> set[int]:
-        return self.weights.lost
-
     # -- lifecycle ---------------------------------------------------------------------------------------------
     def bind(self) -> str:
         kw = {"max_bytes": self._max_bytes} if self._max_bytes else {}

@@ -6,6 +6,7 @@ nobody is tempted to decode and re-encode text.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from typing import Any, Optional, Sequence
@@ -235,11 +236,9 @@ class TrajectoryBuilder:
 
     def copy(self) -> "TrajectoryBuilder":
         """An independent builder with the same tokens so far (branching rollouts share a prefix)."""
-        other = TrajectoryBuilder.__new__(TrajectoryBuilder)
-        other._ids, other._mask, other._logp, other._ver = (list(self._ids), list(self._mask), list(self._logp),
-                                                            list(self._ver))
-        other._ledger = [list(e) for e in self._ledger]
-        other._len = self._len
+        other = copy.copy(self)  # the token arrays are shared: nothing writes into them
+        other._ids, other._mask, other._logp, other._ver = map(list, (self._ids, self._mask, self._logp, self._ver))
+        other._ledger = self.ledger
         return other
 
     @property

@@ -187,9 +187,14 @@ _SAMPLE_KEYS = frozenset({*_SAMPLE_ARRAYS, "finish_reason"})
 _GEN_RESP_KEYS = frozenset({"qid", "samples", "error"})
 
 
+def _expect(obj: Any, cls: type, what: str) -> None:
+    """Sender side: `what` takes `cls` objects only (a programming error otherwise)."""
+    if not isinstance(obj, cls):
+        raise TypeError(f"{what} needs a {cls.__name__}, got {type(obj).__name__}")
+
+
 def _gen_req_out(r: Any) -> dict:
-    if not isinstance(r, GenerateRequest):
-        raise TypeError(f"gen_req needs a GenerateRequest, got {type(r).__name__}")
+    _expect(r, GenerateRequest, "gen_req")
     if type(r.qid) is not str or (r.session_id is not None and type(r.session_id) is not str):
         raise TypeError("GenerateRequest.qid must be str and session_id str or None")
     return {"qid": r.qid, "input_ids": _arr_out(r.input_ids, _I32), "gconfig": _gconfig_out(r.gconfig),
@@ -205,14 +210,12 @@ def _gen_req_in(p: Any) -> GenerateRequest:
 
 
 def _gen_resp_out(r: Any) -> dict:
-    if not isinstance(r, GenerateResponse):
-        raise TypeError(f"gen_resp needs a GenerateResponse, got {type(r).__name__}")
+    _expect(r, GenerateResponse, "gen_resp")
     if type(r.qid) is not str or (r.error is not None and type(r.error) is not str):
         raise TypeError("GenerateResponse.qid must be str and error str or None")
     samples = []
     for s in r.samples:
-        if not isinstance(s, SampleOutput):
-            raise TypeError(f"GenerateResponse.samples must hold SampleOutput, got {type(s).__name__}")
+        _expect(s, SampleOutput, "GenerateResponse.samples")
         samples.append({**_arrays_out(s, _SAMPLE_ARRAYS), "finish_reason": s.finish_reason})
     return {"qid": r.qid, "samples": samples, "error": r.error}
 
@@ -265,8 +268,7 @@ def _traj_out(group: Any) -> list:
         raise TypeError("traj needs a non-empty list of Trajectory")
     out = []
     for t in group:
-        if not isinstance(t, Trajectory):
-            raise TypeError(f"traj needs Trajectory items, got {type(t).__name__}")
+        _expect(t, Trajectory, "traj")
         if type(t.group_id) is not str:
             raise TypeError("Trajectory.group_id must be str")
         turn_rewards = [float(r) for r in t.turn_rewards]

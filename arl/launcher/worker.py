@@ -102,9 +102,6 @@ class ControlChannel:
             await self.post(Heartbeat(role=self.role, index=self.index if index is None else index, stats=stats()))
             await asyncio.sleep(HEARTBEAT_SECONDS)
 
-    def close(self) -> None:
-        self.dealer.close()
-
 
 # -- roles ---------------------------------------------------------------------------------------------------------
 RoleParts = tuple[list[Awaitable], list[Awaitable]]  # (coroutines to run, cleanups)
@@ -422,7 +419,7 @@ async def amain(cfg: ExperimentConfig, role: str, index: int, controller: str, r
             except Exception:  # noqa: BLE001
                 pass
         ctl_task.cancel()
-        ctl.close()
+        ctl.dealer.close()
 
 
 def load_run_config(path: str) -> ExperimentConfig:

@@ -296,10 +296,11 @@ class Controller:
             self._who.pop(self.peers.pop(key, b""), None)
             self.sup.forget(key)
             self.reporter.keep_env_counts(self.role_stats.pop(key, {}))
-            logger.warning("%s %s; %d in-flight groups lost, their budget returned; last lines of its log:\n%s",
-                           name, reason, lost, log)
+            n = self.sup.restarting(name, time.monotonic())
+            logger.warning("%s %s; restarted it (restart %d of at most %d); %d in-flight groups lost, their budget "
+                           "returned; last lines of its log:\n%s", name, reason, n, self.sup.max_restarts, lost, log)
             await self._grant(grants)
-            await self._restart(name, "rollout_restart", self.sup.max_restarts, reason=reason[:300], lost_groups=lost)
+            await self._respawn(name, "rollout_restart", n, reason=reason[:300], lost_groups=lost)
             return True
         # an inference process: out of the routing and the weight acks (killed if it still runs)
         servers = list(d.servers)
@@ -315,19 +316,20 @@ class Controller:
                             remaining=remaining)
         await self._tell_rollouts(m.WorkerLost(role="inference", indices=servers))
         if d.restart:  # its servers rejoin once registered and caught up with the newest version
+            n = self.sup.restarting(name, time.monotonic())
             self.weights.restarted(servers)
-            await self._restart(name, "inference_restart", self.sup.max_inference_restarts, servers=servers)
+            logger.warning("restarted inference process %s (restart %d of at most %d); servers %s rejoin once they "
+                           "loaded the newest weights", name, n, self.sup.max_inference_restarts, servers)
+            await self._respawn(name, "inference_restart", n, servers=servers)
         # a version only the lost server had not acked is live now (last: the run may end with its evaluation)
         await self._advance()
         return True
 
-    async def _restart(self, name: str, kind: str, cap: int, **fields: Any) -> None:
-        """Book the restart of `name` (before the wait: the state machines must not see a lost role half restarted),
-        then start it again, killed first if it still runs (a hung one). Nothing is started if the run ends (this
-        task is cancelled) while the old process is still dying."""
-        n = self.sup.restarting(name, time.monotonic())
-        logger.warning("restarting %s (restart %d of at most %d)", name, n, cap)
-        self.reporter.fault(kind, "worker_restarted", role=name, **fields, restarts=n)
+    async def _respawn(self, name: str, kind: str, restarts: int, **fields: Any) -> None:
+        """Record restart number `restarts` of `name` (booked by the caller before this waits: the state machines
+        must not see a lost role half restarted), then start it again, killed first if it still runs (a hung one).
+        Nothing is started if the run ends (this task is cancelled) while the old process is still dying."""
+        self.reporter.fault(kind, "worker_restarted", role=name, **fields, restarts=restarts)
         self.launcher.kill(name)
         for _ in range(500):
             if not self.launcher.alive(name):

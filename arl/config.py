@@ -413,13 +413,8 @@ def _close_matches(key: str, cls: type) -> list[str]:
 
 def split_experiment(argv: Sequence[str]) -> tuple[Optional[str], list[str]]:
     """Pull `experiment=NAME` out of argv (it selects the dataclass the rest is merged into)."""
-    name, rest = None, []
-    for a in argv:
-        if a.startswith("experiment="):
-            name = a.split("=", 1)[1]
-        else:
-            rest.append(a)
-    return name, rest
+    names = [a.split("=", 1)[1] for a in argv if a.startswith("experiment=")]  # the last one wins
+    return (names[-1] if names else None), [a for a in argv if not a.startswith("experiment=")]
 
 
 def parse_overrides(config_cls: type, overrides: Sequence[str], base: Any = None) -> Any:

@@ -61,21 +61,19 @@ _Prepared = tuple[str, list[tuple[torch.nn.Parameter, torch.Tensor]]]  # (source
 _Command = tuple[_Prepared, int, asyncio.AbstractEventLoop, asyncio.Future]  # a weight update: (weights, version, ...)
 
 
-def _resolve(fut: asyncio.Future, result: Any = None, exc: Optional[BaseException] = None) -> None:
-    """Runs on the future's loop: set the outcome unless the caller already gave up (cancelled)."""
-    if fut.done():
-        return
-    if exc is not None:
-        fut.set_exception(exc)
-    else:
-        fut.set_result(result)
-
-
 def _post(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result: Any = None,
           exc: Optional[BaseException] = None) -> None:
-    """Resolve `fut` from any thread; a closed loop (caller gone) is ignored."""
+    """Resolve `fut` from any thread, unless the caller already gave up (cancelled); a closed loop (caller gone)
+    is ignored."""
+    def resolve() -> None:
+        if not fut.done():
+            if exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
+
     try:
-        loop.call_soon_threadsafe(_resolve, fut, result, exc)
+        loop.call_soon_threadsafe(resolve)
     except RuntimeError:  # loop closed
         pass
 
@@ -168,8 +166,7 @@ class TorchEngine:
         self.max_context_len = int(max_context_len)
         self.seed = int(seed)
         self._version = int(version)
-        self._generator = torch.Generator(device=self.device)
-        self._generator.manual_seed(self.seed)
+        self._generator = torch.Generator(device=self.device).manual_seed(self.seed)
         try:
             self._has_logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         except (TypeError, ValueError):
@@ -192,18 +189,12 @@ class TorchEngine:
         # Answers produced during a step, posted once the step's counters are updated.
         self._outbox: list[tuple[asyncio.AbstractEventLoop, asyncio.Future, GenerateResponse]] = []
 
-        # Counters (ints written by one thread, read by stats()).
-        self._steps = 0
-        self._decode_forwards = 0
-        self._prefill_forwards = 0
-        self._prefill_tokens = 0
-        self._tokens = 0
-        self._busy_s = 0.0
-        self._requests_done = 0
-        self._requests_refused = 0
-        self._requests_failed = 0
-        self._weight_updates = 0
-        self._last_update_s = 0.0
+        # Counters (written by one thread, read by stats()), under the names stats() reports them by; "steps"
+        # counts loop iterations that ran the model (a decode and/or a prefill).
+        self._n: dict[str, Any] = {**dict.fromkeys(("steps", "decode_forwards", "prefill_forwards", "prefill_tokens",
+                                                   "tokens_generated", "requests_done", "requests_refused",
+                                                   "requests_failed", "weight_updates"), 0),
+                                   "busy_s": 0.0, "last_update_s": 0.0}
 
     # ------------------------------------------------------------------ public API
 
@@ -233,14 +224,14 @@ class TorchEngine:
                             max_batch_size=self.max_batch_size)
         if err is not None:
             with self._cv:
-                self._requests_refused += 1
+                self._n["requests_refused"] += 1
             return refusal(req, err)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
         state = _Request(req, loop, fut, self.eos_token_ids, self.vocab_size)
         with self._cv:
             if self._closed:
-                self._requests_refused += 1
+                self._n["requests_refused"] += 1
                 return refusal(req, ENGINE_CLOSED)
             self._waiting.append(state)
             self._cv.notify_all()
@@ -316,27 +307,11 @@ class TorchEngine:
         with self._cv:
             waiting = len(self._waiting)
         rows = list(self._rows)
-        return {
-            "name": self.name,
-            "version": self._version,
-            "steps": self._steps,  # loop iterations that ran the model (a decode and/or a prefill)
-            "decode_steps": self._steps,
-            "decode_forwards": self._decode_forwards,
-            "prefill_forwards": self._prefill_forwards,
-            "prefill_tokens": self._prefill_tokens,
-            "tokens_generated": self._tokens,
-            "busy_s": self._busy_s,
-            "running": len(rows),  # samples (KV rows) in the batch
-            "running_requests": len({id(r.owner) for r in rows}),
-            "waiting": waiting,  # requests not yet admitted
-            "requests_done": self._requests_done,
-            "requests_refused": self._requests_refused,
-            "requests_failed": self._requests_failed,
-            "weight_updates": self._weight_updates,
-            "last_update_s": self._last_update_s,
-            "paused": self._paused,
-            "closed": self._closed,
-        }
+        return {"name": self.name, "version": self._version, **self._n, "decode_steps": self._n["steps"],
+                "running": len(rows),  # samples (KV rows) in the batch
+                "running_requests": len({id(r.owner) for r in rows}),
+                "waiting": waiting,  # requests not yet admitted
+                "paused": self._paused, "closed": self._closed}
 
     # ------------------------------------------------------------------ decode thread
 
@@ -406,10 +381,10 @@ class TorchEngine:
             _post(loop, fut, exc=e)
             return
         self._version = version
-        self._weight_updates += 1
-        self._last_update_s = time.perf_counter() - t0
+        self._n["weight_updates"] += 1
+        self._n["last_update_s"] = time.perf_counter() - t0
         logger.info("%s: loaded %d tensors from %s in %.3fs, version %d (%d rows kept in flight)",
-                    self.name, n, source, self._last_update_s, version, len(self._rows))
+                    self.name, n, source, self._n["last_update_s"], version, len(self._rows))
         _post(loop, fut, retired)
 
     def _step(self, newcomers: list[_Request]) -> None:
@@ -444,8 +419,8 @@ class TorchEngine:
                 self._fail_request(r, f"engine step failed: {type(e).__name__}: {e}")
             self._reset_batch()
         finally:
-            self._steps += 1
-            self._busy_s += time.perf_counter() - t0
+            self._n["steps"] += 1
+            self._n["busy_s"] += time.perf_counter() - t0
             self._flush_outbox()
 
     def _flush_outbox(self) -> None:
@@ -474,7 +449,7 @@ class TorchEngine:
         mask = torch.cat([self._mask, torch.ones(len(rows), 1, dtype=self._mask.dtype, device=dev)], dim=1)
         self._mask = mask
         logits = self._forward(input_ids, mask, position_ids, self._cache)
-        self._decode_forwards += 1
+        self._n["decode_forwards"] += 1
         self._emit(rows, logits)
 
     def _prefill_and_join(self, reqs: list[_Request]) -> None:
@@ -490,8 +465,8 @@ class TorchEngine:
         position_ids = (mask.cumsum(-1) - 1).clamp_(min=0)
         cache = DynamicCache()
         logits = self._forward(ids, mask, position_ids, cache)
-        self._prefill_forwards += 1
-        self._prefill_tokens += sum(lens)
+        self._n["prefill_forwards"] += 1
+        self._n["prefill_tokens"] += sum(lens)
         if min(lens) < width:  # keep padding KV finite (0 * NaN would leak through the masked attention)
             keep = mask.bool()[:, None, :, None]
             for layer in cache.layers:
@@ -551,7 +526,7 @@ class TorchEngine:
         if len(keep) != len(rows):
             self._select_rows(keep)
         for owner in done:
-            self._requests_done += 1
+            self._n["requests_done"] += 1
             self._outbox.append((owner.loop, owner.future,
                                  GenerateResponse(qid=owner.qid, samples=list(owner.samples))))
 
@@ -589,7 +564,7 @@ class TorchEngine:
                 r.finish = "stop"
             elif len(r.ids) >= g.max_new_tokens or r.owner.prompt_len + len(r.ids) >= self.max_context_len:
                 r.finish = "length"
-        self._tokens += len(rows)
+        self._n["tokens_generated"] += len(rows)
 
     def _sample(self, rows: list[_Row], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per row and its logprob under the distribution it was drawn from (see the module doc)."""
@@ -638,7 +613,7 @@ class TorchEngine:
         if owner.responded or owner.cancelled:
             return
         owner.responded = True
-        self._requests_failed += 1
+        self._n["requests_failed"] += 1
         self._outbox.append((owner.loop, owner.future, GenerateResponse(qid=owner.qid, samples=[], error=msg)))
 
     def _fail_rows(self, rows: list[_Row], msg: str) -> None:

@@ -142,12 +142,10 @@ class SGLangServer:
         """Spawn the server (call from the main thread: PR_SET_PDEATHSIG is tied to the spawning thread)."""
         os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
         log = open(self.log_path, "ab", buffering=0)
-        env = dict(os.environ)
-        env.update(self.env)
-        env.setdefault("PYTHONUNBUFFERED", "1")
         try:
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=env, start_new_session=True,
+                                         env={"PYTHONUNBUFFERED": "1", **os.environ, **self.env},
+                                         start_new_session=True,
                                          preexec_fn=die_with_parent_preexec())
         finally:
             log.close()
@@ -268,13 +266,9 @@ class SGLangEngine:
 
     async def agenerate(self, req: GenerateRequest) -> GenerateResponse:
         """`req.gconfig.n` samples of `req.input_ids`. Never raises: failures come back as `error`."""
-        err = check_request(req, max_context_len=self.max_context_len)
-        if err is None:
-            err = truncation_error(req.gconfig)
-        if err is None and self._closed:
-            err = ENGINE_CLOSED
-        if err is None and self._failed:
-            err = f"sglang server failed: {self._failed}"
+        err = (check_request(req, max_context_len=self.max_context_len) or truncation_error(req.gconfig)
+               or (ENGINE_CLOSED if self._closed else None)
+               or (f"sglang server failed: {self._failed}" if self._failed else None))
         if err is not None:
             self._counters["requests_refused"] += 1
             return refusal(req, err)
@@ -290,15 +284,12 @@ class SGLangEngine:
             if self._inflight == 0 and self._busy_since is not None:
                 self._busy_s += time.monotonic() - self._busy_since
                 self._busy_since = None
-        samples: list[SampleOutput] = []
-        errors: list[str] = []
         for r in results:
-            if isinstance(r, SampleOutput):
-                samples.append(r)
-            elif isinstance(r, asyncio.CancelledError):
+            if isinstance(r, asyncio.CancelledError):
                 raise r
-            else:
-                errors.append(f"{type(r).__name__}: {r}" if not isinstance(r, SGLangError) else str(r))
+        samples = [r for r in results if isinstance(r, SampleOutput)]
+        errors = [str(r) if isinstance(r, SGLangError) else f"{type(r).__name__}: {r}" for r in results
+                  if not isinstance(r, SampleOutput)]
         if errors:
             self._counters["requests_failed"] += 1
             return GenerateResponse(qid=req.qid, samples=samples, error=f"sglang: {errors[0]}")

@@ -79,8 +79,6 @@ class InferenceWorker:
         self.stats["requests"] += 1
         try:
             resp = await self.engine.agenerate(req)  # a cancellation (gen_abort) cancels the engine's request
-        except asyncio.CancelledError:
-            raise
         except Exception as e:  # noqa: BLE001 - the engine should not raise, but never lose a reply
             logger.exception("engine failed on %s", req.qid)
             resp = GenerateResponse(qid=req.qid, error=f"engine error: {type(e).__name__}: {e}")

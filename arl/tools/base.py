@@ -314,8 +314,6 @@ class ToolSet:
             timeout = self.default_timeout if self.default_timeout is not None else t.timeout
             return ToolResult(call.name, f"Error: {call.name} timed out after {timeout:g}s", True,
                               time.monotonic() - t0)
-        except asyncio.CancelledError:
-            raise
         except Exception as e:  # noqa: BLE001 - a failing tool is an observation, not a crash
             return ToolResult(call.name, f"Error: {type(e).__name__}: {e}", True, time.monotonic() - t0)
         if isinstance(out, ToolResult):

@@ -14,6 +14,7 @@ The first check starts the pool (imports sympy: a few seconds), so give `MathEnv
 
 from __future__ import annotations
 
+import contextlib
 import asyncio
 import concurrent.futures
 import logging
@@ -146,10 +147,8 @@ class MathVerifier:
             self._warm_pools.discard(id(pool))
             self.stats["restarts"] += 1
         for p in list(getattr(pool, "_processes", {}).values()):
-            try:
+            with contextlib.suppress(Exception):
                 p.kill()
-            except Exception:  # noqa: BLE001
-                pass
         pool.shutdown(wait=False, cancel_futures=True)
 
     def check(self, completion: str, answer: str) -> float:

@@ -47,6 +47,7 @@ Why it is built this way (schema and semantics read from SGLang 0.5.23's `http_s
 
 from __future__ import annotations
 
+import contextlib
 import asyncio
 import json
 import logging
@@ -166,12 +167,10 @@ class SGLangServer:
             if code is not None:
                 raise SGLangError(f"sglang server exited with code {code} while starting; last lines of "
                                   f"{self.log_path}:\n{tail(self.log_path, 30)}")
-            try:
+            with contextlib.suppress(urllib.error.URLError, OSError, ValueError):
                 with urllib.request.urlopen(self.base_url + "/health", timeout=5) as r:
                     if r.status == 200:
                         return
-            except (urllib.error.URLError, OSError, ValueError):
-                pass
             if time.monotonic() > deadline:
                 self.stop()
                 raise SGLangError(f"sglang server not healthy within {timeout:.0f}s; last lines of "
@@ -485,10 +484,8 @@ class SGLangEngine:
                 self._health_task.cancel()
             self._health_task = None
             if not self._loop.is_closed():
-                try:
+                with contextlib.suppress(Exception):  # the session belongs to another loop
                     await self._session.close()
-                except Exception:  # noqa: BLE001 - the session belongs to another loop
-                    pass
         self._loop = loop
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self.max_connections))
         self._update_lock = asyncio.Lock()

@@ -36,6 +36,7 @@ Why it is built this way:
 
 from __future__ import annotations
 
+import contextlib
 import asyncio
 import collections
 import inspect
@@ -72,10 +73,8 @@ def _post(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result: Any = No
             else:
                 fut.set_result(result)
 
-    try:
+    with contextlib.suppress(RuntimeError):  # loop closed
         loop.call_soon_threadsafe(resolve)
-    except RuntimeError:  # loop closed
-        pass
 
 
 class _Request:

@@ -23,6 +23,7 @@ crash.
 
 from __future__ import annotations
 
+import contextlib
 import asyncio
 import collections
 import logging
@@ -294,10 +295,8 @@ class LearnerWorker:
         `needed_from`, and never the newest `keep_versions` (a floor: at least the newest is always kept)."""
         while len(self._exported) > self.keep_versions and self._exported[0][0] < self.needed_from:
             _, old = self._exported.popleft()
-            try:
+            with contextlib.suppress(OSError):
                 os.remove(old)
-            except OSError:
-                pass
 
     def heartbeat_stats(self) -> dict:
         waiting = self.waiting_on if self.engine.version < self.total_steps else (

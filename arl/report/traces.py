@@ -36,7 +36,7 @@ from arl.rollout.filters import has_void_turn
 DEFAULT_TRACE_RATE = 0.05
 
 __all__ = ["DEFAULT_TRACE_RATE", "RequestRecord", "GroupTimeline", "TraceSampler", "TraceWriter", "role_of", "trace_record",
-           "request_traces", "group_traces", "read_jsonl", "read_traces"]
+           "request_traces", "group_traces", "read_jsonl"]
 
 
 @dataclasses.dataclass
@@ -329,8 +329,3 @@ def read_jsonl(path: str, last: int = 0) -> list[dict]:
             if isinstance(rec, dict):
                 out.append(rec)
     return out[-last:] if last > 0 else out
-
-
-def read_traces(path: str, last: int = 0) -> list[dict]:
-    """The traces in `path` (the `last` ones when > 0)."""
-    return read_jsonl(path, last)

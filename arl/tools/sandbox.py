@@ -30,6 +30,7 @@ For hostile workloads run the rollout worker itself in a container (gVisor, nsja
 
 from __future__ import annotations
 
+import contextlib
 import asyncio
 import dataclasses
 import functools
@@ -207,12 +208,10 @@ class PythonSandbox:
 
         async def feed() -> None:
             if stdin and proc.stdin is not None:
-                try:
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                     proc.stdin.write(stdin.encode()[: 1 << 20])
                     await proc.stdin.drain()
                     proc.stdin.close()
-                except (BrokenPipeError, ConnectionResetError):
-                    pass
 
         assert proc.stdout is not None and proc.stderr is not None
         pumps = asyncio.gather(pump(proc.stdout, "out"), pump(proc.stderr, "err"), feed())
@@ -253,10 +252,8 @@ class PythonSandbox:
 
     @staticmethod
     def _kill(proc: asyncio.subprocess.Process) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 class PythonTool(Tool):

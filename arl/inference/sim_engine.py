@@ -209,9 +209,7 @@ class SimEngine:
         if self._closed:
             return
         self._closed = True
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._reschedule(0.0)  # cancels the timer (and sets no new one: closed)
         if self._loop is not None:
             self._advance(self._loop.time())
         while self._waiting:
@@ -268,15 +266,8 @@ class SimEngine:
         c = self.config
         draws = rng.lognormal(math.log(c.len_median), c.len_sigma, size=g.n) if c.len_sigma > 0 else \
             np.full(g.n, c.len_median)
-        lengths, finish = [], []
-        for d in draws:
-            length = max(int(math.ceil(d)), g.min_new_tokens, 1)
-            if length >= cap:  # cut by max_new_tokens or by the context window
-                lengths.append(cap)
-                finish.append("length")
-            else:
-                lengths.append(length)
-                finish.append("stop")
+        lengths = [min(max(int(math.ceil(d)), g.min_new_tokens, 1), cap) for d in draws]
+        finish = ["length" if n >= cap else "stop" for n in lengths]  # cut by max_new_tokens or the context window
         return _SimRequest(req, fut, rng, lengths, finish, stops)
 
     # ------------------------------------------------------------------ the simulated batch
@@ -379,9 +370,7 @@ class SimEngine:
         now = self._loop.time()
         self._advance(now)
         r.cancelled = True
-        live = sum(1 for i in range(r.n) if r.samples[i] is None)
-        in_batch = any(entry[2] is r for entry in self._heap)
-        if in_batch:
-            self._rows -= live
+        if any(entry[2] is r for entry in self._heap):  # in the batch: its unfinished samples leave it
+            self._rows -= sum(s is None for s in r.samples)
         self._admit()
         self._reschedule(now)

@@ -96,8 +96,7 @@ class _Request:
         self.remaining: int = self.n
         self.cancelled: bool = False
         self.responded: bool = False
-        stops = set(int(t) for t in req.gconfig.stop_token_ids)
-        stops.update(eos_token_ids)
+        stops = {int(t) for t in req.gconfig.stop_token_ids} | set(eos_token_ids)
         self.stop_set: frozenset[int] = frozenset(stops)
         # ids that can actually be sampled (masked while min_new_tokens is not reached)
         self.stop_list: list[int] = sorted(t for t in stops if t < vocab_size)
@@ -454,19 +453,12 @@ class TorchEngine:
     def _prefill_and_join(self, reqs: list[_Request]) -> None:
         dev = self.device
         lens = [r.prompt_len for r in reqs]
-        width = max(lens)
-        ids = torch.full((len(reqs), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(reqs), width), dtype=torch.long)
-        for i, r in enumerate(reqs):
-            ids[i, width - r.prompt_len:] = torch.tensor(r.prompt, dtype=torch.long)
-            mask[i, width - r.prompt_len:] = 1
-        ids, mask = ids.to(dev), mask.to(dev)
-        position_ids = (mask.cumsum(-1) - 1).clamp_(min=0)
+        ids, mask, position_ids = left_pad([r.prompt for r in reqs], self.pad_token_id, dev)
         cache = DynamicCache()
         logits = self._forward(ids, mask, position_ids, cache)
         self._n["prefill_forwards"] += 1
         self._n["prefill_tokens"] += sum(lens)
-        if min(lens) < width:  # keep padding KV finite (0 * NaN would leak through the masked attention)
+        if min(lens) < max(lens):  # keep padding KV finite (0 * NaN would leak through the masked attention)
             keep = mask.bool()[:, None, :, None]
             for layer in cache.layers:
                 layer.keys = layer.keys.masked_fill(~keep, 0)
@@ -686,6 +678,20 @@ class TorchEngine:
                 done.add(id(tgt))
                 pairs.append((tgt, src.to(device=tgt.device, dtype=tgt.dtype).contiguous()))
         return source, pairs
+
+
+def left_pad(seqs: Sequence[Sequence[int]], pad_id: int,
+             device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A batch of token sequences left-padded to the longest: ids, attention mask (1 = real token) and the
+    position ids that give every row its own positions from 0 (the layout of a batched prefill)."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, width - len(s):] = torch.as_tensor(list(s), dtype=torch.long)
+        mask[i, width - len(s):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    return ids, mask, (mask.cumsum(-1) - 1).clamp_(min=0)
 
 
 def _check_attention_supported(config: Any, max_context_len: int) -> None:

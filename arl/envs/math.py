@@ -206,8 +206,8 @@ class MathEnv(EnvironmentService):
         self.answer: Optional[str] = None
 
     async def reset(self, seed: Optional[int] = None, options: Optional[dict[str, Any]] = None) -> tuple[Any, dict]:
-        options = options or {}
-        self.answer = None if options.get("answer") is None else str(options["answer"])
+        answer = (options or {}).get("answer")
+        self.answer = None if answer is None else str(answer)
         return None, {}
 
     async def _call(self, completion: str, answer: str) -> Any:

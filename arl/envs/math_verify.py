@@ -15,6 +15,7 @@ The first check starts the pool (imports sympy: a few seconds), so give `MathEnv
 from __future__ import annotations
 
 import contextlib
+import functools
 import asyncio
 import concurrent.futures
 import logging
@@ -185,15 +186,10 @@ class MathVerifier:
             pool.shutdown(wait=False, cancel_futures=True)
 
 
-_DEFAULT: Optional[MathVerifier] = None
-
-
+@functools.cache
 def default_verifier() -> MathVerifier:
     """The process-wide verifier (ARL_MATH_VERIFY_WORKERS processes, default 2)."""
-    global _DEFAULT
-    if _DEFAULT is None:
-        _DEFAULT = MathVerifier(max_workers=int(os.environ.get("ARL_MATH_VERIFY_WORKERS", "2")))
-    return _DEFAULT
+    return MathVerifier(max_workers=int(os.environ.get("ARL_MATH_VERIFY_WORKERS", "2")))
 
 
 def math_verify_reward_sync(completion: str, answer: str) -> float:

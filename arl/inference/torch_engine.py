@@ -370,10 +370,16 @@ class TorchEngine:
         """A weight update, between two steps."""
         prepared, version, loop, fut = cmd
         source = prepared[0]
+        # Point every parameter at its new tensor (no copy; tied weights share one Parameter, so they stay tied).
+        # The old tensors go back to the caller, so that freeing them (hundreds of ms for a GB of weights) happens
+        # on the caller's side, not in the decode loop.
         retired: list[torch.Tensor] = []
         t0 = time.perf_counter()
         try:
-            n = self._commit_weights(prepared, retired)
+            with torch.inference_mode(False), torch.no_grad():
+                for param, new in prepared[1]:
+                    retired.append(param.data)
+                    param.data = new
         except Exception as e:  # noqa: BLE001 - reported to the caller of update_weights
             logger.exception("%s: weight update from %s failed", self.name, source)
             _post(loop, fut, exc=e)
@@ -382,7 +388,7 @@ class TorchEngine:
         self._n["weight_updates"] += 1
         self._n["last_update_s"] = time.perf_counter() - t0
         logger.info("%s: loaded %d tensors from %s in %.3fs, version %d (%d rows kept in flight)",
-                    self.name, n, source, self._n["last_update_s"], version, len(self._rows))
+                    self.name, len(prepared[1]), source, self._n["last_update_s"], version, len(self._rows))
         _post(loop, fut, retired)
 
     def _step(self, newcomers: list[_Request]) -> None:
@@ -633,17 +639,6 @@ class TorchEngine:
             _post(loop, fut, exc=RuntimeError(f"{self.name}: {ENGINE_CLOSED}"))
 
     # ---- weights
-
-    def _commit_weights(self, prepared: _Prepared, retired: list[torch.Tensor]) -> int:
-        """Decode thread, between steps: point every parameter at its new tensor (no copy; tied weights share one
-        Parameter, so they stay tied). The old tensors go to `retired`, so that freeing them (hundreds of ms for a
-        GB of weights) happens on the caller's side, not in the decode loop."""
-        _, pairs = prepared
-        with torch.inference_mode(False), torch.no_grad():
-            for param, new in pairs:
-                retired.append(param.data)
-                param.data = new
-        return len(pairs)
 
     def _prepare_weights(self, source: str) -> _Prepared:
         """Any thread: read the safetensors of `source`, check them against model.state_dict() (names, shapes) and

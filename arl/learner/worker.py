@@ -192,9 +192,7 @@ class LearnerWorker:
         """Take back `checkpoint_state()` after the engine loaded its checkpoint."""
         self.groups_consumed = int(state.get("groups_consumed", 0))
         self.data_position = {str(k): int(v) for k, v in dict(state.get("data_position", {})).items()}
-        for k, v in dict(state.get("counters", {})).items():
-            if k in self.stats:
-                self.stats[k] = v
+        self.stats.update({k: v for k, v in dict(state.get("counters", {})).items() if k in self.stats})
 
     async def resume(self) -> Optional[int]:
         """Load the latest checkpoint under ``checkpoint_dir`` (engine state, then `restore`) and export its

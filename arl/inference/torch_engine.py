@@ -650,11 +650,8 @@ class TorchEngine:
             for f in files:
                 loaded.update(load_file(str(f), device=dev))
             params = self.model.state_dict(keep_vars=True)
-            groups: dict[int, list[str]] = {}
-            for k, t in params.items():
-                groups.setdefault(t.data_ptr(), []).append(k)
-            missing = [k for k, t in params.items()
-                       if k not in loaded and not any(a in loaded for a in groups[t.data_ptr()])]
+            present = {t.data_ptr() for k, t in params.items() if k in loaded}  # a tied alias in the file counts
+            missing = [k for k, t in params.items() if t.data_ptr() not in present]
             unexpected = [k for k in loaded if k not in params]
             bad_shape = [f"{k}: file {tuple(loaded[k].shape)} vs model {tuple(params[k].shape)}"
                          for k in loaded if k in params and loaded[k].shape != params[k].shape]

@@ -50,10 +50,8 @@ def agent_gconfig(gconfig: GenerationConfig, tokenizer: Any, **changes: Any) -> 
 def filter_uniform(trajs: list[Trajectory], enabled: bool) -> list[Trajectory]:
     """[] when `enabled` and every trajectory got the same reward (no group-relative signal); a group of one
     (evaluation) is kept."""
-    rewards = [t.reward for t in trajs]
-    if enabled and len(rewards) > 1 and all(r == rewards[0] for r in rewards):
-        return []
-    return trajs
+    uniform = len(trajs) > 1 and all(t.reward == trajs[0].reward for t in trajs)
+    return [] if enabled and uniform else trajs
 
 
 async def gather_or_cancel(coros: Any) -> list[Any]:

@@ -59,8 +59,7 @@ def exact_number_match(completion: str, answer: str) -> float:
     m = _NUMBER_RE.search(text)
     if m is None:
         return 0.0
-    got = _to_number(m.group(0))
-    return 1.0 if got is not None and got == ref else 0.0
+    return 1.0 if _to_number(m.group(0)) == ref else 0.0
 
 
 def resolve_reward_fn(reward_fn: Union[str, RewardFn]) -> RewardFn:

@@ -132,8 +132,7 @@ class LearnerWorker:
         """
         if self.eta is None:
             return False
-        gen = [t.versions[t.loss_mask.astype(bool)] for t in group]
-        gen = [g for g in gen if len(g)]
+        gen = [g for t in group if len(g := t.versions[t.loss_mask.astype(bool)])]
         if not gen:
             return False
         oldest_ok = self.engine.version - self.eta

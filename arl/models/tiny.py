@@ -98,8 +98,7 @@ def _sync_special_ids(model: Any, pad_token_id: int | None, eos_token_id: int | 
     model.config.eos_token_id = eos_token_id
     gc = getattr(model, "generation_config", None)
     if gc is None:
-        gc = GenerationConfig()
-        model.generation_config = gc
+        gc = model.generation_config = GenerationConfig()
     gc.pad_token_id = pad_token_id
     gc.eos_token_id = eos_token_id
     gc.bos_token_id = None

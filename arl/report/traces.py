@@ -96,9 +96,7 @@ class TraceSampler:
         """"forced", "sampled", or None (not traced). Draws for every group, so forcing does not shift the
         sample."""
         hit = self._rng.random() < self.rate
-        if forced:
-            return "forced"
-        return "sampled" if hit else None
+        return "forced" if forced else ("sampled" if hit else None)
 
 
 def role_of(source: str) -> str:

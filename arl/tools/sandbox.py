@@ -158,8 +158,7 @@ class PythonSandbox:
                "file_size_bytes": self.file_size_bytes, "max_open_files": self.max_open_files, "max_processes": 0,
                "preload": list(self.preload)}
         if self.drop_uid is not None:
-            cfg["drop_to_uid"] = self.drop_uid
-            cfg["drop_to_gid"] = self.drop_uid
+            cfg.update(drop_to_uid=self.drop_uid, drop_to_gid=self.drop_uid)
         flags = ["-I"] + ([] if self.site_packages else ["-S"])
         return [*self.prefix, self.python, *flags, RUNNER, workdir, json.dumps(cfg)]
 

@@ -9,12 +9,11 @@ import json
 import logging
 import os
 import random
+import shutil
 import time
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
-
-from arl.learner.checkpoint import replacing_dir
 
 logger = logging.getLogger(__name__)
 
@@ -153,10 +152,17 @@ def cached_model_dir(cache_dir: str, prefix: str, settings: dict[str, Any], buil
         fcntl.flock(lock, fcntl.LOCK_EX)
         if os.path.exists(os.path.join(final, MARKER)):
             return final
-        with replacing_dir(final, prefix=f"{prefix}-{digest}.tmp-") as tmp:
+        tmp = f"{final}.tmp-{os.getpid()}"
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
             info = build(tmp)
             with open(os.path.join(tmp, INFO_FILE), "w") as f:
                 json.dump({"settings": settings, **info}, f, indent=2)
             with open(os.path.join(tmp, MARKER), "w") as f:
                 f.write("ok\n")
+            if os.path.exists(final):
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return final

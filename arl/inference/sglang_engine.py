@@ -156,9 +156,6 @@ class SGLangServer:
     def exit_code(self) -> Optional[int]:
         return None if self.proc is None else self.proc.poll()
 
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
     def wait_ready(self, timeout: float) -> None:
         """Block until GET /health answers 200; raises with the log tail if the server exits or times out."""
         deadline = time.monotonic() + timeout

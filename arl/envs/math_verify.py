@@ -14,10 +14,10 @@ The first check starts the pool (imports sympy: a few seconds), so give `MathEnv
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import asyncio
 import concurrent.futures
+import contextlib
+import functools
 import logging
 import multiprocessing
 import os

@@ -47,8 +47,8 @@ Why it is built this way (schema and semantics read from SGLang 0.5.23's `http_s
 
 from __future__ import annotations
 
-import contextlib
 import asyncio
+import contextlib
 import json
 import logging
 import os

@@ -36,9 +36,9 @@ Why it is built this way:
 
 from __future__ import annotations
 
-import contextlib
 import asyncio
 import collections
+import contextlib
 import inspect
 import json
 import logging

@@ -23,9 +23,9 @@ crash.
 
 from __future__ import annotations
 
-import contextlib
 import asyncio
 import collections
+import contextlib
 import logging
 import os
 import time

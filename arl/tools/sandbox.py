@@ -30,8 +30,8 @@ For hostile workloads run the rollout worker itself in a container (gVisor, nsja
 
 from __future__ import annotations
 
-import contextlib
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import json

@@ -276,12 +276,6 @@ class ToolSet:
     def schemas(self) -> list[dict[str, Any]]:
         return [t.schema() for t in self.tools.values()]
 
-    async def _run(self, t: Tool, args: dict[str, Any]) -> Any:
-        timeout = self.default_timeout if self.default_timeout is not None else t.timeout
-        if inspect.iscoroutinefunction(t.run) or (isinstance(t, FunctionTool) and inspect.iscoroutinefunction(t.fn)):
-            return await asyncio.wait_for(typing.cast(Awaitable[Any], t.run(**args)), timeout)
-        return await _thread_pool().run(functools.partial(t.run, **args), timeout=timeout)
-
     async def call(self, call: ToolCall) -> ToolResult:
         t0 = time.monotonic()
         t = self.tools.get(call.name)
@@ -292,10 +286,15 @@ class ToolSet:
             args = t.validate(call.arguments)
         except ToolArgumentError as e:
             return ToolResult(call.name, f"Error: bad arguments for {call.name}: {e}", True, time.monotonic() - t0)
+        timeout = self.default_timeout if self.default_timeout is not None else t.timeout
+        is_async = inspect.iscoroutinefunction(t.run) or (isinstance(t, FunctionTool)
+                                                          and inspect.iscoroutinefunction(t.fn))
         try:
-            out = await self._run(t, args)
+            if is_async:
+                out = await asyncio.wait_for(typing.cast(Awaitable[Any], t.run(**args)), timeout)
+            else:  # sync tools run in the daemon pool (a hung one is written off)
+                out = await _thread_pool().run(functools.partial(t.run, **args), timeout=timeout)
         except asyncio.TimeoutError:
-            timeout = self.default_timeout if self.default_timeout is not None else t.timeout
             return ToolResult(call.name, f"Error: {call.name} timed out after {timeout:g}s", True,
                               time.monotonic() - t0)
         except Exception as e:  # noqa: BLE001 - a failing tool is an observation, not a crash

@@ -110,9 +110,9 @@ class _Path:
     turn_kinds: list[str] = dataclasses.field(default_factory=list)
 
     def fork(self, suffix: str) -> "_Path":
-        return _Path(self.builder.copy(), f"{self.path}.{suffix}" if self.path else suffix, self.turns,
-                     self.tool_calls, self.tool_errors, self.void_turns, self.obs_tokens, self.obs_truncated,
-                     collections.Counter(self.by_tool), list(self.turn_kinds))
+        path = f"{self.path}.{suffix}" if self.path else suffix
+        return dataclasses.replace(self, builder=self.builder.copy(), path=path,
+                                   by_tool=collections.Counter(self.by_tool), turn_kinds=list(self.turn_kinds))
 
 
 class ToolAgent(Agent):

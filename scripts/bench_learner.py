@@ -6,9 +6,9 @@
    longest first, right padding), the strongest padded layout a user can pick; the headline is
    ``packed vs length-grouped padding: N.NNx CPU time``. ``--arrival-order`` adds a weaker reference: fixed-size
    micro-batches padded in the order the trajectories arrived, as a loader without length grouping would.
-   A profiled step of each layout then splits the CPU time into attention kernels and everything else, next to the
-   work each layout has to do (padded vs real tokens; attention ``B * L_max^2`` vs per-sequence causal
-   ``sum L_i^2 / 2``), which is what bounds the ratio.
+   The attention calls of a step are then replayed alone with each layout's shapes, splitting the step's CPU time
+   into attention and the rest, next to the work each layout has to do (padded vs real tokens; attention
+   ``B * L_max^2`` vs per-sequence causal ``sum L_i^2 / 2``), which is what bounds the ratio.
 2. DeepSpeed vs plain torch: seconds per optimizer step of that step vs a hand-written
    plain-torch step doing the same work (same packed micro-batches, proximal-logprob recompute, decoupled PPO loss,
    entropy metric, backward, grad clipping, AdamW) on the same model and batch.
@@ -161,24 +161,52 @@ def padded_arrival_order_step(lrn: Any, batch: list[Trajectory], per_mb: int) ->
     return step
 
 
-ATTENTION_OPS = ("scaled_dot_product", "ScaledDotProduct")  # profiler names of SDPA and its backward
+def attention_replay(lengths: np.ndarray, budget: int, heads: int, head_dim: int, layers: int,
+                     repeats: int) -> dict[str, float]:
+    """CPU seconds per step of the attention calls alone, replayed with each layout's shapes through the functions
+    the model calls: per layer, one no-grad forward (proximal logprobs) and one forward + backward (the update).
+    Packed: `arl.learner.packing`'s varlen attention on each bin (per-sequence causal SDPA); padded: transformers'
+    SDPA with the micro-batch's causal + padding mask (built outside the timing, as the model builds it once per
+    forward). Medians of ``repeats`` alternating rounds."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    from arl.learner.batching import pack_by_token_budget, split_by_token_budget
+    from arl.learner.packing import _varlen_attention
 
-def profile_split(step: Callable[[], Any]) -> dict[str, float]:
-    """One profiled call of ``step``: self CPU seconds in attention kernels (SDPA forward and backward) and in
-    everything else. The profiler adds a few microseconds per op, so the sum is above an unprofiled step."""
-    from torch.profiler import ProfilerActivity, profile
+    class Attn(torch.nn.Module):  # what the attention functions read off the module
+        is_causal = True
+        num_key_value_groups = 1
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        step()
-    att = other = 0.0
-    for ev in prof.key_averages():
-        sec = ev.self_cpu_time_total / 1e6
-        if any(k in ev.key for k in ATTENTION_OPS):
-            att += sec
-        else:
-            other += sec
-    return {"attention": att, "other": other}
+    mod, scale = Attn(), head_dim ** -0.5
+    gen = torch.Generator().manual_seed(0)
+
+    def qkv(b: int, n: int) -> list[torch.Tensor]:
+        return [torch.randn(b, heads, n, head_dim, generator=gen).requires_grad_() for _ in range(3)]
+
+    packed_in = []
+    for idx in pack_by_token_budget(lengths.tolist(), budget):
+        cu = torch.tensor(np.r_[0, np.cumsum(lengths[idx])], dtype=torch.int32)
+        packed_in.append((qkv(1, int(cu[-1])), {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu}))
+    padded_in = []
+    for idx in split_by_token_budget(lengths.tolist(), budget):
+        n = int(lengths[idx].max())
+        real = torch.arange(n)[None, :] < torch.as_tensor(lengths[idx])[:, None]  # [B, n] key is a real token
+        mask = torch.ones(n, n, dtype=torch.bool).tril()[None, None] & real[:, None, None, :]
+        padded_in.append((qkv(len(idx), n), {}, mask))
+
+    def run(calls: list[tuple[Callable[..., Any], list[torch.Tensor], Optional[torch.Tensor], dict]]) -> None:
+        for _ in range(layers):
+            for fn, (q, k, v), mask, kw in calls:
+                with torch.no_grad():
+                    fn(mod, q, k, v, mask, scaling=scale, **kw)
+                out, _ = fn(mod, q, k, v, mask, scaling=scale, **kw)
+                out.sum().backward()
+
+    packed_calls = [(_varlen_attention, t, None, kw) for t, kw in packed_in]
+    padded_calls = [(sdpa_attention_forward, t, m, kw) for t, kw, m in padded_in]
+    times = alternate({"packed": timed(lambda: run(packed_calls)), "padded": timed(lambda: run(padded_calls))},
+                      repeats)
+    return {k: v["cpu"] for k, v in medians(times).items()}
 
 
 def layout_work(lengths: np.ndarray, budget: int) -> dict[str, dict[str, float]]:
@@ -287,21 +315,20 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     breakdown: dict[str, Any] = {}
     if not args.no_breakdown:
         work = layout_work(lens, args.max_tokens_per_mb)
-        split = {"packed": profile_split(steps["packed"]), "padded": profile_split(steps["padded"])}
-        breakdown = {"work": work, "profiled_cpu_s": split}
-        print("\n   where the CPU time goes (one profiled step each; profiler overhead included):")
-        print(f"   {'':10s} {'attention s':>11s} {'other s':>8s} {'attention share':>15s}   tokens through the "
-              f"layers   attention cells (one forward)")
+        att = attention_replay(lens, args.max_tokens_per_mb, args.heads, args.hidden // args.heads, args.layers,
+                               args.repeats)
+        rest = {k: med[k]["cpu"] - att[k] for k in ("packed", "padded")}
+        breakdown = {"work": work, "attention_cpu_s": att, "other_cpu_s": rest}
+        print("\n   where the CPU time goes: attention calls replayed alone with each layout's shapes (median of "
+              f"{args.repeats}), the rest of the step is everything else")
+        print(f"   {'':8s} {'attention s':>11s} {'rest s':>7s} {'share':>6s}  {'tokens':>7s}  attention cells/forward")
         for k in ("packed", "padded"):
-            a, o = split[k]["attention"], split[k]["other"]
-            print(f"   {k:10s} {a:11.3f} {o:8.3f} {a / (a + o):15.0%}   {work[k]['tokens']:26,.0f}   "
-                  f"{work[k]['attention_cells']:,.0f}")
-        ra = split["padded"]["attention"] / max(split["packed"]["attention"], 1e-9)
-        ro = split["padded"]["other"] / max(split["packed"]["other"], 1e-9)
-        print(f"   padded / packed: attention {ra:.2f}x CPU for "
-              f"{work['padded']['attention_cells'] / work['packed']['attention_cells']:.2f}x the cells; "
-              f"everything else {ro:.2f}x CPU for {work['padded']['tokens'] / work['packed']['tokens']:.2f}x the "
-              "tokens")
+            print(f"   {k:8s} {att[k]:11.3f} {rest[k]:7.3f} {att[k] / med[k]['cpu']:6.0%}  "
+                  f"{work[k]['tokens']:7,.0f}  {work[k]['attention_cells']:,.0f}")
+        print(f"   padded / packed: attention {att['padded'] / att['packed']:.2f}x CPU for "
+              f"{work['padded']['attention_cells'] / work['packed']['attention_cells']:.2f}x the cells; rest "
+              f"{rest['padded'] / rest['packed']:.2f}x CPU for {work['padded']['tokens'] / work['packed']['tokens']:.2f}x"
+              " the tokens")
 
     ds_plain = alternate({
         "deepspeed": timed(lambda: packed.step(batch)),

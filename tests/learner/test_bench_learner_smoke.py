@@ -27,8 +27,7 @@ def test_bench_learner_tiny(tmp_path, capsys):
     for key in ("packed_over_padded", "packed_over_padded_arrival", "deepspeed_over_plain"):
         assert all(math.isfinite(v) and v > 0 for v in res[key].values()), key
     assert res["pad_frac"]["packed"] == 0.0 and res["pad_frac"]["padded"] > 0.0
-    work, split = res["breakdown"]["work"], res["breakdown"]["profiled_cpu_s"]
+    work, att = res["breakdown"]["work"], res["breakdown"]["attention_cpu_s"]
     assert work["packed"]["tokens"] == res["tokens"] < work["padded"]["tokens"]
     assert 0 < work["packed"]["attention_cells"] < work["padded"]["attention_cells"]
-    for k in ("packed", "padded"):  # both layouts ran attention kernels and other ops under the profiler
-        assert split[k]["attention"] > 0 and split[k]["other"] > 0
+    assert att["packed"] > 0 and att["padded"] > 0  # both layouts' attention calls were replayed

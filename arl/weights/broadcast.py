@@ -491,7 +491,7 @@ class WeightSender:
                 try:
                     live[n].group._wait(w, f"bucket {k}/{len(plan.buckets)} of v{version}")
                 except WeightTransferError as e:
-                    fail(n, str(e), close=True)
+                    fail(n, self._with_outcome(live[n], seqs[n], str(e)), close=True)
         # 4. every receiver says it applied them
         works = {}
         flags_of = {}
@@ -515,8 +515,8 @@ class WeightSender:
                     except Exception as e:  # noqa: BLE001
                         raise WeightTransferError(f"group {n!r}: no outcome from the SGLang worker for v{version} "
                                                   f"within {self.timeout_s:g}s: {e}") from e
-                    if not done.get("success"):
-                        fail(n, f"v{version} not loaded by the SGLang server: {done.get('message')}", close=False)
+                    if not done.get("success"):  # bytes may be left in the pipe: the group is out of step
+                        fail(n, f"v{version} not loaded by the SGLang server: {done.get('message')}", close=True)
             except WeightTransferError as e:
                 fail(n, str(e), close=True)
         for n, s in seqs.items():
@@ -530,6 +530,19 @@ class WeightSender:
             raise WeightTransferError(f"v{version} did not reach {sorted(failures)}: "
                                       + " | ".join(f"{n}: {r}" for n, r in failures.items()), failures, sorted(live))
         return stats
+
+    @staticmethod
+    def _with_outcome(sg: _SenderGroup, seq: int, reason: str) -> str:
+        """`reason`, plus what the SGLang worker reported if it did (why the server never took the bytes)."""
+        if sg.protocol != "sglang":
+            return reason
+        key = f"arl/done/{seq}"
+        try:
+            if sg.group.store.check([key]):
+                return f"{reason}; the SGLang worker says: {json.loads(sg.group.store.get(key)).get('message')}"
+        except Exception:  # noqa: BLE001
+            pass
+        return reason
 
     def _device(self) -> torch.device:
         return torch.device(self.device if self.device is not None else ("cpu" if self.backend == "gloo" else "cuda"))

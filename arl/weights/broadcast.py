@@ -293,7 +293,10 @@ class Group:
 
     def _wait(self, work: Any, what: str) -> None:
         try:
-            work.wait(_td(self.timeout_s))
+            if self.backend == "gloo":
+                work.wait()  # the op carries the timeout (opts.timeout); wait(timeout) polls, ~2.5 ms per op here
+            else:
+                work.wait(_td(self.timeout_s))
         except Exception as e:  # noqa: BLE001
             raise WeightTransferError(f"group {self.name!r} rank {self.rank}: {what} failed or timed out "
                                       f"({self.timeout_s:g}s): {e}") from e
@@ -476,22 +479,31 @@ class WeightSender:
                         except Exception:  # noqa: BLE001
                             reasons.append(f"rank {r}: (no reason left in the store)")
                 fail(n, f"v{version} refused: " + "; ".join(reasons), close=False)
-        # 3. the payload, bucket by bucket, to every live group at once
-        for k in range(len(plan.buckets)):
-            if not live:
-                break
-            buf = pack_bucket(plan, k, tensors, self._device())
-            works = {}
-            for n, sg in list(live.items()):
-                try:
-                    works[n] = sg.group.broadcast_async(buf)
-                except Exception as e:  # noqa: BLE001
-                    fail(n, f"bucket {k}/{len(plan.buckets)} of v{version}: {e}", close=True)
-            for n, w in works.items():
-                try:
-                    live[n].group._wait(w, f"bucket {k}/{len(plan.buckets)} of v{version}")
-                except WeightTransferError as e:
-                    fail(n, self._with_outcome(live[n], seqs[n], str(e)), close=True)
+        # 3. the payload, bucket by bucket, to every live group at once; bucket k+1 is packed and queued while
+        # bucket k is on the wire
+        nb = len(plan.buckets)
+        in_flight: Optional[tuple[int, dict[str, Any], torch.Tensor]] = None
+        for k in range(nb + 1):
+            queued: Optional[tuple[int, dict[str, Any], torch.Tensor]] = None
+            if k < nb and live:
+                buf = pack_bucket(plan, k, tensors, self._device())
+                works = {}
+                for n, sg in list(live.items()):
+                    try:
+                        works[n] = sg.group.broadcast_async(buf)
+                    except Exception as e:  # noqa: BLE001
+                        fail(n, f"bucket {k}/{nb} of v{version}: {e}", close=True)
+                queued = (k, works, buf)
+            if in_flight is not None:
+                kk, works, _ = in_flight
+                for n, w in works.items():
+                    if n not in live:
+                        continue
+                    try:
+                        live[n].group._wait(w, f"bucket {kk}/{nb} of v{version}")
+                    except WeightTransferError as e:
+                        fail(n, self._with_outcome(live[n], seqs[n], str(e)), close=True)
+            in_flight = queued
         # 4. every receiver says it applied them
         works = {}
         flags_of = {}
@@ -697,9 +709,16 @@ class WeightReceiver:
         failure: Optional[str] = None
         n = len(plan.buckets)
         try:
-            for k in range(n):
+            def post(k: int) -> tuple[Any, torch.Tensor]:
                 buf = torch.empty(plan.bucket_nbytes(k), dtype=torch.uint8, device=g.device)
-                g.broadcast(buf, f"bucket {k}/{n} of v{version}")
+                return g.broadcast_async(buf), buf
+
+            nxt = post(0)
+            for k in range(n):
+                work, buf = nxt
+                g._wait(work, f"bucket {k}/{n} of v{version}")
+                if k + 1 < n:
+                    nxt = post(k + 1)  # bucket k+1 comes in while bucket k is applied
                 if failure is None:
                     try:
                         for name, t in unpack_bucket(plan, k, buf):

@@ -217,9 +217,10 @@ class PPOConfig:
     behav_imp_weight_cap: Optional[float] = field(5.0, "Decoupled PPO: tokens with behaviour weight above this are "
                                                        "masked (null: no cap).")
     naive_ppo: bool = field(False, "Use standard PPO against behaviour logprobs (staleness ablation).")
-    minibatches: int = field(1, "Optimizer steps per batch: after one proximal-logprob recompute the batch is split "
-                                "into this many minibatches (equal tokens), one step each; > 1 gives the decoupled "
-                                "clip a trust region to enforce (AReaL's ppo_n_minibatches).")
+    minibatches: int = field(4, "Optimizer steps per batch: after one proximal-logprob recompute the batch is split "
+                                "into this many minibatches (equal tokens), one step each. > 1 gives the decoupled "
+                                "clip a trust region to enforce (AReaL's ppo_n_minibatches); 1 makes the ratio "
+                                "exactly 1 where the gradient is taken, so the clip never binds.")
     adv_std_norm: bool = field(True, "Divide group advantages by the group std.")
     dual_clip_c: Optional[float] = field(None, "Dual-clip PPO bound c > 1 for negative advantages (null: off).")
     loss_agg: LossAgg = field(LossAgg.token, "Loss aggregation: 'token' (mean over tokens) or 'seq' (mean of "
@@ -412,13 +413,8 @@ def _close_matches(key: str, cls: type) -> list[str]:
 
 def split_experiment(argv: Sequence[str]) -> tuple[Optional[str], list[str]]:
     """Pull `experiment=NAME` out of argv (it selects the dataclass the rest is merged into)."""
-    name, rest = None, []
-    for a in argv:
-        if a.startswith("experiment="):
-            name = a.split("=", 1)[1]
-        else:
-            rest.append(a)
-    return name, rest
+    names = [a.split("=", 1)[1] for a in argv if a.startswith("experiment=")]  # the last one wins
+    return (names[-1] if names else None), [a for a in argv if not a.startswith("experiment=")]
 
 
 def parse_overrides(config_cls: type, overrides: Sequence[str], base: Any = None) -> Any:

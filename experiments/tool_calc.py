@@ -52,7 +52,7 @@ class ToolCalcConfig(ExperimentConfig):
     rollout: RolloutConfig = field(factory=lambda: RolloutConfig(max_concurrent_rollouts=16, filter_void_turns=True,
                                                                  filter_uniform_groups=True,
                                                                  verify_token_ledger=True))
-    learner: LearnerConfig = field(factory=lambda: LearnerConfig(batch_size=8, optimizer=OptimizerConfig(lr=3e-4)))
+    learner: LearnerConfig = field(factory=lambda: LearnerConfig(batch_size=8, optimizer=OptimizerConfig(lr=1e-4)))
     eval: EvalConfig = field(factory=lambda: EvalConfig(every_n_steps=10, max_prompts=100))
 
 

@@ -1,4 +1,4 @@
-"""Staleness ablation: the default task with eta in {0, 2, 8}, decoupled vs naive PPO, final greedy accuracy.
+"""Staleness ablation: the default task with eta in {0, 2, 4, 8}, decoupled vs naive PPO, final greedy accuracy.
 
 AReaL (Fu et al. 2025, Table 2 / Fig. 5) reports that naive PPO degrades as the maximum staleness eta grows while
 the decoupled objective holds. This script runs ``training/main_async_ppo.py`` once per (eta, objective, seed) as
@@ -6,7 +6,7 @@ a subprocess (each run is a whole system: controller, inference, rollout and lea
 ``metrics.jsonl`` and writes a table to ``docs/benchmarks.md`` (its own section, replaced on every run of the
 script) plus ``results.json`` in the ablation's run directory.
 
-    python scripts/ablate_staleness.py                               # eta 0 2 8 x {decoupled, naive}, 1 seed
+    python scripts/ablate_staleness.py                               # eta 0 2 4 8 x {decoupled, naive} x 3 seeds
     python scripts/ablate_staleness.py --seeds 1 2 --steps 200       # fewer steps per run, two seeds
     python scripts/ablate_staleness.py --etas 0 2 --steps 3 --no-doc learner.batch_size=2   # smoke
 
@@ -74,7 +74,7 @@ def run_one(eta: int, naive: bool, seed: int, steps: Optional[int], run_root: st
 
 
 def table(results: list[dict[str, Any]], etas: list[int], seeds: list[int]) -> str:
-    lines = ["| eta | objective | final greedy accuracy (per seed) | mean | head staleness mean / max | "
+    lines = ["| eta | objective | final greedy accuracy (per seed) | mean ± std | head staleness mean / max | "
              "clipped tokens | approx KL | capped tokens | wall s |", "|---|---|---|---|---|---|---|---|---|"]
     for eta in etas:
         for obj in ("decoupled", "naive"):
@@ -83,7 +83,8 @@ def table(results: list[dict[str, Any]], etas: list[int], seeds: list[int]) -> s
                 continue
             accs = ", ".join(f"{r['acc']:.3f}" for r in sorted(rs, key=lambda r: r["seed"]))
             lines.append(
-                f"| {eta} | {obj} | {accs} | {statistics.fmean(r['acc'] for r in rs):.3f} | "
+                f"| {eta} | {obj} | {accs} | {statistics.fmean(r['acc'] for r in rs):.3f} ± "
+                f"{statistics.stdev(r['acc'] for r in rs) if len(rs) > 1 else 0.0:.3f} | "
                 f"{statistics.fmean(r['head_mean'] for r in rs):.2f} / {max(r['head_max'] for r in rs):.0f} | "
                 f"{statistics.fmean(r.get('clip_frac', 0.0) for r in rs):.4f} | "
                 f"{statistics.fmean(r.get('approx_kl', 0.0) for r in rs):.5f} | "
@@ -109,8 +110,8 @@ def write_doc(path: str, body: str) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--etas", type=int, nargs="+", default=[0, 2, 8])
-    ap.add_argument("--seeds", type=int, nargs="+", default=[1])
+    ap.add_argument("--etas", type=int, nargs="+", default=[0, 2, 4, 8])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--steps", type=int, default=None, help="total_train_steps per run (default: the config's)")
     ap.add_argument("--run-root",
                     default=os.path.join(ROOT, "runs", f"ablate-staleness-{time.strftime('%Y%m%d-%H%M%S')}"))

@@ -70,7 +70,7 @@ def _proc_stats(ctl: Any) -> dict[str, dict]:
     me = psutil.Process()
     ct = me.cpu_times()
     out["controller"] = {"cpu": ct.user + ct.system, "rss": me.memory_info().rss}
-    for name, child in list(ctl.procs.children.items()):
+    for name, child in list(ctl.launcher.children.items()):
         try:
             p = psutil.Process(child.proc.pid)
             ct = p.cpu_times()

@@ -1,18 +1,23 @@
 """Learner benchmark, side by side in one run:
 
-1. packed vs padded micro-batches: tokens/s of `PPOActor.step` on a `DeepSpeedEngine`, on the same batch of long-tailed
-   sequence lengths (log-normal generation lengths), same token budget per micro-batch. "padded" is the learner's
-   padded path (token-budget micro-batches, longest first, right padding); "padded (arrival order)" pads fixed-size
-   micro-batches in the order the trajectories arrived, as a loader without length grouping would.
+1. packed vs length-grouped padded micro-batches: CPU seconds per `PPOActor.step` on a `DeepSpeedEngine`, on the
+   same batch of long-tailed sequence lengths (log-normal generation lengths), same token budget per micro-batch.
+   The baseline is the learner's own padded path (``learner.deepspeed.packing=false``: token-budget micro-batches,
+   longest first, right padding), the strongest padded layout a user can pick; the headline is
+   ``packed vs length-grouped padding: N.NNx CPU time``. ``--arrival-order`` adds a weaker reference: fixed-size
+   micro-batches padded in the order the trajectories arrived, as a loader without length grouping would.
+   The attention calls of a step are then replayed alone with each layout's shapes, splitting the step's CPU time
+   into attention and the rest, next to the work each layout has to do (padded vs real tokens; attention
+   ``B * L_max^2`` vs per-sequence causal ``sum L_i^2 / 2``), which is what bounds the ratio.
 2. DeepSpeed vs plain torch: seconds per optimizer step of that step vs a hand-written
    plain-torch step doing the same work (same packed micro-batches, proximal-logprob recompute, decoupled PPO loss,
    entropy metric, backward, grad clipping, AdamW) on the same model and batch.
 
 Steps of the variants alternate (A B A B ...) so machine noise hits both; medians are reported, of wall time and
 of this process's CPU time (one torch thread: CPU seconds are what the step costs, and they barely move when other
-processes compete for the cores, while wall seconds do). Ratios are given for both.
+processes compete for the cores, while wall seconds do). Ratios are given for both; CPU time is the figure.
 
-    python scripts/bench_learner.py                      # defaults (a few minutes on 2 cores)
+    python scripts/bench_learner.py --repeats 7          # defaults (a few minutes on 2 cores)
     python scripts/bench_learner.py --tiny               # seconds: the smoke test's sizes
 """
 
@@ -156,6 +161,70 @@ def padded_arrival_order_step(lrn: Any, batch: list[Trajectory], per_mb: int) ->
     return step
 
 
+def attention_replay(lengths: np.ndarray, budget: int, heads: int, head_dim: int, layers: int,
+                     repeats: int) -> dict[str, float]:
+    """CPU seconds per step of the attention calls alone, replayed with each layout's shapes through the functions
+    the model calls: per layer, one no-grad forward (proximal logprobs) and one forward + backward (the update).
+    Packed: `arl.learner.packing`'s varlen attention on each bin (per-sequence causal SDPA); padded: transformers'
+    SDPA with the micro-batch's causal + padding mask (built outside the timing, as the model builds it once per
+    forward). Medians of ``repeats`` alternating rounds."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from arl.learner.batching import pack_by_token_budget, split_by_token_budget
+    from arl.learner.packing import _varlen_attention
+
+    class Attn(torch.nn.Module):  # what the attention functions read off the module
+        is_causal = True
+        num_key_value_groups = 1
+
+    mod, scale = Attn(), head_dim ** -0.5
+    gen = torch.Generator().manual_seed(0)
+
+    def qkv(b: int, n: int) -> list[torch.Tensor]:
+        return [torch.randn(b, heads, n, head_dim, generator=gen).requires_grad_() for _ in range(3)]
+
+    packed_in = []
+    for idx in pack_by_token_budget(lengths.tolist(), budget):
+        cu = torch.tensor(np.r_[0, np.cumsum(lengths[idx])], dtype=torch.int32)
+        packed_in.append((qkv(1, int(cu[-1])), {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu}))
+    padded_in = []
+    for idx in split_by_token_budget(lengths.tolist(), budget):
+        n = int(lengths[idx].max())
+        real = torch.arange(n)[None, :] < torch.as_tensor(lengths[idx])[:, None]  # [B, n] key is a real token
+        mask = torch.ones(n, n, dtype=torch.bool).tril()[None, None] & real[:, None, None, :]
+        padded_in.append((qkv(len(idx), n), {}, mask))
+
+    def run(calls: list[tuple[Callable[..., Any], list[torch.Tensor], Optional[torch.Tensor], dict]]) -> None:
+        for _ in range(layers):
+            for fn, (q, k, v), mask, kw in calls:
+                with torch.no_grad():
+                    fn(mod, q, k, v, mask, scaling=scale, **kw)
+                out, _ = fn(mod, q, k, v, mask, scaling=scale, **kw)
+                out.sum().backward()
+
+    packed_calls = [(_varlen_attention, t, None, kw) for t, kw in packed_in]
+    padded_calls = [(sdpa_attention_forward, t, m, kw) for t, kw, m in padded_in]
+    times = alternate({"packed": timed(lambda: run(packed_calls)), "padded": timed(lambda: run(padded_calls))},
+                      repeats)
+    return {k: v["cpu"] for k, v in medians(times).items()}
+
+
+def layout_work(lengths: np.ndarray, budget: int) -> dict[str, dict[str, float]]:
+    """Work each layout has to do for one forward pass: tokens through the per-token layers, and attention score
+    cells (padded: ``B * L_max^2`` per micro-batch, its mask turns off SDPA's causal skip; packed: causal
+    ``L_i * (L_i + 1) / 2`` per sequence)."""
+    from arl.learner.batching import split_by_token_budget
+
+    groups = split_by_token_budget(lengths.tolist(), budget)
+    return {
+        "padded": {"tokens": float(sum(len(g) * lengths[g].max() for g in groups)),
+                   "attention_cells": float(sum(len(g) * lengths[g].max() ** 2 for g in groups)),
+                   "micro_batches": float(len(groups))},
+        "packed": {"tokens": float(lengths.sum()),
+                   "attention_cells": float((lengths * (lengths + 1) / 2).sum())},
+    }
+
+
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seqs", type=int, default=128, help="trajectories per batch")
@@ -171,6 +240,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     ap.add_argument("--max-tokens-per-mb", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--arrival-order", action="store_true",
+                    help="also time padding in arrival order (fixed-size micro-batches, no length grouping)")
+    ap.add_argument("--no-breakdown", action="store_true", help="skip the profiled attention / other split")
     ap.add_argument("--tiny", action="store_true", help="tiny sizes (smoke test)")
     ap.add_argument("--json", default="", help="also write the results here")
     args = ap.parse_args(argv)
@@ -207,7 +279,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
 
     pad_info: dict[str, Any] = {}
 
-    def record(name: str, lrn: Any, fn: Callable[[], Any]) -> Callable[[], Any]:
+    def record(name: str, fn: Callable[[], Any]) -> Callable[[], Any]:
         def run() -> Any:
             m = fn()
             pad_info[name] = m.get("pad_frac", 0.0)
@@ -215,26 +287,48 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
 
         return run
 
-    times = alternate({
-        "packed": timed(record("packed", packed, lambda: packed.step(batch))),
-        "padded": timed(record("padded", padded, lambda: padded.step(batch))),
-        "padded_arrival": timed(record("padded_arrival", padded, padded_arrival_order_step(padded, batch, per_mb))),
-    }, args.repeats)
+    steps: dict[str, Callable[[], Any]] = {
+        "packed": record("packed", lambda: packed.step(batch)),
+        "padded": record("padded", lambda: padded.step(batch)),
+    }
+    if args.arrival_order:
+        steps["padded_arrival"] = record("padded_arrival", padded_arrival_order_step(padded, batch, per_mb))
+    times = alternate({k: timed(f) for k, f in steps.items()}, args.repeats)
     med = medians(times)
     tps = {k: {c: real / v[c] for c in v} for k, v in med.items()}
+    labels = {"packed": "packed (packing=true, varlen attention)",
+              "padded": "padded, length-grouped (packing=false)",
+              "padded_arrival": f"padded, arrival order ({per_mb}/micro-batch)"}
     print("\n1. packed vs padded (PPOActor.step on DeepSpeedEngine, median of "
           f"{args.repeats} steps each, alternating)")
-    print(f"   {'':38s} {'wall s':>7s} {'cpu s':>7s} {'tokens/s (wall)':>16s} {'(cpu)':>8s}  padding")
-    for k in ("packed", "padded", "padded_arrival"):
-        label = {"packed": "packed", "padded": "padded (length-grouped)",
-                 "padded_arrival": f"padded (arrival order, {per_mb}/micro-batch)"}[k]
-        print(f"   {label:38s} {med[k]['wall']:7.3f} {med[k]['cpu']:7.3f} {tps[k]['wall']:16.0f} "
-              f"{tps[k]['cpu']:8.0f}  {pad_info.get(k, 0):.1%}")
-    r_pad = {c: tps["packed"][c] / tps["padded"][c] for c in ("wall", "cpu")}
-    r_arr = {c: tps["packed"][c] / tps["padded_arrival"][c] for c in ("wall", "cpu")}
-    print(f"   packed/padded tokens/s: {r_pad['cpu']:.2f}x (cpu) / {r_pad['wall']:.2f}x (wall) vs length-grouped "
-          f"padding; {r_arr['cpu']:.2f}x (cpu) / {r_arr['wall']:.2f}x (wall) vs arrival-order padding "
-          "(target >= 1.5)")
+    print(f"   {'':40s} {'cpu s':>7s} {'wall s':>7s} {'tokens/s (cpu)':>15s} {'(wall)':>8s}  padding")
+    for k in steps:
+        print(f"   {labels[k]:40s} {med[k]['cpu']:7.3f} {med[k]['wall']:7.3f} {tps[k]['cpu']:15.0f} "
+              f"{tps[k]['wall']:8.0f}  {pad_info.get(k, 0):.1%}")
+    r_pad = {c: med["padded"][c] / med["packed"][c] for c in ("wall", "cpu")}
+    print(f"   packed vs length-grouped padding: {r_pad['cpu']:.2f}x CPU time ({r_pad['wall']:.2f}x wall)")
+    r_arr: dict[str, float] = {}
+    if args.arrival_order:
+        r_arr = {c: med["padded_arrival"][c] / med["packed"][c] for c in ("wall", "cpu")}
+        print(f"   (packed vs arrival-order padding: {r_arr['cpu']:.2f}x CPU time, {r_arr['wall']:.2f}x wall)")
+
+    breakdown: dict[str, Any] = {}
+    if not args.no_breakdown:
+        work = layout_work(lens, args.max_tokens_per_mb)
+        att = attention_replay(lens, args.max_tokens_per_mb, args.heads, args.hidden // args.heads, args.layers,
+                               args.repeats)
+        rest = {k: med[k]["cpu"] - att[k] for k in ("packed", "padded")}
+        breakdown = {"work": work, "attention_cpu_s": att, "other_cpu_s": rest}
+        print("\n   where the CPU time goes: attention calls replayed alone with each layout's shapes (median of "
+              f"{args.repeats}), the rest of the step is everything else")
+        print(f"   {'':8s} {'attention s':>11s} {'rest s':>7s} {'share':>6s}  {'tokens':>7s}  attention cells/forward")
+        for k in ("packed", "padded"):
+            print(f"   {k:8s} {att[k]:11.3f} {rest[k]:7.3f} {att[k] / med[k]['cpu']:6.0%}  "
+                  f"{work[k]['tokens']:7,.0f}  {work[k]['attention_cells']:,.0f}")
+        print(f"   padded / packed: attention {att['padded'] / att['packed']:.2f}x CPU for "
+              f"{work['padded']['attention_cells'] / work['packed']['attention_cells']:.2f}x the cells; rest "
+              f"{rest['padded'] / rest['packed']:.2f}x CPU for {work['padded']['tokens'] / work['packed']['tokens']:.2f}x"
+              " the tokens")
 
     ds_plain = alternate({
         "deepspeed": timed(lambda: packed.step(batch)),
@@ -250,6 +344,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         "params": n_params, "seqs": len(batch), "tokens": real, "len_max": int(lens.max()),
         "len_median": float(np.median(lens)), "s_per_step": med, "tokens_per_s": tps,
         "pad_frac": pad_info, "packed_over_padded": r_pad, "packed_over_padded_arrival": r_arr,
+        "breakdown": breakdown,
         "deepspeed_s": med2["deepspeed"], "plain_s": med2["plain"], "deepspeed_over_plain": ratio,
         "raw": {"packing": times, "deepspeed_vs_plain": ds_plain},
     }

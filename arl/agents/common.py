@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 import weakref
@@ -39,10 +40,9 @@ def check_int(name: str, value: Any, minimum: int = 1) -> None:
 def agent_gconfig(gconfig: GenerationConfig, tokenizer: Any, **changes: Any) -> GenerationConfig:
     """`gconfig` with `changes` that also stops on the tokenizer's eos, validated."""
     g = gconfig.new(**changes)
-    stops = list(g.stop_token_ids)
-    if tokenizer.eos_token_id is not None and int(tokenizer.eos_token_id) not in stops:
-        stops.append(int(tokenizer.eos_token_id))
-    g = g.new(stop_token_ids=stops)
+    eos = tokenizer.eos_token_id
+    g = g.new(stop_token_ids=list(g.stop_token_ids) + ([int(eos)] if eos is not None and int(eos) not in
+                                                        g.stop_token_ids else []))
     g.validate()
     return g
 
@@ -50,10 +50,8 @@ def agent_gconfig(gconfig: GenerationConfig, tokenizer: Any, **changes: Any) -> 
 def filter_uniform(trajs: list[Trajectory], enabled: bool) -> list[Trajectory]:
     """[] when `enabled` and every trajectory got the same reward (no group-relative signal); a group of one
     (evaluation) is kept."""
-    rewards = [t.reward for t in trajs]
-    if enabled and len(rewards) > 1 and all(r == rewards[0] for r in rewards):
-        return []
-    return trajs
+    uniform = len(trajs) > 1 and all(t.reward == trajs[0].reward for t in trajs)
+    return [] if enabled and uniform else trajs
 
 
 async def gather_or_cancel(coros: Any) -> list[Any]:
@@ -153,10 +151,8 @@ class QueueClient:
             self._idle = None
         if self._reader is not None and not self._reader.done():
             self._reader.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._reader
-            except (asyncio.CancelledError, Exception):
-                pass
 
 
 _CLIENTS: "weakref.WeakKeyDictionary[asyncio.Queue, QueueClient]" = weakref.WeakKeyDictionary()
@@ -188,6 +184,4 @@ async def env_for(env: Any, index: int) -> Any:
     """The environment of trajectory `index` of a group: its own member when `env` is an env group (anything with
     an async `member(i)`, see `arl.rollout.env_groups.EnvGroup`), else `env` itself (a plain env, e.g. in tests)."""
     member = getattr(env, "member", None)
-    if member is None:
-        return env
-    return await member(index)
+    return env if member is None else await member(index)

@@ -53,8 +53,7 @@ class MathMultiTurnAgent(Agent):
         for turn in range(self.num_turns):
             req = GenerateRequest(qid=new_id(f"{session}/t{turn}"), input_ids=b.input_ids, gconfig=self.gconfig,
                                   session_id=session)
-            resp = await generate(obs_queue, act_queue, req)
-            sample = resp.samples[0]
+            sample = (await generate(obs_queue, act_queue, req)).samples[0]
             b.add_generated(sample)
             text = self.tokenizer.decode(sample.output_ids.tolist(), skip_special_tokens=True)
             _, reward, _, _, info = await env.step(text)
@@ -67,11 +66,8 @@ class MathMultiTurnAgent(Agent):
             if correct:
                 solved, termination = True, "solved"
                 break
-            if sample.finish_reason == "abort":
-                termination = "abort"
-                break
-            if sample.finish_reason == "length":
-                termination = "length"
+            if sample.finish_reason in ("abort", "length"):
+                termination = sample.finish_reason
                 break
             if turn == self.num_turns - 1:
                 break

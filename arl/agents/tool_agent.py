@@ -56,8 +56,7 @@ class ObservationEncoder:
 
     def __init__(self, tokenizer: Any, eos_text: Optional[str] = None) -> None:
         self.tokenizer = tokenizer
-        base = tokenizer.apply_chat_template(_DUMMY_BASE, tokenize=False, add_generation_prompt=False)
-        self._base = base
+        base = self._base = tokenizer.apply_chat_template(_DUMMY_BASE, tokenize=False, add_generation_prompt=False)
         eos_text = eos_text if eos_text is not None else getattr(tokenizer, "eos_token", None)
         self._post_eos = ""
         if eos_text and eos_text in base:
@@ -111,9 +110,9 @@ class _Path:
     turn_kinds: list[str] = dataclasses.field(default_factory=list)
 
     def fork(self, suffix: str) -> "_Path":
-        return _Path(self.builder.copy(), f"{self.path}.{suffix}" if self.path else suffix, self.turns,
-                     self.tool_calls, self.tool_errors, self.void_turns, self.obs_tokens, self.obs_truncated,
-                     collections.Counter(self.by_tool), list(self.turn_kinds))
+        path = f"{self.path}.{suffix}" if self.path else suffix
+        return dataclasses.replace(self, builder=self.builder.copy(), path=path,
+                                   by_tool=collections.Counter(self.by_tool), turn_kinds=list(self.turn_kinds))
 
 
 class ToolAgent(Agent):
@@ -168,14 +167,12 @@ class ToolAgent(Agent):
     # ---------------------------------------------------------------------------------------------- turns
     async def _generate(self, p: _Path, n: int, session: str, obs_queue: asyncio.Queue,
                         act_queue: asyncio.Queue) -> tuple[list[SampleOutput], int]:
-        room = self.max_total_tokens - len(p.builder)
-        max_new = min(self.per_turn, room)
+        max_new = min(self.per_turn, self.max_total_tokens - len(p.builder))
         req = GenerateRequest(qid=new_id(f"{session}/t{p.turns}"), input_ids=p.builder.input_ids,
                               gconfig=self.gconfig.new(n=n, max_new_tokens=max_new,
                                                        min_new_tokens=min(self.gconfig.min_new_tokens, max_new)),
                               session_id=session)
-        resp = await generate(obs_queue, act_queue, req)
-        return resp.samples, max_new
+        return (await generate(obs_queue, act_queue, req)).samples, max_new
 
     def _observation(self, p: _Path, results: list[ToolResult], errors: list[str]) -> tuple[list[int], str]:
         contents = [r.content for r in results] + [f"Error: {e}" for e in errors]
@@ -235,8 +232,7 @@ class ToolAgent(Agent):
                                 "obs_truncated": p.obs_truncated, "termination": termination, "solved": solved,
                                 "first_correct": solved, "path": p.path, "prompt_id": pid,
                                 "turn_kinds": ",".join(p.turn_kinds)}
-        for name in self.toolset.names():
-            meta[f"tool_calls_{name}"] = int(p.by_tool.get(name, 0))
+        meta.update({f"tool_calls_{name}": int(p.by_tool.get(name, 0)) for name in self.toolset.names()})
         if info.get("error"):
             meta["reward_error"] = str(info["error"])
         return p.builder.build(reward=reward, group_id=group_id, turn_rewards=[reward], metadata=meta)
@@ -260,9 +256,7 @@ class ToolAgent(Agent):
             return [self._finish(p, term, reward, info, ctx["group_id"], ctx["pid"])]
         if len(p.builder) >= self.max_total_tokens:
             return [self._finish(p, "total_budget", 0.0, {}, ctx["group_id"], ctx["pid"])]
-        n = 1
-        if self.k > 1 and ctx["nodes"] + self.k <= self.max_nodes:
-            n = self.k
+        n = self.k if self.k > 1 and ctx["nodes"] + self.k <= self.max_nodes else 1
         ctx["nodes"] += n
         return await self._expand(p, n, ctx)
 

@@ -6,6 +6,7 @@ nobody is tempted to decode and re-encode text.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from typing import Any, Optional, Sequence
@@ -103,9 +104,6 @@ class GenerationConfig:
     def new(self, **kwargs: Any) -> "GenerationConfig":
         return dataclasses.replace(self, **kwargs)
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "GenerationConfig":
         names = {f.name for f in dataclasses.fields(cls)}
@@ -199,11 +197,6 @@ class Trajectory:
     def num_generated(self) -> int:
         return int(self.loss_mask.sum())
 
-    def min_version(self) -> int:
-        """Oldest policy version among generated tokens (-1 if none were generated)."""
-        gen = self.versions[self.loss_mask.astype(bool)]
-        return int(gen.min()) if len(gen) else -1
-
 
 class TrajectoryBuilder:
     """Accumulates prompt, generated and inserted tokens with their masks, so agents never re-tokenise."""
@@ -243,11 +236,9 @@ class TrajectoryBuilder:
 
     def copy(self) -> "TrajectoryBuilder":
         """An independent builder with the same tokens so far (branching rollouts share a prefix)."""
-        other = TrajectoryBuilder.__new__(TrajectoryBuilder)
-        other._ids, other._mask, other._logp, other._ver = (list(self._ids), list(self._mask), list(self._logp),
-                                                            list(self._ver))
-        other._ledger = [list(e) for e in self._ledger]
-        other._len = self._len
+        other = copy.copy(self)  # the token arrays are shared: nothing writes into them
+        other._ids, other._mask, other._logp, other._ver = map(list, (self._ids, self._mask, self._logp, self._ver))
+        other._ledger = self.ledger
         return other
 
     @property

@@ -60,10 +60,7 @@ def load_jsonl(path: str, *, skip_bad_rows: bool = True) -> list[dict]:
                     raise ValueError(f"{path}:{lineno}: {problem}")
                 bad.append((lineno, problem))
                 continue
-            row = dict(row)
-            row["id"] = str(row["id"])
-            row["answer"] = str(row["answer"])
-            rows.append(row)
+            rows.append({**row, "id": str(row["id"]), "answer": str(row["answer"])})
     if bad:
         shown = "; ".join(f"line {n}: {p}" for n, p in bad[:5]) + (" ..." if len(bad) > 5 else "")
         msg = f"{path}: skipped {len(bad)} bad row(s) ({shown})"

@@ -20,18 +20,14 @@ def load_splits(*, name: str, train_path: str = "", test_path: str = "", max_ope
     if name == "jsonl":
         if not train_path:
             raise ValueError("dataset.name=jsonl needs dataset.train_path")
-        train = load_jsonl(train_path)
-        test = load_jsonl(test_path) if test_path else []
-        return train, test
+        return load_jsonl(train_path), (load_jsonl(test_path) if test_path else [])
     if name == "hf":
         from arl.data.hf import load_hf
 
         if not train_path:
             raise ValueError("dataset.name=hf needs dataset.train_path (a save_to_disk folder or a parquet file)")
         kw = {"prompt_field": prompt_field, "answer_field": answer_field}
-        train = load_hf(train_path, split="train", **kw)
-        test = load_hf(test_path, split="test", **kw) if test_path else []
-        return train, test
+        return load_hf(train_path, split="train", **kw), (load_hf(test_path, split="test", **kw) if test_path else [])
     if name == "word-arith":
         from arl.data.word_problems import make_word_problem_splits
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import importlib
 import inspect
 import logging
@@ -58,8 +59,7 @@ def exact_number_match(completion: str, answer: str) -> float:
     m = _NUMBER_RE.search(text)
     if m is None:
         return 0.0
-    got = _to_number(m.group(0))
-    return 1.0 if got is not None and got == ref else 0.0
+    return 1.0 if _to_number(m.group(0)) == ref else 0.0
 
 
 def resolve_reward_fn(reward_fn: Union[str, RewardFn]) -> RewardFn:
@@ -120,6 +120,19 @@ class _DaemonThreadPool(concurrent.futures.Executor):
                 if self._threads >= self.hard_cap:
                     logger.warning("%s: %d reward calls are hung; new checks will queue", self.name, self._written_off)
 
+    async def run(self, fn: Callable, *args: Any, timeout: float,
+                  on_timeout: Optional[Callable[[str], None]] = None) -> Any:
+        """Await `fn(*args)` in the pool under `timeout`. A caller that times out or is cancelled abandons the call
+        (`abandon`); `on_timeout` first gets the stack the call hangs in."""
+        cfut = self.submit(fn, *args)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(cfut), timeout)
+        except (asyncio.TimeoutError, asyncio.CancelledError) as e:
+            if on_timeout is not None and isinstance(e, asyncio.TimeoutError):
+                on_timeout(self.stack_of(cfut))
+            self.abandon(cfut)
+            raise
+
     def _work(self) -> None:
         while True:
             with self._lock:
@@ -172,17 +185,10 @@ def _log_reward_timeout(fn: Any, timeout: float, stack: str) -> None:
                    n, where)
 
 
-_POOL: Optional[_DaemonThreadPool] = None
-_POOL_LOCK = threading.Lock()
-
-
+@functools.cache
 def reward_pool() -> _DaemonThreadPool:
-    """The process-wide pool reward functions run in."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = _DaemonThreadPool()
-        return _POOL
+    """The process-wide pool reward functions run in (made on first use, from the event loop's thread)."""
+    return _DaemonThreadPool()
 
 
 class MathEnv(EnvironmentService):
@@ -199,8 +205,8 @@ class MathEnv(EnvironmentService):
         self.answer: Optional[str] = None
 
     async def reset(self, seed: Optional[int] = None, options: Optional[dict[str, Any]] = None) -> tuple[Any, dict]:
-        options = options or {}
-        self.answer = None if options.get("answer") is None else str(options["answer"])
+        answer = (options or {}).get("answer")
+        self.answer = None if answer is None else str(answer)
         return None, {}
 
     async def _call(self, completion: str, answer: str) -> Any:
@@ -210,17 +216,9 @@ class MathEnv(EnvironmentService):
             except asyncio.TimeoutError:
                 _log_reward_timeout(self.reward_fn, self.timeout, "")
                 raise
-        pool = reward_pool()
-        cfut = pool.submit(self.reward_fn, completion, answer)
-        try:
-            return await asyncio.wait_for(asyncio.wrap_future(cfut), self.timeout)
-        except asyncio.TimeoutError:
-            _log_reward_timeout(self.reward_fn, self.timeout, pool.stack_of(cfut))
-            pool.abandon(cfut)
-            raise
-        except asyncio.CancelledError:
-            pool.abandon(cfut)
-            raise
+        return await reward_pool().run(self.reward_fn, completion, answer, timeout=self.timeout,
+                                       on_timeout=lambda stack: _log_reward_timeout(self.reward_fn, self.timeout,
+                                                                                    stack))
 
     async def step(self, action: Any) -> tuple[Any, float, bool, bool, dict]:
         if self.answer is None:

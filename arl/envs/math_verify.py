@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import functools
 import logging
 import multiprocessing
 import os
@@ -146,10 +148,8 @@ class MathVerifier:
             self._warm_pools.discard(id(pool))
             self.stats["restarts"] += 1
         for p in list(getattr(pool, "_processes", {}).values()):
-            try:
+            with contextlib.suppress(Exception):
                 p.kill()
-            except Exception:  # noqa: BLE001
-                pass
         pool.shutdown(wait=False, cancel_futures=True)
 
     def check(self, completion: str, answer: str) -> float:
@@ -186,15 +186,10 @@ class MathVerifier:
             pool.shutdown(wait=False, cancel_futures=True)
 
 
-_DEFAULT: Optional[MathVerifier] = None
-
-
+@functools.cache
 def default_verifier() -> MathVerifier:
     """The process-wide verifier (ARL_MATH_VERIFY_WORKERS processes, default 2)."""
-    global _DEFAULT
-    if _DEFAULT is None:
-        _DEFAULT = MathVerifier(max_workers=int(os.environ.get("ARL_MATH_VERIFY_WORKERS", "2")))
-    return _DEFAULT
+    return MathVerifier(max_workers=int(os.environ.get("ARL_MATH_VERIFY_WORKERS", "2")))
 
 
 def math_verify_reward_sync(completion: str, answer: str) -> float:

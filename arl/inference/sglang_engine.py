@@ -48,6 +48,7 @@ Why it is built this way (schema and semantics read from SGLang 0.5.23's `http_s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -142,12 +143,10 @@ class SGLangServer:
         """Spawn the server (call from the main thread: PR_SET_PDEATHSIG is tied to the spawning thread)."""
         os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
         log = open(self.log_path, "ab", buffering=0)
-        env = dict(os.environ)
-        env.update(self.env)
-        env.setdefault("PYTHONUNBUFFERED", "1")
         try:
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=env, start_new_session=True,
+                                         env={"PYTHONUNBUFFERED": "1", **os.environ, **self.env},
+                                         start_new_session=True,
                                          preexec_fn=die_with_parent_preexec())
         finally:
             log.close()
@@ -157,9 +156,6 @@ class SGLangServer:
     def exit_code(self) -> Optional[int]:
         return None if self.proc is None else self.proc.poll()
 
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
     def wait_ready(self, timeout: float) -> None:
         """Block until GET /health answers 200; raises with the log tail if the server exits or times out."""
         deadline = time.monotonic() + timeout
@@ -168,12 +164,10 @@ class SGLangServer:
             if code is not None:
                 raise SGLangError(f"sglang server exited with code {code} while starting; last lines of "
                                   f"{self.log_path}:\n{tail(self.log_path, 30)}")
-            try:
+            with contextlib.suppress(urllib.error.URLError, OSError, ValueError):
                 with urllib.request.urlopen(self.base_url + "/health", timeout=5) as r:
                     if r.status == 200:
                         return
-            except (urllib.error.URLError, OSError, ValueError):
-                pass
             if time.monotonic() > deadline:
                 self.stop()
                 raise SGLangError(f"sglang server not healthy within {timeout:.0f}s; last lines of "
@@ -268,13 +262,9 @@ class SGLangEngine:
 
     async def agenerate(self, req: GenerateRequest) -> GenerateResponse:
         """`req.gconfig.n` samples of `req.input_ids`. Never raises: failures come back as `error`."""
-        err = check_request(req, max_context_len=self.max_context_len)
-        if err is None:
-            err = truncation_error(req.gconfig)
-        if err is None and self._closed:
-            err = ENGINE_CLOSED
-        if err is None and self._failed:
-            err = f"sglang server failed: {self._failed}"
+        err = (check_request(req, max_context_len=self.max_context_len) or truncation_error(req.gconfig)
+               or (ENGINE_CLOSED if self._closed else None)
+               or (f"sglang server failed: {self._failed}" if self._failed else None))
         if err is not None:
             self._counters["requests_refused"] += 1
             return refusal(req, err)
@@ -290,15 +280,12 @@ class SGLangEngine:
             if self._inflight == 0 and self._busy_since is not None:
                 self._busy_s += time.monotonic() - self._busy_since
                 self._busy_since = None
-        samples: list[SampleOutput] = []
-        errors: list[str] = []
         for r in results:
-            if isinstance(r, SampleOutput):
-                samples.append(r)
-            elif isinstance(r, asyncio.CancelledError):
+            if isinstance(r, asyncio.CancelledError):
                 raise r
-            else:
-                errors.append(f"{type(r).__name__}: {r}" if not isinstance(r, SGLangError) else str(r))
+        samples = [r for r in results if isinstance(r, SampleOutput)]
+        errors = [str(r) if isinstance(r, SGLangError) else f"{type(r).__name__}: {r}" for r in results
+                  if not isinstance(r, SampleOutput)]
         if errors:
             self._counters["requests_failed"] += 1
             return GenerateResponse(qid=req.qid, samples=samples, error=f"sglang: {errors[0]}")
@@ -494,10 +481,8 @@ class SGLangEngine:
                 self._health_task.cancel()
             self._health_task = None
             if not self._loop.is_closed():
-                try:
+                with contextlib.suppress(Exception):  # the session belongs to another loop
                     await self._session.close()
-                except Exception:  # noqa: BLE001 - the session belongs to another loop
-                    pass
         self._loop = loop
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self.max_connections))
         self._update_lock = asyncio.Lock()

@@ -131,15 +131,10 @@ class SimEngine:
         self._upd_version = np.array([self._version], np.int32)  # ... and the version in force from each
         self._sessions: collections.OrderedDict[str, int] = collections.OrderedDict()  # session -> cached tokens
 
-        # counters
-        self._busy_s = 0.0
-        self._tokens = 0
-        self._prefill_tokens = 0
-        self._requests_done = 0
-        self._requests_refused = 0
-        self._weight_updates = 0
-        self._last_update_s = 0.0
-        self._t0: Optional[float] = None
+        # counters, under the names stats() reports them by
+        self._n: dict[str, Any] = {**dict.fromkeys(("tokens_generated", "prefill_tokens", "requests_done",
+                                                   "requests_refused", "weight_updates"), 0),
+                                   "busy_s": 0.0, "last_update_s": 0.0}
 
     # ------------------------------------------------------------------ public API
 
@@ -154,7 +149,7 @@ class SimEngine:
         if err is None and self._closed:
             err = ENGINE_CLOSED
         if err is not None:
-            self._requests_refused += 1
+            self._n["requests_refused"] += 1
             return refusal(req, err)
         loop = self._bind_loop()
         fut: asyncio.Future = loop.create_future()
@@ -190,8 +185,8 @@ class SimEngine:
             if pause > 0:
                 await asyncio.sleep(pause)
             self._version = int(version)
-            self._weight_updates += 1
-            self._last_update_s = loop.time() - t0
+            self._n["weight_updates"] += 1
+            self._n["last_update_s"] = loop.time() - t0
 
     async def pause(self) -> None:
         """Stop decoding (the step clock stands still); requests wait, none is dropped."""
@@ -214,9 +209,7 @@ class SimEngine:
         if self._closed:
             return
         self._closed = True
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._reschedule(0.0)  # cancels the timer (and sets no new one: closed)
         if self._loop is not None:
             self._advance(self._loop.time())
         while self._waiting:
@@ -238,10 +231,8 @@ class SimEngine:
         if self._loop is not None and not self._closed:
             self._advance(self._loop.time())
         return {"name": self.name, "backend": "sim", "version": self._version, "decode_steps": int(self._clock),
-                "tokens_generated": self._tokens, "prefill_tokens": self._prefill_tokens, "busy_s": self._busy_s,
-                "running": self._rows, "waiting": len(self._waiting), "requests_done": self._requests_done,
-                "requests_refused": self._requests_refused, "weight_updates": self._weight_updates,
-                "last_update_s": self._last_update_s, "paused": self._paused, "closed": self._closed}
+                **self._n, "running": self._rows, "waiting": len(self._waiting), "paused": self._paused,
+                "closed": self._closed}
 
     def step_seconds(self, batch: int) -> float:
         """Wall seconds of one decode step with `batch` running samples (time scale applied)."""
@@ -254,7 +245,6 @@ class SimEngine:
         if self._loop is None:
             self._loop = loop
             self._t = loop.time()
-            self._t0 = self._t
             self._update_lock = asyncio.Lock()
         elif self._loop is not loop:
             raise RuntimeError(f"{self.name}: the sim engine is bound to another event loop")
@@ -276,15 +266,8 @@ class SimEngine:
         c = self.config
         draws = rng.lognormal(math.log(c.len_median), c.len_sigma, size=g.n) if c.len_sigma > 0 else \
             np.full(g.n, c.len_median)
-        lengths, finish = [], []
-        for d in draws:
-            length = max(int(math.ceil(d)), g.min_new_tokens, 1)
-            if length >= cap:  # cut by max_new_tokens or by the context window
-                lengths.append(cap)
-                finish.append("length")
-            else:
-                lengths.append(length)
-                finish.append("stop")
+        lengths = [min(max(int(math.ceil(d)), g.min_new_tokens, 1), cap) for d in draws]
+        finish = ["length" if n >= cap else "stop" for n in lengths]  # cut by max_new_tokens or the context window
         return _SimRequest(req, fut, rng, lengths, finish, stops)
 
     # ------------------------------------------------------------------ the simulated batch
@@ -296,7 +279,7 @@ class SimEngine:
         if now <= t_from or self._paused or self._rows == 0:
             return
         dt = now - t_from
-        self._busy_s += dt
+        self._n["busy_s"] += dt
         if self._stall > 0:
             used = min(dt, self._stall)
             self._stall -= used
@@ -318,7 +301,7 @@ class SimEngine:
             self._waiting.popleft()
             cached = self._sessions.get(r.session, 0) if r.session is not None else 0
             fresh = r.prompt_len - cached if 0 < cached <= r.prompt_len else r.prompt_len
-            self._prefill_tokens += fresh
+            self._n["prefill_tokens"] += fresh
             self._stall += fresh * self.config.prefill_per_token_s * self.config.time_scale
             for i in range(r.n):
                 r.starts[i] = self._clock
@@ -358,7 +341,7 @@ class SimEngine:
             r.samples[i] = self._sample(r, i, r.lengths[i], r.finish[i])
             r.remaining -= 1
             if r.remaining == 0:
-                self._requests_done += 1
+                self._n["requests_done"] += 1
                 if r.session is not None:
                     self._sessions[r.session] = r.prompt_len + max(r.lengths)
                     self._sessions.move_to_end(r.session)
@@ -377,7 +360,7 @@ class SimEngine:
         logps = -rng.exponential(1.0, size=length).astype(np.float32)
         step_starts = r.starts[i] + np.arange(length, dtype=np.float64)
         versions = self._upd_version[np.searchsorted(self._upd_clock, step_starts + _EPS, side="right") - 1]
-        self._tokens += length
+        self._n["tokens_generated"] += length
         return SampleOutput(output_ids=ids, output_logprobs=logps, output_versions=versions, finish_reason=finish)
 
     def _cancel(self, r: _SimRequest) -> None:
@@ -387,9 +370,7 @@ class SimEngine:
         now = self._loop.time()
         self._advance(now)
         r.cancelled = True
-        live = sum(1 for i in range(r.n) if r.samples[i] is None)
-        in_batch = any(entry[2] is r for entry in self._heap)
-        if in_batch:
-            self._rows -= live
+        if any(entry[2] is r for entry in self._heap):  # in the batch: its unfinished samples leave it
+            self._rows -= sum(s is None for s in r.samples)
         self._admit()
         self._reschedule(now)

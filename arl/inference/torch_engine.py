@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import inspect
 import json
 import logging
@@ -61,23 +62,19 @@ _Prepared = tuple[str, list[tuple[torch.nn.Parameter, torch.Tensor]]]  # (source
 _Command = tuple[_Prepared, int, asyncio.AbstractEventLoop, asyncio.Future]  # a weight update: (weights, version, ...)
 
 
-def _resolve(fut: asyncio.Future, result: Any = None, exc: Optional[BaseException] = None) -> None:
-    """Runs on the future's loop: set the outcome unless the caller already gave up (cancelled)."""
-    if fut.done():
-        return
-    if exc is not None:
-        fut.set_exception(exc)
-    else:
-        fut.set_result(result)
-
-
 def _post(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result: Any = None,
           exc: Optional[BaseException] = None) -> None:
-    """Resolve `fut` from any thread; a closed loop (caller gone) is ignored."""
-    try:
-        loop.call_soon_threadsafe(_resolve, fut, result, exc)
-    except RuntimeError:  # loop closed
-        pass
+    """Resolve `fut` from any thread, unless the caller already gave up (cancelled); a closed loop (caller gone)
+    is ignored."""
+    def resolve() -> None:
+        if not fut.done():
+            if exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
+
+    with contextlib.suppress(RuntimeError):  # loop closed
+        loop.call_soon_threadsafe(resolve)
 
 
 class _Request:
@@ -99,8 +96,7 @@ class _Request:
         self.remaining: int = self.n
         self.cancelled: bool = False
         self.responded: bool = False
-        stops = set(int(t) for t in req.gconfig.stop_token_ids)
-        stops.update(eos_token_ids)
+        stops = {int(t) for t in req.gconfig.stop_token_ids} | set(eos_token_ids)
         self.stop_set: frozenset[int] = frozenset(stops)
         # ids that can actually be sampled (masked while min_new_tokens is not reached)
         self.stop_list: list[int] = sorted(t for t in stops if t < vocab_size)
@@ -168,8 +164,7 @@ class TorchEngine:
         self.max_context_len = int(max_context_len)
         self.seed = int(seed)
         self._version = int(version)
-        self._generator = torch.Generator(device=self.device)
-        self._generator.manual_seed(self.seed)
+        self._generator = torch.Generator(device=self.device).manual_seed(self.seed)
         try:
             self._has_logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         except (TypeError, ValueError):
@@ -192,18 +187,12 @@ class TorchEngine:
         # Answers produced during a step, posted once the step's counters are updated.
         self._outbox: list[tuple[asyncio.AbstractEventLoop, asyncio.Future, GenerateResponse]] = []
 
-        # Counters (ints written by one thread, read by stats()).
-        self._steps = 0
-        self._decode_forwards = 0
-        self._prefill_forwards = 0
-        self._prefill_tokens = 0
-        self._tokens = 0
-        self._busy_s = 0.0
-        self._requests_done = 0
-        self._requests_refused = 0
-        self._requests_failed = 0
-        self._weight_updates = 0
-        self._last_update_s = 0.0
+        # Counters (written by one thread, read by stats()), under the names stats() reports them by; "steps"
+        # counts loop iterations that ran the model (a decode and/or a prefill).
+        self._n: dict[str, Any] = {**dict.fromkeys(("steps", "decode_forwards", "prefill_forwards", "prefill_tokens",
+                                                   "tokens_generated", "requests_done", "requests_refused",
+                                                   "requests_failed", "weight_updates"), 0),
+                                   "busy_s": 0.0, "last_update_s": 0.0}
 
     # ------------------------------------------------------------------ public API
 
@@ -233,14 +222,14 @@ class TorchEngine:
                             max_batch_size=self.max_batch_size)
         if err is not None:
             with self._cv:
-                self._requests_refused += 1
+                self._n["requests_refused"] += 1
             return refusal(req, err)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
         state = _Request(req, loop, fut, self.eos_token_ids, self.vocab_size)
         with self._cv:
             if self._closed:
-                self._requests_refused += 1
+                self._n["requests_refused"] += 1
                 return refusal(req, ENGINE_CLOSED)
             self._waiting.append(state)
             self._cv.notify_all()
@@ -316,27 +305,11 @@ class TorchEngine:
         with self._cv:
             waiting = len(self._waiting)
         rows = list(self._rows)
-        return {
-            "name": self.name,
-            "version": self._version,
-            "steps": self._steps,  # loop iterations that ran the model (a decode and/or a prefill)
-            "decode_steps": self._steps,
-            "decode_forwards": self._decode_forwards,
-            "prefill_forwards": self._prefill_forwards,
-            "prefill_tokens": self._prefill_tokens,
-            "tokens_generated": self._tokens,
-            "busy_s": self._busy_s,
-            "running": len(rows),  # samples (KV rows) in the batch
-            "running_requests": len({id(r.owner) for r in rows}),
-            "waiting": waiting,  # requests not yet admitted
-            "requests_done": self._requests_done,
-            "requests_refused": self._requests_refused,
-            "requests_failed": self._requests_failed,
-            "weight_updates": self._weight_updates,
-            "last_update_s": self._last_update_s,
-            "paused": self._paused,
-            "closed": self._closed,
-        }
+        return {"name": self.name, "version": self._version, **self._n, "decode_steps": self._n["steps"],
+                "running": len(rows),  # samples (KV rows) in the batch
+                "running_requests": len({id(r.owner) for r in rows}),
+                "waiting": waiting,  # requests not yet admitted
+                "paused": self._paused, "closed": self._closed}
 
     # ------------------------------------------------------------------ decode thread
 
@@ -397,19 +370,25 @@ class TorchEngine:
         """A weight update, between two steps."""
         prepared, version, loop, fut = cmd
         source = prepared[0]
+        # Point every parameter at its new tensor (no copy; tied weights share one Parameter, so they stay tied).
+        # The old tensors go back to the caller, so that freeing them (hundreds of ms for a GB of weights) happens
+        # on the caller's side, not in the decode loop.
         retired: list[torch.Tensor] = []
         t0 = time.perf_counter()
         try:
-            n = self._commit_weights(prepared, retired)
+            with torch.inference_mode(False), torch.no_grad():
+                for param, new in prepared[1]:
+                    retired.append(param.data)
+                    param.data = new
         except Exception as e:  # noqa: BLE001 - reported to the caller of update_weights
             logger.exception("%s: weight update from %s failed", self.name, source)
             _post(loop, fut, exc=e)
             return
         self._version = version
-        self._weight_updates += 1
-        self._last_update_s = time.perf_counter() - t0
+        self._n["weight_updates"] += 1
+        self._n["last_update_s"] = time.perf_counter() - t0
         logger.info("%s: loaded %d tensors from %s in %.3fs, version %d (%d rows kept in flight)",
-                    self.name, n, source, self._last_update_s, version, len(self._rows))
+                    self.name, len(prepared[1]), source, self._n["last_update_s"], version, len(self._rows))
         _post(loop, fut, retired)
 
     def _step(self, newcomers: list[_Request]) -> None:
@@ -444,8 +423,8 @@ class TorchEngine:
                 self._fail_request(r, f"engine step failed: {type(e).__name__}: {e}")
             self._reset_batch()
         finally:
-            self._steps += 1
-            self._busy_s += time.perf_counter() - t0
+            self._n["steps"] += 1
+            self._n["busy_s"] += time.perf_counter() - t0
             self._flush_outbox()
 
     def _flush_outbox(self) -> None:
@@ -474,25 +453,18 @@ class TorchEngine:
         mask = torch.cat([self._mask, torch.ones(len(rows), 1, dtype=self._mask.dtype, device=dev)], dim=1)
         self._mask = mask
         logits = self._forward(input_ids, mask, position_ids, self._cache)
-        self._decode_forwards += 1
+        self._n["decode_forwards"] += 1
         self._emit(rows, logits)
 
     def _prefill_and_join(self, reqs: list[_Request]) -> None:
         dev = self.device
         lens = [r.prompt_len for r in reqs]
-        width = max(lens)
-        ids = torch.full((len(reqs), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(reqs), width), dtype=torch.long)
-        for i, r in enumerate(reqs):
-            ids[i, width - r.prompt_len:] = torch.tensor(r.prompt, dtype=torch.long)
-            mask[i, width - r.prompt_len:] = 1
-        ids, mask = ids.to(dev), mask.to(dev)
-        position_ids = (mask.cumsum(-1) - 1).clamp_(min=0)
+        ids, mask, position_ids = left_pad([r.prompt for r in reqs], self.pad_token_id, dev)
         cache = DynamicCache()
         logits = self._forward(ids, mask, position_ids, cache)
-        self._prefill_forwards += 1
-        self._prefill_tokens += sum(lens)
-        if min(lens) < width:  # keep padding KV finite (0 * NaN would leak through the masked attention)
+        self._n["prefill_forwards"] += 1
+        self._n["prefill_tokens"] += sum(lens)
+        if min(lens) < max(lens):  # keep padding KV finite (0 * NaN would leak through the masked attention)
             keep = mask.bool()[:, None, :, None]
             for layer in cache.layers:
                 layer.keys = layer.keys.masked_fill(~keep, 0)
@@ -551,7 +523,7 @@ class TorchEngine:
         if len(keep) != len(rows):
             self._select_rows(keep)
         for owner in done:
-            self._requests_done += 1
+            self._n["requests_done"] += 1
             self._outbox.append((owner.loop, owner.future,
                                  GenerateResponse(qid=owner.qid, samples=list(owner.samples))))
 
@@ -589,7 +561,7 @@ class TorchEngine:
                 r.finish = "stop"
             elif len(r.ids) >= g.max_new_tokens or r.owner.prompt_len + len(r.ids) >= self.max_context_len:
                 r.finish = "length"
-        self._tokens += len(rows)
+        self._n["tokens_generated"] += len(rows)
 
     def _sample(self, rows: list[_Row], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per row and its logprob under the distribution it was drawn from (see the module doc)."""
@@ -638,7 +610,7 @@ class TorchEngine:
         if owner.responded or owner.cancelled:
             return
         owner.responded = True
-        self._requests_failed += 1
+        self._n["requests_failed"] += 1
         self._outbox.append((owner.loop, owner.future, GenerateResponse(qid=owner.qid, samples=[], error=msg)))
 
     def _fail_rows(self, rows: list[_Row], msg: str) -> None:
@@ -668,17 +640,6 @@ class TorchEngine:
 
     # ---- weights
 
-    def _commit_weights(self, prepared: _Prepared, retired: list[torch.Tensor]) -> int:
-        """Decode thread, between steps: point every parameter at its new tensor (no copy; tied weights share one
-        Parameter, so they stay tied). The old tensors go to `retired`, so that freeing them (hundreds of ms for a
-        GB of weights) happens on the caller's side, not in the decode loop."""
-        _, pairs = prepared
-        with torch.inference_mode(False), torch.no_grad():
-            for param, new in pairs:
-                retired.append(param.data)
-                param.data = new
-        return len(pairs)
-
     def _prepare_weights(self, source: str) -> _Prepared:
         """Any thread: read the safetensors of `source`, check them against model.state_dict() (names, shapes) and
         cast them to each parameter's dtype/device. Raises (the model is untouched) when they do not match."""
@@ -689,11 +650,8 @@ class TorchEngine:
             for f in files:
                 loaded.update(load_file(str(f), device=dev))
             params = self.model.state_dict(keep_vars=True)
-            groups: dict[int, list[str]] = {}
-            for k, t in params.items():
-                groups.setdefault(t.data_ptr(), []).append(k)
-            missing = [k for k, t in params.items()
-                       if k not in loaded and not any(a in loaded for a in groups[t.data_ptr()])]
+            present = {t.data_ptr() for k, t in params.items() if k in loaded}  # a tied alias in the file counts
+            missing = [k for k, t in params.items() if t.data_ptr() not in present]
             unexpected = [k for k in loaded if k not in params]
             bad_shape = [f"{k}: file {tuple(loaded[k].shape)} vs model {tuple(params[k].shape)}"
                          for k in loaded if k in params and loaded[k].shape != params[k].shape]
@@ -712,6 +670,20 @@ class TorchEngine:
                 done.add(id(tgt))
                 pairs.append((tgt, src.to(device=tgt.device, dtype=tgt.dtype).contiguous()))
         return source, pairs
+
+
+def left_pad(seqs: Sequence[Sequence[int]], pad_id: int,
+             device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A batch of token sequences left-padded to the longest: ids, attention mask (1 = real token) and the
+    position ids that give every row its own positions from 0 (the layout of a batched prefill)."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, width - len(s):] = torch.as_tensor(list(s), dtype=torch.long)
+        mask[i, width - len(s):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    return ids, mask, (mask.cumsum(-1) - 1).clamp_(min=0)
 
 
 def _check_attention_supported(config: Any, max_context_len: int) -> None:

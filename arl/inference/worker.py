@@ -79,8 +79,6 @@ class InferenceWorker:
         self.stats["requests"] += 1
         try:
             resp = await self.engine.agenerate(req)  # a cancellation (gen_abort) cancels the engine's request
-        except asyncio.CancelledError:
-            raise
         except Exception as e:  # noqa: BLE001 - the engine should not raise, but never lose a reply
             logger.exception("engine failed on %s", req.qid)
             resp = GenerateResponse(qid=req.qid, error=f"engine error: {type(e).__name__}: {e}")
@@ -103,15 +101,10 @@ class InferenceWorker:
         await self._send("weights_loaded", {"version": version, "index": self.index, "ms": ms})
 
     def heartbeat_stats(self) -> dict:
-        st = dict(self.stats)
         engine_stats = getattr(self.engine, "stats", None)
-        if callable(engine_stats):
-            st.update(engine_stats())
-        st["uptime"] = time.monotonic() - self._t0
-        st["version"] = self.engine.version
-        st["waiting_on"] = self._waiting_on(st)
-        st["transport"] = dict(getattr(self.router, "stats", {}))
-        return st
+        st = {**self.stats, **(engine_stats() if callable(engine_stats) else {}),
+              "uptime": time.monotonic() - self._t0, "version": self.engine.version}
+        return {**st, "waiting_on": self._waiting_on(st), "transport": dict(getattr(self.router, "stats", {}))}
 
     def _waiting_on(self, st: dict) -> str:
         """What this worker is busy with, for the controller's log if it goes silent."""

@@ -120,15 +120,6 @@ class Controller:
     def gate(self) -> StalenessGate:
         return self.admission.gate
 
-    @property
-    def procs(self) -> LocalLauncher:
-        """The local launcher (the secret goes into its children's environment; benchmarks read pids)."""
-        return self.launcher  # type: ignore[return-value]
-
-    @property
-    def lost_inference(self) -> set[int]:
-        return self.weights.lost
-
     # -- lifecycle ---------------------------------------------------------------------------------------------
     def bind(self) -> str:
         kw = {"max_bytes": self._max_bytes} if self._max_bytes else {}
@@ -288,67 +279,57 @@ class Controller:
         """Process `name` died, went silent or reported a fatal error: restart it or go on without it, as the
         supervisor decides; False: the failure is fatal (the caller stops the run)."""
         registered = any(self.sup.process_of(*k) == name for k in self.peers)
-        d = self.sup.decide(name, registered=registered, lost=self.weights.lost)
-        if d.action == "restart_rollout" and self.launcher.has(name):
-            await self._restart_rollout(name, reason)
-        elif d.action == "lose_inference":
-            await self._lose_inference(name, reason, d.restart and self.launcher.has(name))
-        else:
+        d = self.sup.decide(name, registered=registered, lost=self.weights.lost, rejoining=self.weights.rejoining,
+                            spawned=self.launcher.has(name))
+        if d.action == "fatal":
             if d.note:
                 logger.error("%s failed (%s); %s", name, reason, d.note)
             return False
-        return True
-
-    async def _restart_rollout(self, name: str, reason: str) -> None:
-        """Its in-flight groups are counted as lost and their staleness budget returned; the new process gets
-        the prompt position and evaluations of the old one."""
-        index = self.sup.rollout_index(name)
-        key = ("rollout", index)
-        lost, grants = self.admission.worker_lost(index)
-        self.reporter.groups_lost(lost)
-        self._who.pop(self.peers.pop(key, b""), None)
-        self.sup.forget(key)
-        # the new one continues its prompt stream from the position its heartbeats reported (_on_heartbeat)
-        self.reporter.keep_env_counts(self.role_stats.pop(key, {}))
-        n = self.sup.restarting(name, time.monotonic())
-        logger.warning("%s %s; restarted it (restart %d of at most %d); %d in-flight groups lost, their budget "
-                       "returned; last lines of its log:\n%s", name, reason, n, self.sup.max_restarts, lost,
-                       tail(self.launcher.log_path(name), 10))
-        self.reporter.fault("rollout_restart", "worker_restarted", role=name, reason=reason[:300], lost_groups=lost,
-                            restarts=n)
-        await self._grant(grants)
-        await self._respawn(name)
-
-    async def _lose_inference(self, name: str, reason: str, restart: bool) -> None:
-        """Drop inference process `name` (killed if it still runs): out of the routing and the weight acks."""
-        # a restarted process that dies before it rejoined is lost again (and may be restarted again)
-        servers = [s for s in self.sup.servers_of(name) if s not in self.weights.lost or s in self.weights.rejoining]
+        log = tail(self.launcher.log_path(name), 10)
+        if d.action == "restart_rollout":
+            # its in-flight groups are counted as lost and their budget returned; the new process continues the
+            # prompt stream from the position the old one's heartbeats reported (_on_heartbeat), gets its evaluations
+            index = self.sup.rollout_index(name)
+            key = ("rollout", index)
+            lost, grants = self.admission.worker_lost(index)
+            self.reporter.groups_lost(lost)
+            self._who.pop(self.peers.pop(key, b""), None)
+            self.sup.forget(key)
+            self.reporter.keep_env_counts(self.role_stats.pop(key, {}))
+            n = self.sup.restarting(name, time.monotonic())
+            logger.warning("%s %s; restarted it (restart %d of at most %d); %d in-flight groups lost, their budget "
+                           "returned; last lines of its log:\n%s", name, reason, n, self.sup.max_restarts, lost, log)
+            await self._grant(grants)
+            await self._respawn(name, "rollout_restart", n, reason=reason[:300], lost_groups=lost)
+            return True
+        # an inference process: out of the routing and the weight acks (killed if it still runs)
+        servers = list(d.servers)
         self.launcher.kill(name)
         self.weights.lose(servers)
         for s in servers:
             self.sup.forget(("inference", s))
             self.role_stats.pop(("inference", s), None)
         remaining = sorted(set(range(self.sup.num_inference)) - self.weights.lost)
-        log = self.launcher.log_path(name)
         logger.warning("inference process %s %s; dropping servers %s, the run goes on with %s; last lines of its "
-                       "log:\n%s", name, reason, servers, remaining, tail(log, 10))
+                       "log:\n%s", name, reason, servers, remaining, log)
         self.reporter.event("worker_lost", role="inference", process=name, servers=servers, reason=reason,
                             remaining=remaining)
         await self._tell_rollouts(m.WorkerLost(role="inference", indices=servers))
-        if restart and servers:  # its servers rejoin once registered and caught up with the newest version
+        if d.restart:  # its servers rejoin once registered and caught up with the newest version
             n = self.sup.restarting(name, time.monotonic())
             self.weights.restarted(servers)
             logger.warning("restarted inference process %s (restart %d of at most %d); servers %s rejoin once they "
                            "loaded the newest weights", name, n, self.sup.max_inference_restarts, servers)
-            self.reporter.fault("inference_restart", "worker_restarted", role=name, servers=servers, restarts=n)
-            await self._respawn(name)
+            await self._respawn(name, "inference_restart", n, servers=servers)
         # a version only the lost server had not acked is live now (last: the run may end with its evaluation)
         await self._advance()
+        return True
 
-    async def _respawn(self, name: str) -> None:
-        """Start `name` again, killed first if it still runs (a hung one). Nothing is started if the run ends
-        (this task is cancelled) while the old process is still dying. The restart is booked before: the state
-        machines must not see a lost role half restarted while this waits."""
+    async def _respawn(self, name: str, kind: str, restarts: int, **fields: Any) -> None:
+        """Record restart number `restarts` of `name` (booked by the caller before this waits: the state machines
+        must not see a lost role half restarted), then start it again, killed first if it still runs (a hung one).
+        Nothing is started if the run ends (this task is cancelled) while the old process is still dying."""
+        self.reporter.fault(kind, "worker_restarted", role=name, **fields, restarts=restarts)
         self.launcher.kill(name)
         for _ in range(500):
             if not self.launcher.alive(name):
@@ -534,7 +515,8 @@ class Controller:
         if step is None:
             return
         prev, v = step
-        await self._prune_weights()
+        # tell the learner which weight files no inference server will read again (it deletes those)
+        await self._send_to(("learner", 0), m.PruneWeights(below=self.weights.lowest_needed()))
         if v <= self.gate.version:  # resumed run: the checkpoint's weights are live everywhere
             if v == self.start_version and v not in self.reporter.evals:
                 await self._request_eval(v)
@@ -543,10 +525,6 @@ class Controller:
         # versions skipped by coalesced updates still count: an evaluation due at one of them runs at `v`
         if v >= self.total_steps or (self.eval_every and any(u % self.eval_every == 0 for u in range(prev + 1, v + 1))):
             await self._request_eval(v)
-
-    async def _prune_weights(self) -> None:
-        """Tell the learner which weight files no inference server will read again (it deletes those)."""
-        await self._send_to(("learner", 0), m.PruneWeights(below=self.weights.lowest_needed()))
 
     async def _tell_rollouts(self, msg: m.ControlMessage) -> None:
         for r in range(self.sup.num_rollout):

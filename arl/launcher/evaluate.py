@@ -67,21 +67,16 @@ def resolve_target(path: str) -> Target:
 
 def load_eval_config(target: Target, argv: Sequence[str]) -> ExperimentConfig:
     """The run's config (or ``experiment=NAME``'s defaults) with the ``key=value`` overrides of `argv`."""
-    from arl.api.registry import EXPERIMENTS
-    from arl.builtin import load_builtins
-
-    load_builtins()
     name, rest = split_experiment(argv)
-    run_cfg = os.path.join(target.run_dir, "config.yaml") if target.run_dir else None
-    if name is None and run_cfg:
+    if name is None and target.run_dir:
         from arl.launcher.worker import load_run_config
 
-        base = load_run_config(run_cfg)
+        base = load_run_config(os.path.join(target.run_dir, "config.yaml"))
         cfg = parse_overrides(type(base), rest, base=base)
     else:
-        cls = EXPERIMENTS.get(name or "async-ppo-math")
-        cfg = parse_overrides(cls, rest)
-        cfg.experiment = name or cfg.experiment
+        from arl.cli import load_config
+
+        cfg = load_config(argv)
     import_user_modules(list(cfg.imports))
     if target.kind == "checkpoint" and not cfg.model.path:
         raise ConfigError("a checkpoint outside a run directory needs model.path=<the base model folder> (its "

@@ -105,7 +105,7 @@ def make_controller(cfg: ExperimentConfig, run_dir: str, **overrides: Any) -> Co
     kwargs.update(overrides)
     ctl = Controller(**kwargs)
     if secret is not None:
-        ctl.procs.env[SECRET_ENV] = secret.decode("utf-8")
+        ctl.launcher.env[SECRET_ENV] = secret.decode("utf-8")  # type: ignore[attr-defined]  # LocalLauncher
     return ctl
 
 

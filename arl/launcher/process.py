@@ -48,14 +48,11 @@ class LocalLauncher:
         logger.info("started %s (pid %d), log %s", name, proc.pid, log_path)
 
     def respawn(self, name: str) -> None:
-        """Start `name` again with its argv and log (appended to), killed first if it still runs (a hung one)."""
+        """Start `name` again with its argv and log (appended to); it must have exited (the controller kills a hung
+        one first and waits without blocking its event loop)."""
         old = self.children[name]
         if old.proc.poll() is None:
-            self.kill(name)
-            try:
-                old.proc.wait(10.0)
-            except subprocess.TimeoutExpired:
-                raise RuntimeError(f"{name} (pid {old.proc.pid}) is still running") from None
+            raise RuntimeError(f"{name} (pid {old.proc.pid}) is still running")
         del self.children[name]
         self.spawn(name, list(old.proc.args), old.log_path)
 

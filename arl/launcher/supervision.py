@@ -20,7 +20,7 @@ class RoleLauncher(Protocol):
     def spawn(self, name: str, argv: Sequence[str], log_path: str) -> None: ...
 
     def respawn(self, name: str) -> None:
-        """Start `name` again (killed first if it still runs), with its argv and log."""
+        """Start `name` again with its argv and log; the caller killed it and saw it exit (a hung one)."""
 
     def kill(self, name: str) -> None:
         """Kill `name` now if it runs; its exit is expected (not reported by `dead`)."""
@@ -46,10 +46,12 @@ class RoleLauncher(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-    """What to do about a failed role: 'restart_rollout', 'lose_inference' (and `restart` it) or 'fatal'."""
+    """What to do about a failed process: 'restart_rollout', 'lose_inference' (drop its `servers` from the run and
+    `restart` it) or 'fatal'."""
 
     action: str
     restart: bool = False
+    servers: tuple[int, ...] = ()
     note: str = ""  # why a restart was refused, for the log
 
 
@@ -133,21 +135,26 @@ class Supervisor:
         return not self.all_up and now - self.started_at > self.startup_timeout
 
     # -- failures --------------------------------------------------------------------------------------------
-    def decide(self, name: str, *, registered: bool, lost: set[int]) -> Decision:
-        """What a failure (death, silence, reported error) of process `name` means for the run; `registered`:
-        its role had registered, `lost`: inference servers already out of the run."""
+    def decide(self, name: str, *, registered: bool, lost: set[int], rejoining: set[int] = frozenset(),
+               spawned: bool = True) -> Decision:
+        """What a failure (death, silence, reported error) of process `name` means for the run; `registered`: its
+        role had registered, `lost`: inference servers out of the run (`rejoining`: restarted ones not back yet),
+        `spawned`: the launcher started it (so it can start it again)."""
         if self.rollout_index(name) is not None and self.restart_rollout:
             if self.restarts >= self.max_restarts:
                 return Decision("fatal", note=f"the run already restarted {self.restarts} rollout workers "
                                               f"(max_restarts)")
             if not registered:  # it failed while starting: a restart would fail the same way
                 return Decision("fatal", note="it failed before it registered; not restarting it")
-            return Decision("restart_rollout")
-        servers = set(self.servers_of(name))
-        remaining = set(range(self.num_inference)) - lost - servers
-        if servers and self.tolerate_inference_loss and self.all_up and remaining:
-            restart = self.restart_inference and self.inference_restarts < self.max_inference_restarts
-            return Decision("lose_inference", restart=restart)
+            return Decision("restart_rollout" if spawned else "fatal", restart=spawned)
+        hosted = self.servers_of(name)
+        remaining = set(range(self.num_inference)) - lost - set(hosted)
+        if hosted and self.tolerate_inference_loss and self.all_up and remaining:
+            # a restarted process that dies before it rejoined is lost again (and may be restarted again)
+            servers = tuple(s for s in hosted if s not in lost or s in rejoining)
+            restart = (self.restart_inference and self.inference_restarts < self.max_inference_restarts
+                       and spawned and bool(servers))
+            return Decision("lose_inference", restart=restart, servers=servers)
         return Decision("fatal")
 
     def restarting(self, name: str, now: float) -> int:

@@ -21,28 +21,25 @@ from arl.launcher.forensics import install_stack_dump_handler
 from arl.launcher.messages import ControlMessage, Error, Eval, GateGrant, Heartbeat, PruneWeights, Register, \
     UpdateWeights, WorkerBack, WorkerLost, parse
 from arl.launcher.security import advertised_address, effective_bind_host, resolve_secret
-from arl.transport import sockets as _sockets
+from arl.transport.sockets import Dealer, Pull, Push, Router, bind_random
 from arl.transport.loop import run as run_loop
 
 logger = logging.getLogger("arl.worker")
 
 # Every socket this process makes gets the run's shared secret (HMAC on every frame) and frame-size limit; main()
-# fills this in before any socket exists. The factories below keep the call sites plain.
+# fills this in before any socket exists.
 SOCKET_OPTIONS: dict[str, Any] = {}
 _S = TypeVar("_S")
 
 
-def _with_options(cls: Callable[..., _S]) -> Callable[..., _S]:
-    return lambda **kw: cls(**{**SOCKET_OPTIONS, **kw})
+def _socket(cls: Callable[..., _S]) -> _S:
+    return cls(**SOCKET_OPTIONS)
 
 
-Router, Dealer = _with_options(_sockets.Router), _with_options(_sockets.Dealer)
-Push, Pull = _with_options(_sockets.Push), _with_options(_sockets.Pull)
+def _bind(sock: Any, cfg: ExperimentConfig) -> str:
+    """Bind to a free port on the run's host; the returned address is one other machines can use (no wildcard)."""
+    return advertised_address(bind_random(sock, effective_bind_host(cfg.bind_host)))
 
-
-def bind_random(sock: Any, host: str = "127.0.0.1") -> str:
-    """Bind to a free port on `host`; the returned address is one other machines can use (no wildcard)."""
-    return advertised_address(_sockets.bind_random(sock, host))
 
 HEARTBEAT_SECONDS = 1.0
 
@@ -51,7 +48,7 @@ class ControlChannel:
     """The role's DEALER to the controller: replies are awaited by type, commands dispatched to handlers."""
 
     def __init__(self, address: str, role: str, index: int) -> None:
-        self.dealer = Dealer().connect(address)
+        self.dealer = _socket(Dealer).connect(address)
         self.role, self.index = role, index
         self.handlers: dict[str, Callable[[Any], Awaitable[None]]] = {}  # command type -> handler of its message
         self._waiters: dict[str, asyncio.Future] = {}
@@ -105,13 +102,6 @@ class ControlChannel:
             await self.post(Heartbeat(role=self.role, index=self.index if index is None else index, stats=stats()))
             await asyncio.sleep(HEARTBEAT_SECONDS)
 
-    def close(self) -> None:
-        self.dealer.close()
-
-
-def _host(cfg: ExperimentConfig) -> str:
-    return effective_bind_host(cfg.bind_host)
-
 
 # -- roles ---------------------------------------------------------------------------------------------------------
 RoleParts = tuple[list[Awaitable], list[Awaitable]]  # (coroutines to run, cleanups)
@@ -136,8 +126,8 @@ async def run_inference(cfg: ExperimentConfig, ctl: ControlChannel, index: int, 
     addresses: list[str] = []
     for i in range(first, min(ic.num_workers, first + ic.servers_per_process)):
         engine = build_engine(cfg.model.path, ic, seed=cfg.seed, index=i, run_dir=run_dir)
-        router = Router()
-        addresses.append(bind_random(router, _host(cfg)))
+        router = _socket(Router)
+        addresses.append(_bind(router, cfg))
         workers.append(InferenceWorker(index=i, engine=engine, router=router, send_control=ctl.send))
     latest = -1
 
@@ -173,8 +163,8 @@ async def run_learner(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
     actor, backend = _learner_actor(cfg)
     # learner.num_ranks > 1: the other ranks run `run_learner_follower`; rank 0 drives them all
     leader = RankLeader(actor) if actor.engine.world_size > 1 else None
-    pull = Pull()
-    address = bind_random(pull, _host(cfg))
+    pull = _socket(Pull)
+    address = _bind(pull, cfg)
     real = backend.trains_model  # the simulated backend neither checkpoints nor checks token ids
     worker = LearnerWorker(
         actor=leader or actor,
@@ -317,9 +307,9 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
 
     parts = agent_parts(cfg)
     addrs = await ctl.request("lookup", {"role": "rollout", "index": index}, "addresses", cfg.startup_timeout)
-    push = Push().connect(addrs["learner"])
+    push = _socket(Push).connect(addrs["learner"])
     prompts = PromptStream(parts.train_rows, seed=cfg.seed, shard=index, num_shards=cfg.rollout.num_workers)
-    client = inference_client(cfg, [Dealer().connect(a) for a in addrs["inference"]])
+    client = inference_client(cfg, [_socket(Dealer).connect(a) for a in addrs["inference"]])
     per_worker = max(1, cfg.rollout.max_concurrent_rollouts // cfg.rollout.num_workers)
     worker = rollout_worker(cfg, parts, client, index=index, prompts=prompts, capacity=per_worker,
                             send_control=ctl.send, push_group=lambda group: push.send("traj", group))
@@ -341,7 +331,7 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
 
     async def on_worker_back(msg: WorkerBack) -> None:  # the controller restarted an inference server: route to it
         if msg.role == "inference":
-            client.worker_back(msg.index, Dealer().connect(msg.address))
+            client.worker_back(msg.index, _socket(Dealer).connect(msg.address))
 
     ctl.handlers.update(gate_grant=on_grant, eval=on_eval, worker_lost=on_worker_lost, worker_back=on_worker_back)
     ack = await ctl.register(cfg.startup_timeout)
@@ -429,7 +419,7 @@ async def amain(cfg: ExperimentConfig, role: str, index: int, controller: str, r
             except Exception:  # noqa: BLE001
                 pass
         ctl_task.cancel()
-        ctl.close()
+        ctl.dealer.close()
 
 
 def load_run_config(path: str) -> ExperimentConfig:
@@ -464,7 +454,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
     cfg = load_run_config(os.path.join(args.run_dir, "config.yaml"))
     install_stack_dump_handler()  # SIGUSR1 -> every thread's stack in this role's log (the controller asks)
-    SOCKET_OPTIONS.update(secret=resolve_secret(cfg.secret, _host(cfg)), max_bytes=cfg.max_message_bytes)
+    SOCKET_OPTIONS.update(secret=resolve_secret(cfg.secret, effective_bind_host(cfg.bind_host)),
+                          max_bytes=cfg.max_message_bytes)
     threads = resolve_threads(cfg, args.role)
     import torch
 

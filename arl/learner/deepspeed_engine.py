@@ -37,6 +37,8 @@ import math
 import os
 import random
 import shutil
+import tempfile
+from datetime import timedelta
 from typing import Any, Optional
 
 import numpy as np
@@ -54,6 +56,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DeepSpeedEngine", "ensure_distributed", "lr_lambda"]
 
+# A rendezvous that has not met within this long is broken (a peer rank died or never started): fail, do not hang.
+_INIT_TIMEOUT_S = 600.0
 _DIST_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
 
 
@@ -77,8 +81,19 @@ def ensure_distributed() -> None:
     for k in added:
         os.environ[k] = defaults[k] if k in defaults else str(free_port())
     backend = None if torch.cuda.is_available() else "gloo"
+    # A lone rank with a made-up address rendezvous through a private file, not a TCP port: a port picked free
+    # can be taken by another process before the store binds it, and a TCPStore that meets a stranger's socket
+    # waits in native code (deaf to SIGTERM) for the whole timeout.
+    init_method = None
+    if "MASTER_PORT" in added:
+        fd, store = tempfile.mkstemp(prefix="arl-dist-")
+        os.close(fd)
+        os.unlink(store)
+        init_method = f"file://{store}"
     try:
-        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
+                                   timeout=timedelta(seconds=_INIT_TIMEOUT_S), init_method=init_method,
+                                   **({"rank": 0, "world_size": 1} if init_method else {}))
     finally:
         # The rendezvous address we made up is this process's business: a child process (a test, a benchmark
         # or the launcher starting its own learner) must not inherit MASTER_PORT and try to bind it again.

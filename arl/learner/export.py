@@ -14,6 +14,7 @@ temporary directory and renamed into place, so a crash leaves either the old fol
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import json
 import os
@@ -77,13 +78,11 @@ def _generation_config(model_dir: str, gen: Optional[Mapping[str, Any]]) -> dict
     stops = stop_token_ids(model_dir)
     if stops:
         out["eos_token_id"] = stops if len(stops) > 1 else stops[0]
-    try:
+    with contextlib.suppress(OSError, ValueError):
         with open(os.path.join(model_dir, "config.json")) as f:
             pad = json.load(f).get("pad_token_id")
         if pad is not None and "pad_token_id" not in out:
             out["pad_token_id"] = pad
-    except (OSError, ValueError):
-        pass
     if gen:
         out["do_sample"] = True
         out["temperature"] = float(gen.get("temperature", 1.0))

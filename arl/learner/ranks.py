@@ -20,6 +20,7 @@ Commands are serialised by a lock, so a shutdown cannot interleave with a call i
 from __future__ import annotations
 
 import datetime
+import itertools
 import logging
 import threading
 from typing import Any, Callable, Optional, Sequence
@@ -48,12 +49,7 @@ def split_groups_over_ranks(batch: Sequence[Trajectory], world: int) -> list[lis
     """Cut ``batch`` into runs of equal ``group_id`` (the learner worker flattens whole groups in order) and deal
     them out: group ``i`` to rank ``i % world``. Raises if there are fewer groups than ranks (a rank would have
     nothing to train on)."""
-    groups: list[list[Trajectory]] = []
-    for t in batch:
-        if groups and groups[-1][0].group_id == t.group_id:
-            groups[-1].append(t)
-        else:
-            groups.append([t])
+    groups = [list(g) for _, g in itertools.groupby(batch, key=lambda t: t.group_id)]
     if len(groups) < world:
         raise ValueError(f"a batch of {len(groups)} prompt groups cannot be shared by {world} learner ranks "
                          "(set learner.batch_size >= learner.num_ranks)")

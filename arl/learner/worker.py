@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import os
 import time
@@ -131,8 +132,7 @@ class LearnerWorker:
         """
         if self.eta is None:
             return False
-        gen = [t.versions[t.loss_mask.astype(bool)] for t in group]
-        gen = [g for g in gen if len(g)]
+        gen = [g for t in group if len(g := t.versions[t.loss_mask.astype(bool)])]
         if not gen:
             return False
         oldest_ok = self.engine.version - self.eta
@@ -191,9 +191,7 @@ class LearnerWorker:
         """Take back `checkpoint_state()` after the engine loaded its checkpoint."""
         self.groups_consumed = int(state.get("groups_consumed", 0))
         self.data_position = {str(k): int(v) for k, v in dict(state.get("data_position", {})).items()}
-        for k, v in dict(state.get("counters", {})).items():
-            if k in self.stats:
-                self.stats[k] = v
+        self.stats.update({k: v for k, v in dict(state.get("counters", {})).items() if k in self.stats})
 
     async def resume(self) -> Optional[int]:
         """Load the latest checkpoint under ``checkpoint_dir`` (engine state, then `restore`) and export its
@@ -294,10 +292,8 @@ class LearnerWorker:
         `needed_from`, and never the newest `keep_versions` (a floor: at least the newest is always kept)."""
         while len(self._exported) > self.keep_versions and self._exported[0][0] < self.needed_from:
             _, old = self._exported.popleft()
-            try:
+            with contextlib.suppress(OSError):
                 os.remove(old)
-            except OSError:
-                pass
 
     def heartbeat_stats(self) -> dict:
         waiting = self.waiting_on if self.engine.version < self.total_steps else (

@@ -243,13 +243,11 @@ def teach_demo(model: Any, tok: Any, demo: ToolDemo, seed: int = 0) -> float:
     Why the prompt runs without grad: it is most of every sequence and the reply does not depend on it, so each
     step reuses the prompt's KV cache (all but its last token, encoded under `no_grad` every `prefix_every` steps)
     and back-propagates through the rest only: a fraction of the cost of full steps, for the same imprint."""
+    from arl.recipes.sft import torch_threads
+
     seqs = _demo_sequences(tok, demo)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # small matrices: one thread is faster, and many times so when the cores are busy
-    try:
+    with torch_threads(1):  # small matrices: one thread is faster, and many times so when the cores are busy
         return _teach(model, seqs, demo, seed)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _teach(model: Any, seqs: list[tuple[list[int], list[int]]], demo: ToolDemo, seed: int) -> float:
@@ -290,9 +288,9 @@ def build_qwen2_tiny_dir(path: str, *, vocab_size: int = 1024, hidden_size: int 
     """Write a Qwen2.5-Instruct-shaped model folder (tokenizer + chat template + Qwen2 model) to `path`; with a
     `demo`, the model is first taught that tool conversation (a few seconds). Returns the absolute path.
     Deterministic for the same arguments (on one machine)."""
-    extra: list[str] = []
-    if demo is not None:  # BPE merges from the prompts too: shorter prompts, faster runs
-        extra = [json.dumps(t) for t in demo.tools] + [m.get("content", "") for p in demo.prompts for m in p]
+    # BPE merges from the demo's prompts too: shorter prompts, faster runs
+    extra = ([json.dumps(t) for t in demo.tools] + [m.get("content", "") for p in demo.prompts for m in p]
+             if demo is not None else [])
     tok = build_qwen2_tokenizer(vocab_size, extra)
     eos_ids = [tok.convert_tokens_to_ids(IM_END), tok.convert_tokens_to_ids(PAD_TOKEN)]
     model = build_qwen2_model(len(tok), hidden_size=hidden_size, num_layers=num_layers, seed=seed,

@@ -19,6 +19,7 @@ model-specific pre-tokenizer.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import string
 from typing import Any
@@ -97,8 +98,7 @@ def _sync_special_ids(model: Any, pad_token_id: int | None, eos_token_id: int | 
     model.config.eos_token_id = eos_token_id
     gc = getattr(model, "generation_config", None)
     if gc is None:
-        gc = GenerationConfig()
-        model.generation_config = gc
+        gc = model.generation_config = GenerationConfig()
     gc.pad_token_id = pad_token_id
     gc.eos_token_id = eos_token_id
     gc.bos_token_id = None
@@ -135,14 +135,10 @@ def stop_token_ids(model_dir: str) -> list[int]:
             if isinstance(t, int) and t >= 0 and t not in ids:
                 ids.append(t)
 
-    try:
+    with contextlib.suppress(OSError, ValueError):
         add(PreTrainedTokenizerFast.from_pretrained(model_dir).eos_token_id)
-    except (OSError, ValueError):
-        pass
     for name in ("generation_config.json", "config.json"):
-        try:
+        with contextlib.suppress(OSError, ValueError):
             with open(os.path.join(model_dir, name)) as f:
                 add(json.load(f).get("eos_token_id"))
-        except (OSError, ValueError):
-            pass
     return ids

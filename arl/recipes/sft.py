@@ -29,15 +29,10 @@ def greedy_generate(
     (and includes) its first eos."""
     if not prompts:
         return []
+    from arl.inference.torch_engine import left_pad
+
     device = next(model.parameters()).device
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
-        mask[i, width - len(p):] = 1
-    ids, mask = ids.to(device), mask.to(device)
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    ids, mask, pos = left_pad(prompts, pad_token_id, device)
     out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
     past = out.past_key_values
     nxt = out.logits[:, -1].argmax(-1)

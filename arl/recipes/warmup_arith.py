@@ -63,10 +63,7 @@ def warmup_sft(model: Any, tokenizer: Any, train_rows: Sequence[dict], *, target
     """
     if not train_rows:
         raise ValueError("warmup_sft needs training rows")
-    examples = []
-    for r in train_rows:
-        p, t = encode_sft_row(tokenizer, r)
-        examples.append((p + t, [0] * len(p) + [1] * len(t)))
+    examples = [(p + t, [0] * len(p) + [1] * len(t)) for p, t in (encode_sft_row(tokenizer, r) for r in train_rows)]
 
     def evaluate() -> dict[str, float]:
         return {"accuracy": greedy_accuracy(model, tokenizer, eval_rows, max_new_tokens=max_new_tokens)}

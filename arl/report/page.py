@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from arl.report.traces import read_jsonl, read_traces
+from arl.report.traces import read_jsonl
 
 logger = logging.getLogger("arl.report")
 
@@ -75,11 +75,6 @@ CHARTS: list[tuple[str, str, str, str, list[tuple[str, Callable[[dict], Optional
 ]
 
 
-def read_metrics(path: str) -> list[dict]:
-    """The records of metrics.jsonl (a torn last line is skipped)."""
-    return read_jsonl(path)
-
-
 def pick_traces(traces: list[dict], limit: int) -> list[dict]:
     """The newest `limit` traces, half of the room kept for sampled ones (filtered groups can outnumber them many
     times over), in file order."""
@@ -96,19 +91,14 @@ def pick_traces(traces: list[dict], limit: int) -> list[dict]:
 def report_data(run_dir: str, max_traces: int = MAX_TRACES) -> dict[str, Any]:
     """Everything the page shows, as one JSON-able object: charts (series of [step, value]), evaluations, the
     run's summary, and the newest `max_traces` trajectory traces."""
-    records = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     charts = []
     for cid, title, ylabel, rtype, series in CHARTS:
+        recs = [r for r in records if r.get("type") == rtype and _num(r.get("step")) is not None]
         out_series = []
         for label, value in series:
-            pts = []
-            for rec in records:
-                if rec.get("type") != rtype or _num(rec.get("step")) is None:
-                    continue
-                v = value(rec)
-                if v is not None:
-                    pts.append([int(rec["step"]), round(v, 6)])
-            pts.sort(key=lambda p: p[0])
+            pts = sorted(([int(r["step"]), round(v, 6)] for r in recs if (v := value(r)) is not None),
+                         key=lambda p: p[0])
             if pts:
                 out_series.append({"label": label, "points": pts})
         charts.append({"id": cid, "title": title, "ylabel": ylabel, "series": out_series})
@@ -117,7 +107,7 @@ def report_data(run_dir: str, max_traces: int = MAX_TRACES) -> dict[str, Any]:
              for r in records if r.get("type") == "eval" and _num(r.get("step")) is not None]
     summary = next((r for r in reversed(records) if r.get("type") == "summary"), None)
     trains = [r for r in records if r.get("type") == "train"]
-    all_traces = read_traces(os.path.join(run_dir, "traces.jsonl"))
+    all_traces = read_jsonl(os.path.join(run_dir, "traces.jsonl"))
     traces = pick_traces(all_traces, max_traces)
     return {
         "run": os.path.basename(os.path.normpath(run_dir)),
@@ -500,5 +490,5 @@ document.body.setAttribute("data-rendered", "ok");
 """
 
 
-__all__ = ["CHARTS", "MAX_TRACES", "ReportBuilder", "pick_traces", "read_metrics", "report_data", "render_html", "write_report",
+__all__ = ["CHARTS", "MAX_TRACES", "ReportBuilder", "pick_traces", "report_data", "render_html", "write_report",
            "write_curves_png"]

@@ -36,7 +36,7 @@ from arl.rollout.filters import has_void_turn
 DEFAULT_TRACE_RATE = 0.05
 
 __all__ = ["DEFAULT_TRACE_RATE", "RequestRecord", "GroupTimeline", "TraceSampler", "TraceWriter", "role_of", "trace_record",
-           "request_traces", "group_traces", "read_jsonl", "read_traces"]
+           "request_traces", "group_traces", "read_jsonl"]
 
 
 @dataclasses.dataclass
@@ -96,9 +96,7 @@ class TraceSampler:
         """"forced", "sampled", or None (not traced). Draws for every group, so forcing does not shift the
         sample."""
         hit = self._rng.random() < self.rate
-        if forced:
-            return "forced"
-        return "sampled" if hit else None
+        return "forced" if forced else ("sampled" if hit else None)
 
 
 def role_of(source: str) -> str:
@@ -155,6 +153,26 @@ def _turn_timings(matched: list[Optional[tuple[RequestRecord, int]]], t0: float)
     return turns
 
 
+def _segments(tokenizer: Any, ledger: Sequence[Sequence[Any]], ids: np.ndarray, versions: np.ndarray,
+              match: Callable[[int, np.ndarray], Optional[tuple[RequestRecord, int]]]
+              ) -> tuple[list[dict[str, Any]], list[Optional[tuple[RequestRecord, int]]]]:
+    """The decoded segments of a token ledger (role, generated or context, and the policy versions of generated
+    ones), and per generated segment the request and sample `match(start, tokens)` finds for it (or None)."""
+    segments: list[dict[str, Any]] = []
+    matched: list[Optional[tuple[RequestRecord, int]]] = []
+    for source, a, b in ledger:
+        a, b = int(a), int(b)
+        gen = source == "engine"
+        seg: dict[str, Any] = {"role": role_of(str(source)), "source": str(source), "gen": gen,
+                               "text": _decode(tokenizer, ids[a:b]), "n": b - a}
+        if gen:
+            seg["v"] = _vrange(versions[a:b])
+            seg["turn"] = len(matched)
+            matched.append(match(a, ids[a:b]))
+        segments.append(seg)
+    return segments, matched
+
+
 def trace_record(traj: Trajectory, tokenizer: Any, timeline: Optional[GroupTimeline] = None,
                  **fields: Any) -> dict[str, Any]:
     """One trajectory as a trace: segments from its token ledger (decoded, with role, generated or context, and
@@ -166,36 +184,23 @@ def trace_record(traj: Trajectory, tokenizer: Any, timeline: Optional[GroupTimel
         for rec in timeline.requests:
             for i, out in enumerate(rec.outputs):
                 by_key.setdefault((len(rec.input_ids), out.tobytes()), (rec, i))
-    segments: list[dict[str, Any]] = []
-    matched: list[Optional[tuple[RequestRecord, int]]] = []
-    for source, a, b in ledger:
-        a, b = int(a), int(b)
-        ids = traj.input_ids[a:b]
-        gen = source == "engine"
-        seg: dict[str, Any] = {"role": role_of(str(source)), "source": str(source), "gen": gen,
-                               "text": _decode(tokenizer, ids), "n": b - a}
-        if gen:
-            seg["v"] = _vrange(traj.versions[a:b])
-            seg["turn"] = len(matched)
-            matched.append(by_key.get((a, ids.tobytes())))
-        segments.append(seg)
-    gen_versions = traj.versions[traj.loss_mask.astype(bool)]
+    segments, matched = _segments(tokenizer, ledger, traj.input_ids, traj.versions,
+                                  lambda a, ids: by_key.get((a, ids.tobytes())))
     meta = traj.metadata
-    out: dict[str, Any] = {
+    return {
         **fields,
         "group": traj.group_id,
         "prompt_id": meta.get("prompt_id"),
         "reward": float(traj.reward),
         "turn_rewards": [float(r) for r in traj.turn_rewards],
         "termination": meta.get("termination"),
-        "versions": _vrange(gen_versions),
+        "versions": _vrange(traj.versions[traj.loss_mask.astype(bool)]),
         "n_tokens": int(len(traj.input_ids)),
         "n_generated": int(traj.num_generated),
         "metadata": _scalars(meta),
         "segments": segments,
         "turns": _turn_timings(matched, timeline.t0) if timeline is not None else [],
     }
-    return out
 
 
 def request_traces(timeline: GroupTimeline, tokenizer: Any, **fields: Any) -> list[dict[str, Any]]:
@@ -211,7 +216,7 @@ def request_traces(timeline: GroupTimeline, tokenizer: Any, **fields: Any) -> li
         for j in finals:
             final_out = last.outputs[j] if j >= 0 else np.zeros(0, np.int32)
             seq = np.concatenate([last.input_ids, final_out])
-            pieces: list[tuple[int, int, Optional[tuple[RequestRecord, int]]]] = []  # generated spans
+            pieces: dict[int, tuple[int, tuple[RequestRecord, int]]] = {}  # generated spans: start -> (end, source)
             pos = 0
             for rec in recs[:-1]:
                 a = len(rec.input_ids)
@@ -221,28 +226,17 @@ def request_traces(timeline: GroupTimeline, tokenizer: Any, **fields: Any) -> li
                             if len(o) and np.array_equal(o, seq[a:a + len(o)])), None)
                 if hit is None:
                     continue
-                pieces.append((a, a + len(rec.outputs[hit]), (rec, hit)))
                 pos = a + len(rec.outputs[hit])
+                pieces[a] = (pos, (rec, hit))
             if j >= 0:
-                pieces.append((len(last.input_ids), len(seq), (last, j)))
-            segments, matched, versions = [], [], []
-            pos = 0
-            for a, b, m in pieces:
-                if a > pos:
-                    segments.append({"role": "context", "source": "context", "gen": False,
-                                     "text": _decode(tokenizer, seq[pos:a]), "n": a - pos})
-                rec, i = m  # type: ignore[misc]
-                v = rec.versions[i]
-                versions.append(v)
-                segments.append({"role": "assistant", "source": "engine", "gen": True,
-                                 "text": _decode(tokenizer, seq[a:b]), "n": b - a, "v": _vrange(v),
-                                 "turn": len(matched)})
-                matched.append(m)
-                pos = b
-            if pos < len(seq):
-                segments.append({"role": "context", "source": "context", "gen": False,
-                                 "text": _decode(tokenizer, seq[pos:]), "n": len(seq) - pos})
-            allv = np.concatenate(versions) if versions else np.zeros(0, np.int32)
+                pieces[len(last.input_ids)] = (len(seq), (last, j))
+            ledger, versions, gen, pos = [], np.zeros(len(seq), np.int32), np.zeros(len(seq), bool), 0
+            for a, (b, (rec, i)) in pieces.items():  # context before each generated span, and after the last
+                ledger += [("context", pos, a)] if a > pos else []
+                ledger.append(("engine", a, b))
+                versions[a:b], gen[a:b], pos = rec.versions[i], True, b
+            ledger += [("context", pos, len(seq))] if pos < len(seq) else []
+            segments, matched = _segments(tokenizer, ledger, seq, versions, lambda a, _ids: pieces[a][1])
             out.append({
                 **fields,
                 "group": sid,
@@ -251,9 +245,9 @@ def request_traces(timeline: GroupTimeline, tokenizer: Any, **fields: Any) -> li
                 "turn_rewards": [],
                 # the agent's termination is not known; a refused last request is (its finish is in "turns")
                 "termination": f"request error: {last.error}" if last.error else None,
-                "versions": _vrange(allv),
+                "versions": _vrange(versions[gen]),
                 "n_tokens": int(len(seq)),
-                "n_generated": int(sum(b - a for a, b, _ in pieces)),
+                "n_generated": int(gen.sum()),
                 "metadata": {},
                 "segments": segments,
                 "turns": _turn_timings(matched, timeline.t0),
@@ -329,8 +323,3 @@ def read_jsonl(path: str, last: int = 0) -> list[dict]:
             if isinstance(rec, dict):
                 out.append(rec)
     return out[-last:] if last > 0 else out
-
-
-def read_traces(path: str, last: int = 0) -> list[dict]:
-    """The traces in `path` (the `last` ones when > 0)."""
-    return read_jsonl(path, last)

@@ -263,12 +263,8 @@ class InferenceClient:
 
     def _observe_versions(self, resp: GenerateResponse) -> None:
         # A sample's versions never decrease (weights only move forward), so its last token has its newest.
-        newest = -1
-        for s in resp.samples:
-            if len(s.output_versions):
-                newest = max(newest, int(s.output_versions[-1]))
-        if newest > self._version:
-            self.set_version(newest)
+        self.set_version(max((int(s.output_versions[-1]) for s in resp.samples if len(s.output_versions)),
+                             default=-1))
 
     async def _recv_loop(self, idx: int) -> None:
         dealer = self._dealers[idx]

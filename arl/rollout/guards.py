@@ -104,8 +104,6 @@ class GuardedEnv(EnvironmentService):
             self.stats["env_timeout"] += 1
             raise self._fail(f"env_timeout:{method}",
                              f"{type(self._env).__name__}.{method} took longer than {timeout:g}s") from None
-        except asyncio.CancelledError:
-            raise
         except Exception as e:  # noqa: BLE001 - any env bug becomes a counted drop reason
             self.stats["env_error"] += 1
             raise self._fail(f"env_error:{method}:{type(e).__name__}",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import logging
 import os
@@ -66,13 +67,12 @@ class PromptStream:
 
     def __next__(self) -> dict:
         self.position += 1
-        for _ in range(2):
-            try:
-                return next(self._it)
-            except StopIteration:
-                self._it = (self._rows[i] for i in self._pass(self.epoch))
-                self.epoch += 1
-        raise RuntimeError("unreachable")
+        try:
+            return next(self._it)
+        except StopIteration:  # the next pass (never empty: see _pass)
+            self._it = (self._rows[i] for i in self._pass(self.epoch))
+            self.epoch += 1
+            return next(self._it)
 
 
 class _ObsQueue(asyncio.Queue):
@@ -206,21 +206,18 @@ class RolloutWorker:
     # -- controller commands -------------------------------------------------------------------------------
     def on_grant(self, n: int) -> None:
         self._wanted = max(0, self._wanted - n)
-        now, left = time.monotonic(), n
-        waits: list[float] = []  # per granted group: how long it waited for admission
-        while left and self._acquires:
-            entry = self._acquires[0]
-            take = min(left, entry[1])
-            self.admission.add(now - entry[0], take)
-            waits.extend([now - entry[0]] * take)
-            entry[1] -= take
-            left -= take
-            if entry[1] == 0:
-                self._acquires.popleft()
-        for i in range(n):
+        now = time.monotonic()
+        for _ in range(n):
+            wait = None  # how long this group waited for admission (FIFO over the acquires sent)
+            if self._acquires:
+                entry = self._acquires[0]
+                wait = now - entry[0]
+                self.admission.add(wait)
+                entry[1] -= 1
+                if entry[1] == 0:
+                    self._acquires.popleft()
             prompt = next(self._prompts)
-            t = asyncio.create_task(self._run_group(prompt, self._prompts.position - 1,
-                                                    waits[i] if i < len(waits) else None))
+            t = asyncio.create_task(self._run_group(prompt, self._prompts.position - 1, wait))
             self._running.add(t)
             t.add_done_callback(self._group_finished)
 
@@ -275,17 +272,13 @@ class RolloutWorker:
             reason = "error:TokenLedgerError"
         except asyncio.TimeoutError:
             reason = (env.failure if env is not None and env.failure else None) or "timeout"
-        except asyncio.CancelledError:
-            raise
         except Exception as e:  # noqa: BLE001 - one bad trajectory must not take the worker down
             reason = (env.failure if env is not None and env.failure else None) or f"error:{type(e).__name__}"
             logger.warning("group %s (prompt %s) failed: %s: %s", gid, prompt.get("id"), type(e).__name__, e)
         finally:
             if env is not None:
-                try:
+                with contextlib.suppress(Exception):
                     await asyncio.wait_for(self._env_pool.release(env), 5.0)
-                except Exception:  # noqa: BLE001
-                    pass
         self.traj_stats.update(stats)
         accepted = reason == "accepted"
         if accepted:
@@ -297,12 +290,11 @@ class RolloutWorker:
         else:
             self.drop_reasons[reason] += 1
         self.stats["groups_" + ("accepted" if accepted else "dropped")] += 1
-        rewards = [t.reward for t in trajs]
         done = {
             "accepted": accepted,
             "reason": reason,
             "n_traj": len(trajs),
-            "reward_sum": float(sum(rewards)),
+            "reward_sum": float(sum(t.reward for t in trajs)),
             "seconds": time.monotonic() - t0,
             "traj_stats": stats,  # sums of numeric trajectory metadata, before filters
             "n_traj_raw": n_raw,
@@ -410,7 +402,5 @@ class RolloutWorker:
         for t in list(self._running):
             t.cancel()
         await asyncio.gather(*self._running, return_exceptions=True)
-        try:
+        with contextlib.suppress(Exception):
             await asyncio.wait_for(self._env_pool.close(), 5.0)
-        except Exception:  # noqa: BLE001
-            pass

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import inspect
 import json
 import re
@@ -114,27 +115,21 @@ def _doc_parts(doc: Optional[str]) -> tuple[str, dict[str, str]]:
     return description, params
 
 
+_PY_TYPES: dict[str, Any] = {"integer": int, "number": (int, float), "string": str, "boolean": bool, "array": list,
+                             "object": dict}
+
+
 def _check_type(value: Any, schema: dict[str, Any]) -> bool:
-    t = schema.get("type")
     if "enum" in schema:
         return value in schema["enum"]
     if "anyOf" in schema:
         return any(_check_type(value, s) for s in schema["anyOf"])
-    if t is None:
+    t = schema.get("type")
+    if t not in _PY_TYPES:  # no type, or one not checked here
         return True
-    if t == "integer":
-        return isinstance(value, int) and not isinstance(value, bool)
-    if t == "number":
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if t == "string":
-        return isinstance(value, str)
-    if t == "boolean":
-        return isinstance(value, bool)
-    if t == "array":
-        return isinstance(value, list) and all(_check_type(v, schema.get("items", {})) for v in value)
-    if t == "object":
-        return isinstance(value, dict)
-    return True
+    if not isinstance(value, _PY_TYPES[t]) or (isinstance(value, bool) and t in ("integer", "number")):
+        return False
+    return t != "array" or all(_check_type(v, schema.get("items", {})) for v in value)
 
 
 # -------------------------------------------------------------------------------------------------- tools
@@ -252,16 +247,11 @@ def get_tool(spec: Union[str, Tool, dict[str, Any]]) -> Tool:
 
 # ---------------------------------------------------------------------------------------------------- sets
 
-_POOL: Any = None
-
-
+@functools.cache
 def _thread_pool() -> Any:
-    global _POOL
-    if _POOL is None:
-        from arl.envs.math import _DaemonThreadPool
+    from arl.envs.math import _DaemonThreadPool
 
-        _POOL = _DaemonThreadPool(max_workers=4, hard_cap=64, name="arl-tool")
-    return _POOL
+    return _DaemonThreadPool(max_workers=4, hard_cap=64, name="arl-tool")
 
 
 class ToolSet:
@@ -286,18 +276,6 @@ class ToolSet:
     def schemas(self) -> list[dict[str, Any]]:
         return [t.schema() for t in self.tools.values()]
 
-    async def _run(self, t: Tool, args: dict[str, Any]) -> Any:
-        timeout = self.default_timeout if self.default_timeout is not None else t.timeout
-        if inspect.iscoroutinefunction(t.run) or (isinstance(t, FunctionTool) and inspect.iscoroutinefunction(t.fn)):
-            return await asyncio.wait_for(typing.cast(Awaitable[Any], t.run(**args)), timeout)
-        pool = _thread_pool()
-        cfut = pool.submit(t.run, **args)
-        try:
-            return await asyncio.wait_for(asyncio.wrap_future(cfut), timeout)
-        except (asyncio.TimeoutError, asyncio.CancelledError):
-            pool.abandon(cfut)
-            raise
-
     async def call(self, call: ToolCall) -> ToolResult:
         t0 = time.monotonic()
         t = self.tools.get(call.name)
@@ -308,14 +286,17 @@ class ToolSet:
             args = t.validate(call.arguments)
         except ToolArgumentError as e:
             return ToolResult(call.name, f"Error: bad arguments for {call.name}: {e}", True, time.monotonic() - t0)
+        timeout = self.default_timeout if self.default_timeout is not None else t.timeout
+        is_async = inspect.iscoroutinefunction(t.run) or (isinstance(t, FunctionTool)
+                                                          and inspect.iscoroutinefunction(t.fn))
         try:
-            out = await self._run(t, args)
+            if is_async:
+                out = await asyncio.wait_for(typing.cast(Awaitable[Any], t.run(**args)), timeout)
+            else:  # sync tools run in the daemon pool (a hung one is written off)
+                out = await _thread_pool().run(functools.partial(t.run, **args), timeout=timeout)
         except asyncio.TimeoutError:
-            timeout = self.default_timeout if self.default_timeout is not None else t.timeout
             return ToolResult(call.name, f"Error: {call.name} timed out after {timeout:g}s", True,
                               time.monotonic() - t0)
-        except asyncio.CancelledError:
-            raise
         except Exception as e:  # noqa: BLE001 - a failing tool is an observation, not a crash
             return ToolResult(call.name, f"Error: {type(e).__name__}: {e}", True, time.monotonic() - t0)
         if isinstance(out, ToolResult):

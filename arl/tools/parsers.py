@@ -93,14 +93,11 @@ class HermesParser:
                 out.calls.append(one)
             else:
                 out.errors.append(one)
-        rest = text[pos:]
-        if self.open_tag in rest:
+        before, opened, after = text[pos:].partition(self.open_tag)
+        pieces.append(before)
+        if opened:
             out.unclosed = True
-            before, _, after = rest.partition(self.open_tag)
-            pieces.append(before)
             out.errors.append(f"unclosed {self.open_tag} (no {self.close_tag}): {after.strip()[:80]!r}")
-        else:
-            pieces.append(rest)
         out.content = "".join(pieces).strip()
         if self.close_tag in out.content:  # a stray closing tag: the model tried a call and garbled it
             out.errors.append(f"stray {self.close_tag} without {self.open_tag}")

@@ -31,6 +31,7 @@ For hostile workloads run the rollout worker itself in a container (gVisor, nsja
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import json
@@ -157,8 +158,7 @@ class PythonSandbox:
                "file_size_bytes": self.file_size_bytes, "max_open_files": self.max_open_files, "max_processes": 0,
                "preload": list(self.preload)}
         if self.drop_uid is not None:
-            cfg["drop_to_uid"] = self.drop_uid
-            cfg["drop_to_gid"] = self.drop_uid
+            cfg.update(drop_to_uid=self.drop_uid, drop_to_gid=self.drop_uid)
         flags = ["-I"] + ([] if self.site_packages else ["-S"])
         return [*self.prefix, self.python, *flags, RUNNER, workdir, json.dumps(cfg)]
 
@@ -207,12 +207,10 @@ class PythonSandbox:
 
         async def feed() -> None:
             if stdin and proc.stdin is not None:
-                try:
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                     proc.stdin.write(stdin.encode()[: 1 << 20])
                     await proc.stdin.drain()
                     proc.stdin.close()
-                except (BrokenPipeError, ConnectionResetError):
-                    pass
 
         assert proc.stdout is not None and proc.stderr is not None
         pumps = asyncio.gather(pump(proc.stdout, "out"), pump(proc.stderr, "err"), feed())
@@ -253,10 +251,8 @@ class PythonSandbox:
 
     @staticmethod
     def _kill(proc: asyncio.subprocess.Process) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 class PythonTool(Tool):

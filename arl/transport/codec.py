@@ -187,9 +187,14 @@ _SAMPLE_KEYS = frozenset({*_SAMPLE_ARRAYS, "finish_reason"})
 _GEN_RESP_KEYS = frozenset({"qid", "samples", "error"})
 
 
+def _expect(obj: Any, cls: type, what: str) -> None:
+    """Sender side: `what` takes `cls` objects only (a programming error otherwise)."""
+    if not isinstance(obj, cls):
+        raise TypeError(f"{what} needs a {cls.__name__}, got {type(obj).__name__}")
+
+
 def _gen_req_out(r: Any) -> dict:
-    if not isinstance(r, GenerateRequest):
-        raise TypeError(f"gen_req needs a GenerateRequest, got {type(r).__name__}")
+    _expect(r, GenerateRequest, "gen_req")
     if type(r.qid) is not str or (r.session_id is not None and type(r.session_id) is not str):
         raise TypeError("GenerateRequest.qid must be str and session_id str or None")
     return {"qid": r.qid, "input_ids": _arr_out(r.input_ids, _I32), "gconfig": _gconfig_out(r.gconfig),
@@ -205,14 +210,12 @@ def _gen_req_in(p: Any) -> GenerateRequest:
 
 
 def _gen_resp_out(r: Any) -> dict:
-    if not isinstance(r, GenerateResponse):
-        raise TypeError(f"gen_resp needs a GenerateResponse, got {type(r).__name__}")
+    _expect(r, GenerateResponse, "gen_resp")
     if type(r.qid) is not str or (r.error is not None and type(r.error) is not str):
         raise TypeError("GenerateResponse.qid must be str and error str or None")
     samples = []
     for s in r.samples:
-        if not isinstance(s, SampleOutput):
-            raise TypeError(f"GenerateResponse.samples must hold SampleOutput, got {type(s).__name__}")
+        _expect(s, SampleOutput, "GenerateResponse.samples")
         samples.append({**_arrays_out(s, _SAMPLE_ARRAYS), "finish_reason": s.finish_reason})
     return {"qid": r.qid, "samples": samples, "error": r.error}
 
@@ -240,22 +243,22 @@ _TRAJ_KEYS = frozenset({*_TRAJ_ARRAYS, "reward", "group_id", "turn_rewards", "me
 _META_SCALARS = (str, int, float, bool, type(None))
 
 
-def _check_meta(obj: Any, path: str, depth: int, err: type[Exception], allow_tuple: bool) -> None:
+def _check_tree(obj: Any, path: str, err: type[Exception], seqs: tuple[type, ...],
+                scalars: Optional[tuple[type, ...]] = _META_SCALARS, depth: int = 0) -> None:
+    """Maps anywhere in `obj` need str keys (the receiver's strict_map_key would reject the whole frame) and nesting
+    stops at _METADATA_MAX_DEPTH; other values must be `scalars` (None: any, left to msgpack, which raises
+    TypeError on what it cannot pack)."""
     t = type(obj)
-    if t in _META_SCALARS:
+    if t is not dict and t not in seqs:
+        if scalars is not None and t not in scalars:
+            raise err(f"{path}: {t.__name__} is not msgpack-safe (use str/int/float/bool/None/list/dict)")
         return
     if depth >= _METADATA_MAX_DEPTH:
         raise err(f"{path}: nested deeper than {_METADATA_MAX_DEPTH}")
-    if t is dict:
-        for k, v in obj.items():
-            if type(k) is not str:
-                raise err(f"{path}: map keys must be str, got {type(k).__name__}")
-            _check_meta(v, f"{path}.{k}", depth + 1, err, allow_tuple)
-    elif t is list or (allow_tuple and t is tuple):
-        for i, v in enumerate(obj):
-            _check_meta(v, f"{path}[{i}]", depth + 1, err, allow_tuple)
-    else:
-        raise err(f"{path}: {t.__name__} is not msgpack-safe (use str/int/float/bool/None/list/dict)")
+    for k, v in (obj.items() if t is dict else enumerate(obj)):
+        if t is dict and type(k) is not str:
+            raise err(f"{path}: map keys must be str, got {type(k).__name__} {k!r:.40}")
+        _check_tree(v, f"{path}.{k}" if t is dict else f"{path}[{k}]", err, seqs, scalars, depth + 1)
 
 
 def _traj_out(group: Any) -> list:
@@ -265,14 +268,13 @@ def _traj_out(group: Any) -> list:
         raise TypeError("traj needs a non-empty list of Trajectory")
     out = []
     for t in group:
-        if not isinstance(t, Trajectory):
-            raise TypeError(f"traj needs Trajectory items, got {type(t).__name__}")
+        _expect(t, Trajectory, "traj")
         if type(t.group_id) is not str:
             raise TypeError("Trajectory.group_id must be str")
         turn_rewards = [float(r) for r in t.turn_rewards]
         if type(t.metadata) is not dict:
             raise TypeError("Trajectory.metadata must be a dict")
-        _check_meta(t.metadata, "metadata", 0, TypeError, allow_tuple=True)
+        _check_tree(t.metadata, "metadata", TypeError, (list, tuple))
         out.append({**_arrays_out(t, _TRAJ_ARRAYS), "reward": float(t.reward), "group_id": t.group_id,
                     "turn_rewards": turn_rewards, "metadata": t.metadata})
     return out
@@ -287,7 +289,7 @@ def _one_traj_in(p: Any) -> Trajectory:
     meta = p["metadata"]
     if type(meta) is not dict:
         raise MalformedMessage("metadata: expected a map")
-    _check_meta(meta, "metadata", 0, MalformedMessage, allow_tuple=False)
+    _check_tree(meta, "metadata", MalformedMessage, (list,))
     return _build(Trajectory, {**arrays, "reward": _float(p["reward"], "reward"),
                                "group_id": _str(p["group_id"], "group_id"),
                                "turn_rewards": [_float(r, "turn_rewards") for r in tr], "metadata": meta})
@@ -306,24 +308,6 @@ _FROM_WIRE = {"gen_req": _gen_req_in, "gen_resp": _gen_resp_in, "traj": _traj_in
 _ENVELOPE_KEYS = frozenset({"type", "v", "payload"})
 
 
-def _check_str_keys(obj: Any, path: str, depth: int) -> None:
-    """Sender-side: maps anywhere in a control payload need str keys (the receiver's strict_map_key rejects the
-    whole frame otherwise); other values are left to msgpack, which raises TypeError on what it cannot pack."""
-    if depth > _METADATA_MAX_DEPTH:
-        raise ValueError(f"{path}: nested deeper than {_METADATA_MAX_DEPTH}")
-    t = type(obj)
-    if t is dict:
-        for k, v in obj.items():
-            if type(k) is not str:
-                raise TypeError(f"{path}: map keys must be str, got {type(k).__name__} {k!r:.40}")
-            if type(v) in (dict, list, tuple):
-                _check_str_keys(v, f"{path}.{k}", depth + 1)
-    elif t is list or t is tuple:
-        for i, v in enumerate(obj):
-            if type(v) in (dict, list, tuple):
-                _check_str_keys(v, f"{path}[{i}]", depth + 1)
-
-
 def _reject_ext(code: int, data: bytes) -> Any:
     raise ValueError("ext types are not allowed")
 
@@ -340,7 +324,7 @@ def encode(msg_type: str, payload: Any = None, *, secret: Optional[bytes] = None
         elif type(payload) is not dict:
             raise TypeError(f"{msg_type} payload must be a dict, got {type(payload).__name__}")
         else:
-            _check_str_keys(payload, msg_type, 0)
+            _check_tree(payload, msg_type, TypeError, (list, tuple), scalars=None)
     else:
         raise ValueError(f"unknown message type {msg_type!r}; known: {sorted(MESSAGE_TYPES)}")
     body = msgpack.packb({"type": msg_type, "v": PROTOCOL_VERSION, "payload": payload}, use_bin_type=True)
@@ -379,10 +363,7 @@ def decode(
                               max_array_len=n, max_map_len=n // 2, max_ext_len=0, ext_hook=_reject_ext)
     except Exception as e:  # msgpack raises ValueError, FormatError, StackError, ExtraData, UnicodeDecodeError...
         raise MalformedMessage(f"invalid msgpack ({type(e).__name__})") from None
-    if type(msg) is not dict:
-        raise MalformedMessage("envelope is not a map")
-    if msg.keys() != _ENVELOPE_KEYS:
-        _keys(msg, _ENVELOPE_KEYS, "envelope")
+    _keys(msg, _ENVELOPE_KEYS, "envelope")
     v = msg["v"]
     if type(v) is not int or v != PROTOCOL_VERSION:
         raise MalformedMessage(f"protocol version {v!r} != {PROTOCOL_VERSION}")

@@ -10,7 +10,8 @@ One zmq Context per process (``context()``). Each socket:
 * counts ``stats["sent"]`` and ``stats["received"]`` (good messages only); a Router also counts
   ``stats["dropped"]`` (a reply to a peer that is gone or whose queue is full; a Router never blocks on one
   client);
-* has ``recv(timeout=None)`` (``asyncio.TimeoutError`` on expiry) and ``close()`` (LINGER 0, idempotent). A
+* has ``recv(timeout=None)`` (``asyncio.TimeoutError`` on expiry; not on a Push) and ``close()`` (LINGER 0,
+  idempotent). A
   ``recv`` pending when its socket is closed, or a call after, raises ``SocketClosed``.
 
 Batching: ``send`` queues the frame and the socket flushes its queue once per event-loop iteration (``call_soon``),
@@ -141,12 +142,6 @@ class _Socket:
 
     # ----------------------------------------------------------------- lifecycle / addressing
 
-    def bind(self, address: str) -> str:
-        self._sock.bind(address)
-        endpoint = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self.addresses.append(endpoint)
-        return endpoint
-
     def bind_random(self, host: str = "127.0.0.1") -> str:
         address = bind_random(self._sock, host)
         self.addresses.append(address)
@@ -158,10 +153,6 @@ class _Socket:
         self._sock.connect(address)
         self.addresses.append(address)
         return self
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     def close(self) -> None:
         if not self._closed:
@@ -184,22 +175,15 @@ class _Socket:
             self._send_waiters.clear()
             self._sock.close(linger=0)
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    async def __aenter__(self):
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         return f"<{self.name} {self.addresses} {self.stats}{' closed' if self._closed else ''}>"
 
     # ----------------------------------------------------------------- helpers
+
+    def recv(self, timeout: Optional[float] = None) -> Any:
+        """Await the next good message: (type, payload), or (identity, type, payload) on a Router;
+        ``asyncio.TimeoutError`` after `timeout` seconds."""
+        return self._recv() if timeout is None else asyncio.wait_for(self._recv(), timeout)
 
     def _encode(self, msg_type: str, payload: Any) -> bytes:
         frame = encode(msg_type, payload, secret=self._secret)
@@ -430,10 +414,6 @@ def _wake_first(waiters: collections.deque) -> None:
             return
 
 
-def _with_timeout(coro: Any, timeout: Optional[float]) -> Any:
-    return coro if timeout is None else asyncio.wait_for(coro, timeout)
-
-
 class Router(_Socket):
     """Server side of request/response: ``recv() -> (identity, type, payload)``, ``send(identity, type, payload)``."""
 
@@ -443,10 +423,6 @@ class Router(_Socket):
     def __init__(self, **kw: Any) -> None:
         super().__init__(**kw)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable replies raise (we count them) instead of vanishing
-
-    def recv(self, timeout: Optional[float] = None):
-        """Await the next good request -> (identity, type, payload)."""
-        return _with_timeout(self._recv(), timeout)
 
     async def send(self, identity: bytes, msg_type: str, payload: Any = None) -> None:
         """Queue a reply to ``identity``. Never blocks: if the peer is gone or its queue is full when the batch is
@@ -472,10 +448,6 @@ class Dealer(_Socket):
     async def send(self, msg_type: str, payload: Any = None) -> None:
         await self._send_blocking(msg_type, payload)
 
-    def recv(self, timeout: Optional[float] = None):
-        """Await the next good reply -> (type, payload)."""
-        return _with_timeout(self._recv(), timeout)
-
 
 class Push(_Socket):
     """Send side of a pipeline (finished trajectory groups). ``send`` waits while the queue is full."""
@@ -490,6 +462,3 @@ class Pull(_Socket):
     """Receive side of a pipeline: ``recv() -> (type, payload)``, fair-queued over all pushers."""
 
     _kind = zmq.PULL
-
-    def recv(self, timeout: Optional[float] = None):
-        return _with_timeout(self._recv(), timeout)

@@ -275,7 +275,7 @@ async def test_factory_launches_supervises_and_stops_the_server(tmp_path):
         else:
             os.environ["PYTHONPATH"] = env_pp
     server = engine.server
-    assert server is not None and server.alive()
+    assert server is not None and server.exit_code() is None  # running
     assert os.path.isfile(tmp_path / "run" / "logs" / "inference0-sglang.log")
     r = await engine.agenerate(req("x", [5, 9, 2], greedy=True, max_new_tokens=4))
     assert r.samples[0].output_ids.tolist() == toy_greedy([5, 9, 2], 4, 1, VOCAB)
@@ -290,7 +290,7 @@ async def test_factory_launches_supervises_and_stops_the_server(tmp_path):
     with pytest.raises(RuntimeError, match="inference backend failed: sglang server exited"):
         await asyncio.wait_for(serving, 30)  # the health watcher looks every 5 s
     await engine.close()
-    assert not server.alive()
+    assert server.exit_code() is not None  # stopped
 
     # a server that dies while starting: a clear error with its log's last lines
     ic.sglang.python = _python_stand_in(tmp_path / "dying-python", "echo boom; exit 3")

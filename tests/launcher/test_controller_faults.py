@@ -134,7 +134,7 @@ async def test_inference_restart_rejoins_only_with_the_newest_weights(tmp_path):
                          (b"i1", "update_weights", {"version": 3, "path": "/w/v3"})]
     ctl.launcher.exit("inference1", -9)
     assert await ctl._check()
-    assert ctl.lost_inference == {1} and ctl.weights.rejoining == {1} and ctl.sup.inference_restarts == 1
+    assert ctl.weights.lost == {1} and ctl.weights.rejoining == {1} and ctl.sup.inference_restarts == 1
     assert ctl.launcher.alive("inference1")  # respawned
     assert (b"r0", "worker_lost", {"role": "inference", "indices": [1]}) in sent
     # it registers at a new address: told to load the newest version; still out of the routing
@@ -151,9 +151,9 @@ async def test_inference_restart_rejoins_only_with_the_newest_weights(tmp_path):
     assert last() == (b"i0", "update_weights", {"version": 4, "path": "/w/v4"}) and ctl.gate.version == 3
     assert sent[-1] == (b"L", "prune_weights", {"below": 3})  # v3 is needed: the restarted server still loads it
     await ctl._dispatch(b"i1b", "weights_loaded", {"version": 3, "index": 1})
-    assert sent[-1] == (b"i1b", "update_weights", {"version": 4, "path": "/w/v4"}) and 1 in ctl.lost_inference
+    assert sent[-1] == (b"i1b", "update_weights", {"version": 4, "path": "/w/v4"}) and 1 in ctl.weights.lost
     await ctl._dispatch(b"i1b", "weights_loaded", {"version": 4, "index": 1})
-    assert ctl.lost_inference == set() and ctl.weights.rejoining == set()
+    assert ctl.weights.lost == set() and ctl.weights.rejoining == set()
     assert last() == (b"r0", "worker_back", {"role": "inference", "index": 1, "address": "tcp://b:1"})
     await ctl._dispatch(b"i0", "weights_loaded", {"version": 4, "index": 0})
     assert ctl.gate.version == 4
@@ -162,7 +162,7 @@ async def test_inference_restart_rejoins_only_with_the_newest_weights(tmp_path):
     assert await ctl._check() and ctl.sup.inference_restarts == 2
     ctl.launcher.exit("inference1", -9)  # the restart dies before it registered: lost again, over the cap
     assert await ctl._check()
-    assert ctl.sup.inference_restarts == 2 and not ctl.launcher.alive("inference1") and ctl.lost_inference == {1}
+    assert ctl.sup.inference_restarts == 2 and not ctl.launcher.alive("inference1") and ctl.weights.lost == {1}
     kinds = [r["type"] for r in records(tmp_path) if r["type"] != "train"]
     assert kinds == ["worker_lost", "worker_restarted", "worker_back", "worker_lost", "worker_restarted",
                      "worker_lost"]
@@ -182,10 +182,10 @@ async def test_restarted_inference_that_never_registers_is_given_up(tmp_path):
     await ctl._dispatch(b"r0", "register", {"role": "rollout", "index": 0})
     await ctl._dispatch(b"L", "register", {"role": "learner", "index": 0, "address": "tcp://l:1"})
     await ctl._dispatch(b"i1", "error", {"message": "update_weights failed: disk full"})
-    assert ctl.lost_inference == {1} and ctl.weights.rejoining == {1} and ctl._failure is None
+    assert ctl.weights.lost == {1} and ctl.weights.rejoining == {1} and ctl._failure is None
     ctl.sup.restarted_at["inference1"] -= 31
     assert await ctl._check()
-    assert ctl.weights.rejoining == set() and ctl.lost_inference == {1} and ctl.launcher.killed[-1] == "inference1"
+    assert ctl.weights.rejoining == set() and ctl.weights.lost == {1} and ctl.launcher.killed[-1] == "inference1"
     assert records(tmp_path)[-1]["kind"] == "inference_restart_failed"
     # a role that reports a fatal error it cannot be restarted for stops the run
     await ctl._dispatch(b"L", "error", {"message": "CUDA OOM"})

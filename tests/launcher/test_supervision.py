@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+import pytest
+
 from arl.launcher.process import LocalLauncher
 from arl.launcher.supervision import RoleLauncher, Supervisor
 
@@ -97,7 +99,11 @@ def test_local_launcher_spawns_kills_and_reports_deaths(tmp_path):
         launcher.children["b"].proc.wait()  # type: ignore[attr-defined]
         assert launcher.dead() == [("b", 3)] and launcher.alive("a") and launcher.has("b")
         assert launcher.log_path("a") == str(tmp_path / "a.log")
-        launcher.respawn("a")  # a hung one is killed first
+        with pytest.raises(RuntimeError):  # a running one is not started twice
+            launcher.respawn("a")
+        launcher.kill("a")
+        launcher.children["a"].proc.wait()  # type: ignore[attr-defined]
+        launcher.respawn("a")
         assert launcher.alive("a")
         launcher.kill("a")
         launcher.children["a"].proc.wait()  # type: ignore[attr-defined]

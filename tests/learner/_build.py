@@ -16,6 +16,9 @@ def make_actor(model: torch.nn.Module, *, version: int = 0, seed: int = 0, tempe
     from arl.learner.actor import PPOActor
     from arl.learner.deepspeed_engine import DeepSpeedEngine
 
+    # One optimizer step per batch unless a test asks for more: most tests compare a step with a hand computation
+    # (the default of several minibatches is tested in test_ppo_minibatches.py and by every end-to-end run).
+    kw.setdefault("minibatches", 1)
     sections: dict[type, dict[str, Any]] = {OptimizerConfig: {}, DeepSpeedConfig: {}, PPOConfig: {}}
     for k, v in kw.items():
         owner = [c for c in sections if k in {f.name for f in dataclasses.fields(c)}]

@@ -19,10 +19,15 @@ def test_bench_learner_tiny(tmp_path, capsys):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     out = tmp_path / "r.json"
-    res = mod.main(["--tiny", "--json", str(out)])
+    res = mod.main(["--tiny", "--arrival-order", "--json", str(out)])
     text = capsys.readouterr().out
-    assert "packed/padded tokens/s" in text and "DeepSpeed (ZeRO 0, gloo) vs plain torch" in text
+    assert "packed vs length-grouped padding:" in text and "x CPU time" in text
+    assert "DeepSpeed (ZeRO 0, gloo) vs plain torch" in text
     assert json.loads(out.read_text())["tokens"] == res["tokens"] > 0
     for key in ("packed_over_padded", "packed_over_padded_arrival", "deepspeed_over_plain"):
         assert all(math.isfinite(v) and v > 0 for v in res[key].values()), key
     assert res["pad_frac"]["packed"] == 0.0 and res["pad_frac"]["padded"] > 0.0
+    work, att = res["breakdown"]["work"], res["breakdown"]["attention_cpu_s"]
+    assert work["packed"]["tokens"] == res["tokens"] < work["padded"]["tokens"]
+    assert 0 < work["packed"]["attention_cells"] < work["padded"]["attention_cells"]
+    assert att["packed"] > 0 and att["padded"] > 0  # both layouts' attention calls were replayed

@@ -15,7 +15,7 @@ from arl.agents.tool_agent import ToolAgent
 from arl.api import GenerateResponse, GenerationConfig, SampleOutput
 from arl.envs.math import MathEnv
 from arl.models.tiny import TOOL_CHARS, build_char_tokenizer
-from arl.report.traces import GroupTimeline, TraceSampler, TraceWriter, read_traces, request_traces, role_of, \
+from arl.report.traces import GroupTimeline, TraceSampler, TraceWriter, read_jsonl, request_traces, role_of, \
     trace_record
 from arl.rollout.worker import run_agent
 from arl.transport.codec import decode, encode
@@ -185,6 +185,6 @@ def test_writer_appends_whole_lines_and_reader_skips_a_torn_one(tmp_path) -> Non
     w.close()
     with open(path, "a") as f:
         f.write('{"step": 3, "rew')  # a crash mid-line
-    assert [t["step"] for t in read_traces(path)] == [1, 1, 2]
-    assert [t["step"] for t in read_traces(path, last=1)] == [2]
+    assert [t["step"] for t in read_jsonl(path)] == [1, 1, 2]
+    assert [t["step"] for t in read_jsonl(path, last=1)] == [2]
     assert w.written == 3

@@ -66,17 +66,28 @@ class SGLangWeightClient:
     def receive(self, wait_s: Optional[float] = None) -> int:
         """Load the next transfer into the server; returns its version (the server's ``weight_version`` is now
         ``str(version)``). Raises `WeightTransferError` when the server refused or failed; the sender is told."""
+        return self.load(*self.next_transfer(wait_s))
+
+    def next_transfer(self, wait_s: Optional[float] = None) -> tuple[int, TransferPlan]:
+        """Wait (at most `wait_s`, default `timeout_s`) for the sender to announce its next transfer: its version
+        and plan. `load` must follow (the sender is waiting for the server): a caller pauses the server between
+        the two, so the pause does not include the wait for the learner."""
         if self._store is None:
             raise WeightTransferError(f"group {self.spec.group_name!r}: not joined")
         wait = self.timeout_s if wait_s is None else wait_s
-        seq = self.seq
         try:
-            raw = json.loads(_get_str(self._store, f"arl/xfer/{seq}", wait))
+            raw = json.loads(_get_str(self._store, f"arl/xfer/{self.seq}", wait))
         except Exception as e:  # noqa: BLE001
-            raise WeightTransferError(f"group {self.spec.group_name!r}: no transfer #{seq} announced within "
+            raise WeightTransferError(f"group {self.spec.group_name!r}: no transfer #{self.seq} announced within "
                                       f"{wait:g}s: {e}") from e
+        return int(raw["version"]), TransferPlan.from_json(raw["plan"])
+
+    def load(self, version: int, plan: TransferPlan) -> int:
+        """Have the server receive the announced transfer (`next_transfer`); returns `version`."""
+        if self._store is None:
+            raise WeightTransferError(f"group {self.spec.group_name!r}: not joined")
+        seq = self.seq
         self.seq += 1
-        version, plan = int(raw["version"]), TransferPlan.from_json(raw["plan"])
         outcome: dict[str, Any] = {"success": False, "message": ""}
         try:
             self._post("/begin_weight_update", {})

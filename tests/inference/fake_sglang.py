@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import glob
+import json
 import os
 import random
 import uuid
@@ -509,7 +510,13 @@ def main() -> None:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--step-s", type=float, default=0.002)
     args, _ = ap.parse_known_args()
-    fake = FakeSGLang(args.model_path, step_s=args.step_s)
+    vocab = 64
+    try:  # the model's own vocabulary, so a run's token ids are in range (e2e runs with the tiny model)
+        with open(os.path.join(args.model_path, "config.json")) as f:
+            vocab = int(json.load(f)["vocab_size"])
+    except (OSError, ValueError, KeyError):
+        pass
+    fake = FakeSGLang(args.model_path, vocab=vocab, step_s=args.step_s)
     web.run_app(fake.app(), host=args.host, port=args.port, print=None)
 
 

@@ -81,7 +81,7 @@ def test_sglang_engine_gets_broadcast_weights_through_its_endpoints(tmp_path, mo
     proc, run_dir = run_main(["inference.backend=sglang", f"inference.sglang.python={fake}",
                               "inference.sglang.startup_timeout=120", f"total_train_steps={steps}",
                               "max_head_offpolicyness=1", "rollout.verify_token_ledger=false",
-                              "agent.name=math-single-step", *BROADCAST,
+                              "agent.name=math-single-step", "agent.args={filter_uniform_groups: false}", *BROADCAST,
                               *[a for a in SMALL if "verify_token_ledger" not in a]], str(tmp_path), model_cache)
     assert_clean_run(proc, run_dir, steps)
     versions = loaded_versions(run_dir, "inference0")

@@ -319,6 +319,24 @@ class LearnerConfig:
     sim: SimLearnerConfig = field(factory=SimLearnerConfig)
 
 
+class WeightTransport(enum.StrEnum):
+    disk = "disk"
+    broadcast = "broadcast"
+
+
+@dataclasses.dataclass
+class WeightsConfig:
+    """How new weights travel from the learner to the inference workers."""
+
+    transport: WeightTransport = field(WeightTransport.disk, "'disk': the learner writes weights/v<N>.safetensors and "
+                                                             "every worker reads it (a shared filesystem across "
+                                                             "hosts); 'broadcast': learner rank 0 sends them over a "
+                                                             "torch.distributed group per inference worker (no file).")
+    backend: str = field("auto", "broadcast: 'gloo', 'nccl', or 'auto' (nccl when inference runs on CUDA, else gloo).")
+    bucket_mb: int = field(64, "broadcast: tensors travel in buckets of at most this many MiB.")
+    timeout_s: float = field(120.0, "broadcast: longest wait of one group step (forming a group, one bucket).")
+
+
 @dataclasses.dataclass
 class EvalConfig:
     every_n_steps: int = field(25, "Greedy evaluation on the held-out split every N steps (0: only start/end).")
@@ -366,6 +384,7 @@ class ExperimentConfig:
     rollout: RolloutConfig = field(factory=RolloutConfig)
     learner: LearnerConfig = field(factory=LearnerConfig)
     eval: EvalConfig = field(factory=EvalConfig)
+    weights: WeightsConfig = field(factory=WeightsConfig)
 
 
 def _all_keys(cls: type) -> list[str]:
@@ -487,6 +506,13 @@ def validate(cfg: Any) -> None:
          f"dataset.name must be 'arith', 'jsonl', 'hf' or 'word-arith', got {cfg.dataset.name!r}"),
         (rc.num_env_groups >= 0 and rc.group_size >= 0,
          "rollout.num_env_groups and rollout.group_size must be >= 0"),
+        (cfg.weights.backend in ("auto", "gloo", "nccl"), "weights.backend must be 'auto', 'gloo' or 'nccl'"),
+        (cfg.weights.bucket_mb >= 1 and cfg.weights.timeout_s > 0,
+         "weights.bucket_mb must be >= 1 and weights.timeout_s > 0"),
+        (cfg.weights.transport == WeightTransport.disk or (ic.backend in ("torch", "sglang")
+                                                           and lc.backend != "sim" and ic.servers_per_process == 1),
+         "weights.transport=broadcast needs inference.backend torch or sglang, a learner that trains a model "
+         "(not sim) and inference.servers_per_process=1"),
     ]
     from arl.inference.factory import BACKENDS
     from arl.learner.backends import LEARNER_BACKENDS
@@ -555,6 +581,13 @@ def load_yaml(path: str, config_cls: type) -> Any:
     return OmegaConf.to_object(OmegaConf.merge(schema, OmegaConf.load(path)))
 
 
+def weights_backend(cfg: ExperimentConfig) -> str:
+    """The broadcast group backend: `weights.backend`, or with 'auto' nccl when inference runs on CUDA."""
+    if cfg.weights.backend != "auto":
+        return cfg.weights.backend
+    return "nccl" if cfg.inference.device.startswith("cuda") else "gloo"
+
+
 def resolve_threads(cfg: ExperimentConfig, role: str) -> int:
     """torch threads for a role: its own setting, or the cores split between the compute-heavy roles."""
     explicit = {"inference": cfg.inference.threads, "learner": cfg.learner.threads}.get(role, 1)
@@ -567,5 +600,5 @@ def resolve_threads(cfg: ExperimentConfig, role: str) -> int:
 
 __all__ = [
     "ExperimentConfig", "ConfigError", "parse_overrides", "split_experiment", "format_help", "import_user_modules",
-    "to_yaml", "load_yaml", "resolve_threads", "rollout_deadlines", "DictConfig",
+    "to_yaml", "load_yaml", "resolve_threads", "weights_backend", "rollout_deadlines", "DictConfig",
 ]

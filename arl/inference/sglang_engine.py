@@ -61,7 +61,7 @@ import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Awaitable, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -299,30 +299,56 @@ class SGLangEngine:
         assert self._update_lock is not None
         async with self._update_lock:
             path = await asyncio.to_thread(self._weights_path, str(source), int(version))
-            t0 = time.perf_counter()
-            self._updating = True
-            try:
-                if self.pause_mode == "abort":
-                    self._abort_epoch += 1
-                await self.pause()
-                try:
-                    body = {"model_path": path, "weight_version": str(int(version)),
-                            "flush_cache": self.pause_mode != "in_place"}
-                    data = await self._post("/update_weights_from_disk", body, self.control_timeout,
-                                            accept=(200, 400))
-                    if not isinstance(data, dict) or not data.get("success"):
-                        msg = data.get("message") if isinstance(data, dict) else data
-                        raise SGLangError(f"update_weights_from_disk({path}) failed: {msg}")
-                    self._version = int(version)
-                finally:
-                    await self.resume()
-            finally:
-                self._updating = False
-            self._last_update_s = time.perf_counter() - t0
-            self._counters["weight_updates"] += 1
-            logger.info("%s: loaded %s as version %d in %.3fs (pause mode %s)", self.name, path, version,
-                        self._last_update_s, self.pause_mode)
+
+            async def load() -> int:
+                body = {"model_path": path, "weight_version": str(int(version)),
+                        "flush_cache": self.pause_mode != "in_place"}
+                data = await self._post("/update_weights_from_disk", body, self.control_timeout, accept=(200, 400))
+                if not isinstance(data, dict) or not data.get("success"):
+                    msg = data.get("message") if isinstance(data, dict) else data
+                    raise SGLangError(f"update_weights_from_disk({path}) failed: {msg}")
+                return int(version)
+
+            await self._paused_update(load, path)
             self._prune_built()
+
+    async def update_weights_from_distributed(self, client: Any, wait_s: Optional[float] = None) -> int:
+        """Load the next transfer of the learner's weight broadcast (`weights.transport=broadcast`) through
+        `client`, an `arl.weights.sglang.SGLangWeightClient` whose group this server joined: wait for the learner
+        to announce it (generation goes on), then pause (per `pause_mode`), have the server receive it, resume.
+        Returns the version loaded (the newest the learner held, which may be newer than the one asked for)."""
+        await self._ensure_session()
+        assert self._update_lock is not None
+        async with self._update_lock:
+            version, plan = await asyncio.to_thread(client.next_transfer, wait_s)
+
+            async def load() -> int:
+                try:
+                    return int(await asyncio.to_thread(client.load, version, plan))
+                except Exception as e:  # noqa: BLE001 - the same error type as a refused disk update
+                    raise SGLangError(f"update_weights_from_distributed (v{version}) failed: {e}") from e
+
+            return await self._paused_update(load, f"broadcast group {client.spec.group_name}")
+
+    async def _paused_update(self, load: Callable[[], Awaitable[int]], what: str) -> int:
+        """Pause, `load()` (returns the version now served), resume (always); the caller holds the update lock."""
+        t0 = time.perf_counter()
+        self._updating = True
+        try:
+            if self.pause_mode == "abort":
+                self._abort_epoch += 1
+            await self.pause()
+            try:
+                self._version = await load()
+            finally:
+                await self.resume()
+        finally:
+            self._updating = False
+        self._last_update_s = time.perf_counter() - t0
+        self._counters["weight_updates"] += 1
+        logger.info("%s: loaded %s as version %d in %.3fs (pause mode %s)", self.name, what, self._version,
+                    self._last_update_s, self.pause_mode)
+        return self._version
 
     async def pause(self) -> None:
         await self._ensure_session()

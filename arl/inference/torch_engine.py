@@ -257,7 +257,18 @@ class TorchEngine:
         """
         self.start()
         # read + check off the decode thread (decoding goes on); only the swap happens at the step boundary
-        prepared = await asyncio.to_thread(self._prepare_weights, str(source))
+        await self._swap_in(await asyncio.to_thread(self._prepare_weights, str(source)), version)
+
+    async def update_weights_from_tensors(self, tensors: dict[str, torch.Tensor], version: int,
+                                          source: str = "tensors") -> None:
+        """`update_weights` from tensors already in memory (received by broadcast, `weights.transport=broadcast`):
+        checked and cast off the decode thread, swapped in at the next step boundary. `tensors` is consumed."""
+        self.start()
+        prepared = await asyncio.to_thread(self._prepare_tensors, tensors, source)
+        tensors.clear()
+        await self._swap_in(prepared, version)
+
+    async def _swap_in(self, prepared: _Prepared, version: int) -> None:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
         with self._cv:
@@ -649,6 +660,12 @@ class TorchEngine:
         with torch.inference_mode(False), torch.no_grad():
             for f in files:
                 loaded.update(load_file(str(f), device=dev))
+        return self._prepare_tensors(loaded, source)
+
+    def _prepare_tensors(self, loaded: dict[str, torch.Tensor], source: str) -> _Prepared:
+        """Any thread: check `loaded` against model.state_dict() (names, shapes; a tied alias may be absent) and
+        cast each tensor to its parameter's dtype/device. Raises (the model is untouched) when they do not match."""
+        with torch.inference_mode(False), torch.no_grad():
             params = self.model.state_dict(keep_vars=True)
             present = {t.data_ptr() for k, t in params.items() if k in loaded}  # a tied alias in the file counts
             missing = [k for k, t in params.items() if t.data_ptr() not in present]

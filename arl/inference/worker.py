@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Optional
 
 from arl.api.engine import InferenceEngine
 from arl.api.types import GenerateRequest, GenerateResponse
@@ -15,9 +15,12 @@ logger = logging.getLogger("arl.inference")
 
 class InferenceWorker:
     def __init__(self, *, index: int, engine: InferenceEngine, router: Any,
-                 send_control: Callable[[str, dict], Awaitable[None]]) -> None:
+                 send_control: Callable[[str, dict], Awaitable[None]], loader: Optional[Any] = None) -> None:
+        """`loader` (weights.transport=broadcast): an `arl.weights.channel.BroadcastLoader`; updates come through
+        it instead of from the path."""
         self.index = index
         self.engine = engine
+        self.loader = loader
         self.router = router
         self._send = send_control
         self._inflight: dict[tuple[bytes, str], asyncio.Task] = {}  # (peer, wire id) -> the task answering it
@@ -93,7 +96,12 @@ class InferenceWorker:
             return
         self._target_version = version
         t0 = time.perf_counter()
-        await self.engine.update_weights(path, version)
+        if self.loader is not None:  # the learner sends the newest it holds: at least `version`
+            version = await self.loader.load()
+            self._target_version = max(self._target_version, version)
+            path = "the learner's broadcast"
+        else:
+            await self.engine.update_weights(path, version)
         ms = (time.perf_counter() - t0) * 1000
         self.stats["updates"] += 1
         self.stats["update_ms_last"] = ms

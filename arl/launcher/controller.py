@@ -64,8 +64,12 @@ class Controller:
         sinks: Optional[list[MetricsSink]] = None,
         max_no_progress_s: float = 0.0,
         max_consecutive_drops: int = 0,
+        weights_transport: str = "disk",
+        weights_backend: str = "gloo",
     ) -> None:
-        """`supervisor` holds the run's shape (servers, rollout workers) and its restart and timeout policy."""
+        """`supervisor` holds the run's shape (servers, rollout workers) and its restart and timeout policy.
+        `weights_transport` 'broadcast': weights go from the learner to each inference server over a group of
+        their own (`arl.weights.channel`), formed when both registered, a new one per incarnation of a server."""
         self.run_dir = run_dir
         self.sup = supervisor
         self.total_steps = total_train_steps
@@ -94,6 +98,13 @@ class Controller:
         self.progress_watch = ProgressWatch(max_no_progress_s=max_no_progress_s,
                                             max_consecutive_drops=max_consecutive_drops, warn_after_s=warn)
         self._last_drops_shown = -1e9
+        if weights_transport not in ("disk", "broadcast"):
+            raise ValueError(f"weights_transport must be disk or broadcast, got {weights_transport!r}")
+        self.broadcast = weights_transport == "broadcast"
+        self._weights_backend = weights_backend
+        self._weights_store: Optional[tuple[str, int]] = None  # the learner's sender (broadcast)
+        self.weight_groups: dict[int, str] = {}  # inference server -> its current weight group (broadcast)
+        self._groups_made = 0
         self._secret, self._bind_host, self._max_bytes = secret, bind_host, max_bytes
         self.stack_dump_wait = stack_dump_wait
         self.router: Optional[Router] = None
@@ -410,11 +421,20 @@ class Controller:
             self.addresses["inference"][msg.index] = msg.address
         elif msg.role == "learner":
             self.addresses["learner"] = msg.address
+            if self.broadcast and msg.weights_store:
+                host, _, port = msg.weights_store.rpartition(":")
+                self._weights_store = (host, int(port))
         logger.info("registered %s%d (pid %s)", msg.role, msg.index, msg.pid)
         self._write_addresses()
         position = self._prompt_positions.get(msg.index) if msg.role == "rollout" else None
         await self._send(ident, m.Ack(ok=True, prompt_position=position))
+        if self.broadcast and msg.role == "learner":
+            for (role, i) in list(self.peers):
+                if role == "inference":
+                    await self._form_weight_group(i)
         if msg.role == "inference":
+            if self.broadcast:
+                await self._form_weight_group(msg.index)  # before it is sent anything to load
             await self._apply(self.weights.registered(msg.index))  # a restarted server catches up, then rejoins
         await self._answer_lookups()
         await self._maybe_start()
@@ -495,11 +515,30 @@ class Controller:
             await self._send_to(("rollout", index), m.GateGrant(n=n))  # type: ignore[arg-type]
 
     async def _apply(self, actions: list[Action]) -> None:
+        sends: dict[int, list[int]] = {}  # broadcast: version -> servers the learner sends it to
         for a in actions:
             if isinstance(a, Send):
+                if self.broadcast and ("inference", a.server) in self.peers:
+                    sends.setdefault(a.version, []).append(a.server)
                 await self._send_to(("inference", a.server), m.UpdateWeights(version=a.version, path=a.path))
             elif isinstance(a, Rejoin):
                 await self._rejoin(a)
+        for version, servers in sends.items():
+            await self._send_to(("learner", 0), m.SendWeights(version=version, servers=servers))
+
+    async def _form_weight_group(self, server: int) -> None:
+        """Broadcast: a new weight group between the learner and inference server `server` (its new incarnation),
+        once both registered; the learner closes the server's previous group."""
+        if self._weights_store is None or ("inference", server) not in self.peers:
+            return
+        self._groups_made += 1
+        name = f"arl-weights-s{server}-{self._groups_made}"
+        self.weight_groups[server] = name
+        host, port = self._weights_store
+        spec = {"master_address": host, "master_port": port, "group_name": name, "world_size": 2, "rank": 1,
+                "backend": self._weights_backend}  # arl.weights.broadcast.GroupSpec (no torch import here)
+        await self._send_to(("learner", 0), m.OpenWeightGroup(name=name, server=server))
+        await self._send_to(("inference", server), m.JoinWeightGroup(index=server, spec=spec))
 
     async def _rejoin(self, a: Rejoin) -> None:
         """Route to restarted server `a.server` again: the rollout workers connect to its new address."""
@@ -547,7 +586,8 @@ class Controller:
         elif self.start_version not in self.weights.published:
             v = self.start_version
             logger.info("all roles registered; resuming at version %d", v)
-            await self._apply(self.weights.publish(v, os.path.join(self.run_dir, "weights", f"v{v}.safetensors")))
+            path = "" if self.broadcast else os.path.join(self.run_dir, "weights", f"v{v}.safetensors")
+            await self._apply(self.weights.publish(v, path))
 
     async def _request_eval(self, version: int) -> None:
         self.reporter.eval_requested(version)

@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Any, Optional
 
-from arl.config import ExperimentConfig, to_yaml
+from arl.config import ExperimentConfig, to_yaml, weights_backend
 from arl.launcher.controller import Controller, RunFailed
 from arl.launcher.security import SECRET_ENV, effective_bind_host, resolve_secret
 from arl.launcher.supervision import Supervisor
@@ -99,6 +99,8 @@ def make_controller(cfg: ExperimentConfig, run_dir: str, **overrides: Any) -> Co
         max_bytes=cfg.max_message_bytes,
         max_no_progress_s=rc.max_no_progress_s,
         max_consecutive_drops=rc.max_consecutive_drops,
+        weights_transport=str(cfg.weights.transport),
+        weights_backend=weights_backend(cfg),
         sinks=make_sinks(cfg.loggers, run_dir, dataclasses.asdict(dataclasses.replace(cfg, secret="")),
                          cfg.experiment),
     )

@@ -93,6 +93,7 @@ class Register(ControlMessage):
     index: int = 0
     address: Optional[str] = None
     pid: Optional[int] = None
+    weights_store: Optional[str] = None  # learner with weights.transport=broadcast: its sender's store, "host:port"
 
 
 class Ack(ControlMessage):
@@ -155,6 +156,31 @@ class WeightsLoaded(ControlMessage):
     version: int
     index: int
     ms: Optional[float] = None
+
+
+class JoinWeightGroup(ControlMessage):
+    """Controller -> inference worker (weights.transport=broadcast): join this group of the learner's weight sender
+    (`arl.weights.broadcast.GroupSpec` as a map); later `update_weights` (empty path) arrive through it. A fresh
+    group name per worker incarnation, so a restarted worker never meets its dead predecessor's group."""
+
+    index: int
+    spec: dict
+
+
+class OpenWeightGroup(ControlMessage):
+    """Controller -> learner (broadcast): form group `name` with inference server `server` (closing that server's
+    previous group, if any)."""
+
+    name: str
+    server: int
+
+
+class SendWeights(ControlMessage):
+    """Controller -> learner (broadcast): send the weights of at least `version` (the newest held) to the groups of
+    `servers`, which were told `update_weights` for it."""
+
+    version: int
+    servers: list[int]
 
 
 class PruneWeights(ControlMessage):

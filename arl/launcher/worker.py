@@ -16,10 +16,11 @@ import sys
 import time
 from typing import Any, Awaitable, Callable, Optional, TypeVar
 
-from arl.config import ExperimentConfig, import_user_modules, load_yaml, resolve_threads, rollout_deadlines
+from arl.config import ExperimentConfig, WeightTransport, import_user_modules, load_yaml, resolve_threads, \
+    rollout_deadlines, weights_backend
 from arl.launcher.forensics import install_stack_dump_handler
-from arl.launcher.messages import ControlMessage, Error, Eval, GateGrant, Heartbeat, PruneWeights, Register, \
-    UpdateWeights, WorkerBack, WorkerLost, parse
+from arl.launcher.messages import ControlMessage, Error, Eval, GateGrant, Heartbeat, JoinWeightGroup, \
+    OpenWeightGroup, PruneWeights, Register, SendWeights, UpdateWeights, WorkerBack, WorkerLost, parse
 from arl.launcher.security import advertised_address, effective_bind_host, resolve_secret
 from arl.transport.sockets import Dealer, Pull, Push, Router, bind_random
 from arl.transport.loop import run as run_loop
@@ -34,6 +35,11 @@ _S = TypeVar("_S")
 
 def _socket(cls: Callable[..., _S]) -> _S:
     return cls(**SOCKET_OPTIONS)
+
+
+def _host(cfg: ExperimentConfig) -> str:
+    """This machine's address on the run's interface (a wildcard bind host: its own address), for gloo."""
+    return advertised_address(f"tcp://{effective_bind_host(cfg.bind_host)}:0")[len("tcp://"):].rsplit(":", 1)[0]
 
 
 def _bind(sock: Any, cfg: ExperimentConfig) -> str:
@@ -61,9 +67,11 @@ class ControlChannel:
         """Send a typed control message (a plain map on the wire)."""
         await self.dealer.send(msg.TYPE, msg.to_payload())
 
-    async def register(self, timeout: float, index: Optional[int] = None, address: Optional[str] = None) -> dict:
+    async def register(self, timeout: float, index: Optional[int] = None, address: Optional[str] = None,
+                       weights_store: Optional[str] = None) -> dict:
         """Register as this role (or as hosted inference server `index`); returns the controller's ack."""
-        msg = Register(role=self.role, index=self.index if index is None else index, address=address, pid=os.getpid())
+        msg = Register(role=self.role, index=self.index if index is None else index, address=address, pid=os.getpid(),
+                       weights_store=weights_store)
         return await self.request(msg.TYPE, msg.to_payload(), "ack", timeout)
 
     async def request(self, msg_type: str, payload: dict, reply_type: str, timeout: float) -> dict:
@@ -128,7 +136,12 @@ async def run_inference(cfg: ExperimentConfig, ctl: ControlChannel, index: int, 
         engine = build_engine(cfg.model.path, ic, seed=cfg.seed, index=i, run_dir=run_dir)
         router = _socket(Router)
         addresses.append(_bind(router, cfg))
-        workers.append(InferenceWorker(index=i, engine=engine, router=router, send_control=ctl.send))
+        loader = None
+        if cfg.weights.transport == WeightTransport.broadcast:
+            from arl.weights.channel import BroadcastLoader
+
+            loader = BroadcastLoader(engine, timeout_s=cfg.weights.timeout_s, gloo_host=_host(cfg))
+        workers.append(InferenceWorker(index=i, engine=engine, router=router, send_control=ctl.send, loader=loader))
     latest = -1
 
     async def on_update(msg: UpdateWeights) -> None:
@@ -137,11 +150,20 @@ async def run_inference(cfg: ExperimentConfig, ctl: ControlChannel, index: int, 
             latest = msg.version
             await asyncio.gather(*(w.update_weights(msg.version, msg.path) for w in workers))
 
+    async def on_join(msg: JoinWeightGroup) -> None:  # broadcast: the group later updates come through
+        from arl.weights.broadcast import GroupSpec
+
+        for w in workers:
+            if w.index == msg.index and w.loader is not None:
+                await w.loader.join(GroupSpec.from_dict(msg.spec))
+
     ctl.handlers["update_weights"] = on_update  # before registering: a restarted server is sent the newest at once
+    ctl.handlers["join_weight_group"] = on_join
     for w, address in zip(workers, addresses):
         await ctl.register(cfg.startup_timeout, index=w.index, address=address)
     return ([*(w.serve() for w in workers), *(ctl.heartbeat(w.heartbeat_stats, w.index) for w in workers)],
-            [*(w.engine.close() for w in workers), *(_aclose(w.router) for w in workers)])
+            [*(w.loader.close() for w in workers if w.loader is not None), *(w.engine.close() for w in workers),
+             *(_aclose(w.router) for w in workers)])
 
 
 def _learner_actor(cfg: ExperimentConfig) -> tuple[Any, Any]:
@@ -166,6 +188,17 @@ async def run_learner(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
     pull = _socket(Pull)
     address = _bind(pull, cfg)
     real = backend.trains_model  # the simulated backend neither checkpoints nor checks token ids
+    publisher, skip = None, set()
+    if cfg.weights.transport == WeightTransport.broadcast:  # rank 0 sends the weights; no file is written
+        from arl.learner.export import tied_aliases
+        from arl.weights.broadcast import WeightSender
+        from arl.weights.channel import WeightPublisher
+
+        host = _host(cfg)
+        sender = WeightSender(host, 0, backend=weights_backend(cfg), timeout_s=cfg.weights.timeout_s, gloo_host=host)
+        publisher = WeightPublisher(sender, protocol="sglang" if cfg.inference.backend == "sglang" else "arl",
+                                    bucket_bytes=cfg.weights.bucket_mb << 20)
+        skip = tied_aliases(cfg.model.path)
     worker = LearnerWorker(
         actor=leader or actor,
         engine=leader or actor.engine,
@@ -182,27 +215,44 @@ async def run_learner(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
         keep_checkpoints=lc.keep_checkpoints,
         vocab_size=_vocab_size(cfg) if real else None,
         export_final=_final_exporter(cfg, run_dir) if real else None,
+        publisher=publisher,
+        skip_names=skip,
     )
 
     async def on_prune(msg: PruneWeights) -> None:  # the controller: no server reads versions below msg.below again
         worker.prune_below(msg.below)
 
     ctl.handlers["prune_weights"] = on_prune
+    coros: list[Awaitable] = []
+    store = None
+    if publisher is not None:
+        async def on_open(msg: OpenWeightGroup) -> None:
+            await publisher.open_group(msg.name, msg.server)
+
+        async def on_send(msg: SendWeights) -> None:
+            publisher.request(msg.version, msg.servers)
+
+        ctl.handlers.update(open_weight_group=on_open, send_weights=on_send)
+        coros.append(publisher.run())
+        store = f"{publisher.sender.address}:{publisher.sender.port}"
     if cfg.recover == "auto":
         await worker.resume()  # before registering: the controller sends the exported weights to inference
-    await ctl.register(cfg.startup_timeout, address=address)
+    await ctl.register(cfg.startup_timeout, address=address, weights_store=store)
     cleanups = [_aclose(pull)]
+    if publisher is not None:
+        cleanups.append(asyncio.to_thread(publisher.close))
     if leader is not None:
         cleanups.append(asyncio.to_thread(leader.stop))  # release the follower ranks
-    return [worker.receive(), worker.train(), ctl.heartbeat(worker.heartbeat_stats)], cleanups
+    return [worker.receive(), worker.train(), ctl.heartbeat(worker.heartbeat_stats), *coros], cleanups
 
 
-def _final_exporter(cfg: ExperimentConfig, run_dir: str) -> Callable[[str], Any]:
-    """Writes ``<run>/final/`` (see `arl.learner.export`) from the last step's weights file."""
+def _final_exporter(cfg: ExperimentConfig, run_dir: str) -> Callable[[Any, int], Any]:
+    """Writes ``<run>/final/`` (see `arl.learner.export`) from the last step's weights (file or state dict)."""
     from arl.learner.export import export_final
 
-    def write(path: str) -> None:
-        out = export_final(path, cfg.model.path, os.path.join(run_dir, "final"), gen=dataclasses.asdict(cfg.gen))
+    def write(weights: Any, version: int) -> None:
+        out = export_final(weights, cfg.model.path, os.path.join(run_dir, "final"), gen=dataclasses.asdict(cfg.gen),
+                           version=version)
         logger.info("final model written to %s", out)
 
     return write

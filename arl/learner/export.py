@@ -26,7 +26,7 @@ import torch
 from arl.learner.checkpoint import replacing_dir
 from arl.models.tiny import stop_token_ids
 
-__all__ = ["export_final", "load_weights", "TOKENIZER_FILES", "EXPORT_INFO_FILE"]
+__all__ = ["export_final", "load_weights", "tied_aliases", "TOKENIZER_FILES", "EXPORT_INFO_FILE"]
 
 EXPORT_INFO_FILE = "arl_export.json"
 # The files of a HF tokenizer (fast, slow or tiktoken) and its chat template(s): copied from the base model as is.
@@ -119,6 +119,20 @@ def _untie(model: Any, sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Ten
                     raise ValueError(f"tied parameters {keep} and {other} differ in the weights")
                 del sd[other]
     return sd, tied
+
+
+def tied_aliases(model_dir: str) -> set[str]:
+    """Names of the model of `model_dir` that are tied copies of another parameter (lm_head.weight with tied
+    embeddings): a state dict sent to inference leaves them out (SGLang wants each tensor once; the torch engine's
+    model shares the parameter)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return {n for group in names.values() for n in group[1:]}
 
 
 def _copy_tokenizer(model_dir: str, out: str) -> list[str]:

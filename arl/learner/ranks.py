@@ -35,7 +35,7 @@ __all__ = ["RankLeader", "follow", "split_groups_over_ranks", "command_group"]
 # idle periods; a dead rank 0 is still noticed at once by torchrun, which stops the others.
 _IDLE_TIMEOUT = datetime.timedelta(hours=24)
 _PHASES = ("compute_logp", "compute_advantages", "ppo_update")  # run on each rank's current batch
-_ENGINE_CALLS = ("export_weights", "save", "load")
+_ENGINE_CALLS = ("export_weights", "save", "load", "full_state_dict")
 
 
 def command_group() -> Any:
@@ -103,6 +103,10 @@ class RankLeader:
     def export_weights(self, path: str) -> None:
         self._run("export_weights", [path] * self.world_size, self.actor.engine.export_weights)
 
+    def full_state_dict(self) -> Optional[dict]:
+        """Rank 0's full state dict (collective under ZeRO-3), for weights.transport=broadcast."""
+        return self._run("full_state_dict", [()] * self.world_size, lambda _: self.actor.engine.full_state_dict())
+
     def save(self, path: str, client_state: Optional[dict] = None, keep_last: Optional[int] = None) -> str:
         return self._run("save", [(path, client_state, keep_last)] * self.world_size,
                          lambda a: self.actor.engine.save(*a))
@@ -136,7 +140,7 @@ def follow(actor: Any, group: Any = None) -> int:
             getattr(actor, cmd)(batch)
             steps += cmd == "ppo_update"
         elif cmd in _ENGINE_CALLS:
-            getattr(actor.engine, cmd)(*(arg if cmd == "save" else (arg,)))
+            getattr(actor.engine, cmd)(*(arg if cmd in ("save", "full_state_dict") else (arg,)))
         elif cmd == "stop":
             logger.info("rank %d: stop after %d steps", actor.engine.rank, steps)
             return steps

@@ -29,7 +29,7 @@ import contextlib
 import logging
 import os
 import time
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any, Awaitable, Callable, Iterable, Optional
 
 from arl.api.engine import TrainEngine
 from arl.api.types import Trajectory
@@ -65,8 +65,12 @@ class LearnerWorker:
         keep_checkpoints: int = 2,
         vocab_size: Optional[int] = None,
         engine: Optional[TrainEngine] = None,
-        export_final: Optional[Callable[[str], Any]] = None,
+        export_final: Optional[Callable[[Any, int], Any]] = None,
+        publisher: Optional[Any] = None,
+        skip_names: Iterable[str] = (),
     ) -> None:
+        """`publisher` (weights.transport=broadcast): an `arl.weights.channel.WeightPublisher` that gets each
+        version's state dict (without `skip_names`, the tied copies) instead of a file being written."""
         self.actor = actor  # prepare / compute_logp / compute_advantages / ppo_update (`PPOActor`, `RankLeader`)
         self.engine: Any = engine if engine is not None else actor.engine  # version, save / load / export_weights
         self.pull = pull
@@ -99,8 +103,11 @@ class LearnerWorker:
         self._in_step = 0  # groups of the step being trained (taken from the buffer, not yet counted as trained)
         self._last_invalid_log = -1e9
         self.waiting_on = "starting"  # reported in heartbeats; the controller logs it if this role goes silent
-        self.export_final = export_final  # called with the last step's weights file: writes <run>/final/
-        os.makedirs(weights_dir, exist_ok=True)
+        self.export_final = export_final  # called with the last step's weights (file or state dict) and version
+        self.publisher = publisher
+        self.skip_names = set(skip_names)
+        if publisher is None:
+            os.makedirs(weights_dir, exist_ok=True)
 
     async def receive(self) -> None:
         while True:
@@ -204,9 +211,12 @@ class LearnerWorker:
         state = await asyncio.to_thread(self.engine.load, self.checkpoint_dir)
         self.restore(state or {})
         v = self.engine.version
-        path = os.path.join(self.weights_dir, f"v{v}.safetensors")
-        await asyncio.to_thread(self.engine.export_weights, path)
-        self._exported.append((v, path))
+        if self.publisher is not None:  # a restarted run's inference workers get these weights by broadcast
+            self.publisher.set_newest(v, await self._state_dict())
+        else:
+            path = os.path.join(self.weights_dir, f"v{v}.safetensors")
+            await asyncio.to_thread(self.engine.export_weights, path)
+            self._exported.append((v, path))
         logger.info("resumed from checkpoint v%d (%d groups consumed, data position %s)", v, self.groups_consumed,
                     self.data_position)
         return v
@@ -233,22 +243,35 @@ class LearnerWorker:
             await asyncio.to_thread(self.actor.compute_advantages, batch)  # group-normalised rewards
             metrics = await asyncio.to_thread(self.actor.ppo_update, batch)  # a step per minibatch; version + 1
             self._count_trained(trajs)
-            path = await self._export()  # v{version}.safetensors, for the inference workers
+            weights: Any
+            if self.publisher is None:
+                path = weights = await self._export()  # v{version}.safetensors, for the inference workers
+            else:  # broadcast: a state dict for the publisher, no file
+                path, weights = "", await self._state_dict()
             metrics = self._step_metrics(metrics, trajs, waited, time.monotonic() - t0, stale_tokens)
             await self.maybe_checkpoint(force=self.engine.version >= self.total_steps)
             if self.export_final is not None and self.engine.version >= self.total_steps:  # before the run can end
-                await asyncio.to_thread(self.export_final, path)
+                await asyncio.to_thread(self.export_final, weights, self.engine.version)
             # publish: the controller sends the weights to inference, reopens the gate and schedules evaluation
             await self._send("weights_published", {"version": self.engine.version, "path": path,
                                                    "metrics": metrics})
-            self._exported.append((self.engine.version, path))
-            self._prune()
+            if self.publisher is not None:  # only now: a send never carries a version the controller has not seen
+                self.publisher.set_newest(self.engine.version, weights)
+            else:
+                self._exported.append((self.engine.version, path))
+                self._prune()
 
     async def _export(self) -> str:
         path = os.path.join(self.weights_dir, f"v{self.engine.version}.safetensors")
         self.waiting_on = f"exporting weights v{self.engine.version}"
         await asyncio.to_thread(self.engine.export_weights, path)
         return path
+
+    async def _state_dict(self) -> dict:
+        """The full state dict (collective over the ranks), without the tied copies: what a broadcast sends."""
+        self.waiting_on = f"gathering weights v{self.engine.version}"
+        sd = await asyncio.to_thread(self.engine.full_state_dict)
+        return {k: v for k, v in sd.items() if k not in self.skip_names}
 
     def _step_metrics(self, metrics: dict, batch: list[Trajectory], waited: float, train_s: float,
                       stale_tokens: dict[int, int]) -> dict[str, float]:
@@ -300,5 +323,5 @@ class LearnerWorker:
             f"nothing: all {self.total_steps} steps done")
         return {**self.stats, "buffered_groups": len(self.buffer), "version": self.engine.version,
                 "buffered_trajectories": sum(len(g) for g in self.buffer), "waiting_on": waiting,
-                "in_step_groups": self._in_step,
+                "in_step_groups": self._in_step, **(self.publisher.stats if self.publisher is not None else {}),
                 "transport": dict(getattr(self.pull, "stats", {}))}

@@ -15,13 +15,25 @@ UpdateWeightFromDiskReqInput, AbortReq) and what the real server returned on thi
       -> {"success", "message", "num_paused_requests"} (HTTP 400 when not successful)
     POST /abort_request {"rid", "abort_all"}, GET /health, GET /model_info, POST /flush_cache
 
+and the distributed weight update (InitWeightsUpdateGroupReqInput, BeginWeightUpdateReqInput,
+UpdateWeightsFromDistributedReqInput, EndWeightUpdateReqInput, DestroyWeightsUpdateGroupReqInput), each answering
+{"success", "message"} (HTTP 400 when not successful):
+
+    POST /init_weights_update_group {"master_address", "master_port", "rank_offset", "world_size", "group_name"?,
+      "backend"?}      joins the trainer's group the way SGLang does (init_custom_process_group over tcp://)
+    POST /begin_weight_update {"selector"?}  /  POST /end_weight_update {}      the session an update must sit in
+    POST /update_weights_from_distributed {"names", "dtypes", "shapes", "group_name"?, "flush_cache"?,
+      "weight_version"?, "load_format"?: null | "flattened_bucket", ...}   receives the broadcast, loads it
+    POST /destroy_weights_update_group {"group_name"?}
+
 Unknown request fields are refused (HTTP 400), so a misspelt field in the client fails a test. Semantics copied:
 a paused server holds new requests until continue; `in_place` keeps requests in the batch (a flush is refused while
 any runs, which fails the update call), `retract` and `abort` empty it; an update while not paused waits until no
 request runs (SGLang's writer lock).
 
 The toy model: greedy next token = (3 * last + shift) % vocab, logprob -0.05 * shift; `shift` = 1 + (sum of every
-tensor in the weights directory's *.safetensors, rounded) % 7. Sampling (temperature > 0) adds 0 or 1 at random.
+tensor in the weights directory's *.safetensors, or of the tensors a distributed update received, rounded) % 7.
+The tensors of the last distributed update are kept in `received` (name -> tensor), for tests to compare. Sampling (temperature > 0) adds 0 or 1 at random.
 Run standalone: `python -m tests.inference.fake_sglang --model-path DIR --port P` (used to test supervision).
 """
 
@@ -30,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import glob
+import json
 import os
 import random
 import uuid
@@ -52,6 +65,33 @@ UPDATE_KEYS = {"rid", "model_path", "load_format", "abort_all_requests", "weight
 PAUSE_KEYS = {"rid", "mode"}
 CONTINUE_KEYS = {"rid", "torch_empty_cache"}
 ABORT_KEYS = {"rid", "abort_all", "finished_reason", "abort_message", "weight_versions"}
+INIT_GROUP_KEYS = {"rid", "http_worker_ipc", "master_address", "master_port", "rank_offset", "world_size",
+                   "group_name", "backend"}
+DESTROY_GROUP_KEYS = {"rid", "http_worker_ipc", "group_name"}
+BEGIN_KEYS = {"rid", "http_worker_ipc", "selector"}
+END_KEYS = {"rid", "http_worker_ipc"}
+DIST_UPDATE_KEYS = {"rid", "http_worker_ipc", "names", "dtypes", "shapes", "group_name", "flush_cache",
+                    "abort_all_requests", "weight_version", "load_format", "selector", "torch_empty_cache"}
+
+
+def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
+                              timeout_s: float = 60.0) -> Any:
+    """SGLang 0.5.23's `sglang.srt.utils.init_custom_process_group`, as the server calls it (tcp:// rendezvous,
+    the store under a PrefixStore(group_name), torch's _new_process_group_helper): the fake meets a trainer exactly
+    where the real server would."""
+    from datetime import timedelta
+
+    from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper, _world,
+                                                    rendezvous)
+
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
+                                      backend_options=None, timeout=timeout, device_id=None)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
 
 
 def shift_of(model_path: str) -> int:
@@ -112,6 +152,10 @@ class FakeSGLang:
         self._rng = random.Random(seed)
         self._runner: Optional[web.AppRunner] = None
         self.base_url = ""
+        self.groups: dict[str, Any] = {}  # group name -> torch process group (init_weights_update_group)
+        self.session = False  # between begin_weight_update and end_weight_update
+        self.received: dict[str, Any] = {}  # name -> torch tensor loaded in the last begin/end session
+        self.group_timeout_s = 60.0
 
     # ------------------------------------------------------------------ lifecycle
     def app(self) -> web.Application:
@@ -125,6 +169,11 @@ class FakeSGLang:
         app.router.add_post("/update_weights_from_disk", self.update_weights_from_disk)
         app.router.add_post("/abort_request", self.abort_request)
         app.router.add_route("*", "/flush_cache", self.flush_cache)
+        app.router.add_post("/init_weights_update_group", self.init_weights_update_group)
+        app.router.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
+        app.router.add_post("/begin_weight_update", self.begin_weight_update)
+        app.router.add_post("/end_weight_update", self.end_weight_update)
+        app.router.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
@@ -140,6 +189,8 @@ class FakeSGLang:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        for name in list(self.groups):
+            self._destroy_group(name)
 
     def posts(self, path: str) -> list[dict]:
         return [b for p, b in self.log if p == path]
@@ -318,6 +369,139 @@ class FakeSGLang:
         return web.json_response({"success": True, "message": "Succeeded to update model weights.",
                                   "num_paused_requests": 0})
 
+    # ------------------------------------------------------------------ distributed weight update
+    @staticmethod
+    def _result(success: bool, message: str) -> web.Response:
+        return web.json_response({"success": success, "message": message}, status=200 if success else 400)
+
+    def _missing(self, body: dict, *keys: str) -> Optional[web.Response]:
+        absent = [k for k in keys if k not in body]
+        return self._bad(f"missing required fields {absent}", 422) if absent else None
+
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        body, err = await self._body(request, INIT_GROUP_KEYS, "/init_weights_update_group")
+        if err is not None:
+            return err
+        err = self._missing(body, "master_address", "master_port", "rank_offset", "world_size")
+        if err is not None:
+            return err
+        name = str(body.get("group_name", "weight_update_group"))
+        if not name:
+            return self._result(False, "Failed to initialize custom process group: Group name cannot be empty.")
+        if name in self.groups:
+            return self._result(False, "Failed to initialize custom process group: The specified group name has "
+                                       "already been created, please use a different group name.")
+        url = f"tcp://{body['master_address']}:{int(body['master_port'])}"
+        try:
+            pg = await asyncio.to_thread(init_custom_process_group, str(body.get("backend", "nccl")), url,
+                                         int(body["world_size"]), int(body["rank_offset"]), name,
+                                         self.group_timeout_s)
+        except Exception as e:  # noqa: BLE001 - SGLang answers the error as its message
+            return self._result(False, f"Failed to initialize custom process group: {e}.")
+        self.groups[name] = pg
+        return self._result(True, "Succeeded to initialize custom process group.")
+
+    def _destroy_group(self, name: str) -> bool:
+        import torch.distributed as dist
+
+        pg = self.groups.pop(name, None)
+        if pg is None:
+            return False
+        dist.destroy_process_group(pg)
+        return True
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        body, err = await self._body(request, DESTROY_GROUP_KEYS, "/destroy_weights_update_group")
+        if err is not None:
+            return err
+        if self._destroy_group(str(body.get("group_name", "weight_update_group"))):
+            return self._result(True, "Succeeded to destroy custom process group.")
+        return self._result(False, "The group to be destroyed does not exist.")
+
+    async def begin_weight_update(self, request: web.Request) -> web.Response:
+        body, err = await self._body(request, BEGIN_KEYS, "/begin_weight_update")
+        if err is not None:
+            return err
+        if not self.paused:
+            await self._idle.wait()  # the writer lock, as for the other weight updates
+        if self.session:
+            return self._result(False, "a weight-update session is already open; call end_weight_update() first")
+        self.session = True
+        self.received = {}
+        return self._result(True, "Success")
+
+    async def end_weight_update(self, request: web.Request) -> web.Response:
+        body, err = await self._body(request, END_KEYS, "/end_weight_update")
+        if err is not None:
+            return err
+        if not self.session:
+            return self._result(False, "no weight-update session is open; call begin_weight_update() first")
+        self.session = False
+        return self._result(True, "Success")
+
+    def _receive(self, names: list, dtypes: list, shapes: list, group_name: str, load_format: Optional[str]) -> list:
+        """WeightUpdater.receive_weights_from_distributed: per-tensor broadcasts, or one flattened bucket."""
+        import torch
+        import torch.distributed as dist
+
+        if group_name not in self.groups:
+            raise AssertionError(f"Group {group_name} not in {list(self.groups)}. Please call "
+                                 "`init_weights_update_group` first.")
+        pg = self.groups[group_name]
+        if load_format == "flattened_bucket":
+            sizes, offset = [], 0
+            for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+                dt = getattr(torch, dtype)
+                if offset % dt.itemsize:
+                    raise ValueError(f"Unaligned received tensor {name}: byte offset {offset}, dtype {dt}")
+                n = int(torch.Size(shape).numel()) * dt.itemsize
+                sizes.append((name, dt, shape, offset, n))
+                offset += n
+            flat = torch.empty(offset, dtype=torch.uint8)
+            dist.broadcast(flat, src=0, group=pg)
+            return [(name, flat[o:o + n].view(dt).reshape(shape)) for name, dt, shape, o, n in sizes]
+        out, handles = [], []
+        for name, dtype, shape in zip(names, dtypes, shapes):
+            w = torch.empty(shape, dtype=getattr(torch, dtype))
+            handles.append(dist.broadcast(w, src=0, group=pg, async_op=True))
+            out.append((name, w))
+        for h in handles:
+            h.wait()
+        return out
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        body, err = await self._body(request, DIST_UPDATE_KEYS, "/update_weights_from_distributed")
+        if err is not None:
+            return err
+        err = self._missing(body, "names", "dtypes", "shapes")
+        if err is not None:
+            return err
+        if body.get("abort_all_requests"):
+            self._abort_all()
+        if not self.paused:
+            await self._idle.wait()
+        if not self.session:
+            return self._result(False, "update_weights_from_distributed must run between begin_weight_update() "
+                                       "and end_weight_update()")
+        try:
+            weights = await asyncio.to_thread(self._receive, list(body["names"]), list(body["dtypes"]),
+                                              list(body["shapes"]), str(body.get("group_name", "weight_update_group")),
+                                              body.get("load_format"))
+        except Exception as e:  # noqa: BLE001
+            return self._result(False, f"Failed to receive weights: {e}")
+        self.received.update((n, t.clone()) for n, t in weights)  # a session's buckets add up to the model
+        total = sum(float(t.double().sum()) for t in self.received.values())
+        self.shift = 1 + int(round(abs(total))) % 7
+        if body.get("weight_version") is not None:
+            self._set_version(str(body["weight_version"]))
+        if body.get("flush_cache", True) and self.running and self.pause_mode == "in_place":
+            return self._result(False, "Weights were updated, but the cache was not flushed because requests are "
+                                       "still running or queued. Retract or finish them, then call /flush_cache.")
+        msg = "Succeeded to update parameter online."
+        if body.get("weight_version") is not None:
+            msg += f" Weight version updated to {body['weight_version']}."
+        return self._result(True, msg)
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -326,7 +510,13 @@ def main() -> None:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--step-s", type=float, default=0.002)
     args, _ = ap.parse_known_args()
-    fake = FakeSGLang(args.model_path, step_s=args.step_s)
+    vocab = 64
+    try:  # the model's own vocabulary, so a run's token ids are in range (e2e runs with the tiny model)
+        with open(os.path.join(args.model_path, "config.json")) as f:
+            vocab = int(json.load(f)["vocab_size"])
+    except (OSError, ValueError, KeyError):
+        pass
+    fake = FakeSGLang(args.model_path, vocab=vocab, step_s=args.step_s)
     web.run_app(fake.app(), host=args.host, port=args.port, print=None)
 
 

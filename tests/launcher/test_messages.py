@@ -31,6 +31,11 @@ EXAMPLES = [
     m.WorkerLost(role="inference", indices=[1, 2]),
     m.WorkerBack(role="inference", index=1, address="tcp://b:1"),
     m.Shutdown(reason="run finished"),
+    m.JoinWeightGroup(index=1, spec={"master_address": "10.0.0.1", "master_port": 29500, "group_name": "g",
+                                     "world_size": 2, "rank": 1, "backend": "gloo"}),
+    m.OpenWeightGroup(name="arl-weights-s1-2", server=1),
+    m.SendWeights(version=3, servers=[0, 1]),
+    m.Register(role="learner", address="tcp://a:1", weights_store="10.0.0.1:29500"),
 ]
 
 

@@ -56,7 +56,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DeepSpeedEngine", "ensure_distributed", "lr_lambda"]
 
-# A rendezvous that has not met within this long is broken (a peer rank died or never started): fail, do not hang.
+# A lone rank's file rendezvous that has not completed within this long is broken: fail, do not hang.
 _INIT_TIMEOUT_S = 600.0
 _DIST_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
 
@@ -91,9 +91,11 @@ def ensure_distributed() -> None:
         os.unlink(store)
         init_method = f"file://{store}"
     try:
+        # Only the lone rank gets a short timeout: with several ranks it also bounds every collective (a rank
+        # waiting while rank 0 writes a large checkpoint), so it stays torch's default there.
+        lone = {"rank": 0, "world_size": 1, "timeout": timedelta(seconds=_INIT_TIMEOUT_S)} if init_method else {}
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
-                                   timeout=timedelta(seconds=_INIT_TIMEOUT_S), init_method=init_method,
-                                   **({"rank": 0, "world_size": 1} if init_method else {}))
+                                   init_method=init_method, **lone)
     finally:
         # The rendezvous address we made up is this process's business: a child process (a test, a benchmark
         # or the launcher starting its own learner) must not inherit MASTER_PORT and try to bind it again.

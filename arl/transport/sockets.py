@@ -142,6 +142,13 @@ class _Socket:
 
     # ----------------------------------------------------------------- lifecycle / addressing
 
+    def bind(self, address: str) -> str:
+        """Bind an explicit endpoint (an ipc:// path, a fixed port); the endpoint as zmq resolved it."""
+        self._sock.bind(address)
+        endpoint = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.addresses.append(endpoint)
+        return endpoint
+
     def bind_random(self, host: str = "127.0.0.1") -> str:
         address = bind_random(self._sock, host)
         self.addresses.append(address)

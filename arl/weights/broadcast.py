@@ -337,6 +337,17 @@ class Group:
         self.pg = None
 
 
+def wait_announced(store: Store, group_name: str, seq: int, wait_s: float) -> tuple[int, TransferPlan]:
+    """The version and plan the sender announced for transfer `seq` of a group, waiting at most `wait_s` (outside
+    any collective, so it can be long): the one wait both a torch receiver and an SGLang server's client make."""
+    try:
+        raw = json.loads(_get_str(store, f"arl/xfer/{seq}", wait_s))
+    except Exception as e:  # noqa: BLE001
+        raise WeightTransferError(f"group {group_name!r}: no transfer #{seq} announced within {wait_s:g}s: "
+                                  f"{e}") from e
+    return int(raw["version"]), TransferPlan.from_json(raw["plan"])
+
+
 def _get_str(store: Store, key: str, timeout_s: float) -> str:
     store.wait([key], _td(timeout_s))
     return store.get(key).decode()
@@ -636,13 +647,7 @@ class WeightReceiver:
         """The version and plan of the next transfer, waiting at most `wait_s` (default `timeout_s`) for the
         sender to announce it (this wait is outside any collective, so it can be long)."""
         g = self._joined()
-        wait = self.timeout_s if wait_s is None else wait_s
-        try:
-            raw = json.loads(_get_str(g.store, f"arl/xfer/{self.seq}", wait))
-        except Exception as e:  # noqa: BLE001
-            raise WeightTransferError(f"group {g.name!r}: no transfer #{self.seq} announced within {wait:g}s: "
-                                      f"{e}") from e
-        return int(raw["version"]), TransferPlan.from_json(raw["plan"])
+        return wait_announced(g.store, g.name, self.seq, self.timeout_s if wait_s is None else wait_s)
 
     def receive_into(self, target: Target, *, wait_s: Optional[float] = None,
                      expected_names: Optional[Sequence[str]] = None, allow_missing: bool = False,

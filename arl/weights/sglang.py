@@ -15,7 +15,8 @@ import urllib.error
 import urllib.request
 from typing import Any, Optional
 
-from arl.weights.broadcast import GroupSpec, TransferPlan, WeightTransferError, _get_str, arl_store, store_client
+from arl.weights.broadcast import GroupSpec, TransferPlan, WeightTransferError, arl_store, store_client, \
+    wait_announced
 
 __all__ = ["SGLangWeightClient"]
 
@@ -74,13 +75,8 @@ class SGLangWeightClient:
         the two, so the pause does not include the wait for the learner."""
         if self._store is None:
             raise WeightTransferError(f"group {self.spec.group_name!r}: not joined")
-        wait = self.timeout_s if wait_s is None else wait_s
-        try:
-            raw = json.loads(_get_str(self._store, f"arl/xfer/{self.seq}", wait))
-        except Exception as e:  # noqa: BLE001
-            raise WeightTransferError(f"group {self.spec.group_name!r}: no transfer #{self.seq} announced within "
-                                      f"{wait:g}s: {e}") from e
-        return int(raw["version"]), TransferPlan.from_json(raw["plan"])
+        return wait_announced(self._store, self.spec.group_name, self.seq,
+                              self.timeout_s if wait_s is None else wait_s)
 
     def load(self, version: int, plan: TransferPlan) -> int:
         """Have the server receive the announced transfer (`next_transfer`); returns `version`."""

@@ -30,5 +30,6 @@ setup(
                 "tensorboard>=2.14", "wandb>=0.19", "mlflow-skinny>=2.14", "matplotlib>=3.7"],
         "data": ["datasets>=2.16"],
         "sglang": ["sglang>=0.5.23", "requests"],
+        "ray": ["ray>=2.40"],  # launcher=ray; imported only then
     },
 )

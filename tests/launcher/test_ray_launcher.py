@@ -1,0 +1,113 @@
+"""`launcher=ray` on a two-node Ray cluster made on this one host (`ray.cluster_utils.Cluster`: a head with the
+custom resource node_a, a second node with node_b). The default experiment runs a few steps with the inference
+worker on node_a and the rollout worker and the learner on node_b; the metrics say where each role ran; the run's
+end leaves no role process, actor or placement group behind. Only the Ray these tests start is stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from arl.config import RayConfig
+from arl.launcher.ray_launcher import bundle_for, role_of
+from tests.e2e.test_end_to_end import MAIN, ROOT, SMALL, leftover_processes, read_metrics
+from tests.waiting import wait_until
+
+
+def test_bundles_carry_the_role_needs_and_its_placement() -> None:
+    cfg = RayConfig(placement={"inference": {"node_a": 0.01}, "learner": [{"node_b": 0.01}, {"node_a": 0.01}]},
+                    gpus_per_inference=1.0, cpus_per_rollout=2.0)
+    assert bundle_for(cfg, "inference", 0, servers_per_process=2) == {"CPU": 1.0, "GPU": 2.0, "node_a": 0.01}
+    assert bundle_for(cfg, "rollout", 3) == {"CPU": 2.0}
+    assert bundle_for(cfg, "learner", 0) == {"CPU": 1.0, "node_b": 0.01}
+    assert bundle_for(cfg, "learner", 1) == {"CPU": 1.0, "node_a": 0.01}
+    assert bundle_for(cfg, "learner", 5) == {"CPU": 1.0, "node_a": 0.01}  # the last one repeats
+    assert [role_of(n) for n in ("inference2", "rollout0", "learner")] == [("inference", 2), ("rollout", 0),
+                                                                          ("learner", 0)]
+
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def model_cache(tmp_path_factory) -> str:
+    return os.environ.get("ARL_TEST_MODEL_CACHE") or str(tmp_path_factory.mktemp("arl-cache"))
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"node_a": 1},
+                                                      "include_dashboard": False})
+    c.add_node(num_cpus=2, resources={"node_b": 1})
+    c.wait_for_nodes()
+    try:
+        yield c
+    finally:
+        c.shutdown()  # only the Ray this module started
+
+
+def run_on_ray(cluster, args: list[str], run_root: str, cache: str, timeout: float = 400):
+    cmd = [sys.executable, MAIN, f"run_dir={run_root}", "run_name=run", f"model.cache_dir={cache}", "launcher=ray",
+           f"ray.address={cluster.address}", *args]
+    env = {k: v for k, v in os.environ.items() if k != "ARL_SECRET"}
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env), \
+        os.path.join(run_root, "run")
+
+
+def cluster_leftovers(cluster) -> tuple[list, list]:
+    """(live actors, placement groups not removed) in the test cluster, seen from a driver of our own."""
+    from ray._private import state
+
+    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+    try:
+        actors = [a for a in state.actors().values() if a.get("State") != "DEAD"]
+        pgs = [p for p in ray.util.placement_group_table().values() if p.get("state") != "REMOVED"]
+        return actors, pgs
+    finally:
+        ray.shutdown()
+
+
+PLACE = ["ray.placement.inference={node_a: 0.01}", "ray.placement.rollout={node_b: 0.01}",
+         "ray.placement.learner={node_b: 0.01}"]
+
+
+@pytest.mark.slow
+def test_default_experiment_on_two_ray_nodes(tmp_path, model_cache, cluster):
+    steps = 2
+    proc, run_dir = run_on_ray(cluster, [f"total_train_steps={steps}", *SMALL, *PLACE], str(tmp_path), model_cache)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics if m["type"] == "train"] == list(range(1, steps + 1))
+    placed = {m["role"]: m for m in metrics if m["type"] == "role_placed"}
+    assert set(placed) == {"inference0", "rollout0", "learner0"}, placed
+    assert "node_a" in placed["inference0"]["node_resources"]
+    assert "node_b" in placed["rollout0"]["node_resources"] and "node_b" in placed["learner0"]["node_resources"]
+    assert placed["inference0"]["node_id"] != placed["rollout0"]["node_id"] == placed["learner0"]["node_id"]
+    # every role's log reached the run directory on the driver, whole (its last line is the exit)
+    for name in ("inference0", "rollout0", "learner"):
+        with open(os.path.join(run_dir, "logs", f"{name}.log")) as f:
+            text = f.read()
+        assert f"starting {name if name != 'learner' else 'learner0'}" in text and "exiting with 0" in text, text[-2000:]
+    # the secret went to the roles through Ray: not in config.yaml, and the controller bound off loopback
+    with open(os.path.join(run_dir, "config.yaml")) as f:
+        assert "secret: ''" in f.read()
+    with open(os.path.join(run_dir, "addresses.json")) as f:
+        assert not json.load(f)["controller"].startswith("tcp://127.")
+    wait_until(lambda: leftover_processes(run_dir) == [], 30, "the roles to exit")
+    wait_until(lambda: cluster_leftovers(cluster) == ([], []), 30, "no actor or placement group left")
+
+
+@pytest.mark.slow
+def test_a_role_that_cannot_be_placed_is_a_clear_error(tmp_path, model_cache, cluster):
+    proc, run_dir = run_on_ray(cluster, ["total_train_steps=1", *SMALL, "startup_timeout=8",
+                                         "ray.placement.inference={node_z: 1}"], str(tmp_path), model_cache)
+    assert proc.returncode != 0
+    assert "inference0 could not be placed within startup_timeout=8s" in proc.stderr, proc.stderr[-3000:]
+    wait_until(lambda: leftover_processes(run_dir) == [], 30, "the roles to exit")
+    wait_until(lambda: cluster_leftovers(cluster) == ([], []), 30, "no actor or placement group left")

@@ -73,14 +73,19 @@ def cluster_leftovers(cluster) -> tuple[list, list]:
         ray.shutdown()
 
 
-PLACE = ["ray.placement.inference={node_a: 0.01}", "ray.placement.rollout={node_b: 0.01}",
-         "ray.placement.learner={node_b: 0.01}"]
+PLACE = ["ray.placement.inference={node_a: 0.01}", "ray.placement.rollout={node_b: 0.01}"]
+# learner rank 0 on node_b, rank 1 on node_a; weights by broadcast (no file)
+ONE_RANK = ["ray.placement.learner={node_b: 0.01}"]
+TWO_RANKS = ["ray.placement.learner=[{node_b: 0.01}, {node_a: 0.01}]", "learner.num_ranks=2",
+             "weights.transport=broadcast", "weights.timeout_s=60"]
 
 
 @pytest.mark.slow
-def test_default_experiment_on_two_ray_nodes(tmp_path, model_cache, cluster):
+@pytest.mark.parametrize("extra", [ONE_RANK, TWO_RANKS], ids=["disk", "two_ranks_broadcast"])
+def test_default_experiment_on_two_ray_nodes(tmp_path, model_cache, cluster, extra):
     steps = 2
-    proc, run_dir = run_on_ray(cluster, [f"total_train_steps={steps}", *SMALL, *PLACE], str(tmp_path), model_cache)
+    proc, run_dir = run_on_ray(cluster, [f"total_train_steps={steps}", *SMALL, *PLACE, *extra], str(tmp_path),
+                               model_cache)
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics if m["type"] == "train"] == list(range(1, steps + 1))
@@ -89,6 +94,12 @@ def test_default_experiment_on_two_ray_nodes(tmp_path, model_cache, cluster):
     assert "node_a" in placed["inference0"]["node_resources"]
     assert "node_b" in placed["rollout0"]["node_resources"] and "node_b" in placed["learner0"]["node_resources"]
     assert placed["inference0"]["node_id"] != placed["rollout0"]["node_id"] == placed["learner0"]["node_id"]
+    if extra is TWO_RANKS:
+        ranks = placed["learner0"]["ranks"]
+        assert [r["node_resources"] for r in ranks] == [["node_b"], ["node_a"]], ranks
+        assert not os.path.exists(os.path.join(run_dir, "weights"))
+        with open(os.path.join(run_dir, "logs", "learner-rank1.log")) as f:
+            assert "learner rank 1 done after" in f.read()
     # every role's log reached the run directory on the driver, whole (its last line is the exit)
     for name in ("inference0", "rollout0", "learner"):
         with open(os.path.join(run_dir, "logs", f"{name}.log")) as f:

@@ -122,3 +122,65 @@ def test_a_role_that_cannot_be_placed_is_a_clear_error(tmp_path, model_cache, cl
     assert "inference0 could not be placed within startup_timeout=8s" in proc.stderr, proc.stderr[-3000:]
     wait_until(lambda: leftover_processes(run_dir) == [], 30, "the roles to exit")
     wait_until(lambda: cluster_leftovers(cluster) == ([], []), 30, "no actor or placement group left")
+
+
+def start_on_ray(cluster, args: list[str], run_root: str, cache: str) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, MAIN, f"run_dir={run_root}", "run_name=run", f"model.cache_dir={cache}", "launcher=ray",
+           f"ray.address={cluster.address}", *args]
+    env = {k: v for k, v in os.environ.items() if k != "ARL_SECRET"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return proc, os.path.join(run_root, "run")
+
+
+def train_records(run_dir: str) -> list[dict]:
+    try:
+        return [m for m in read_metrics(run_dir) if m["type"] == "train"]
+    except (OSError, ValueError):
+        return []
+
+
+@pytest.mark.slow
+def test_a_lost_nodes_rollout_worker_restarts_on_a_surviving_node(tmp_path, model_cache, cluster):
+    node_c = cluster.add_node(num_cpus=1, resources={"node_c": 1})
+    cluster.wait_for_nodes()
+    steps = 5
+    proc, run_dir = start_on_ray(cluster, [f"total_train_steps={steps}", *SMALL, *ONE_RANK,
+                                           "ray.placement.inference={node_a: 0.01}",
+                                           "ray.placement.rollout={node_c: 0.01}"], str(tmp_path), model_cache)
+    try:
+        wait_until(lambda: len(train_records(run_dir)) >= 1 or proc.poll() is not None, 300, "a first step")
+        cluster.remove_node(node_c)  # takes rollout0 (its actor and process) with it
+        out, err = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstderr:\n{err[-6000:]}"
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics if m["type"] == "train"] == list(range(1, steps + 1))
+    restarts = [m for m in metrics if m["type"] == "worker_restarted" and m.get("kind") == "rollout_restart"]
+    assert len(restarts) == 1, restarts
+    placed = [m for m in metrics if m["type"] == "role_placed" and m["role"] == "rollout0"]
+    assert [p["node_resources"] for p in placed][0] == ["node_c"]
+    assert len(placed) == 2 and "node_c" not in placed[1]["node_resources"], placed
+    summary = [m for m in metrics if m["type"] == "summary"][-1]
+    assert summary["rollout_restarts"] == 1 and summary["learner"]["trained_twice"] == 0
+    wait_until(lambda: leftover_processes(run_dir) == [], 30, "the roles to exit")
+    wait_until(lambda: cluster_leftovers(cluster) == ([], []), 30, "no actor or placement group left")
+
+
+@pytest.mark.slow
+def test_ctrl_c_leaves_no_actor_or_role_process(tmp_path, model_cache, cluster):
+    import signal
+
+    proc, run_dir = start_on_ray(cluster, ["total_train_steps=50", *SMALL, *PLACE, *ONE_RANK], str(tmp_path),
+                                 model_cache)
+    try:
+        wait_until(lambda: len(train_records(run_dir)) >= 1 or proc.poll() is not None, 300, "a first step")
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, f"exit {proc.returncode}\nstderr:\n{err[-4000:]}"
+    wait_until(lambda: leftover_processes(run_dir) == [], 30, "the roles to exit")
+    wait_until(lambda: cluster_leftovers(cluster) == ([], []), 30, "no actor or placement group left")

@@ -216,6 +216,7 @@ class RayLauncher:
         if name in self.roles:
             raise ValueError(f"a role process named {name!r} already exists")
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
+        open(log_path, "ab").close()  # there from the start, like a local role's (copies append to it)
         if self._deadline is None:
             self._deadline = time.monotonic() + self.startup_timeout
         role = _Role(name, list(argv), log_path, [])

@@ -184,3 +184,38 @@ def test_ctrl_c_leaves_no_actor_or_role_process(tmp_path, model_cache, cluster):
     assert proc.returncode == 130, f"exit {proc.returncode}\nstderr:\n{err[-4000:]}"
     wait_until(lambda: leftover_processes(run_dir) == [], 30, "the roles to exit")
     wait_until(lambda: cluster_leftovers(cluster) == ([], []), 30, "no actor or placement group left")
+
+
+SLEEPER = [sys.executable, "-c", "import os, sys, time; print('hello from', os.environ.get('ARL_SECRET'), "
+                                 "os.environ.get('ARL_BIND_HOST'), flush=True); time.sleep(600)"]
+FAILER = [sys.executable, "-c", "print('about to fail', flush=True); raise SystemExit(3)"]
+
+
+def test_ray_launcher_supervises_role_processes_on_their_nodes(tmp_path, cluster):
+    """The RoleLauncher contract over Ray: placement, logs in the run directory, the environment handed through
+    Ray, an unexpected exit reported with its code, kill (expected, not reported), respawn, and close."""
+    from arl.launcher.ray_launcher import RayLauncher
+
+    cfg = RayConfig(address=cluster.address, placement={"inference": {"node_a": 0.01}, "rollout": {"node_b": 0.01}})
+    launcher = RayLauncher(cfg, startup_timeout=60, run_dir=str(tmp_path), log_poll_s=0.1)
+    launcher.env["ARL_SECRET"] = "s3cret-for-this-test"
+    logs = tmp_path / "logs"
+    try:
+        launcher.spawn("inference0", SLEEPER, str(logs / "inference0.log"))
+        launcher.spawn("rollout0", FAILER, str(logs / "rollout0.log"))
+        assert launcher.where("inference0")["node_resources"] == ["node_a"]
+        assert launcher.where("rollout0")["node_resources"] == ["node_b"]
+        wait_until(lambda: launcher.dead() == [("rollout0", 3)], 60, "rollout0's exit to be reported")
+        assert "about to fail" in (logs / "rollout0.log").read_text()
+        wait_until(lambda: "hello from s3cret-for-this-test" in (logs / "inference0.log").read_text(), 60,
+                   "inference0's log to reach the run directory")
+        assert launcher.alive("inference0") and not launcher.alive("rollout0")
+        launcher.kill("inference0")
+        wait_until(lambda: not launcher.alive("inference0"), 30, "inference0 to die")
+        assert launcher.dead() == [("rollout0", 3)]  # a killed role is not reported
+        launcher.respawn("inference0")
+        wait_until(lambda: launcher.alive("inference0") and
+                   (logs / "inference0.log").read_text().count("hello from") == 2, 60, "inference0 again")
+    finally:
+        launcher.close()
+    wait_until(lambda: cluster_leftovers(cluster) == ([], []), 30, "no actor or placement group left")

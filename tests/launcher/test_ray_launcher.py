@@ -139,17 +139,24 @@ def train_records(run_dir: str) -> list[dict]:
         return []
 
 
+LOSE_ROLLOUT = ["ray.placement.inference={node_a: 0.01}", "ray.placement.rollout={node_c: 0.01}"]
+LOSE_INFERENCE = ["inference.num_workers=2", "ray.placement.inference=[{node_a: 0.01}, {node_c: 0.01}]",
+                  "ray.placement.rollout={node_b: 0.01}"]
+
+
 @pytest.mark.slow
-def test_a_lost_nodes_rollout_worker_restarts_on_a_surviving_node(tmp_path, model_cache, cluster):
+@pytest.mark.parametrize("lost", ["rollout0", "inference1"])
+def test_a_lost_nodes_roles_restart_on_a_surviving_node(tmp_path, model_cache, cluster, lost):
     node_c = cluster.add_node(num_cpus=1, resources={"node_c": 1})
     cluster.wait_for_nodes()
-    steps = 5
-    proc, run_dir = start_on_ray(cluster, [f"total_train_steps={steps}", *SMALL, *ONE_RANK,
-                                           "ray.placement.inference={node_a: 0.01}",
-                                           "ray.placement.rollout={node_c: 0.01}"], str(tmp_path), model_cache)
+    # the other inference server keeps the run going: enough steps left for the restarted one to come back
+    steps = 5 if lost == "rollout0" else 40  # a restart takes ~15 s on 2 busy cores, a step ~0.4 s
+    place = LOSE_ROLLOUT if lost == "rollout0" else LOSE_INFERENCE
+    proc, run_dir = start_on_ray(cluster, [f"total_train_steps={steps}", *SMALL, *ONE_RANK, *place], str(tmp_path),
+                                 model_cache)
     try:
         wait_until(lambda: len(train_records(run_dir)) >= 1 or proc.poll() is not None, 300, "a first step")
-        cluster.remove_node(node_c)  # takes rollout0 (its actor and process) with it
+        cluster.remove_node(node_c)  # takes the lost role (its actor and process) with it
         out, err = proc.communicate(timeout=400)
     finally:
         if proc.poll() is None:
@@ -157,13 +164,16 @@ def test_a_lost_nodes_rollout_worker_restarts_on_a_surviving_node(tmp_path, mode
     assert proc.returncode == 0, f"exit {proc.returncode}\nstderr:\n{err[-6000:]}"
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics if m["type"] == "train"] == list(range(1, steps + 1))
-    restarts = [m for m in metrics if m["type"] == "worker_restarted" and m.get("kind") == "rollout_restart"]
+    kind = "rollout_restart" if lost == "rollout0" else "inference_restart"
+    restarts = [m for m in metrics if m["type"] == "worker_restarted" and m.get("kind") == kind]
     assert len(restarts) == 1, restarts
-    placed = [m for m in metrics if m["type"] == "role_placed" and m["role"] == "rollout0"]
+    placed = [m for m in metrics if m["type"] == "role_placed" and m["role"] == lost]
     assert [p["node_resources"] for p in placed][0] == ["node_c"]
     assert len(placed) == 2 and "node_c" not in placed[1]["node_resources"], placed
     summary = [m for m in metrics if m["type"] == "summary"][-1]
-    assert summary["rollout_restarts"] == 1 and summary["learner"]["trained_twice"] == 0
+    assert summary[f"{lost[:-1]}_restarts"] == 1 and summary["learner"]["trained_twice"] == 0
+    if lost == "inference1":
+        assert any(m["type"] == "worker_back" and m.get("server") == 1 for m in metrics)
     wait_until(lambda: leftover_processes(run_dir) == [], 30, "the roles to exit")
     wait_until(lambda: cluster_leftovers(cluster) == ([], []), 30, "no actor or placement group left")
 

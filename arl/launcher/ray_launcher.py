@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import os
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -34,6 +35,7 @@ logger = logging.getLogger("arl.launcher")
 __all__ = ["RayLauncher", "RoleHost", "RolePlacementError", "bundle_for", "role_of"]
 
 _LOG_CHUNK = 1 << 20
+PYTHON = "{python}"  # in a role's argv: the Python of its node's Ray workers (the driver's may live elsewhere)
 _NOT_CUSTOM = ("CPU", "GPU", "memory", "object_store_memory")
 
 
@@ -78,7 +80,8 @@ class RoleHost:
         os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
         full_env = {"PYTHONUNBUFFERED": "1", **os.environ, "ARL_BIND_HOST": ray.util.get_node_ip_address(), **env}
         with open(self.log_path, "ab", buffering=0) as log:
-            self.proc = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            argv = [sys.executable if a == PYTHON else a for a in argv]
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=full_env, start_new_session=True,
                                          preexec_fn=die_with_parent_preexec())
         self._started.set()
@@ -248,6 +251,7 @@ class RayLauncher:
             hosts.append(self._actor(hname, pg, r, bundle, role.log_path if r == 0 else
                                      os.path.join(os.path.dirname(role.log_path), f"{hname}.log")))
         env = dict(self.env)
+        argv = [PYTHON if a == sys.executable else a for a in role.argv]
         if ranks > 1:  # the DeepSpeed rendezvous: rank 0's node, a port free there; world size = all ranks
             import ray
 
@@ -261,7 +265,7 @@ class RayLauncher:
             if ranks > 1:
                 same_node = [o for o in hosts[:r] if (o.where or {}).get("node_id") == (h.where or {}).get("node_id")]
                 henv.update(RANK=str(r), LOCAL_RANK=str(len(same_node)))
-            h.ref = h.actor.run.remote(role.argv, henv, files)
+            h.ref = h.actor.run.remote(argv, henv, files)
             if h.where is not None:
                 logger.info("started %s on node %s (%s), bundle %s, log %s", h.name, h.where.get("node_ip"),
                             h.where.get("node_id", "")[:12], h.bundle, h.log_path)
@@ -302,7 +306,6 @@ class RayLauncher:
         return {k: v for k, v in bundle.items() if k not in gone}
 
     def _actor(self, name: str, pg: Any, index: int, bundle: dict[str, float], log_path: str) -> _Host:
-        import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         custom = {k: v for k, v in bundle.items() if k not in _NOT_CUSTOM}

@@ -99,6 +99,13 @@ class RoleHost:
         except FileNotFoundError:
             return b""
 
+    def discard_log(self) -> None:
+        """The driver has the whole log: remove the node-local copy (a role process must have ended)."""
+        import shutil
+
+        if self.proc is None or self.proc.poll() is not None:
+            shutil.rmtree(os.path.dirname(self.log_path), ignore_errors=True)
+
     def signal(self, sig: int) -> None:
         from arl.utils.proc import signal_group
 
@@ -472,6 +479,10 @@ class RayLauncher:
             if not force and not self._finished(h):
                 continue
             self._copy_log(h, final=True)
+            try:
+                ray.get(h.actor.discard_log.remote(), timeout=2.0)
+            except Exception:  # noqa: BLE001 - gone with its node, or busy: nothing more to do
+                pass
             try:
                 ray.kill(h.actor, no_restart=True)  # its role process dies with it (PR_SET_PDEATHSIG)
             except Exception:  # noqa: BLE001

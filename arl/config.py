@@ -337,6 +337,32 @@ class WeightsConfig:
     timeout_s: float = field(120.0, "broadcast: longest wait of one group step (forming a group, one bucket).")
 
 
+class LauncherKind(enum.StrEnum):
+    local = "local"
+    ray = "ray"
+
+
+@dataclasses.dataclass
+class RayConfig:
+    """`launcher=ray`: where the roles run. pip install 'arl[ray]'."""
+
+    address: str = field("local", "'local': start a Ray instance for this run; 'auto': the cluster this machine "
+                                  "belongs to (`ray start`); 'ray://host:port' or 'host:port': that cluster.")
+    num_cpus: int = field(0, "address=local: CPUs Ray may schedule (0: all of this machine's).")
+    placement: dict[str, Any] = field(help="Which nodes get which roles, by Ray custom resources: role (inference, "
+                                           "rollout, learner) -> {resource: amount} for all its processes, or a "
+                                           "list of such maps, one per process (learner: per rank; the last "
+                                           "repeats). E.g. {inference: {node_a: 0.01}, learner: [{node_b: 0.01}, "
+                                           "{node_a: 0.01}]}.", factory=dict)
+    cpus_per_inference: float = field(1.0, "CPUs in each inference process's bundle.")
+    gpus_per_inference: float = field(0.0, "GPUs per inference server (times inference.servers_per_process).")
+    cpus_per_rollout: float = field(1.0, "CPUs in each rollout worker's bundle.")
+    cpus_per_learner_rank: float = field(1.0, "CPUs in each learner rank's bundle.")
+    gpus_per_learner_rank: float = field(0.0, "GPUs in each learner rank's bundle.")
+    strategy: str = field("PACK", "Placement strategy of the learner ranks' group: PACK, SPREAD, STRICT_PACK or "
+                                  "STRICT_SPREAD.")
+
+
 @dataclasses.dataclass
 class EvalConfig:
     every_n_steps: int = field(25, "Greedy evaluation on the held-out split every N steps (0: only start/end).")
@@ -385,6 +411,10 @@ class ExperimentConfig:
     learner: LearnerConfig = field(factory=LearnerConfig)
     eval: EvalConfig = field(factory=EvalConfig)
     weights: WeightsConfig = field(factory=WeightsConfig)
+    launcher: LauncherKind = field(LauncherKind.local, "'local': every role is a process on this machine; 'ray': "
+                                                       "every role runs on a Ray node (see ray.*), the controller "
+                                                       "here.")
+    ray: RayConfig = field(factory=RayConfig)
 
 
 def _all_keys(cls: type) -> list[str]:
@@ -494,6 +524,8 @@ def validate(cfg: Any) -> None:
         (min(rc.heartbeat_timeout, ic.heartbeat_timeout, lc.heartbeat_timeout) > 0,
          "heartbeat timeouts must be > 0"),
         (cfg.max_message_bytes >= 1024, "max_message_bytes must be >= 1024"),
+        (cfg.ray.strategy in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
+         "ray.strategy must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD"),
         (0 <= cfg.busy_poll_us <= 100_000, "busy_poll_us must be in 0..100000"),
         (cfg.gen.max_new_tokens >= 1, "gen.max_new_tokens must be >= 1"),
         (cfg.gen.temperature > 0, "gen.temperature must be > 0"),

@@ -11,9 +11,9 @@ import sys
 import time
 from typing import Any, Optional
 
-from arl.config import ExperimentConfig, to_yaml, weights_backend
+from arl.config import ExperimentConfig, LauncherKind, to_yaml, weights_backend
 from arl.launcher.controller import Controller, RunFailed
-from arl.launcher.security import SECRET_ENV, effective_bind_host, resolve_secret
+from arl.launcher.security import SECRET_ENV, effective_bind_host, is_loopback, resolve_secret
 from arl.launcher.supervision import Supervisor
 from arl.report.trackers import make_sinks
 
@@ -68,6 +68,10 @@ def make_controller(cfg: ExperimentConfig, run_dir: str, **overrides: Any) -> Co
     bind_host = effective_bind_host(cfg.bind_host)
     secret = resolve_secret(cfg.secret, bind_host)
     trains_model = LEARNER_BACKENDS.get(cfg.learner.backend).trains_model  # only a real model runs on several ranks
+    if cfg.launcher == LauncherKind.ray and "launcher" not in overrides:
+        launcher, bind_host, secret = ray_launcher(cfg, run_dir, bind_host, secret,
+                                                   cfg.learner.num_ranks if trains_model else 1)
+        overrides = {**overrides, "launcher": launcher}
     ic, rc = cfg.inference, cfg.rollout
     supervisor = Supervisor(
         num_inference=ic.num_workers,
@@ -105,10 +109,38 @@ def make_controller(cfg: ExperimentConfig, run_dir: str, **overrides: Any) -> Co
                          cfg.experiment),
     )
     kwargs.update(overrides)
-    ctl = Controller(**kwargs)
+    try:
+        ctl = Controller(**kwargs)
+    except BaseException:
+        close_launcher(kwargs.get("launcher"))
+        raise
     if secret is not None:
-        ctl.launcher.env[SECRET_ENV] = secret.decode("utf-8")  # type: ignore[attr-defined]  # LocalLauncher
+        ctl.launcher.env[SECRET_ENV] = secret.decode("utf-8")  # type: ignore[attr-defined]  # Local/RayLauncher
     return ctl
+
+
+def ray_launcher(cfg: ExperimentConfig, run_dir: str, bind_host: str, secret: Optional[bytes],
+                 learner_ranks: int) -> tuple[Any, str, bytes]:
+    """`launcher=ray`: the launcher (connected to Ray), the controller's bind host (this node's address as Ray
+    knows it, unless one is configured) and the run's secret (a fresh one unless one is configured): roles on other
+    nodes reach the controller off loopback, so every frame is signed. The secret travels to the roles through
+    Ray, as their environment."""
+    import secrets as _secrets
+
+    from arl.launcher.ray_launcher import RayLauncher
+
+    launcher = RayLauncher(cfg.ray, startup_timeout=cfg.startup_timeout, learner_ranks=learner_ranks,
+                           servers_per_process=cfg.inference.servers_per_process, run_dir=run_dir)
+    if is_loopback(bind_host):
+        bind_host = launcher.driver_address()
+    return launcher, bind_host, secret or _secrets.token_urlsafe(32).encode("utf-8")
+
+
+def close_launcher(launcher: Any) -> None:
+    """Release what a launcher holds beyond its processes (the Ray launcher: actors, placement groups, Ray)."""
+    close = getattr(launcher, "close", None)
+    if close is not None:
+        close()
 
 
 async def _run(cfg: ExperimentConfig, run_dir: str) -> dict:
@@ -137,7 +169,10 @@ async def _run(cfg: ExperimentConfig, run_dir: str) -> dict:
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
-        await ctl.shutdown(grace=5.0)
+        try:
+            await ctl.shutdown(grace=5.0)
+        finally:
+            await asyncio.to_thread(close_launcher, ctl.launcher)
 
 
 def resume_state(cfg: ExperimentConfig, run_dir: str) -> Optional[dict]:

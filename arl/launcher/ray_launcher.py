@@ -1,0 +1,521 @@
+"""`launcher=ray`: every role process runs on a Ray node; the controller stays in the driver.
+
+Each role (an inference process, a rollout worker, each learner rank) gets a placement group whose bundle says what
+it needs (CPUs, GPUs, and the custom resources that pick its nodes) and a small actor (`RoleHost`) placed in that
+bundle. The actor starts the role's usual entry point (`python -m arl.launcher.worker ...`) as a subprocess on its
+node and waits for it, so the roles' code is the same as with the local launcher. Why a subprocess and not the role
+inside the actor: kill, restart, stack dumps and exit codes then work exactly as locally, and a role that dies takes
+nothing of Ray's with it. The subprocess dies with its actor (PR_SET_PDEATHSIG), so killing the actor (ray.kill,
+the driver's job ending, the node going away) leaves no role process behind.
+
+What travels through Ray and nowhere else: the run's shared secret and each role's bind address (environment of
+the subprocess, as a method argument of its actor), the learner ranks' rendezvous (rank 0's node address and a port
+free there), config.yaml for a node without the run directory, and the roles' logs: a thread in the driver copies
+each role's node-local log into run_dir/logs as it grows, and once more when the role ends.
+
+Ray is imported only here, and this module only when `launcher=ray`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Mapping, Optional, Sequence
+
+from arl.launcher.controller import RunFailed
+
+logger = logging.getLogger("arl.launcher")
+
+__all__ = ["RayLauncher", "RoleHost", "RolePlacementError", "bundle_for", "role_of"]
+
+_LOG_CHUNK = 1 << 20
+PYTHON = "{python}"  # in a role's argv: the Python of its node's Ray workers (the driver's may live elsewhere)
+_NOT_CUSTOM = ("CPU", "GPU", "memory", "object_store_memory")
+
+
+class RolePlacementError(RunFailed):
+    """A role's placement group could not be placed within the startup timeout (not enough resources)."""
+
+
+class RoleHost:
+    """Ray actor (threaded) that runs one role process on its node: `run` starts it and returns its exit code;
+    `read_log`, `signal`, `stack_dump` work while `run` waits."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.proc: Any = None
+        self.log_path = os.path.join(tempfile.gettempdir(), f"arl-ray-{os.getpid()}", f"{name}.log")
+        self._started = threading.Event()
+
+    def where(self) -> dict[str, Any]:
+        import ray
+
+        return {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address()}
+
+    def free_port(self) -> int:
+        from arl.utils.net import free_port
+
+        return free_port()
+
+    def run(self, argv: Sequence[str], env: Mapping[str, str], files: Mapping[str, bytes]) -> int:
+        """Start the role (`files`: absolute path -> content, written where missing: the run's config.yaml on a node
+        without the run directory) and return its exit code when it exits."""
+        import subprocess
+
+        import ray
+
+        from arl.utils.proc import die_with_parent_preexec
+
+        for path, data in files.items():
+            if not os.path.exists(path):
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "wb") as f:
+                    f.write(data)
+        os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
+        full_env = {"PYTHONUNBUFFERED": "1", **os.environ, "ARL_BIND_HOST": ray.util.get_node_ip_address(), **env}
+        with open(self.log_path, "ab", buffering=0) as log:
+            argv = [sys.executable if a == PYTHON else a for a in argv]
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=full_env, start_new_session=True,
+                                         preexec_fn=die_with_parent_preexec())
+        self._started.set()
+        return self.proc.wait()
+
+    def pid(self) -> int:
+        self._started.wait(30.0)
+        return self.proc.pid if self.proc is not None else -1
+
+    def read_log(self, offset: int) -> bytes:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(offset)
+                return f.read(_LOG_CHUNK)
+        except FileNotFoundError:
+            return b""
+
+    def discard_log(self) -> None:
+        """The driver has the whole log: remove the node-local copy (a role process must have ended)."""
+        import shutil
+
+        if self.proc is None or self.proc.poll() is not None:
+            shutil.rmtree(os.path.dirname(self.log_path), ignore_errors=True)
+
+    def signal(self, sig: int) -> None:
+        from arl.utils.proc import signal_group
+
+        if self.proc is not None and self.proc.poll() is None:
+            signal_group(self.proc.pid, sig)
+
+    def stack_dump(self, wait: float) -> tuple[str, str]:
+        from arl.launcher.forensics import request_stack_dump
+
+        if self.proc is None or self.proc.poll() is not None:
+            return "?", ""
+        return request_stack_dump(self.proc.pid, self.log_path, wait)
+
+
+def role_of(name: str) -> tuple[str, int]:
+    """('inference', 3) for 'inference3', ('learner', 0) for 'learner'."""
+    for role in ("inference", "rollout", "learner"):
+        if name.startswith(role):
+            tail = name[len(role):]
+            return role, int(tail) if tail.isdigit() else 0
+    raise ValueError(f"not a role process name: {name!r}")
+
+
+def bundle_for(ray_cfg: Any, role: str, index: int, servers_per_process: int = 1) -> dict[str, float]:
+    """The placement bundle of process `index` of `role` (for the learner: rank `index`): CPUs and GPUs from
+    `ray.*_per_*`, plus the custom resources `ray.placement[role]` names (a map for every process of the role, or
+    a list of maps, one per process index, the last one repeating)."""
+    if role == "inference":
+        cpus, gpus = ray_cfg.cpus_per_inference, ray_cfg.gpus_per_inference * servers_per_process
+    elif role == "learner":
+        cpus, gpus = ray_cfg.cpus_per_learner_rank, ray_cfg.gpus_per_learner_rank
+    else:
+        cpus, gpus = ray_cfg.cpus_per_rollout, 0.0
+    bundle: dict[str, float] = {"CPU": float(cpus)}
+    if gpus:
+        bundle["GPU"] = float(gpus)
+    spec = dict(ray_cfg.placement or {}).get(role) or {}
+    if isinstance(spec, (list, tuple)) or (hasattr(spec, "__len__") and not hasattr(spec, "keys")):
+        spec = list(spec)[min(index, len(spec) - 1)] if len(spec) else {}
+    for key, amount in dict(spec).items():
+        bundle[str(key)] = float(amount)
+    if not bundle["CPU"]:
+        del bundle["CPU"]
+    return bundle
+
+
+@dataclasses.dataclass
+class _Host:
+    """One process of a role: its actor, placement group and the driver-side copy of its log."""
+
+    name: str  # 'inference0', 'learner' (rank 0), 'learner-rank1'
+    actor: Any
+    pg: Any
+    bundle: dict[str, float]
+    ref: Any  # ObjectRef of RoleHost.run: its exit code
+    log_path: str
+    offset: int = 0
+    code: Optional[int] = None
+    finished: bool = False
+    reaped: bool = False
+    where: Optional[dict] = None
+
+
+@dataclasses.dataclass
+class _Role:
+    name: str
+    argv: list[str]
+    log_path: str
+    hosts: list[_Host]
+    expected_exit: bool = False
+
+
+class RayLauncher:
+    """`RoleLauncher` (arl.launcher.supervision) over Ray actors. `ray_cfg` is the config's `ray` section;
+    `learner_ranks` learner processes form the role 'learner' (rank 0 registers, the others follow it)."""
+
+    runs_ranks = True  # the controller does not wrap the learner in torchrun: each rank is a process of its own
+
+    def __init__(self, ray_cfg: Any, *, startup_timeout: float, learner_ranks: int = 1, servers_per_process: int = 1,
+                 run_dir: str = "", log_poll_s: float = 0.5) -> None:
+        import ray
+
+        self.cfg = ray_cfg
+        self.startup_timeout = startup_timeout
+        self.learner_ranks = max(1, int(learner_ranks))
+        self.servers_per_process = servers_per_process
+        self.run_dir = run_dir
+        self.env: dict[str, str] = {}  # every role's extra environment (the run's shared secret)
+        self.roles: dict[str, _Role] = {}
+        self._lock = threading.RLock()
+        self._deadline: Optional[float] = None
+        self._connected_here = not ray.is_initialized()
+        if self._connected_here:
+            address = str(ray_cfg.address)
+            kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
+                                  "configure_logging": False}
+            if address == "local":
+                if ray_cfg.num_cpus:
+                    kw["num_cpus"] = int(ray_cfg.num_cpus)
+                ray.init(**kw)
+            else:
+                ray.init(address=address, **kw)
+        self._remote = ray.remote(RoleHost)
+        self._stop = threading.Event()
+        self._pump = threading.Thread(target=self._pump_logs, args=(log_poll_s,), name="arl-ray-logs", daemon=True)
+        self._pump.start()
+
+    # -- addresses -------------------------------------------------------------------------------------------
+    @staticmethod
+    def driver_address() -> str:
+        """The driver node's address as Ray knows it: where the controller binds so that other nodes reach it."""
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    # -- starting --------------------------------------------------------------------------------------------
+    def spawn(self, name: str, argv: Sequence[str], log_path: str) -> None:
+        if name in self.roles:
+            raise ValueError(f"a role process named {name!r} already exists")
+        os.makedirs(os.path.dirname(log_path), exist_ok=True)
+        open(log_path, "ab").close()  # there from the start, like a local role's (copies append to it)
+        if self._deadline is None:
+            self._deadline = time.monotonic() + self.startup_timeout
+        role = _Role(name, list(argv), log_path, [])
+        with self._lock:
+            self.roles[name] = role
+        self._start(role, wait=True)
+
+    def respawn(self, name: str) -> None:
+        """Start `name` again (new actors and placement group; its log goes on in the same file). Does not block on
+        placement: a restart that cannot be placed shows as one that does not register (startup_timeout). Custom
+        resources that no live node has any more (its node was lost) are dropped: it restarts on a surviving
+        node."""
+        role = self.roles[name]
+        self._reap(role, force=True)
+        role.expected_exit = False
+        self._start(role, wait=False)
+
+    def _start(self, role: _Role, wait: bool) -> None:
+        ranks = self.learner_ranks if role.name == "learner" else 1
+        kind, index = role_of(role.name)
+        bundles = [bundle_for(self.cfg, kind, index + r, self.servers_per_process) for r in range(ranks)]
+        if not wait:
+            bundles = [self._placeable(b, role.name) for b in bundles]
+        pg = self._placement_group(role.name, bundles, wait)
+        files = self._files()
+        hosts: list[_Host] = []
+        for r, bundle in enumerate(bundles):
+            hname = role.name if r == 0 else f"{role.name}-rank{r}"
+            hosts.append(self._actor(hname, pg, r, bundle, role.log_path if r == 0 else
+                                     os.path.join(os.path.dirname(role.log_path), f"{hname}.log")))
+        env = dict(self.env)
+        argv = [PYTHON if a == sys.executable else a for a in role.argv]
+        if ranks > 1:  # the DeepSpeed rendezvous: rank 0's node, a port free there; world size = all ranks
+            import ray
+
+            where = ray.get([h.actor.where.remote() for h in hosts], timeout=self.startup_timeout)
+            for h, w in zip(hosts, where):
+                h.where = {**w, **(h.where or {})}
+            port = ray.get(hosts[0].actor.free_port.remote(), timeout=self.startup_timeout)
+            env.update(MASTER_ADDR=where[0]["node_ip"], MASTER_PORT=str(port), WORLD_SIZE=str(ranks))
+        for r, h in enumerate(hosts):
+            henv = dict(env)
+            if ranks > 1:
+                same_node = [o for o in hosts[:r] if (o.where or {}).get("node_id") == (h.where or {}).get("node_id")]
+                henv.update(RANK=str(r), LOCAL_RANK=str(len(same_node)))
+            h.ref = h.actor.run.remote(argv, henv, files)
+            if h.where is not None:
+                logger.info("started %s on node %s (%s), bundle %s, log %s", h.name, h.where.get("node_ip"),
+                            h.where.get("node_id", "")[:12], h.bundle, h.log_path)
+        role.hosts = hosts
+
+    def _files(self) -> dict[str, bytes]:
+        path = os.path.join(self.run_dir, "config.yaml") if self.run_dir else ""
+        if not path or not os.path.exists(path):
+            return {}
+        with open(path, "rb") as f:
+            return {path: f.read()}
+
+    def _placement_group(self, name: str, bundles: list[dict[str, float]], wait: bool) -> Any:
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        strategy = str(self.cfg.strategy) if len(bundles) > 1 else "PACK"
+        pg = placement_group(bundles, strategy=strategy, name=f"arl-{name}-{os.getpid()}-{time.monotonic_ns()}")
+        if wait:
+            left = max(0.1, (self._deadline or 0.0) - time.monotonic())
+            ready, _ = ray.wait([pg.ready()], timeout=left)
+            if not ready:
+                remove_placement_group(pg)
+                raise RolePlacementError(
+                    f"role {name} could not be placed within startup_timeout={self.startup_timeout:g}s: it needs "
+                    f"{bundles} (strategy {strategy}); the cluster has {ray.cluster_resources()}, of which "
+                    f"{ray.available_resources()} are free. Check ray.placement and ray.*_per_* or add nodes.")
+        return pg
+
+    def _placeable(self, bundle: dict[str, float], name: str) -> dict[str, float]:
+        """`bundle` without the custom resources no live node has (a restart after its node was lost)."""
+        import ray
+
+        have = ray.cluster_resources()
+        gone = [k for k in bundle if k not in _NOT_CUSTOM and have.get(k, 0.0) < bundle[k]]
+        if gone:
+            logger.warning("%s: no live node has %s any more; restarting it without that placement", name, gone)
+        return {k: v for k, v in bundle.items() if k not in gone}
+
+    def _actor(self, name: str, pg: Any, index: int, bundle: dict[str, float], log_path: str) -> _Host:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        custom = {k: v for k, v in bundle.items() if k not in _NOT_CUSTOM}
+        actor = self._remote.options(
+            num_cpus=bundle.get("CPU", 0.0), num_gpus=bundle.get("GPU", 0.0), resources=custom or None,
+            max_concurrency=8, max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
+        ).remote(name)
+        host = _Host(name, actor, pg, bundle, None, log_path)
+        host.where = self._node_of(pg, index)
+        return host
+
+    @staticmethod
+    def _node_of(pg: Any, index: int) -> Optional[dict]:
+        """Node of bundle `index` of `pg` (None until it is placed): its id, address and custom resources."""
+        import ray
+
+        try:
+            node_id = ray.util.placement_group_table(pg).get("bundles_to_node_id", {}).get(index)
+        except Exception:  # noqa: BLE001
+            return None
+        if not node_id:
+            return None
+        for node in ray.nodes():
+            if node.get("NodeID") == node_id:
+                custom = sorted(k for k in node.get("Resources", {})
+                                if k not in _NOT_CUSTOM and not k.startswith(("node:", "accelerator_type:")))
+                return {"node_id": node_id, "node_ip": node.get("NodeManagerAddress"), "node_resources": custom}
+        return {"node_id": node_id}
+
+    # -- watching --------------------------------------------------------------------------------------------
+    def where(self, name: str) -> dict[str, Any]:
+        """Where process `name` runs (for the metrics): node id, address and custom resources of each rank."""
+        role = self.roles.get(name)
+        if role is None:
+            return {}
+        for r, h in enumerate(role.hosts):
+            if h.where is None or "node_ip" not in h.where:
+                h.where = self._node_of(h.pg, r) or h.where
+        first = dict(role.hosts[0].where or {}) if role.hosts else {}
+        if len(role.hosts) > 1:
+            first["ranks"] = [dict(h.where or {}) for h in role.hosts]
+        return first
+
+    def _finished(self, h: _Host) -> bool:
+        import ray
+        from ray.exceptions import RayError
+
+        if h.finished:
+            return True
+        if h.ref is None:
+            return False
+        ready, _ = ray.wait([h.ref], timeout=0)
+        if not ready:
+            return False
+        try:
+            h.code = int(ray.get(h.ref))
+        except RayError as e:  # its actor died: the node was lost, or the actor was killed
+            logger.warning("%s: its Ray actor is gone (%s)", h.name, type(e).__name__)
+            h.code = None
+        h.finished = True
+        return True
+
+    def dead(self) -> list[tuple[str, Optional[int]]]:
+        out = []
+        with self._lock:
+            roles = list(self.roles.values())
+        for role in roles:
+            if role.expected_exit:
+                continue
+            for h in role.hosts:
+                if self._finished(h):
+                    self._copy_log(h, final=True)  # the controller shows its last lines
+                    out.append((role.name, h.code))
+                    break
+        return out
+
+    def has(self, name: str) -> bool:
+        return name in self.roles
+
+    def alive(self, name: str) -> bool:
+        role = self.roles.get(name)
+        return role is not None and any(not self._finished(h) for h in role.hosts)
+
+    def log_path(self, name: str) -> str:
+        role = self.roles.get(name)
+        return role.log_path if role is not None else ""
+
+    def stack_dump(self, name: str, wait: float) -> tuple[str, str]:
+        import ray
+
+        role = self.roles.get(name)
+        if role is None or not self.alive(name):
+            return "?", ""
+        try:
+            state, dump = ray.get(role.hosts[0].actor.stack_dump.remote(wait), timeout=wait + 10.0)
+        except Exception as e:  # noqa: BLE001
+            return f"unreachable ({type(e).__name__})", ""
+        self._copy_log(role.hosts[0])
+        return state, dump
+
+    # -- stopping --------------------------------------------------------------------------------------------
+    def kill(self, name: str) -> None:
+        role = self.roles.get(name)
+        if role is None:
+            return
+        role.expected_exit = True
+        for h in role.hosts:
+            if not h.finished:
+                h.actor.signal.remote(int(signal.SIGKILL))
+
+    def expect_exit(self) -> None:
+        for role in list(self.roles.values()):
+            role.expected_exit = True
+
+    def _hosts(self) -> list[_Host]:
+        with self._lock:
+            return [h for role in self.roles.values() for h in role.hosts]
+
+    def wait_all(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while any(not self._finished(h) for h in self._hosts()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return all(self._finished(h) for h in self._hosts())
+
+    def terminate_all(self, grace: float = 3.0) -> None:
+        """SIGTERM every role process, SIGKILL what is left after `grace` seconds, then end every actor."""
+        self.expect_exit()
+        for h in self._hosts():
+            if not self._finished(h):
+                h.actor.signal.remote(int(signal.SIGTERM))
+        if not self.wait_all(grace):
+            for h in self._hosts():
+                if not self._finished(h):
+                    logger.warning("%s ignored SIGTERM; killing it", h.name)
+                    h.actor.signal.remote(int(signal.SIGKILL))
+            self.wait_all(2.0)
+        for role in list(self.roles.values()):
+            self._reap(role, force=True)
+
+    def close(self) -> None:
+        """The run is over: stop every role process and actor, release the placement groups, disconnect from Ray
+        (stopping it if this launcher started it)."""
+        import ray
+
+        if any(not self._finished(h) for h in self._hosts()):
+            self.terminate_all(1.0)
+        for role in list(self.roles.values()):
+            self._reap(role, force=True)
+        self._stop.set()
+        self._pump.join(timeout=5.0)
+        if self._connected_here and ray.is_initialized():
+            ray.shutdown()
+
+    def _reap(self, role: _Role, force: bool) -> None:
+        """Copy the rest of each process's log, then end its actor and release its placement group."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        pgs = []
+        for h in role.hosts:
+            if h.reaped:
+                continue
+            if not force and not self._finished(h):
+                continue
+            self._copy_log(h, final=True)
+            try:
+                ray.get(h.actor.discard_log.remote(), timeout=2.0)
+            except Exception:  # noqa: BLE001 - gone with its node, or busy: nothing more to do
+                pass
+            try:
+                ray.kill(h.actor, no_restart=True)  # its role process dies with it (PR_SET_PDEATHSIG)
+            except Exception:  # noqa: BLE001
+                pass
+            h.reaped = True
+            pgs.append(h.pg)
+        for pg in {id(p): p for p in pgs}.values():
+            try:
+                remove_placement_group(pg)
+            except Exception:  # noqa: BLE001
+                pass
+
+    # -- logs ------------------------------------------------------------------------------------------------
+    def _copy_log(self, h: _Host, final: bool = False) -> None:
+        """Append what the role wrote on its node since the last copy to its log in the run directory."""
+        import ray
+
+        if h.reaped:
+            return
+        with self._lock:
+            for _ in range(64 if final else 1):
+                try:
+                    data = ray.get(h.actor.read_log.remote(h.offset), timeout=5.0)
+                except Exception:  # noqa: BLE001 - its actor is gone (node lost): what we copied is what there is
+                    return
+                if not data:
+                    return
+                with open(h.log_path, "ab") as f:
+                    f.write(data)
+                h.offset += len(data)
+
+    def _pump_logs(self, every: float) -> None:
+        while not self._stop.wait(every):
+            for h in self._hosts():
+                if not h.reaped and h.ref is not None:
+                    self._copy_log(h)

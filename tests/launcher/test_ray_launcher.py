@@ -1,0 +1,231 @@
+"""`launcher=ray` on a two-node Ray cluster made on this one host (`ray.cluster_utils.Cluster`: a head with the
+custom resource node_a, a second node with node_b). The default experiment runs a few steps with the inference
+worker on node_a and the rollout worker and the learner on node_b; the metrics say where each role ran; the run's
+end leaves no role process, actor or placement group behind. Only the Ray these tests start is stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from arl.config import RayConfig
+from arl.launcher.ray_launcher import bundle_for, role_of
+from tests.e2e.test_end_to_end import MAIN, ROOT, SMALL, leftover_processes, read_metrics
+from tests.waiting import wait_until
+
+
+def test_bundles_carry_the_role_needs_and_its_placement() -> None:
+    cfg = RayConfig(placement={"inference": {"node_a": 0.01}, "learner": [{"node_b": 0.01}, {"node_a": 0.01}]},
+                    gpus_per_inference=1.0, cpus_per_rollout=2.0)
+    assert bundle_for(cfg, "inference", 0, servers_per_process=2) == {"CPU": 1.0, "GPU": 2.0, "node_a": 0.01}
+    assert bundle_for(cfg, "rollout", 3) == {"CPU": 2.0}
+    assert bundle_for(cfg, "learner", 0) == {"CPU": 1.0, "node_b": 0.01}
+    assert bundle_for(cfg, "learner", 1) == {"CPU": 1.0, "node_a": 0.01}
+    assert bundle_for(cfg, "learner", 5) == {"CPU": 1.0, "node_a": 0.01}  # the last one repeats
+    assert [role_of(n) for n in ("inference2", "rollout0", "learner")] == [("inference", 2), ("rollout", 0),
+                                                                          ("learner", 0)]
+
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def model_cache(tmp_path_factory) -> str:
+    return os.environ.get("ARL_TEST_MODEL_CACHE") or str(tmp_path_factory.mktemp("arl-cache"))
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"node_a": 1},
+                                                      "include_dashboard": False})
+    c.add_node(num_cpus=2, resources={"node_b": 1})
+    c.wait_for_nodes()
+    try:
+        yield c
+    finally:
+        c.shutdown()  # only the Ray this module started
+
+
+def run_on_ray(cluster, args: list[str], run_root: str, cache: str, timeout: float = 400):
+    cmd = [sys.executable, MAIN, f"run_dir={run_root}", "run_name=run", f"model.cache_dir={cache}", "launcher=ray",
+           f"ray.address={cluster.address}", *args]
+    env = {k: v for k, v in os.environ.items() if k != "ARL_SECRET"}
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env), \
+        os.path.join(run_root, "run")
+
+
+def cluster_leftovers(cluster) -> tuple[list, list]:
+    """(live actors, placement groups not removed) in the test cluster, seen from a driver of our own."""
+    from ray._private import state
+
+    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+    try:
+        actors = [a for a in state.actors().values() if a.get("State") != "DEAD"]
+        pgs = [p for p in ray.util.placement_group_table().values() if p.get("state") != "REMOVED"]
+        return actors, pgs
+    finally:
+        ray.shutdown()
+
+
+PLACE = ["ray.placement.inference={node_a: 0.01}", "ray.placement.rollout={node_b: 0.01}"]
+# learner rank 0 on node_b, rank 1 on node_a; weights by broadcast (no file)
+ONE_RANK = ["ray.placement.learner={node_b: 0.01}"]
+TWO_RANKS = ["ray.placement.learner=[{node_b: 0.01}, {node_a: 0.01}]", "learner.num_ranks=2",
+             "weights.transport=broadcast", "weights.timeout_s=60"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [ONE_RANK, TWO_RANKS], ids=["disk", "two_ranks_broadcast"])
+def test_default_experiment_on_two_ray_nodes(tmp_path, model_cache, cluster, extra):
+    steps = 2
+    proc, run_dir = run_on_ray(cluster, [f"total_train_steps={steps}", *SMALL, *PLACE, *extra], str(tmp_path),
+                               model_cache)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics if m["type"] == "train"] == list(range(1, steps + 1))
+    placed = {m["role"]: m for m in metrics if m["type"] == "role_placed"}
+    assert set(placed) == {"inference0", "rollout0", "learner0"}, placed
+    assert "node_a" in placed["inference0"]["node_resources"]
+    assert "node_b" in placed["rollout0"]["node_resources"] and "node_b" in placed["learner0"]["node_resources"]
+    assert placed["inference0"]["node_id"] != placed["rollout0"]["node_id"] == placed["learner0"]["node_id"]
+    if extra is TWO_RANKS:
+        ranks = placed["learner0"]["ranks"]
+        assert [r["node_resources"] for r in ranks] == [["node_b"], ["node_a"]], ranks
+        assert not os.path.exists(os.path.join(run_dir, "weights"))
+        with open(os.path.join(run_dir, "logs", "learner-rank1.log")) as f:
+            assert "learner rank 1 done after" in f.read()
+    # every role's log reached the run directory on the driver, whole (its last line is the exit)
+    for name in ("inference0", "rollout0", "learner"):
+        with open(os.path.join(run_dir, "logs", f"{name}.log")) as f:
+            text = f.read()
+        assert f"starting {name if name != 'learner' else 'learner0'}" in text and "exiting with 0" in text, text[-2000:]
+    # the secret went to the roles through Ray: not in config.yaml, and the controller bound off loopback
+    with open(os.path.join(run_dir, "config.yaml")) as f:
+        assert "secret: ''" in f.read()
+    with open(os.path.join(run_dir, "addresses.json")) as f:
+        assert not json.load(f)["controller"].startswith("tcp://127.")
+    wait_until(lambda: leftover_processes(run_dir) == [], 30, "the roles to exit")
+    wait_until(lambda: cluster_leftovers(cluster) == ([], []), 30, "no actor or placement group left")
+
+
+@pytest.mark.slow
+def test_a_role_that_cannot_be_placed_is_a_clear_error(tmp_path, model_cache, cluster):
+    proc, run_dir = run_on_ray(cluster, ["total_train_steps=1", *SMALL, "startup_timeout=8",
+                                         "ray.placement.inference={node_z: 1}"], str(tmp_path), model_cache)
+    assert proc.returncode != 0
+    assert "inference0 could not be placed within startup_timeout=8s" in proc.stderr, proc.stderr[-3000:]
+    wait_until(lambda: leftover_processes(run_dir) == [], 30, "the roles to exit")
+    wait_until(lambda: cluster_leftovers(cluster) == ([], []), 30, "no actor or placement group left")
+
+
+def start_on_ray(cluster, args: list[str], run_root: str, cache: str) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, MAIN, f"run_dir={run_root}", "run_name=run", f"model.cache_dir={cache}", "launcher=ray",
+           f"ray.address={cluster.address}", *args]
+    env = {k: v for k, v in os.environ.items() if k != "ARL_SECRET"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return proc, os.path.join(run_root, "run")
+
+
+def train_records(run_dir: str) -> list[dict]:
+    try:
+        return [m for m in read_metrics(run_dir) if m["type"] == "train"]
+    except (OSError, ValueError):
+        return []
+
+
+LOSE_ROLLOUT = ["ray.placement.inference={node_a: 0.01}", "ray.placement.rollout={node_c: 0.01}"]
+LOSE_INFERENCE = ["inference.num_workers=2", "ray.placement.inference=[{node_a: 0.01}, {node_c: 0.01}]",
+                  "ray.placement.rollout={node_b: 0.01}"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lost", ["rollout0", "inference1"])
+def test_a_lost_nodes_roles_restart_on_a_surviving_node(tmp_path, model_cache, cluster, lost):
+    node_c = cluster.add_node(num_cpus=1, resources={"node_c": 1})
+    cluster.wait_for_nodes()
+    # the other inference server keeps the run going: enough steps left for the restarted one to come back
+    steps = 5 if lost == "rollout0" else 40  # a restart takes ~15 s on 2 busy cores, a step ~0.4 s
+    place = LOSE_ROLLOUT if lost == "rollout0" else LOSE_INFERENCE
+    proc, run_dir = start_on_ray(cluster, [f"total_train_steps={steps}", *SMALL, *ONE_RANK, *place], str(tmp_path),
+                                 model_cache)
+    try:
+        wait_until(lambda: len(train_records(run_dir)) >= 1 or proc.poll() is not None, 300, "a first step")
+        cluster.remove_node(node_c)  # takes the lost role (its actor and process) with it
+        out, err = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstderr:\n{err[-6000:]}"
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics if m["type"] == "train"] == list(range(1, steps + 1))
+    kind = "rollout_restart" if lost == "rollout0" else "inference_restart"
+    restarts = [m for m in metrics if m["type"] == "worker_restarted" and m.get("kind") == kind]
+    assert len(restarts) == 1, restarts
+    placed = [m for m in metrics if m["type"] == "role_placed" and m["role"] == lost]
+    assert [p["node_resources"] for p in placed][0] == ["node_c"]
+    assert len(placed) == 2 and "node_c" not in placed[1]["node_resources"], placed
+    summary = [m for m in metrics if m["type"] == "summary"][-1]
+    assert summary[f"{lost[:-1]}_restarts"] == 1 and summary["learner"]["trained_twice"] == 0
+    if lost == "inference1":
+        assert any(m["type"] == "worker_back" and m.get("server") == 1 for m in metrics)
+    wait_until(lambda: leftover_processes(run_dir) == [], 30, "the roles to exit")
+    wait_until(lambda: cluster_leftovers(cluster) == ([], []), 30, "no actor or placement group left")
+
+
+@pytest.mark.slow
+def test_ctrl_c_leaves_no_actor_or_role_process(tmp_path, model_cache, cluster):
+    import signal
+
+    proc, run_dir = start_on_ray(cluster, ["total_train_steps=50", *SMALL, *PLACE, *ONE_RANK], str(tmp_path),
+                                 model_cache)
+    try:
+        wait_until(lambda: len(train_records(run_dir)) >= 1 or proc.poll() is not None, 300, "a first step")
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, f"exit {proc.returncode}\nstderr:\n{err[-4000:]}"
+    wait_until(lambda: leftover_processes(run_dir) == [], 30, "the roles to exit")
+    wait_until(lambda: cluster_leftovers(cluster) == ([], []), 30, "no actor or placement group left")
+
+
+SLEEPER = [sys.executable, "-c", "import os, sys, time; print('hello from', os.environ.get('ARL_SECRET'), "
+                                 "os.environ.get('ARL_BIND_HOST'), flush=True); time.sleep(600)"]
+FAILER = [sys.executable, "-c", "print('about to fail', flush=True); raise SystemExit(3)"]
+
+
+def test_ray_launcher_supervises_role_processes_on_their_nodes(tmp_path, cluster):
+    """The RoleLauncher contract over Ray: placement, logs in the run directory, the environment handed through
+    Ray, an unexpected exit reported with its code, kill (expected, not reported), respawn, and close."""
+    from arl.launcher.ray_launcher import RayLauncher
+
+    cfg = RayConfig(address=cluster.address, placement={"inference": {"node_a": 0.01}, "rollout": {"node_b": 0.01}})
+    launcher = RayLauncher(cfg, startup_timeout=60, run_dir=str(tmp_path), log_poll_s=0.1)
+    launcher.env["ARL_SECRET"] = "s3cret-for-this-test"
+    logs = tmp_path / "logs"
+    try:
+        launcher.spawn("inference0", SLEEPER, str(logs / "inference0.log"))
+        launcher.spawn("rollout0", FAILER, str(logs / "rollout0.log"))
+        assert launcher.where("inference0")["node_resources"] == ["node_a"]
+        assert launcher.where("rollout0")["node_resources"] == ["node_b"]
+        wait_until(lambda: launcher.dead() == [("rollout0", 3)], 60, "rollout0's exit to be reported")
+        assert "about to fail" in (logs / "rollout0.log").read_text()
+        wait_until(lambda: "hello from s3cret-for-this-test" in (logs / "inference0.log").read_text(), 60,
+                   "inference0's log to reach the run directory")
+        assert launcher.alive("inference0") and not launcher.alive("rollout0")
+        launcher.kill("inference0")
+        wait_until(lambda: not launcher.alive("inference0"), 30, "inference0 to die")
+        assert launcher.dead() == [("rollout0", 3)]  # a killed role is not reported
+        launcher.respawn("inference0")
+        wait_until(lambda: launcher.alive("inference0") and
+                   (logs / "inference0.log").read_text().count("hello from") == 2, 60, "inference0 again")
+    finally:
+        launcher.close()
+    wait_until(lambda: cluster_leftovers(cluster) == ([], []), 30, "no actor or placement group left")

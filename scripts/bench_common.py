@@ -63,6 +63,28 @@ class RunRecord:
         return [m for m in self.metrics if m.get("type") == "train"]
 
 
+def _role_pids(launcher: Any) -> dict[str, int]:
+    """Role process -> pid: a local launcher's children, or (launcher=ray on this host) each role's process as
+    its Ray actor reports it (asked once per incarnation)."""
+    if hasattr(launcher, "children"):
+        return {name: child.proc.pid for name, child in list(launcher.children.items())}
+    import ray
+
+    cache = launcher.__dict__.setdefault("_bench_pids", {})
+    out = {}
+    for role in list(launcher.roles.values()):
+        for h in role.hosts:
+            if h.finished:
+                continue
+            if id(h) not in cache:
+                try:
+                    cache[id(h)] = ray.get(h.actor.pid.remote(), timeout=10)
+                except Exception:  # noqa: BLE001 - not started yet or gone: sampled next time
+                    continue
+            out[h.name] = cache[id(h)]
+    return out
+
+
 def _proc_stats(ctl: Any) -> dict[str, dict]:
     import psutil
 
@@ -70,9 +92,9 @@ def _proc_stats(ctl: Any) -> dict[str, dict]:
     me = psutil.Process()
     ct = me.cpu_times()
     out["controller"] = {"cpu": ct.user + ct.system, "rss": me.memory_info().rss}
-    for name, child in list(ctl.launcher.children.items()):
+    for name, pid in _role_pids(ctl.launcher).items():
         try:
-            p = psutil.Process(child.proc.pid)
+            p = psutil.Process(pid)
             ct = p.cpu_times()
             out[name] = {"cpu": ct.user + ct.system, "rss": p.memory_info().rss}
         except (psutil.NoSuchProcess, psutil.AccessDenied):

@@ -2,6 +2,7 @@
 
     python scripts/scale_run.py                      # 4096 trajectories, 4 rollout workers, 64 servers, 60 s
     python scripts/scale_run.py --duration 180
+    python scripts/scale_run.py --launcher ray       # the same through launcher=ray on two Ray nodes (this host)
 
 Runs the real launcher with simulated inference servers (H100/7B decode-time model in real time by default,
 ``--time-scale 1``), the simulated learner and the synthetic multi-turn tool agent. `--groups` prompt groups of
@@ -16,6 +17,11 @@ seconds and reports:
 * admission latency: from a rollout worker's gate_acquire to the gate_grant that admits each group, p50/p99
   over the window (histograms from the rollout workers' heartbeats);
 * requests, tokens and trajectories per second.
+
+``--launcher ray`` starts a two-node Ray cluster on this host (``ray.cluster_utils.Cluster``; custom resources
+node_a and node_b) and runs the same experiment with ``launcher=ray``: inference processes and rollout workers
+alternate between the nodes, the learner sits on node_a, and the report says which node each role ran on (from
+the run's ``role_placed`` records). It needs ``pip install 'arl[ray]'``.
 """
 
 from __future__ import annotations
@@ -52,6 +58,38 @@ def overrides(a: argparse.Namespace, run_root: str) -> list[str]:
         f"max_head_offpolicyness={a.eta}", "total_train_steps=1000000", "eval.max_prompts=1", "eval.every_n_steps=0",
         f"seed={a.seed}", "progress=false", "startup_timeout=600", f"run_dir={run_root}",
     ]
+
+
+def ray_overrides(a: argparse.Namespace, address: str) -> list[str]:
+    """Alternate the role processes between the two nodes; each bundle asks for a sliver of its node's resource."""
+    def alternate(n: int) -> str:
+        return "[" + ", ".join(f"{{node_{'ab'[i % 2]}: 0.01}}" for i in range(n)) + "]"
+
+    procs = -(-a.servers // a.servers_per_process)
+    return ["launcher=ray", f"ray.address={address}", f"ray.placement.inference={alternate(procs)}",
+            f"ray.placement.rollout={alternate(a.rollout_workers)}", "ray.placement.learner={node_a: 0.01}"]
+
+
+def start_ray_cluster(cpus_per_node: int) -> Any:
+    """Two Ray nodes on this host. Their CPU counts are logical: Ray schedules by them, the OS shares 2 cores."""
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus_per_node, "resources": {"node_a": 1}})
+    c.add_node(num_cpus=cpus_per_node, resources={"node_b": 1})
+    c.wait_for_nodes()
+    return c
+
+
+def placements(metrics: list[dict]) -> dict[str, list[str]]:
+    """Node resource -> the role processes placed there (the newest record per process)."""
+    where: dict[str, str] = {}
+    for m in metrics:
+        if m.get("type") == "role_placed":
+            where[m.get("process", m.get("role", "?"))] = ",".join(m.get("node_resources") or ["?"])
+    out: dict[str, list[str]] = {}
+    for proc, node in sorted(where.items()):
+        out.setdefault(node, []).append(proc)
+    return out
 
 
 def report(rec: Any, a: argparse.Namespace) -> dict[str, Any]:
@@ -116,6 +154,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default="", help="run directory parent (default: a fresh dir under /tmp)")
     ap.add_argument("--json", default="")
+    ap.add_argument("--launcher", choices=["local", "ray"], default="local",
+                    help="ray: launcher=ray on a two-node Ray cluster started on this host")
     a = ap.parse_args(argv)
     root = a.out or f"/tmp/arl-scale-run-{os.getpid()}"
     os.makedirs(root, exist_ok=True)
@@ -123,11 +163,28 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"scale run: {a.groups} groups x {a.group_size} = {a.groups * a.group_size} concurrent trajectories, "
           f"{a.rollout_workers} rollout workers, {a.servers} simulated servers ({a.servers_per_process} per process), "
           f"time scale {a.time_scale:g}, {a.duration:g} s measured after {a.warmup:g} s warm-up", flush=True)
-    cfg = make_config(overrides(a, root))
-    cfg.model.path = tokenizer_dir(root)
-    rec = asyncio.run(run_monitored(cfg, os.path.join(root, "run"), duration=a.duration + a.warmup,
-                                    timeout=a.duration + a.warmup + 900))
+    cluster = None
+    ov = overrides(a, root)
+    if a.launcher == "ray":
+        procs = -(-a.servers // a.servers_per_process)
+        cluster = start_ray_cluster(cpus_per_node=procs + a.rollout_workers + 1)
+        ov += ray_overrides(a, cluster.address)
+    try:
+        cfg = make_config(ov)
+        cfg.model.path = tokenizer_dir(root)
+        rec = asyncio.run(run_monitored(cfg, os.path.join(root, "run"), duration=a.duration + a.warmup,
+                                        timeout=a.duration + a.warmup + 900))
+    finally:
+        if cluster is not None:
+            import ray
+
+            ray.shutdown()
+            cluster.shutdown()
     r = report(rec, a)
+    r["placed"] = placements(rec.metrics)
+    if r["placed"]:
+        print("placed: " + "; ".join(f"{node}: {len(ps)} role processes ({', '.join(ps[:3])}{', ...' if len(ps) > 3 else ''})"
+                                     for node, ps in r["placed"].items()))
     if r["error"]:
         print(f"run error: {r['error']}")
     print(f"\nwindow {r['window_s']:.1f} s, groups running (mean) {r['groups_running_mean']}, "

@@ -25,6 +25,7 @@ from arl.launcher.reporting import JsonlSink, MetricsSink, ProgressWatch, Report
 from arl.launcher.security import advertised_address
 from arl.launcher.supervision import RoleLauncher, Supervisor
 from arl.launcher.weight_sync import Action, Rejoin, Send, WeightSync
+from arl.learner.checkpoint import CHECKPOINT_SUBDIR, latest_checkpoint
 from arl.report.page import ReportBuilder
 from arl.report.traces import TraceWriter
 from arl.rollout.staleness import StalenessGate
@@ -214,7 +215,8 @@ class Controller:
         for name, code in self.launcher.dead():
             if not await self._on_failure(name, f"exited with code {code}"):
                 log = self.launcher.log_path(name)
-                self.fail(f"role {name} exited with code {code}; last lines of {log}:\n{tail(log, 25)}")
+                self.fail(f"role {name} exited with code {code}{self._resume_hint(name)}; last lines of {log}:\n"
+                          f"{tail(log, 25)}")
                 return False
         now = time.monotonic()
         late = self.sup.late(now)
@@ -285,6 +287,17 @@ class Controller:
         self.reporter.fault("heartbeat_timeout", role=f"{role}{index}", process=name, silent_s=silent_s,
                             waiting_on=waiting, process_state=state, stacks_dumped=bool(dump))
         return why
+
+    def _resume_hint(self, name: str) -> str:
+        """A lost learner ends the run (its optimizer state is in no other process): say where it can resume."""
+        if name != "learner":
+            return ""
+        ckpt = latest_checkpoint(os.path.join(self.run_dir, CHECKPOINT_SUBDIR))
+        if ckpt is None:
+            return " (no checkpoint written yet: learner.checkpoint_every)"
+        parent, run = os.path.split(os.path.abspath(self.run_dir))
+        return (f" (newest checkpoint {ckpt}: run again with recover=auto run_dir={parent} run_name={run} to resume "
+                f"from it)")
 
     async def _on_failure(self, name: str, reason: str) -> bool:
         """Process `name` died, went silent or reported a fatal error: restart it or go on without it, as the

@@ -72,3 +72,19 @@ def test_scale_run_smoke(tmp_path):
     assert not res["error"]
     assert {"controller", "inference0", "inference1", "learner", "rollout0", "rollout1"} <= set(res["procs"])
     assert 0 <= res["servers_busy"] <= 1 and res["controller_cpu_share"] >= 0
+
+
+def test_scale_run_smoke_through_ray(tmp_path):
+    pytest.importorskip("ray")
+    out = tmp_path / "scale.json"
+    run_script("scale_run.py", ["--launcher", "ray", "--duration", "3", "--warmup", "0", "--groups", "8",
+                                "--group-size", "2", "--rollout-workers", "2", "--servers", "4",
+                                "--servers-per-process", "2", "--batch", "2", "--time-scale", "0.02",
+                                "--out", str(tmp_path / "runs"), "--json", str(out)])
+    res = json.loads(out.read_text())
+    assert not res["error"]
+    # the processes alternate between the two nodes; the learner is on node_a
+    assert res["placed"]["node_a"] == ["inference0", "learner", "rollout0"], res["placed"]
+    assert res["placed"]["node_b"] == ["inference1", "rollout1"], res["placed"]
+    assert {"controller", "inference0", "inference1", "learner", "rollout0", "rollout1"} <= set(res["procs"])
+    assert 0 <= res["servers_busy"] <= 1

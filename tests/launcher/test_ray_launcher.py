@@ -83,12 +83,14 @@ TWO_RANKS = ["ray.placement.learner=[{node_b: 0.01}, {node_a: 0.01}]", "learner.
 @pytest.mark.slow
 @pytest.mark.parametrize("extra", [ONE_RANK, TWO_RANKS], ids=["disk", "two_ranks_broadcast"])
 def test_default_experiment_on_two_ray_nodes(tmp_path, model_cache, cluster, extra):
-    steps = 2
-    proc, run_dir = run_on_ray(cluster, [f"total_train_steps={steps}", *SMALL, *PLACE, *extra], str(tmp_path),
-                               model_cache)
+    steps = 3
+    proc, run_dir = run_on_ray(cluster, [f"total_train_steps={steps}", "max_head_offpolicyness=1", *SMALL, *PLACE,
+                                         *extra], str(tmp_path), model_cache)
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"
     metrics = read_metrics(run_dir)
-    assert [m["step"] for m in metrics if m["type"] == "train"] == list(range(1, steps + 1))
+    train = [m for m in metrics if m["type"] == "train"]
+    assert [m["step"] for m in train] == list(range(1, steps + 1))
+    assert all(m["head_offpolicyness"] <= 1 and m["staleness_violations"] == 0 for m in train), train
     placed = {m["role"]: m for m in metrics if m["type"] == "role_placed"}
     assert set(placed) == {"inference0", "rollout0", "learner0"}, placed
     assert "node_a" in placed["inference0"]["node_resources"]

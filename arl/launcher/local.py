@@ -143,6 +143,18 @@ def close_launcher(launcher: Any) -> None:
         close()
 
 
+async def _spawn_roles(ctl: Controller) -> None:
+    """Start every role in a thread, so that Ctrl-C is heard while a launcher waits for resources (Ray placement);
+    on Ctrl-C the launcher aborts and the thread ends before anything is shut down, so no role starts after."""
+    spawning = asyncio.ensure_future(asyncio.to_thread(ctl.spawn_roles))
+    try:
+        await asyncio.shield(spawning)
+    except asyncio.CancelledError:
+        ctl.launcher.abort()
+        await asyncio.gather(spawning, return_exceptions=True)
+        raise
+
+
 async def _run(cfg: ExperimentConfig, run_dir: str) -> dict:
     ctl = make_controller(cfg, run_dir)
     ctl.bind()
@@ -160,7 +172,7 @@ async def _run(cfg: ExperimentConfig, run_dir: str) -> dict:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
     try:
-        ctl.spawn_roles()
+        await _spawn_roles(ctl)
         return await ctl.run()
     except asyncio.CancelledError:
         if interrupted:

@@ -35,8 +35,14 @@ class LocalLauncher:
     def __init__(self) -> None:
         self.children: dict[str, Child] = {}
         self.env: dict[str, str] = {}  # extra environment of every child (e.g. the run's shared secret)
+        self.aborted = False
+
+    def abort(self) -> None:
+        self.aborted = True
 
     def spawn(self, name: str, argv: Sequence[str], log_path: str) -> None:
+        if self.aborted:
+            raise RuntimeError(f"not starting {name}: the run was interrupted")
         if name in self.children:
             raise ValueError(f"a child named {name!r} already exists")
         os.makedirs(os.path.dirname(log_path), exist_ok=True)

@@ -210,6 +210,7 @@ class RayLauncher:
                 ray.init(address=address, **kw)
         self._remote = ray.remote(RoleHost)
         self._stop = threading.Event()
+        self._aborted = threading.Event()
         self._pump = threading.Thread(target=self._pump_logs, args=(log_poll_s,), name="arl-ray-logs", daemon=True)
         self._pump.start()
 
@@ -222,7 +223,12 @@ class RayLauncher:
         return ray.util.get_node_ip_address()
 
     # -- starting --------------------------------------------------------------------------------------------
+    def abort(self) -> None:
+        self._aborted.set()
+
     def spawn(self, name: str, argv: Sequence[str], log_path: str) -> None:
+        if self._aborted.is_set():
+            raise RolePlacementError(f"not starting {name}: the run was interrupted")
         if name in self.roles:
             raise ValueError(f"a role process named {name!r} already exists")
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
@@ -291,11 +297,14 @@ class RayLauncher:
 
         strategy = str(self.cfg.strategy) if len(bundles) > 1 else "PACK"
         pg = placement_group(bundles, strategy=strategy, name=f"arl-{name}-{os.getpid()}-{time.monotonic_ns()}")
-        if wait:
-            left = max(0.1, (self._deadline or 0.0) - time.monotonic())
-            ready, _ = ray.wait([pg.ready()], timeout=left)
+        if wait:  # in slices: `abort` (Ctrl-C) ends the wait within one
+            deadline, ready_ref, ready = self._deadline or 0.0, pg.ready(), []
+            while not ready and not self._aborted.is_set() and time.monotonic() < deadline:
+                ready, _ = ray.wait([ready_ref], timeout=min(0.25, max(0.01, deadline - time.monotonic())))
             if not ready:
                 remove_placement_group(pg)
+                if self._aborted.is_set():
+                    raise RolePlacementError(f"role {name}: interrupted while waiting to be placed")
                 raise RolePlacementError(
                     f"role {name} could not be placed within startup_timeout={self.startup_timeout:g}s: it needs "
                     f"{bundles} (strategy {strategy}); the cluster has {ray.cluster_resources()}, of which "

@@ -19,6 +19,9 @@ class RoleLauncher(Protocol):
 
     def spawn(self, name: str, argv: Sequence[str], log_path: str) -> None: ...
 
+    def abort(self) -> None:
+        """Ctrl-C during start-up: end a wait in `spawn` now (it raises) and refuse further spawns."""
+
     def respawn(self, name: str) -> None:
         """Start `name` again with its argv and log; the caller killed it and saw it exit (a hung one)."""
 

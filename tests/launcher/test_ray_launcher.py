@@ -238,6 +238,28 @@ def test_ctrl_c_leaves_no_actor_or_role_process(tmp_path, model_cache, cluster):
     wait_until(lambda: cluster_leftovers(cluster) == ([], []), 30, "no actor or placement group left")
 
 
+@pytest.mark.slow
+def test_ctrl_c_while_a_role_waits_for_placement(tmp_path, model_cache, cluster):
+    """inference0 starts; the learner waits for a node that does not exist: Ctrl-C ends the wait (not the 300 s
+    startup_timeout) and inference0's process with it."""
+    import signal
+
+    proc, run_dir = start_on_ray(cluster, ["total_train_steps=2", *SMALL, *PLACE, "startup_timeout=300",
+                                           "ray.placement.learner={node_z: 1}"], str(tmp_path), model_cache)
+    try:
+        wait_until(lambda: any(p.get("state") == "PENDING" for p in cluster_leftovers(cluster)[1])
+                   or proc.poll() is not None, 120, "the learner's placement group to wait")
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, f"exit {proc.returncode}\nstderr:\n{err[-4000:]}"
+    assert "could not be placed" not in err  # interrupted, not timed out
+    wait_until(lambda: leftover_processes(run_dir) == [], 30, "the roles to exit")
+    wait_until(lambda: cluster_leftovers(cluster) == ([], []), 30, "no actor or placement group left")
+
+
 SLEEPER = [sys.executable, "-c", "import os, sys, time; print('hello from', os.environ.get('ARL_SECRET'), "
                                  "os.environ.get('ARL_BIND_HOST'), flush=True); time.sleep(600)"]
 FAILER = [sys.executable, "-c", "print('about to fail', flush=True); raise SystemExit(3)"]

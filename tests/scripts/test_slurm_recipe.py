@@ -61,6 +61,11 @@ start)
     while [[ ! -e $FAKE_DIR/stopped ]]; do sleep 0.05; done
     ;;
 status)
+    # A head that is slow to answer: the real `ray status` keeps retrying an absent GCS for about 45 s.
+    if [[ -n ${FAKE_STATUS_STALL:-} ]]; then
+        sleep "$FAKE_STATUS_STALL" </dev/null >/dev/null 2>&1
+        touch "$FAKE_DIR/head_up"
+    fi
     if [[ ! -e $FAKE_DIR/head_up ]]; then
         echo "ConnectionError: Could not find any running Ray instance." >&2
         exit 1
@@ -216,6 +221,14 @@ def test_head_that_never_answers_times_out(tmp_path: Path) -> None:
     assert len(ray_starts(calls)) == 1  # no worker was started against a head that is not there
     assert not index_of(calls, "python")
     assert index_of(calls, "ray", "stop")
+
+
+def test_a_poll_that_hangs_is_cut_at_the_timeout(tmp_path: Path) -> None:
+    # The head would answer after 20 s, long after the 1 s timeout: the script must not wait for that answer.
+    proc, calls, _ = run_recipe(tmp_path, [], timeout_s="1", FAKE_HEAD_SILENT="1", FAKE_STATUS_STALL="20")
+    assert proc.returncode != 0
+    assert f"Ray head at {HEAD_IP}:{PORT} did not answer within 1s" in proc.stderr, proc.stderr
+    assert len(ray_starts(calls)) == 1
 
 
 def test_head_that_exits_fails_without_waiting_out_the_timeout(tmp_path: Path) -> None:

@@ -16,10 +16,15 @@ publishing it to the moment the last worker acked (= every engine swapped it in)
 * ``disk``: the DeepSpeed engine's ``export_weights`` (its ``full_state_dict`` + safetensors ``save_file``, atomic
   rename; run on a stand-in holding the model, no DeepSpeed built), then ``update_weights(version, path)`` to every
   worker (``TorchEngine.update_weights``: ``load_file``, check, swap). On one host the file is read back from the
-  page cache, which a cluster's shared filesystem does not give: it is reported beside, it is not the bar.
+  page cache, which a cluster's shared filesystem does not give: it is reported beside, it is not the bar. Note that
+  safetensors' ``load_file`` maps the file (copy-on-write) instead of reading it, so a worker acks before the bytes
+  are read: the decode steps after the swap fault them in (from the page cache here, from the shared filesystem in a
+  cluster). The in-flight pause catches that; the publish time does not.
 * ``broadcast``: ``full_state_dict`` minus the tied aliases (the learner's ``_state_dict``), then
   ``WeightPublisher.set_newest`` + ``request`` (groups opened as in a run, one per server, gloo) while every worker
-  runs ``update_weights`` through its ``BroadcastLoader`` (receive, check, ``update_weights_from_tensors``).
+  runs ``update_weights`` through its ``BroadcastLoader`` (receive, check, ``update_weights_from_tensors``). Parts:
+  the gather, then until all acked; ``WeightSender.send`` is the sender's own share of the latter (it returns once
+  every receiver holds the tensors, before the engines swapped them in).
 * ``bare``: one ``torch.distributed.broadcast`` of the same bytes as one flat uint8 tensor to as many receiver
   processes in a plain ``init_process_group`` world (buffers allocated beforehand, nothing checked or applied).
 
@@ -170,6 +175,12 @@ async def _worker(index: int, model_dir: str, conn: Any, timeout_s: float, gen_r
         window[0] = time.monotonic()
         await workers[mode].update_weights(version, path)
 
+    async def reported(coro: Any) -> None:
+        try:
+            await coro
+        except Exception as e:  # noqa: BLE001 - the parent fails now instead of at its timeout
+            conn.send(("error", {"error": f"{type(e).__name__}: {e}"}))
+
     async def until_steps(n: int) -> None:
         target = len(step_ends) + n
         while len(step_ends) < target:
@@ -184,9 +195,9 @@ async def _worker(index: int, model_dir: str, conn: Any, timeout_s: float, gen_r
     while True:
         cmd, arg = await asyncio.to_thread(conn.recv)
         if cmd == "join":
-            spawn(loader.join(GroupSpec.from_dict(arg)))
+            spawn(reported(loader.join(GroupSpec.from_dict(arg))))
         elif cmd == "update":
-            spawn(update(*arg))
+            spawn(reported(update(*arg)))
         elif cmd == "gen_start":
             step_ends.clear()
             gen[:] = [asyncio.create_task(generate(k)) for k in range(gen_requests)]
@@ -325,7 +336,8 @@ async def bench_transports(a: argparse.Namespace, learner: Learner, model_dir: s
             pub.newest = None  # free the learner's copy before the next version is gathered
             if pub.stats["weight_send_failures"]:
                 raise RuntimeError(f"broadcast failed: {pub.stats}")
-            return {"s": t2 - t0, "gather_s": t1 - t0, "send_s": t2 - t1, "bytes": bytes_}
+            return {"s": t2 - t0, "gather_s": t1 - t0, "send_s": t2 - t1, "bytes": bytes_,
+                    "sender_s": pub.stats["weight_send_s_last"]}
 
         for mode, fn in (("disk", disk), ("broadcast", broadcast)):
             await fn()  # warm-up: first allocations, first file
@@ -394,6 +406,12 @@ def bench_bare(n: int, nbytes: int, repeat: int) -> dict[str, Any]:
     return {"s": s, "bytes": nbytes, "gbps": nbytes / s / GB, "times": times}
 
 
+def rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
 def fits(model_bytes: int, n: int) -> tuple[bool, float, float]:
     """Whether a case fits: the learner's export copy + per worker its model and a second one during a load."""
     import psutil
@@ -409,7 +427,7 @@ def fmt_row(model: str, n: int, path: str, r: dict[str, Any]) -> str:
     if path == "disk":
         parts = f"write {r['write_s']:.3f} + load {r['load_s']:.3f}"
     elif path == "broadcast":
-        parts = f"gather {r['gather_s']:.3f} + send {r['send_s']:.3f}"
+        parts = f"gather {r['gather_s']:.3f} + send {r['send_s']:.3f} (WeightSender.send {r['sender_s']:.3f})"
     else:
         parts = ""
     pause = (f"{r['pause_s'] * 1e3:9.1f} {r['step_s'] * 1e3:8.1f} {r['swap_s'] * 1e3:7.1f}" if "pause_s" in r
@@ -428,10 +446,14 @@ async def amain(a: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
     quiet()
     asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(32))  # a thread per worker stays on its pipe
+    import safetensors
+
     print(f"# {platform.machine()} {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, torch "
-          f"{torch.__version__}, gloo over {LOOPBACK}, bucket {a.bucket_mb} MiB, median of {a.repeat}", flush=True)
+          f"{torch.__version__}, safetensors {safetensors.__version__}, gloo over {LOOPBACK}, bucket {a.bucket_mb} "
+          f"MiB, median of {a.repeat}", flush=True)
     print("# s: publish start -> every worker acked (idle workers); pause: longest gap between decode steps "
-          "overlapping an update while generating; step: median gap before it; swap: the engine's swap", flush=True)
+          "overlapping an update while generating; step: median gap before it; swap: the engine's swap; disk: the "
+          "ack comes before the file's bytes are read (mapped), the pause includes reading them", flush=True)
     print(HEADER, flush=True)
     results: dict[str, Any] = {"args": vars(a), "cases": []}
     with tempfile.TemporaryDirectory(prefix="arl-bench-weights-", dir=a.dir) as tmp:
@@ -444,10 +466,12 @@ async def amain(a: argparse.Namespace) -> dict[str, Any]:
             print(f"# {name}: {params / 1e6:.1f}M parameters, {model_bytes / 2**20:.1f} MiB fp32 "
                   f"({model_shape(name, a.vocab_05b)})", flush=True)
             for n in a.workers:
+                release()
                 ok, need, have = fits(model_bytes, n)
                 case: dict[str, Any] = {"model": name, "workers": n, "params": params}
                 if not ok:
-                    print(f"# {name} x {n}: skipped, needs ~{need:.1f} GB, {have:.1f} GB available", flush=True)
+                    print(f"# {name} x {n}: skipped, needs ~{need:.1f} GB, {have:.1f} GB available (this process: "
+                          f"{rss() / GB:.1f} GB)", flush=True)
                     case["skipped"] = f"memory: needs ~{need:.1f} GB, {have:.1f} GB available"
                     results["cases"].append(case)
                     continue
@@ -459,9 +483,8 @@ async def amain(a: argparse.Namespace) -> dict[str, Any]:
                     print(fmt_row(name, n, path, case[path]), flush=True)
                 results["cases"].append(case)
             del learner, model
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(results, f, indent=2)
+            release()
+    dump(a, results)
     done = [c for c in results["cases"] if "bare" in c]
     if not done:
         print("broadcast: n/a (every case skipped)")
@@ -474,11 +497,27 @@ async def amain(a: argparse.Namespace) -> dict[str, Any]:
     print(f"# {head['model']}, {head['workers']} workers: in-flight pause disk {head['disk']['pause_s'] * 1e3:.1f} ms, "
           f"broadcast {head['broadcast']['pause_s'] * 1e3:.1f} ms (median step {head['broadcast']['step_s'] * 1e3:.1f}"
           f" ms); disk (page cache, not the bar): {disk * 100:.0f}% of bare broadcast GB/s")
+    dump(a, results)
+    print(f"broadcast: {ratio * 100:.0f}% of bare broadcast", flush=True)
+    return results
+
+
+def dump(a: argparse.Namespace, results: dict[str, Any]) -> None:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=2)
-    print(f"broadcast: {ratio * 100:.0f}% of bare broadcast", flush=True)
-    return results
+
+
+def release() -> None:
+    """Give freed memory back to the OS between cases (glibc keeps freed tensors under 32 MB in its heap)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
 
 
 def main() -> None:

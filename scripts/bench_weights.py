@@ -33,8 +33,8 @@ bare: the unique parameters). Each figure is the median of ``--repeat`` updates 
 with the workers idle. In-flight pause: ``--repeat`` more updates per path made while every worker generates
 (``--gen-requests`` requests kept running); a hook on the engine's decode step records when each step ends, and the
 pause is the longest gap between two step ends that overlaps the update (the worker's ``update_weights`` call),
-beside the median gap before it (a normal step on a machine this busy). Figures are medians over repeats of the
-worst worker.
+beside the median gap before it (a normal step on a machine this busy); both are the worst worker's, median over
+repeats. ``swap`` is the engine's own time pointing its parameters at the new tensors (its lock held).
 
 The models are made on the spot (random init, nothing downloaded): ``tiny`` is `build_qwen2_tiny_dir`'s Qwen2
 (vocab 1024, hidden 192, 2 layers); ``0.5b`` is Qwen2-0.5B's shape (hidden 896, 24 layers, 14 heads, 2 kv heads,

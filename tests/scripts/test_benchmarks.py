@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -88,3 +89,26 @@ def test_scale_run_smoke_through_ray(tmp_path):
     assert res["placed"]["node_b"] == ["inference1", "rollout1"], res["placed"]
     assert {"controller", "inference0", "inference1", "learner", "rollout0", "rollout1"} <= set(res["procs"])
     assert 0 <= res["servers_busy"] <= 1
+
+
+def test_bench_weights_smoke(tmp_path):
+    out = tmp_path / "weights.json"
+    proc = run_script("bench_weights.py", ["--quick", "--json", str(out)])
+    lines = proc.stdout.strip().splitlines()
+    assert re.fullmatch(r"broadcast: \d+% of bare broadcast", lines[-1]), lines[-1]
+    rows = {}
+    for line in lines:  # the table: model, workers, path, MiB/worker, s, GB/s, ...
+        f = line.split()
+        if len(f) >= 6 and f[0] == "tiny" and f[2] in ("disk", "broadcast", "bare"):
+            assert f[1] == "1"
+            rows[f[2]] = [float(x) for x in f[3:6]]
+    assert sorted(rows) == ["bare", "broadcast", "disk"]
+    assert all(mib > 0 and s > 0 and gbps > 0 for mib, s, gbps in rows.values())
+    assert rows["broadcast"][0] == rows["bare"][0]  # the same bytes
+    case = json.loads(out.read_text())["cases"][0]
+    assert (case["model"], case["workers"]) == ("tiny", 1)
+    for path in ("disk", "broadcast"):  # the pause was measured while the worker generated
+        r = case[path]
+        assert r["pause_s"] > 0 and r["step_s"] > 0 and r["swap_s"] >= 0 and len(r["times"]) == 1
+    head = json.loads(out.read_text())["headline"]
+    assert head["broadcast_of_bare"] > 0 and f"{head['broadcast_of_bare'] * 100:.0f}%" in lines[-1]

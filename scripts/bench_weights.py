@@ -20,11 +20,13 @@ publishing it to the moment the last worker acked (= every engine swapped it in)
   safetensors' ``load_file`` maps the file (copy-on-write) instead of reading it, so a worker acks before the bytes
   are read: the decode steps after the swap fault them in (from the page cache here, from the shared filesystem in a
   cluster). The in-flight pause catches that; the publish time does not.
-* ``broadcast``: ``full_state_dict`` minus the tied aliases (the learner's ``_state_dict``), then
-  ``WeightPublisher.set_newest`` + ``request`` (groups opened as in a run, one per server, gloo) while every worker
-  runs ``update_weights`` through its ``BroadcastLoader`` (receive, check, ``update_weights_from_tensors``). Parts:
-  the gather, then until all acked; ``WeightSender.send`` is the sender's own share of the latter (it returns once
-  every receiver holds the tensors, before the engines swapped them in).
+* ``broadcast``: ``full_state_dict(copy=False)`` minus the tied aliases (the learner's ``_state_dict``: its live
+  parameters), then ``WeightPublisher.set_newest`` (packs them into the buckets, into buffers kept across versions)
+  + ``request`` (groups opened as in a run, one per server, gloo) while every worker runs ``update_weights`` through
+  its ``BroadcastLoader`` (receive into the buffers of the weights its engine served before, check,
+  ``update_weights_from_tensors``). Parts: the gather, the pack, then until all acked; ``WeightSender.send`` is the
+  sender's own share of the latter (it returns once every receiver holds the tensors, before the engines swapped
+  them in).
 * ``bare``: one ``torch.distributed.broadcast`` of the same bytes as one flat uint8 tensor to as many receiver
   processes in a plain ``init_process_group`` world (buffers allocated beforehand, nothing checked or applied).
 
@@ -122,8 +124,8 @@ class Learner:
         self.rank, self.world_size, self.version = 0, 1, 0
         self._impl = DeepSpeedEngine
 
-    def full_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
-        return self._impl.full_state_dict(self)  # type: ignore[arg-type]
+    def full_state_dict(self, copy: bool = True) -> Optional[dict[str, torch.Tensor]]:
+        return self._impl.full_state_dict(self, copy)  # type: ignore[arg-type]
 
     def export_weights(self, path: str) -> None:
         self._impl.export_weights(self, path)  # type: ignore[arg-type]
@@ -344,22 +346,22 @@ async def bench_transports(a: argparse.Namespace, learner: Learner, model_dir: s
             learner.version += 1
             v = learner.version
             t0 = time.monotonic()
-            sd = await asyncio.to_thread(learner.full_state_dict)
-            sd = {k: t for k, t in sd.items() if k not in skip}  # LearnerWorker._state_dict
+            sd = await asyncio.to_thread(learner.full_state_dict, False)  # live parameters, no copy ...
+            sd = {k: t for k, t in sd.items() if k not in skip}  # ... without tied aliases (LearnerWorker._state_dict)
             t1 = time.monotonic()
             fleet.send("update", ("broadcast", v, ""))  # the controller's UpdateWeights (empty path) ...
-            pub.set_newest(v, sd)  # ... the learner after weights_published ...
+            await pub.set_newest(v, sd)  # ... the learner packs after weights_published, before its next step ...
+            t_pack = time.monotonic()
             pub.request(v, list(range(n)))  # ... and the controller's SendWeights
             del sd
             acks = await fleet.replies("ack", a.timeout)
             t2 = time.monotonic()
             assert all(x["version"] == v for x in acks), acks
-            bytes_ = pub.newest[2].total_bytes if pub.newest else 0
-            pub.newest = None  # free the learner's copy before the next version is gathered
+            bytes_ = pub.newest[1].plan.total_bytes if pub.newest else 0
             if pub.stats["weight_send_failures"]:
                 raise RuntimeError(f"broadcast failed: {pub.stats}")
-            return {"s": t2 - t0, "gather_s": t1 - t0, "send_s": t2 - t1, "bytes": bytes_,
-                    "sender_s": pub.stats["weight_send_s_last"]}
+            return {"s": t2 - t0, "gather_s": t1 - t0, "pack_s": t_pack - t1, "send_s": t2 - t_pack,
+                    "bytes": bytes_, "sender_s": pub.stats["weight_send_s_last"]}
 
         async def timed(fn: Any) -> dict[str, float]:
             """One version, then every process gives freed memory back (outside the clock): tensors freed on
@@ -460,7 +462,8 @@ def fmt_row(model: str, n: int, path: str, r: dict[str, Any]) -> str:
     if path == "disk":
         parts = f"write {r['write_s']:.3f} + load {r['load_s']:.3f}"
     elif path == "broadcast":
-        parts = f"gather {r['gather_s']:.3f} + send {r['send_s']:.3f} (WeightSender.send {r['sender_s']:.3f})"
+        parts = (f"gather {r['gather_s']:.3f} + pack {r['pack_s']:.3f} + send {r['send_s']:.3f} "
+                 f"(WeightSender.send {r['sender_s']:.3f})")
     else:
         parts = ""
     pause = (f"{r['pause_s'] * 1e3:9.1f} {r['step_s'] * 1e3:8.1f} {r['swap_s'] * 1e3:7.1f}" if "pause_s" in r

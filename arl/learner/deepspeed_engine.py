@@ -297,14 +297,18 @@ class DeepSpeedEngine:
         return float("nan") if norm is None else float(norm)
 
     # ------------------------------------------------------------------ weights out
-    def full_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
+    def full_state_dict(self, copy: bool = True) -> Optional[dict[str, torch.Tensor]]:
         """The full model state dict on CPU, keys as the HF model's ``state_dict()`` (ZeRO-3: gathered; collective,
         call on every rank). Rank 0 gets the dict, other ranks None. Tensors are independent copies (tied weights
-        are not shared), so the dict can be written with safetensors."""
+        are not shared), so the dict can be written with safetensors. ``copy=False``: below ZeRO-3, the live
+        parameters themselves, on their device (for a caller that copies them before the next step: the
+        broadcast publisher packs them; a clone of a GB model is ~1 s of page faults on CPU)."""
         if self.cfg.zero_stage == 3:
             sd = self.model_engine._zero3_consolidated_16bit_state_dict()
         else:
             sd = self.model_engine.module.state_dict() if self.rank == 0 else None
+            if sd is not None and not copy:
+                return {k: v.detach() for k, v in sd.items()}
         if sd is None:
             return None
         return {k: v.detach().to("cpu").contiguous().clone() for k, v in sd.items()}

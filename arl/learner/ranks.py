@@ -103,9 +103,10 @@ class RankLeader:
     def export_weights(self, path: str) -> None:
         self._run("export_weights", [path] * self.world_size, self.actor.engine.export_weights)
 
-    def full_state_dict(self) -> Optional[dict]:
+    def full_state_dict(self, copy: bool = True) -> Optional[dict]:
         """Rank 0's full state dict (collective under ZeRO-3), for weights.transport=broadcast."""
-        return self._run("full_state_dict", [()] * self.world_size, lambda _: self.actor.engine.full_state_dict())
+        return self._run("full_state_dict", [()] * self.world_size,
+                         lambda _: self.actor.engine.full_state_dict(copy=copy))
 
     def save(self, path: str, client_state: Optional[dict] = None, keep_last: Optional[int] = None) -> str:
         return self._run("save", [(path, client_state, keep_last)] * self.world_size,

@@ -212,7 +212,7 @@ class LearnerWorker:
         self.restore(state or {})
         v = self.engine.version
         if self.publisher is not None:  # a restarted run's inference workers get these weights by broadcast
-            self.publisher.set_newest(v, await self._state_dict())
+            await self.publisher.set_newest(v, await self._state_dict())
         else:
             path = os.path.join(self.weights_dir, f"v{v}.safetensors")
             await asyncio.to_thread(self.engine.export_weights, path)
@@ -256,7 +256,7 @@ class LearnerWorker:
             await self._send("weights_published", {"version": self.engine.version, "path": path,
                                                    "metrics": metrics})
             if self.publisher is not None:  # only now: a send never carries a version the controller has not seen
-                self.publisher.set_newest(self.engine.version, weights)
+                await self.publisher.set_newest(self.engine.version, weights)  # packed before the next step
             else:
                 self._exported.append((self.engine.version, path))
                 self._prune()
@@ -268,9 +268,11 @@ class LearnerWorker:
         return path
 
     async def _state_dict(self) -> dict:
-        """The full state dict (collective over the ranks), without the tied copies: what a broadcast sends."""
+        """The full state dict (collective over the ranks), without the tied copies: what a broadcast sends. Live
+        parameters where the engine can give them (no copy): valid until the next step, the publisher packs them
+        before it."""
         self.waiting_on = f"gathering weights v{self.engine.version}"
-        sd = await asyncio.to_thread(self.engine.full_state_dict)
+        sd = await asyncio.to_thread(self.engine.full_state_dict, False)
         return {k: v for k, v in sd.items() if k not in self.skip_names}
 
     def _step_metrics(self, metrics: dict, batch: list[Trajectory], waited: float, train_s: float,

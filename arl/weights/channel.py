@@ -6,9 +6,11 @@ are one per inference server and incarnation (``open_weight_group`` to the learn
 worker, a fresh name each time), so a restarted worker gets the newest weights through a group of its own while the
 others carry on.
 
-Coalescing. The learner holds only the newest state dict (handed over after each step's ``weights_published``).
-`WeightPublisher.run` serves every server asked since its last send in one `WeightSender.send` of that newest
-version (each bucket packed once, broadcast to all their groups at once), off the training thread. A server asked
+Coalescing. After each step's ``weights_published`` the learner hands its live parameters to `set_newest`, which
+packs them into the plan's buckets (one copy into buffers kept across versions) before training goes on; only the
+newest version is kept. `WeightPublisher.run` serves every server asked since its last send in one
+`WeightSender.send` of that newest version (each bucket broadcast to all their groups at once), off the training
+thread. The inference side receives into the buffers of the weights its engine served before (`swapped`). A server asked
 for version v while the learner already holds v+k gets v+k and acks it; WeightSync takes an ack newer than what it
 sent as it takes any ack (a server's version only goes up).
 """
@@ -17,13 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from typing import Any, Mapping, Optional
 
 import torch
 
-from arl.weights.broadcast import GroupSpec, TransferPlan, WeightReceiver, WeightSender, WeightTransferError, \
-    make_plan
+from arl.weights.broadcast import GroupSpec, Packed, WeightReceiver, WeightSender, WeightTransferError, make_plan
 
 logger = logging.getLogger("arl.weights")
 
@@ -37,18 +39,43 @@ class WeightPublisher:
 
     def __init__(self, sender: WeightSender, *, protocol: str = "arl", bucket_bytes: int = 64 << 20) -> None:
         self.sender, self.protocol, self.bucket_bytes = sender, protocol, bucket_bytes
-        self.newest: Optional[tuple[int, Mapping[str, torch.Tensor], TransferPlan]] = None
+        self.newest: Optional[tuple[int, Packed]] = None
+        # Packed buffers reused across versions: at most two, the one a send reads and the one packed next (a
+        # newest that is not being sent is packed over: a newer version supersedes it). `_lock` guards these
+        # three fields between the packing thread and `run`.
+        self._pool: list[Packed] = []
+        self._sending: Optional[Packed] = None
+        self._lock = threading.Lock()
         self._groups: dict[int, str] = {}  # server -> its open group
         self._wanted: dict[int, int] = {}  # server -> the version it was told to load (at least)
         self._wake = asyncio.Event()
         self.stats = {"weight_sends": 0, "weight_send_failures": 0, "weight_send_s_last": 0.0,
-                      "weight_bytes_sent": 0, "weight_groups": 0}
+                      "weight_bytes_sent": 0, "weight_groups": 0, "weight_pack_s_last": 0.0}
 
-    def set_newest(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        """The weights of `version` (a state dict the learner no longer changes): what every later send carries."""
-        plan = make_plan(tensors, bucket_bytes=self.bucket_bytes)
-        self.newest = (int(version), tensors, plan)
+    async def set_newest(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """The weights of `version`: packed (in a thread) before this returns, so the learner may change
+        `tensors` (its live parameters) afterwards; every later send carries them."""
+        t0 = time.monotonic()
+        packed = await asyncio.to_thread(self._pack, tensors)
+        self.stats["weight_pack_s_last"] = time.monotonic() - t0
+        with self._lock:
+            self.newest = (int(version), packed)
         self._wake.set()
+
+    def _pack(self, tensors: Mapping[str, torch.Tensor]) -> Packed:
+        plan = make_plan(tensors, bucket_bytes=self.bucket_bytes)
+        with self._lock:
+            newest = self.newest[1] if self.newest is not None else None
+            self._pool = [p for p in self._pool if p.plan == plan or p is self._sending]
+            free = [p for p in self._pool if p is not self._sending and p is not newest]
+            if free:
+                target = free[0]
+            elif newest is not None and newest is not self._sending and newest.plan == plan:
+                target, self.newest = newest, None  # superseded; `run` cannot start sending it meanwhile
+            else:
+                target = Packed.allocate(plan, self.sender.device or "cpu")
+                self._pool.append(target)
+        return target.fill(tensors)
 
     async def open_group(self, name: str, server: int) -> None:
         """Form group `name` with inference server `server` (its previous group is closed first); returns once
@@ -78,18 +105,20 @@ class WeightPublisher:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            if self.newest is None:
-                continue
-            version, tensors, plan = self.newest
-            ready = sorted(s for s, v in self._wanted.items() if s in self._groups and v <= version)
-            if not ready:
-                continue
+            with self._lock:
+                if self.newest is None:
+                    continue
+                version, packed = self.newest
+                ready = sorted(s for s, v in self._wanted.items() if s in self._groups and v <= version)
+                if not ready:
+                    continue
+                self._sending = packed
             for s in ready:
                 del self._wanted[s]
             groups = {self._groups[s]: s for s in ready}
             t0 = time.monotonic()
             try:
-                st = await asyncio.to_thread(self.sender.send, version, tensors, plan=plan, groups=list(groups))
+                st = await asyncio.to_thread(self.sender.send, version, packed, groups=list(groups))
                 self.stats["weight_bytes_sent"] += st.bytes * len(st.groups)
             except WeightTransferError as e:  # the worker fails too and is restarted with a new group
                 self.stats["weight_send_failures"] += 1
@@ -97,6 +126,9 @@ class WeightPublisher:
                 for name in e.failures:
                     if name not in self.sender.groups and self._groups.get(groups.get(name, -1)) == name:
                         del self._groups[groups[name]]
+            finally:
+                with self._lock:
+                    self._sending = None
             self.stats["weight_sends"] += 1
             self.stats["weight_send_s_last"] = time.monotonic() - t0
             logger.info("sent weights v%d to servers %s in %.3fs", version, ready, time.monotonic() - t0)
@@ -148,6 +180,7 @@ class BroadcastLoader:
         rx: WeightReceiver = self._member
         version, tensors = await asyncio.to_thread(rx.receive, self.engine.model, wait_s=wait)
         await self.engine.update_weights_from_tensors(tensors, version, source=f"broadcast group {rx.spec.group_name}")
+        rx.swapped()
         return version
 
     async def close(self) -> None:

@@ -36,8 +36,8 @@ async def test_publisher_sends_the_newest_to_a_torch_engine_between_decode_steps
         ids = prompt(1, 6)
         gen = asyncio.create_task(engine.agenerate(GenerateRequest(
             qid="q", input_ids=ids, gconfig=GenerationConfig(n=1, max_new_tokens=40, greedy=True))))
-        publisher.set_newest(1, state_without_lm_head(new1))
-        publisher.set_newest(2, state_without_lm_head(new2))  # coalesced: asked for 1, the learner holds 2
+        await publisher.set_newest(1, state_without_lm_head(new1))
+        await publisher.set_newest(2, state_without_lm_head(new2))  # coalesced: asked for 1, the learner holds 2
         publisher.request(1, [0])
         version = await loader.load()
         assert version == 2 and engine.version == 2
@@ -60,6 +60,43 @@ async def test_publisher_sends_the_newest_to_a_torch_engine_between_decode_steps
 
 
 @pytest.mark.asyncio
+async def test_versions_in_a_row_reuse_the_buffers_on_both_sides_and_the_learner_may_change_its_tensors():
+    """The publisher packs before `set_newest` returns (the learner's next step changes the live tensors in
+    place); sender and receiver keep their buffers across versions (two each), and each version lands whole."""
+    models = [make_model(i, tie=True) for i in range(5)]
+    engine = make_engine(copy.deepcopy(models[0]))
+    engine.start()
+    sender = WeightSender("127.0.0.1", 0, timeout_s=30, gloo_host="127.0.0.1")
+    publisher = WeightPublisher(sender, bucket_bytes=16 << 10)
+    loader = BroadcastLoader(engine, timeout_s=30, gloo_host="127.0.0.1")
+    runner = asyncio.create_task(publisher.run())
+    live = state_without_lm_head(models[0])  # the learner's parameters, changed in place step after step
+    seen_rx: list[set[int]] = []
+    try:
+        await asyncio.gather(publisher.open_group("g0", 0), loader.join(sender.spec("g0")))
+        for v in range(1, 5):
+            for k, t in state_without_lm_head(models[v]).items():
+                live[k].copy_(t)
+            await publisher.set_newest(v, live)
+            for t in live.values():
+                t.add_(1.0)  # the next step starts: must not reach what is sent
+            publisher.request(v, [0])
+            assert await loader.load() == v
+            for k, t in models[v].state_dict().items():
+                assert torch.equal(engine.model.state_dict()[k], t), (v, k)
+            seen_rx.append({t.untyped_storage().data_ptr() for t in engine.model.parameters()})
+        assert 1 <= len(publisher._pool) <= 2  # 2 when a send was still finishing as the next version was packed
+        assert seen_rx[2] == seen_rx[0] and seen_rx[3] == seen_rx[1] and seen_rx[0] != seen_rx[1]
+        assert publisher.stats["weight_sends"] == 4 and publisher.stats["weight_send_failures"] == 0
+    finally:
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+        await loader.close()
+        publisher.close()
+        await engine.close()
+
+
+@pytest.mark.asyncio
 async def test_a_plan_that_does_not_fit_is_refused_and_the_engine_keeps_its_weights():
     model = make_model(0, tie=True)
     engine = make_engine(copy.deepcopy(model))
@@ -72,7 +109,7 @@ async def test_a_plan_that_does_not_fit_is_refused_and_the_engine_keeps_its_weig
         await asyncio.gather(publisher.open_group("g0", 0), loader.join(sender.spec("g0")))
         bad = state_without_lm_head(make_model(1, tie=True))
         bad["model.norm.weight"] = torch.ones(3)
-        publisher.set_newest(1, bad)
+        await publisher.set_newest(1, bad)
         publisher.request(1, [0])
         with pytest.raises(Exception, match="refused"):
             await loader.load()
@@ -90,3 +127,28 @@ async def test_a_plan_that_does_not_fit_is_refused_and_the_engine_keeps_its_weig
 def test_an_engine_without_a_broadcast_path_is_refused():
     with pytest.raises(ValueError, match="cannot load broadcast weights"):
         BroadcastLoader(object())
+
+
+def test_packing_never_writes_the_buffers_a_send_reads():
+    """At most two packed buffers: the one being sent is never packed over; a newest not being sent is."""
+    from types import SimpleNamespace
+
+    from arl.weights.broadcast import unpack_bucket
+
+    pub = WeightPublisher(SimpleNamespace(device=None), bucket_bytes=1 << 10)  # type: ignore[arg-type]
+    sds = [{"a": torch.full((300,), float(i)), "b": torch.arange(7) + i} for i in range(4)]
+
+    def values(p) -> dict[str, torch.Tensor]:
+        return {n: t.clone() for k in range(len(p.plan.buckets)) for n, t in unpack_bucket(p.plan, k, p.buckets[k])}
+
+    p1 = pub._pack(sds[0])
+    pub.newest, pub._sending = (1, p1), p1  # v1 is on the wire
+    p2 = pub._pack(sds[1])
+    assert p2 is not p1
+    pub.newest = (2, p2)
+    p3 = pub._pack(sds[2])  # v1 still on the wire: v2, not sent yet, is superseded and packed over
+    assert p3 is p2 and pub.newest is None and torch.equal(values(p1)["a"], sds[0]["a"])
+    pub.newest, pub._sending = (3, p3), None
+    p4 = pub._pack(sds[3])  # nothing on the wire: the free buffer, the newest kept until replaced
+    assert p4 is p1 and pub.newest == (3, p3) and len(pub._pool) == 2
+    assert all(torch.equal(values(p4)[k], sds[3][k]) and torch.equal(values(p3)[k], sds[2][k]) for k in "ab")

@@ -27,6 +27,7 @@ rejoin under a new name), a refusal keeps it open.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
@@ -516,12 +517,13 @@ class WeightSender:
                         except Exception:  # noqa: BLE001
                             reasons.append(f"rank {r}: (no reason left in the store)")
                 fail(n, f"v{version} refused: " + "; ".join(reasons), close=False)
-        # 3. the payload, bucket by bucket, to every live group at once; bucket k+1 is packed and queued while
-        # bucket k is on the wire
+        # 3. the payload, bucket by bucket, to every live group at once. Packed: every bucket is posted at once (as
+        # the receiver posts its buffers), so no bucket waits for a round trip; else bucket k+1 is packed and queued
+        # while bucket k is on the wire.
         nb = len(plan.buckets)
-        in_flight: Optional[tuple[int, dict[str, Any], torch.Tensor]] = None
-        for k in range(nb + 1):
-            queued: Optional[tuple[int, dict[str, Any], torch.Tensor]] = None
+        depth = nb if isinstance(tensors, Packed) else 2
+        posted: collections.deque[tuple[int, dict[str, Any], torch.Tensor]] = collections.deque()
+        for k in range(nb + depth):
             if k < nb and live:
                 buf = tensors.buckets[k] if isinstance(tensors, Packed) else pack_bucket(plan, k, tensors,
                                                                                           self._device())
@@ -531,9 +533,9 @@ class WeightSender:
                         works[n] = sg.group.broadcast_async(buf)
                     except Exception as e:  # noqa: BLE001
                         fail(n, f"bucket {k}/{nb} of v{version}: {e}", close=True)
-                queued = (k, works, buf)
-            if in_flight is not None:
-                kk, works, _ = in_flight
+                posted.append((k, works, buf))
+            if posted and (len(posted) >= depth or k >= nb - 1):
+                kk, works, _ = posted.popleft()
                 for n, w in works.items():
                     if n not in live:
                         continue
@@ -541,7 +543,6 @@ class WeightSender:
                         live[n].group._wait(w, f"bucket {kk}/{nb} of v{version}")
                     except WeightTransferError as e:
                         fail(n, self._with_outcome(live[n], seqs[n], str(e)), close=True)
-            in_flight = queued
         # 4. every receiver says it applied them
         works = {}
         flags_of = {}
@@ -760,22 +761,12 @@ class WeightReceiver:
         failure: Optional[str] = None
         n = len(plan.buckets)
         try:
-            bufs: list[torch.Tensor] = []
-
-            def post(k: int) -> tuple[Any, torch.Tensor]:
-                if reuse:
-                    bufs.append(self._buffer(k, plan.bucket_nbytes(k), g.device))
-                    buf = bufs[-1]
-                else:
-                    buf = torch.empty(plan.bucket_nbytes(k), dtype=torch.uint8, device=g.device)
-                return g.broadcast_async(buf), buf
-
-            nxt = post(0)
-            for k in range(n):
-                work, buf = nxt
+            # every bucket's buffer posted at once: the sender never waits for a receive to be posted
+            bufs = [self._buffer(k, plan.bucket_nbytes(k), g.device) if reuse else
+                    torch.empty(plan.bucket_nbytes(k), dtype=torch.uint8, device=g.device) for k in range(n)]
+            works = [g.broadcast_async(buf) for buf in bufs]
+            for k, (work, buf) in enumerate(zip(works, bufs)):
                 g._wait(work, f"bucket {k}/{n} of v{version}")
-                if k + 1 < n:
-                    nxt = post(k + 1)  # bucket k+1 comes in while bucket k is applied
                 if failure is None:
                     try:
                         for name, t in unpack_bucket(plan, k, buf):

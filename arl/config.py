@@ -100,6 +100,18 @@ class SimEngineConfig:
     len_sigma: float = field(1.0, "Log-normal shape of output lengths (bigger: longer tail).")
     vocab_size: int = field(32000, "Vocabulary size of the random output tokens.")
 
+    def __post_init__(self) -> None:
+        _require([
+            (min(self.step_base_s, self.step_per_token_s, self.prefill_per_token_s, self.update_pause_s) >= 0,
+             "inference.sim latencies must be >= 0"),
+            (self.step_base_s + self.step_per_token_s > 0,
+             "a simulated decode step must take some time (inference.sim step_base_s + step_per_token_s > 0)"),
+            (self.time_scale > 0, f"inference.sim.time_scale must be > 0, got {self.time_scale}"),
+            (self.len_median >= 1 and self.len_sigma >= 0,
+             "inference.sim.len_median must be >= 1 and len_sigma >= 0"),
+            (self.vocab_size >= 2, f"inference.sim.vocab_size must be >= 2, got {self.vocab_size}"),
+        ])
+
 
 @dataclasses.dataclass
 class SGLangConfig:
@@ -417,12 +429,6 @@ class ExperimentConfig:
     ray: RayConfig = field(factory=RayConfig)
 
 
-def _all_keys(cls: type) -> list[str]:
-    keys = [k for k, *_ in _field_rows(cls())]
-    groups = {k.rsplit(".", 1)[0] for k in keys if "." in k}
-    return keys + sorted(groups)
-
-
 def _field_rows(obj: Any, prefix: str = "") -> list[tuple[str, str, Any, str]]:
     rows = []
     for f in dataclasses.fields(obj):
@@ -452,7 +458,8 @@ def format_help(config_cls: type = ExperimentConfig) -> str:
 def _close_matches(key: str, cls: type) -> list[str]:
     """Keys whose last part looks like the typo's (a key that moved into a section is found too), then keys that
     look like the whole of it."""
-    keys = _all_keys(cls)
+    keys = [k for k, *_ in _field_rows(cls())]
+    keys += sorted({k.rsplit(".", 1)[0] for k in keys if "." in k})  # the sections too
     leaf = key.split(".")[-1]
     matches = [k for m in difflib.get_close_matches(leaf, [k.split(".")[-1] for k in keys], n=3, cutoff=0.75)
                for k in keys if k.split(".")[-1] == m]
@@ -489,15 +496,11 @@ def parse_overrides(config_cls: type, overrides: Sequence[str], base: Any = None
         raise ConfigError(msg + " (see --help for every field)") from None
     except ValidationError as e:
         key = getattr(e, "full_key", "?")
-        expected = _expected_type(config_cls, key)
+        expected = next((tname for k, tname, *_ in _field_rows(config_cls()) if k == key), "a different type")
         raise ConfigError(f"bad value for '{key}': expected {expected} ({e.msg.splitlines()[0]})") from None
     obj = OmegaConf.to_object(merged)
     validate(obj)
     return obj
-
-
-def _expected_type(cls: type, key: str) -> str:
-    return next((tname for k, tname, *_ in _field_rows(cls()) if k == key), "a different type")
 
 
 def validate(cfg: Any) -> None:

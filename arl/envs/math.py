@@ -18,9 +18,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-import importlib
 import inspect
 import logging
+import pkgutil
 import queue
 import re
 import sys
@@ -68,16 +68,10 @@ def resolve_reward_fn(reward_fn: Union[str, RewardFn]) -> RewardFn:
         return reward_fn
     if not isinstance(reward_fn, str) or ":" not in reward_fn:
         raise ValueError(f"reward_fn must be a callable or a 'module:function' string, got {reward_fn!r}")
-    mod_name, _, attr = reward_fn.partition(":")
     try:
-        mod = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise ValueError(f"reward_fn {reward_fn!r}: cannot import module {mod_name!r} ({e})") from e
-    obj: Any = mod
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"reward_fn {reward_fn!r}: module {mod_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
+        obj = pkgutil.resolve_name(reward_fn)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"reward_fn {reward_fn!r}: cannot import it ({e})") from e
     if not callable(obj):
         raise ValueError(f"reward_fn {reward_fn!r} is not callable")
     return obj

@@ -29,7 +29,7 @@ from typing import Any, Optional
 logger = logging.getLogger(__name__)
 
 __all__ = ["extract_answer", "extract_boxed", "gold_answer", "verify_answer", "MathVerifier",
-           "math_verify_reward", "math_verify_reward_sync", "default_verifier"]
+           "math_verify_reward", "default_verifier"]
 
 _NUM = r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?"
 
@@ -190,11 +190,6 @@ class MathVerifier:
 def default_verifier() -> MathVerifier:
     """The process-wide verifier (ARL_MATH_VERIFY_WORKERS processes, default 2)."""
     return MathVerifier(max_workers=int(os.environ.get("ARL_MATH_VERIFY_WORKERS", "2")))
-
-
-def math_verify_reward_sync(completion: str, answer: str) -> float:
-    """Reward fn for MathEnv (it runs sync reward fns in its thread pool): 1.0 if math-verify accepts the answer."""
-    return default_verifier().check(completion, answer)
 
 
 async def math_verify_reward(completion: str, answer: str) -> float:

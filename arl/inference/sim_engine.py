@@ -91,20 +91,8 @@ class SimEngine:
                  max_context_len: int = 32768, eos_token_id: Optional[int] = None, version: int = 0, seed: int = 0,
                  workload_seed: int = 0, max_sessions: int = 100_000, name: str = "sim") -> None:
         """`config`: the latency and output-length model (`inference.sim`); the rest is per run and per server."""
-        c = self.config = config if config is not None else SimEngineConfig()
-        check_limits(max_batch_size, max_context_len)
-        checks = [
-            (min(c.step_base_s, c.step_per_token_s, c.prefill_per_token_s, c.update_pause_s) >= 0,
-             "sim latencies must be >= 0"),
-            (c.step_base_s + c.step_per_token_s > 0,
-             "a decode step must take some time (step_base_s + step_per_token_s > 0)"),
-            (c.time_scale > 0, f"time_scale must be > 0, got {c.time_scale}"),
-            (c.len_median >= 1 and c.len_sigma >= 0, "len_median must be >= 1 and len_sigma >= 0"),
-            (c.vocab_size >= 2, f"vocab_size must be >= 2, got {c.vocab_size}"),
-        ]
-        for ok, msg in checks:
-            if not ok:
-                raise ValueError(msg)
+        self.config = config if config is not None else SimEngineConfig()
+        check_limits(max_batch_size, max_context_len)  # the config section checked itself (SimEngineConfig)
         self.name = name
         self.max_batch_size = int(max_batch_size)
         self.max_context_len = int(max_context_len)

@@ -81,7 +81,7 @@ class _Request:
     """One accepted GenerateRequest: its prompt, sampling parameters and the samples finished so far."""
 
     __slots__ = ("qid", "gconfig", "prompt", "prompt_len", "n", "loop", "future", "samples", "remaining",
-                 "cancelled", "responded", "stop_set", "stop_list", "t_submit")
+                 "cancelled", "responded", "stop_set", "stop_list")
 
     def __init__(self, req: GenerateRequest, loop: asyncio.AbstractEventLoop, future: asyncio.Future,
                  eos_token_ids: Sequence[int], vocab_size: int) -> None:
@@ -100,7 +100,6 @@ class _Request:
         self.stop_set: frozenset[int] = frozenset(stops)
         # ids that can actually be sampled (masked while min_new_tokens is not reached)
         self.stop_list: list[int] = sorted(t for t in stops if t < vocab_size)
-        self.t_submit: float = time.monotonic()
 
 
 class _Row:
@@ -476,10 +475,8 @@ class TorchEngine:
         self._n["prefill_forwards"] += 1
         self._n["prefill_tokens"] += sum(lens)
         if min(lens) < max(lens):  # keep padding KV finite (0 * NaN would leak through the masked attention)
-            keep = mask.bool()[:, None, :, None]
-            for layer in cache.layers:
-                layer.keys = layer.keys.masked_fill(~keep, 0)
-                layer.values = layer.values.masked_fill(~keep, 0)
+            pad = ~mask.bool()[:, None, :, None]
+            _map_kv(cache, lambda x: x.masked_fill(pad, 0))
         # n samples: one prefill, KV rows repeated n times
         counts = [r.n for r in reqs]
         if any(c > 1 for c in counts):
@@ -487,9 +484,7 @@ class TorchEngine:
                                           torch.tensor(counts, device=dev))
             logits = logits.index_select(0, idx)
             mask = mask.index_select(0, idx)
-            for layer in cache.layers:
-                layer.keys = layer.keys.index_select(0, idx)
-                layer.values = layer.values.index_select(0, idx)
+            _map_kv(cache, lambda x: x.index_select(0, idx))
         rows = [_Row(r, j) for r in reqs for j in range(r.n)]
         self._emit(rows, logits)
         self._join(rows, cache, mask)
@@ -499,15 +494,15 @@ class TorchEngine:
         if not self._rows or self._cache is None or self._mask is None:
             self._rows, self._cache, self._mask = rows, cache, mask
             return
-        t_old, t_new = self._mask.shape[1], mask.shape[1]
-        width = max(t_old, t_new)
-        new_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for old_l, new_l in zip(self._cache.layers, cache.layers):
-            k = torch.cat([F.pad(old_l.keys, (0, 0, width - t_old, 0)), F.pad(new_l.keys, (0, 0, width - t_new, 0))])
-            v = torch.cat([F.pad(old_l.values, (0, 0, width - t_old, 0)),
-                           F.pad(new_l.values, (0, 0, width - t_new, 0))])
-            new_kv.append((k, v))
-        new_mask = torch.cat([F.pad(self._mask, (width - t_old, 0)), F.pad(mask, (width - t_new, 0))])
+        width = max(self._mask.shape[1], mask.shape[1])
+
+        def stack(old: torch.Tensor, new: torch.Tensor, dim: int) -> torch.Tensor:
+            """`old` rows above `new` rows, both left-padded with zeros to `width` along the sequence dim `dim`."""
+            return torch.cat([F.pad(x, (0, 0) * (-1 - dim) + (width - x.shape[dim], 0)) for x in (old, new)])
+
+        new_kv = [(stack(o.keys, n.keys, -2), stack(o.values, n.values, -2))
+                  for o, n in zip(self._cache.layers, cache.layers)]
+        new_mask = stack(self._mask, mask, -1)
         # commit only once everything was built
         for layer, (k, v) in zip(self._cache.layers, new_kv):
             layer.keys, layer.values = k, v
@@ -549,9 +544,7 @@ class TorchEngine:
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
         start = self._mask.shape[1] - max(r.cached_len for r in kept_rows)  # columns that are padding for all
         self._mask = self._mask.index_select(0, idx)[:, start:]
-        for layer in self._cache.layers:
-            layer.keys = layer.keys.index_select(0, idx)[:, :, start:]
-            layer.values = layer.values.index_select(0, idx)[:, :, start:]
+        _map_kv(self._cache, lambda x: x.index_select(0, idx)[:, :, start:])
         self._rows = kept_rows
 
     def _reset_batch(self) -> None:
@@ -654,12 +647,10 @@ class TorchEngine:
     def _prepare_weights(self, source: str) -> _Prepared:
         """Any thread: read the safetensors of `source`, check them against model.state_dict() (names, shapes) and
         cast them to each parameter's dtype/device. Raises (the model is untouched) when they do not match."""
-        files = _safetensors_files(source)
-        dev = "cpu" if self.device.type == "cpu" else str(self.device)
         loaded: dict[str, torch.Tensor] = {}
         with torch.inference_mode(False), torch.no_grad():
-            for f in files:
-                loaded.update(load_file(str(f), device=dev))
+            for f in _safetensors_files(source):
+                loaded.update(load_file(str(f), device=str(self.device)))
         return self._prepare_tensors(loaded, source)
 
     def _prepare_tensors(self, loaded: dict[str, torch.Tensor], source: str) -> _Prepared:
@@ -687,6 +678,12 @@ class TorchEngine:
                 done.add(id(tgt))
                 pairs.append((tgt, src.to(device=tgt.device, dtype=tgt.dtype).contiguous()))
         return source, pairs
+
+
+def _map_kv(cache: DynamicCache, fn: Any) -> None:
+    """Replace every layer's keys and values by `fn` of them."""
+    for layer in cache.layers:
+        layer.keys, layer.values = fn(layer.keys), fn(layer.values)
 
 
 def left_pad(seqs: Sequence[Sequence[int]], pad_id: int,

@@ -47,7 +47,7 @@ import torch
 from arl.api.engine import LossFn, LossWeightFn, TrainBatch
 from arl.config import DeepSpeedConfig, LRSchedule, OptimizerConfig, PackedAttention
 from arl.learner.batching import MicroBatch, build_micro_batches
-from arl.learner.checkpoint import CHECKPOINT_STATE_FILE, replacing_dir, replacing_file
+from arl.learner.checkpoint import CHECKPOINT_STATE_FILE, replacing_file
 from arl.learner.packing import enable_varlen_attention, packed_forward_kwargs
 from arl.learner.ppo import token_logprobs
 from arl.utils.net import free_port
@@ -326,17 +326,6 @@ class DeepSpeedEngine:
                 sd = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in sd.items()}
             with replacing_file(path) as tmp:
                 save_file(sd, tmp, metadata={"format": "pt", "version": str(self.version)})
-        self._barrier()
-
-    def export_hf(self, dir: str, tokenizer: Any = None) -> None:
-        """``save_pretrained`` of the model (+ tokenizer) into ``dir``: written to a sibling temp folder, then
-        swapped in. Collective under ZeRO-3; only rank 0 writes."""
-        sd = self.full_state_dict()
-        if self.rank == 0:
-            with replacing_dir(dir, ".tmp-hf-") as tmp:
-                self.model_engine.module.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
-                if tokenizer is not None:
-                    tokenizer.save_pretrained(tmp)
         self._barrier()
 
     def _barrier(self) -> None:

@@ -26,16 +26,7 @@ from torch import Tensor
 
 __all__ = ["group_advantages", "decoupled_ppo_loss", "kl_penalty", "turn_segments", "discounted_turn_returns",
            "turn_level_advantages", "sequence_level_weights", "stale_token_weights", "token_logprobs",
-           "entropy_from_logits", "shift_right", "masked_mean"]
-
-
-def masked_mean(x: Tensor, mask: Tensor, denominator: Optional[float | Tensor] = None) -> Tensor:
-    """Sum of ``x`` where ``mask`` is set, divided by ``denominator`` (default: the number of set positions, min 1)."""
-    mask = mask.bool()
-    total = torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum()
-    if denominator is None:
-        denominator = mask.sum().clamp(min=1)
-    return total / denominator
+           "entropy_from_logits", "shift_right"]
 
 
 def group_advantages(

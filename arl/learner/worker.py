@@ -214,9 +214,7 @@ class LearnerWorker:
         if self.publisher is not None:  # a restarted run's inference workers get these weights by broadcast
             await self.publisher.set_newest(v, await self._state_dict())
         else:
-            path = os.path.join(self.weights_dir, f"v{v}.safetensors")
-            await asyncio.to_thread(self.engine.export_weights, path)
-            self._exported.append((v, path))
+            self._exported.append((v, await self._export()))
         logger.info("resumed from checkpoint v%d (%d groups consumed, data position %s)", v, self.groups_consumed,
                     self.data_position)
         return v

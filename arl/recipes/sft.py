@@ -14,6 +14,7 @@ import time
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 logger = logging.getLogger(__name__)
 
@@ -84,16 +85,11 @@ def masked_sft(model: Any, examples: Sequence[tuple[list[int], list[int]]], pad_
                 rng.shuffle(more)
                 order.extend(more)
             idx, order = order[:batch_size], order[batch_size:]
-            width = max(len(examples[i][0]) for i in idx)
-            ids = torch.full((len(idx), width), pad_token_id, dtype=torch.long)
-            labels = torch.full((len(idx), width), -100, dtype=torch.long)
-            att = torch.zeros((len(idx), width), dtype=torch.long)
-            for row, i in enumerate(idx):
-                seq, m = examples[i]
-                t = torch.as_tensor(seq)
-                ids[row, : len(seq)] = t
-                labels[row, : len(seq)] = torch.where(torch.as_tensor(m, dtype=torch.bool), t, torch.tensor(-100))
-                att[row, : len(seq)] = 1
+            seqs = [torch.as_tensor(examples[i][0], dtype=torch.long) for i in idx]  # right-padded below
+            ids = pad_sequence(seqs, batch_first=True, padding_value=pad_token_id)
+            labels = pad_sequence([torch.where(torch.as_tensor(examples[i][1], dtype=torch.bool), t, -100)
+                                   for i, t in zip(idx, seqs)], batch_first=True, padding_value=-100)
+            att = pad_sequence([torch.ones_like(t) for t in seqs], batch_first=True)
             out = model(input_ids=ids.to(device), attention_mask=att.to(device), labels=labels.to(device))
             opt.zero_grad(set_to_none=True)
             out.loss.backward()

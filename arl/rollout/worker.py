@@ -271,9 +271,9 @@ class RolloutWorker:
         except TokenLedgerError:
             reason = "error:TokenLedgerError"
         except asyncio.TimeoutError:
-            reason = (env.failure if env is not None and env.failure else None) or "timeout"
+            reason = getattr(env, "failure", None) or "timeout"
         except Exception as e:  # noqa: BLE001 - one bad trajectory must not take the worker down
-            reason = (env.failure if env is not None and env.failure else None) or f"error:{type(e).__name__}"
+            reason = getattr(env, "failure", None) or f"error:{type(e).__name__}"
             logger.warning("group %s (prompt %s) failed: %s: %s", gid, prompt.get("id"), type(e).__name__, e)
         finally:
             if env is not None:

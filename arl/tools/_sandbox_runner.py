@@ -102,7 +102,7 @@ def main():
     workdir, cfg = sys.argv[1], json.loads(sys.argv[2])
     _limits(cfg)
     os.chdir(workdir)
-    import traceback  # noqa: F401 - used to report errors after the stdlib may have become unreadable
+    import traceback  # before the audit hook: it reports the code's errors, when the stdlib is no longer readable
     for name in cfg.get("preload", []):
         try:
             __import__(name)
@@ -125,8 +125,6 @@ def main():
         if name not in cfg.get("preload", []):  # (unless preloaded for it: json is)
             sys.modules.pop(name, None)
     _install_hook(workdir)
-    import traceback
-
     glb = {"__name__": "__main__", "__builtins__": __builtins__}
     try:
         code = compile(source, "main.py", "exec")

@@ -198,10 +198,6 @@ class _Socket:
             raise ValueError(f"{msg_type} frame of {len(frame)} bytes exceeds max_bytes={self._max_bytes}")
         return frame
 
-    def _malformed(self, reason: str) -> None:
-        self.stats["malformed"] += 1
-        self._warn(f"dropped malformed message: {reason}")
-
     def _warn(self, text: str) -> None:
         now = time.monotonic()
         if now - self._last_warn >= _WARN_INTERVAL_S:
@@ -329,7 +325,8 @@ class _Socket:
         peer's, and every frame of it is dropped and counted as malformed."""
         frames = parts[start:] if start else parts
         if not frames:
-            self._malformed(f"message of {len(parts)} part(s) carries no frame")
+            self.stats["malformed"] += 1
+            self._warn(f"dropped malformed message: message of {len(parts)} part(s) carries no frame")
             return
         msgs = []
         for i, frame in enumerate(frames):
@@ -402,7 +399,7 @@ class _Socket:
         finally:
             self._drainer = None
 
-    async def _send_blocking(self, msg_type: str, payload: Any) -> None:
+    async def _send_blocking(self, msg_type: str, payload: Any = None) -> None:
         """Queue one frame; waits (backpressure) while an earlier batch waits for room in the peer's queue."""
         if self._closed:
             raise SocketClosed(f"{self.name} is closed")
@@ -452,17 +449,14 @@ class Dealer(_Socket):
         if identity is not None:
             self._sock.setsockopt(zmq.ROUTING_ID, identity)
 
-    async def send(self, msg_type: str, payload: Any = None) -> None:
-        await self._send_blocking(msg_type, payload)
+    send = _Socket._send_blocking
 
 
 class Push(_Socket):
     """Send side of a pipeline (finished trajectory groups). ``send`` waits while the queue is full."""
 
     _kind = zmq.PUSH
-
-    async def send(self, msg_type: str, payload: Any = None) -> None:
-        await self._send_blocking(msg_type, payload)
+    send = _Socket._send_blocking
 
 
 class Pull(_Socket):

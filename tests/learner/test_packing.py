@@ -161,18 +161,6 @@ def test_packing_gives_the_same_loss_and_gradient_as_padding(extra):
     assert m_pk2["loss"] == pytest.approx(m_pad2["loss"], rel=1e-4, abs=1e-6)
 
 
-def test_export_hf_does_not_save_the_runtime_attention(tmp_path):
-    import json
-
-    lrn = make_actor(_tiny(8), lr=1e-3, packing=True)
-    assert lrn.engine.module.config._attn_implementation == VARLEN_ATTENTION
-    lrn.engine.export_hf(str(tmp_path / "hf"))
-    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert VARLEN_ATTENTION not in json.dumps(cfg)
-    loaded = LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"))
-    assert loaded.config._attn_implementation in ("sdpa", "eager")
-
-
 @pytest.mark.parametrize("kw", [dict(bf16=True, zero_stage=1), dict(zero_stage=3)])
 def test_packing_with_bf16_and_zero3(kw):
     base = _tiny(9)

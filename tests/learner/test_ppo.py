@@ -14,7 +14,6 @@ from arl.learner.ppo import (
     decoupled_ppo_loss,
     entropy_from_logits,
     group_advantages,
-    masked_mean,
     shift_right,
     token_logprobs,
 )
@@ -149,11 +148,6 @@ def test_shape_mismatch_raises():
     with pytest.raises(ValueError):
         z = torch.zeros(3)
         decoupled_ppo_loss(z, z, torch.zeros(2), z, torch.ones(3, dtype=torch.bool))
-
-
-def test_masked_mean():
-    assert masked_mean(t(1.0, 2.0, 3.0), torch.tensor([1, 0, 1])).item() == 2.0
-    assert masked_mean(t(1.0, 2.0), torch.tensor([0, 0])).item() == 0.0
 
 
 # ----------------------------------------------------------------------------------------------- logprobs/entropy

@@ -650,7 +650,13 @@ class TorchEngine:
         loaded: dict[str, torch.Tensor] = {}
         with torch.inference_mode(False), torch.no_grad():
             for f in _safetensors_files(source):
-                loaded.update(load_file(str(f), device=str(self.device)))
+                part = load_file(str(f), device=str(self.device))
+                if torch.device(self.device).type == "cpu":
+                    # load_file maps the file: read it here, off the decode thread (whose steps after the swap
+                    # would fault the pages in, from a shared filesystem in a cluster), and keep no mapping of a
+                    # file the learner deletes once every worker moved on
+                    part = {k: v.clone() for k, v in part.items()}
+                loaded.update(part)
         return self._prepare_tensors(loaded, source)
 
     def _prepare_tensors(self, loaded: dict[str, torch.Tensor], source: str) -> _Prepared:

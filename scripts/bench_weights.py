@@ -15,11 +15,9 @@ publishing it to the moment the last worker acked (= every engine swapped it in)
 
 * ``disk``: the DeepSpeed engine's ``export_weights`` (its ``full_state_dict`` + safetensors ``save_file``, atomic
   rename; run on a stand-in holding the model, no DeepSpeed built), then ``update_weights(version, path)`` to every
-  worker (``TorchEngine.update_weights``: ``load_file``, check, swap). On one host the file is read back from the
-  page cache, which a cluster's shared filesystem does not give: it is reported beside, it is not the bar. Note that
-  safetensors' ``load_file`` maps the file (copy-on-write) instead of reading it, so a worker acks before the bytes
-  are read: the decode steps after the swap fault them in (from the page cache here, from the shared filesystem in a
-  cluster). The in-flight pause catches that; the publish time does not.
+  worker (``TorchEngine.update_weights``: ``load_file`` and a copy out of its mapping, check, swap). On one host the
+  file is read back from the page cache, which a cluster's shared filesystem does not give: it is reported beside,
+  it is not the bar.
 * ``broadcast``: ``full_state_dict(copy=False)`` minus the tied aliases (the learner's ``_state_dict``: its live
   parameters), then ``WeightPublisher.set_newest`` (packs them into the buckets, into buffers kept across versions)
   + ``request`` (groups opened as in a run, one per server, gloo) while every worker runs ``update_weights`` through
@@ -488,8 +486,7 @@ async def amain(a: argparse.Namespace) -> dict[str, Any]:
           f"{torch.__version__}, safetensors {safetensors.__version__}, gloo over {LOOPBACK}, bucket {a.bucket_mb} "
           f"MiB, median of {a.repeat}", flush=True)
     print("# s: publish start -> every worker acked (idle workers); pause: longest gap between decode steps "
-          "overlapping an update while generating; step: median gap before it; swap: the engine's swap; disk: the "
-          "ack comes before the file's bytes are read (mapped), the pause includes reading them", flush=True)
+          "overlapping an update while generating; step: median gap before it; swap: the engine's swap", flush=True)
     print(HEADER, flush=True)
     results: dict[str, Any] = {"args": vars(a), "cases": []}
     with tempfile.TemporaryDirectory(prefix="arl-bench-weights-", dir=a.dir) as tmp:

@@ -3,12 +3,15 @@
 Skipped unless ARL_SGLANG_REAL=1 and sglang is importable (the script builds a separate venv with SGLang and puts
 the test-only `sgl_kernel` stub on PYTHONPATH). Checks: greedy tokens equal the embedded engine's on the same
 weights; after update_weights_from_disk the outputs follow the new weights and carry the new version; requests in
-flight during an update complete (KV kept with pause_mode in_place, recomputed with retract).
+flight during an update complete (KV kept with pause_mode in_place, recomputed with retract); with
+weights.transport=broadcast the learner's publisher sends two versions through one weight-update group to the server
+(flattened buckets, the tied lm_head left out) and the server then computes what torch computes with them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import importlib.util
 import os
 
@@ -171,6 +174,164 @@ def test_update_in_flight_completes_and_new_weights_follow(setup, mode):
     for r, s in zip(got, ref):
         assert r.samples[0].output_ids.tolist() == s.output_ids.tolist()
         assert r.samples[0].output_versions.tolist() == [version] * len(s.output_ids)
+
+
+BROADCAST_BUCKET_BYTES = 100_000  # several buckets, most holding several tensors (the tiny models' are 0.5-800 KB)
+
+
+def _fresh_like(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """A newly initialised model of `model`'s class and config (other weights, same names and shapes)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        out = type(model)(model.config)
+    return out.eval()
+
+
+def _teacher_forced(model: torch.nn.Module, prompt: list[int], out: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The log-probabilities `model` gives each token of `out` after `prompt`, and its best log-probability there."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + out])).logits[0, len(prompt) - 1:-1].float()
+    lp = torch.log_softmax(logits, -1)
+    return lp.gather(1, torch.tensor(out)[:, None])[:, 0].numpy(), lp.max(-1).values.numpy()
+
+
+def _assert_served_by(samples: list, prompts: list[list[int]], model: torch.nn.Module, version: int) -> None:
+    """Each greedy sample is `model`'s: its logprobs equal a torch forward of these weights (the server runs them
+    in float16) and every token is that forward's argmax (up to the same tolerance); the tokens carry `version`."""
+    for p, s in zip(prompts, samples):
+        ids = s.output_ids.tolist()
+        want, best = _teacher_forced(model, p, ids)
+        np.testing.assert_allclose(s.output_logprobs, want, atol=2e-3)
+        assert (want >= best - 2e-3).all(), "the server's greedy token is not the argmax of the new weights"
+        assert s.output_versions.tolist() == [version] * len(ids)
+
+
+def _max_logprob_gap(samples: list, prompts: list[list[int]], model: torch.nn.Module) -> float:
+    return max(float(np.abs(s.output_logprobs - _teacher_forced(model, p, s.output_ids.tolist())[0]).max())
+               for p, s in zip(prompts, samples))
+
+
+def _broadcast_two_versions(engine, run, base: str, ref: torch.nn.Module, prompts: list[list[int]],
+                            versions: tuple[int, int]) -> None:
+    """The learner's `WeightPublisher` (protocol sglang) and the inference worker's `BroadcastLoader` (the code a
+    run with weights.transport=broadcast uses) send two versions through one group to the real server `engine`,
+    whose model is `ref`'s architecture with tied embeddings; the tied lm_head is left out of the sent tensors as
+    the learner leaves it out (`tied_aliases`). The second version changes only the embeddings: the server's
+    lm_head must follow them (a stale one is what an untied local copy computes, and that is told apart)."""
+    from arl.api.types import GenerateRequest, GenerationConfig
+    from arl.learner.export import tied_aliases
+    from arl.weights.broadcast import WeightSender
+    from arl.weights.channel import BroadcastLoader, WeightPublisher
+
+    n_new = 16
+    emb = "model.embed_tokens.weight"
+    tied = tied_aliases(base)
+    assert tied == {"lm_head.weight"} and ref.config.tie_word_embeddings
+    m1 = _fresh_like(ref, seed=11)
+    m2 = copy.deepcopy(m1)  # version 2: version 1 with other embeddings (so, with tying, another lm_head)
+    with torch.no_grad():
+        m2.get_input_embeddings().weight.copy_(_fresh_like(ref, seed=12).get_input_embeddings().weight)
+    assert m2.lm_head.weight is m2.get_input_embeddings().weight
+    stale = copy.deepcopy(m2)  # what a server whose lm_head kept version 1's embeddings would compute
+    stale.lm_head.weight = torch.nn.Parameter(m1.get_input_embeddings().weight.detach().clone())
+
+    def learner_state(m: torch.nn.Module) -> dict[str, torch.Tensor]:  # as LearnerWorker._state_dict
+        return {k: v.detach().clone() for k, v in m.state_dict().items() if k not in tied}
+
+    def generate() -> list:
+        async def go():
+            rs = await asyncio.gather(*(engine.agenerate(GenerateRequest(
+                qid=f"b{i}", input_ids=np.asarray(p, np.int32), gconfig=GenerationConfig(
+                    greedy=True, max_new_tokens=n_new)))  # no min_new_tokens: its eos mask shifts the logprobs
+                for i, p in enumerate(prompts)))
+            for r in rs:
+                assert r.error is None, r.error
+            return [r.samples[0] for r in rs]
+
+        return run(go())
+
+    before = generate()
+    engine.pause_mode = "retract"
+    sender = WeightSender("127.0.0.1", 0, timeout_s=60)
+    publisher = WeightPublisher(sender, protocol="sglang", bucket_bytes=BROADCAST_BUCKET_BYTES)
+    loader = BroadcastLoader(engine, timeout_s=60)
+    runner = run(_start(publisher.run()))
+    group = "arl-real-sglang-0"
+    try:
+        run(_gather(publisher.open_group(group, 0), loader.join(sender.spec(group))))  # each waits for the other
+        assert sender.groups == [group] and publisher.stats["weight_groups"] == 1
+        client = loader._member
+        for k, (version, model) in enumerate(zip(versions, (m1, m2))):
+            publisher.set_newest(version, learner_state(model))
+            plan = publisher.newest[2]
+            names = [t.name for t in plan.tensors]
+            assert "lm_head.weight" not in names and emb in names
+            assert len(plan.buckets) > 1 and any(b - a > 1 for a, b in plan.buckets)  # flattened, several each
+            publisher.request(version, [0])
+            assert run(loader.load()) == version
+            assert engine.version == version and client.version == version
+            run(_until(lambda: publisher.stats["weight_sends"] == k + 1))  # the learner saw the server's outcome
+            assert publisher.stats["weight_send_failures"] == 0
+            after = generate()
+            _assert_served_by(after, prompts, model, version)
+            assert any(a.output_ids.tolist() != b.output_ids.tolist() for a, b in zip(after, before)), \
+                "the greedy outputs did not change with the weights"
+            before = after
+        assert client.seq == 2 and sender.groups == [group]  # both versions went through the one group
+        # the teeth of the tied check: a stale lm_head would give clearly other logprobs than the server's
+        assert _max_logprob_gap(after, prompts, stale) > 0.05
+        assert _max_logprob_gap(after, prompts, m1) > 0.05
+    finally:
+        runner.cancel()
+        run(_gather(runner, return_exceptions=True))
+        run(loader.close())
+        publisher.close()
+
+
+async def _until(cond, timeout_s: float = 60.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not cond():
+        assert loop.time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+async def _gather(*aws, return_exceptions: bool = False) -> list:
+    """`asyncio.gather` on the loop that runs it (not the default loop of the calling thread)."""
+    return await asyncio.gather(*aws, return_exceptions=return_exceptions)
+
+
+async def _start(coro) -> asyncio.Task:
+    """A task on the running loop (it lives on across `run_until_complete` calls of that loop)."""
+    return asyncio.create_task(coro)
+
+
+def test_broadcast_through_the_server_group_llama(setup):
+    """weights.transport=broadcast against the real server: the tiny Llama (tied embeddings) of the module."""
+    prompts = encode(setup["tok"], PROMPTS)
+    _broadcast_two_versions(setup["engine"], setup["run"], setup["base"], setup["old"], prompts, (101, 102))
+
+
+def test_broadcast_through_the_server_group_qwen2(tmp_path):
+    """The same with the real-model path's tiny Qwen2 (tied embeddings, GQA, biased q/k/v: SGLang stacks
+    q/k/v and gate/up into fused parameters on load)."""
+    from arl.config import SGLangConfig
+    from arl.inference.sglang_engine import launch_sglang_engine
+    from arl.models.qwen2_tiny import build_qwen2_tiny_dir
+    from arl.models.tiny import load_model_dir
+
+    folder = build_qwen2_tiny_dir(str(tmp_path / "qwen2"))
+    model, tok = load_model_dir(folder)
+    prompts = [tok(t)["input_ids"] for t in PROMPTS]
+    loop = asyncio.new_event_loop()
+    engine = launch_sglang_engine(SGLangConfig(startup_timeout=300), model_path=folder, device="cpu", seed=0,
+                                  name="sgl-qwen2-bc", run_dir=str(tmp_path / "run"), max_batch_size=16,
+                                  max_context_len=512, health_interval=5)
+    try:
+        _broadcast_two_versions(engine, loop.run_until_complete, folder, model, prompts, (1, 2))
+    finally:
+        loop.run_until_complete(engine.close())
+        loop.close()
 
 
 def _children(pid: int) -> list[int]:

@@ -17,7 +17,9 @@ SMALL = ["learner.batch_size=2", "agent.group_size=4", "rollout.max_concurrent_r
          "eval.every_n_steps=0", "progress=false", "startup_timeout=240", "learner.num_ranks=2",
          "learner.checkpoint_every=2",
          "model.warmup_max_steps=5",  # no need for a good model here: keep the (uncached) warm-up short
-         "rollout.filter_uniform_groups=false"]  # so that a weak model's all-wrong groups still train
+         # so that a weak model's all-wrong groups still train: the math agent filters them itself by default
+         # (the resumed run once failed on 200 groups in a row dropped as 'filtered' with only the rollout's off)
+         "rollout.filter_uniform_groups=false", "agent.args.filter_uniform_groups=false"]
 
 
 def _run(args, run_root, cache, timeout=500):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -174,6 +175,7 @@ def test_a_lost_nodes_roles_restart_on_a_surviving_node(tmp_path, model_cache, c
     assert len(placed) == 2 and "node_c" not in placed[1]["node_resources"], placed
     summary = [m for m in metrics if m["type"] == "summary"][-1]
     assert summary[f"{lost[:-1]}_restarts"] == 1 and summary["learner"]["trained_twice"] == 0
+    assert summary["lost_accepted_groups"] == 0 and summary["learner_balance"] == 0  # nothing accepted was lost
     if lost == "inference1":
         assert any(m["type"] == "worker_back" and m.get("server") == 1 for m in metrics)
     wait_until(lambda: leftover_processes(run_dir) == [], 30, "the roles to exit")
@@ -222,42 +224,37 @@ def test_a_lost_learner_node_stops_the_run_and_recover_auto_resumes_it(tmp_path,
 
 @pytest.mark.slow
 def test_ctrl_c_leaves_no_actor_or_role_process(tmp_path, model_cache, cluster):
-    import signal
-
     proc, run_dir = start_on_ray(cluster, ["total_train_steps=50", *SMALL, *PLACE, *ONE_RANK], str(tmp_path),
                                  model_cache)
+    interrupt_when(proc, run_dir, cluster, lambda: len(train_records(run_dir)) >= 1, "a first step")
+
+
+def interrupt_when(proc: subprocess.Popen, run_dir: str, cluster, ready, what: str) -> str:
+    """Ctrl-C the run once `ready()`; it must exit with 130 and leave no process, actor or placement group.
+    Returns its stderr."""
     try:
-        wait_until(lambda: len(train_records(run_dir)) >= 1 or proc.poll() is not None, 300, "a first step")
+        wait_until(lambda: ready() or proc.poll() is not None, 300, what)
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
+        _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130, f"exit {proc.returncode}\nstderr:\n{err[-4000:]}"
     wait_until(lambda: leftover_processes(run_dir) == [], 30, "the roles to exit")
     wait_until(lambda: cluster_leftovers(cluster) == ([], []), 30, "no actor or placement group left")
+    return err
 
 
 @pytest.mark.slow
 def test_ctrl_c_while_a_role_waits_for_placement(tmp_path, model_cache, cluster):
     """inference0 starts; the learner waits for a node that does not exist: Ctrl-C ends the wait (not the 300 s
     startup_timeout) and inference0's process with it."""
-    import signal
-
     proc, run_dir = start_on_ray(cluster, ["total_train_steps=2", *SMALL, *PLACE, "startup_timeout=300",
                                            "ray.placement.learner={node_z: 1}"], str(tmp_path), model_cache)
-    try:
-        wait_until(lambda: any(p.get("state") == "PENDING" for p in cluster_leftovers(cluster)[1])
-                   or proc.poll() is not None, 120, "the learner's placement group to wait")
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 130, f"exit {proc.returncode}\nstderr:\n{err[-4000:]}"
+    err = interrupt_when(proc, run_dir, cluster,
+                         lambda: any(p.get("state") == "PENDING" for p in cluster_leftovers(cluster)[1]),
+                         "the learner's placement group to wait")
     assert "could not be placed" not in err  # interrupted, not timed out
-    wait_until(lambda: leftover_processes(run_dir) == [], 30, "the roles to exit")
-    wait_until(lambda: cluster_leftovers(cluster) == ([], []), 30, "no actor or placement group left")
 
 
 SLEEPER = [sys.executable, "-c", "import os, sys, time; print('hello from', os.environ.get('ARL_SECRET'), "

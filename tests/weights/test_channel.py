@@ -5,7 +5,9 @@ between decode steps; a tied lm_head left out of the state dict stays tied."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
+from typing import Any, AsyncIterator
 
 import pytest
 import torch
@@ -17,6 +19,27 @@ from tests.inference.test_torch_engine import greedy_reference, make_engine, mak
 from arl.api.types import GenerateRequest, GenerationConfig
 
 
+@contextlib.asynccontextmanager
+async def linked(model: torch.nn.Module, bucket_bytes: int = 64 << 20) -> AsyncIterator[tuple[Any, WeightPublisher,
+                                                                                          BroadcastLoader]]:
+    """A torch engine serving a copy of `model` and a publisher running, joined by one group (as a run forms it)."""
+    engine = make_engine(copy.deepcopy(model))
+    engine.start()
+    sender = WeightSender("127.0.0.1", 0, timeout_s=30, gloo_host="127.0.0.1")
+    publisher = WeightPublisher(sender, bucket_bytes=bucket_bytes)
+    loader = BroadcastLoader(engine, timeout_s=30, gloo_host="127.0.0.1")
+    runner = asyncio.create_task(publisher.run())
+    try:
+        await asyncio.gather(publisher.open_group("g0", 0), loader.join(sender.spec("g0")))
+        yield engine, publisher, loader
+    finally:
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+        await loader.close()
+        publisher.close()
+        await engine.close()
+
+
 def state_without_lm_head(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
 
@@ -24,14 +47,7 @@ def state_without_lm_head(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 @pytest.mark.asyncio
 async def test_publisher_sends_the_newest_to_a_torch_engine_between_decode_steps():
     old, new1, new2 = make_model(0, tie=True), make_model(1, tie=True), make_model(2, tie=True)
-    engine = make_engine(copy.deepcopy(old))
-    engine.start()
-    sender = WeightSender("127.0.0.1", 0, timeout_s=30, gloo_host="127.0.0.1")
-    publisher = WeightPublisher(sender, bucket_bytes=16 << 10)  # several buckets
-    loader = BroadcastLoader(engine, timeout_s=30, gloo_host="127.0.0.1")
-    runner = asyncio.create_task(publisher.run())
-    try:
-        await asyncio.gather(publisher.open_group("g0", 0), loader.join(sender.spec("g0")))
+    async with linked(old, bucket_bytes=16 << 10) as (engine, publisher, loader):  # several buckets
         # a request in flight across the update keeps going; tokens after it carry the new version
         ids = prompt(1, 6)
         gen = asyncio.create_task(engine.agenerate(GenerateRequest(
@@ -51,12 +67,6 @@ async def test_publisher_sends_the_newest_to_a_torch_engine_between_decode_steps
                                                      gconfig=GenerationConfig(n=1, max_new_tokens=8, greedy=True)))
         assert list(out.samples[0].output_ids) == greedy_reference(new2, ids2, 8)
         assert publisher.stats["weight_sends"] == 1 and publisher.stats["weight_send_failures"] == 0
-    finally:
-        runner.cancel()
-        await asyncio.gather(runner, return_exceptions=True)
-        await loader.close()
-        publisher.close()
-        await engine.close()
 
 
 @pytest.mark.asyncio
@@ -64,16 +74,9 @@ async def test_versions_in_a_row_reuse_the_buffers_on_both_sides_and_the_learner
     """The publisher packs before `set_newest` returns (the learner's next step changes the live tensors in
     place); sender and receiver keep their buffers across versions (two each), and each version lands whole."""
     models = [make_model(i, tie=True) for i in range(5)]
-    engine = make_engine(copy.deepcopy(models[0]))
-    engine.start()
-    sender = WeightSender("127.0.0.1", 0, timeout_s=30, gloo_host="127.0.0.1")
-    publisher = WeightPublisher(sender, bucket_bytes=16 << 10)
-    loader = BroadcastLoader(engine, timeout_s=30, gloo_host="127.0.0.1")
-    runner = asyncio.create_task(publisher.run())
     live = state_without_lm_head(models[0])  # the learner's parameters, changed in place step after step
     seen_rx: list[set[int]] = []
-    try:
-        await asyncio.gather(publisher.open_group("g0", 0), loader.join(sender.spec("g0")))
+    async with linked(models[0], bucket_bytes=16 << 10) as (engine, publisher, loader):
         for v in range(1, 5):
             for k, t in state_without_lm_head(models[v]).items():
                 live[k].copy_(t)
@@ -88,25 +91,12 @@ async def test_versions_in_a_row_reuse_the_buffers_on_both_sides_and_the_learner
         assert 1 <= len(publisher._pool) <= 2  # 2 when a send was still finishing as the next version was packed
         assert seen_rx[2] == seen_rx[0] and seen_rx[3] == seen_rx[1] and seen_rx[0] != seen_rx[1]
         assert publisher.stats["weight_sends"] == 4 and publisher.stats["weight_send_failures"] == 0
-    finally:
-        runner.cancel()
-        await asyncio.gather(runner, return_exceptions=True)
-        await loader.close()
-        publisher.close()
-        await engine.close()
 
 
 @pytest.mark.asyncio
 async def test_a_plan_that_does_not_fit_is_refused_and_the_engine_keeps_its_weights():
     model = make_model(0, tie=True)
-    engine = make_engine(copy.deepcopy(model))
-    engine.start()
-    sender = WeightSender("127.0.0.1", 0, timeout_s=30, gloo_host="127.0.0.1")
-    publisher = WeightPublisher(sender)
-    loader = BroadcastLoader(engine, timeout_s=30, gloo_host="127.0.0.1")
-    runner = asyncio.create_task(publisher.run())
-    try:
-        await asyncio.gather(publisher.open_group("g0", 0), loader.join(sender.spec("g0")))
+    async with linked(model) as (engine, publisher, loader):
         bad = state_without_lm_head(make_model(1, tie=True))
         bad["model.norm.weight"] = torch.ones(3)
         await publisher.set_newest(1, bad)
@@ -116,12 +106,6 @@ async def test_a_plan_that_does_not_fit_is_refused_and_the_engine_keeps_its_weig
         assert engine.version == 0
         for k, v in model.state_dict().items():
             assert torch.equal(engine.model.state_dict()[k], v), k
-    finally:
-        runner.cancel()
-        await asyncio.gather(runner, return_exceptions=True)
-        await loader.close()
-        publisher.close()
-        await engine.close()
 
 
 def test_an_engine_without_a_broadcast_path_is_refused():

@@ -119,7 +119,7 @@ async def run_monitored(cfg: ExperimentConfig, run_dir: str, *, sample_every: fl
                         proc_every: float = 2.0, duration: Optional[float] = None,
                         timeout: float = 3600.0) -> RunRecord:
     """Run `cfg` through the Controller; with `duration`, stop that many seconds after the gate opened."""
-    from arl.launcher.local import make_controller
+    from arl.launcher.local import close_launcher, make_controller
 
     os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
     with open(os.path.join(run_dir, "config.yaml"), "w") as f:
@@ -174,6 +174,7 @@ async def run_monitored(cfg: ExperimentConfig, run_dir: str, *, sample_every: fl
             run_task.cancel()
             await asyncio.gather(run_task, return_exceptions=True)
         await ctl.shutdown(grace=5.0)
+        await asyncio.to_thread(close_launcher, ctl.launcher)  # launcher=ray: actors, groups, the log thread
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         metrics = [json.loads(line) for line in f if line.strip()]
     return RunRecord(run_dir=run_dir, metrics=metrics, samples=samples, t_open=state["t_open"], t_end=t_end,

@@ -262,8 +262,8 @@ def _broadcast_two_versions(engine, run, base: str, ref: torch.nn.Module, prompt
         assert sender.groups == [group] and publisher.stats["weight_groups"] == 1
         client = loader._member
         for k, (version, model) in enumerate(zip(versions, (m1, m2))):
-            publisher.set_newest(version, learner_state(model))
-            plan = publisher.newest[2]
+            run(publisher.set_newest(version, learner_state(model)))
+            plan = publisher.newest[1].plan
             names = [t.name for t in plan.tensors]
             assert "lm_head.weight" not in names and emb in names
             assert len(plan.buckets) > 1 and any(b - a > 1 for a, b in plan.buckets)  # flattened, several each

@@ -651,7 +651,7 @@ class TorchEngine:
         with torch.inference_mode(False), torch.no_grad():
             for f in _safetensors_files(source):
                 part = load_file(str(f), device=str(self.device))
-                if torch.device(self.device).type == "cpu":
+                if self.device.type == "cpu":
                     # load_file maps the file: read it here, off the decode thread (whose steps after the swap
                     # would fault the pages in, from a shared filesystem in a cluster), and keep no mapping of a
                     # file the learner deletes once every worker moved on

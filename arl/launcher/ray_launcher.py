@@ -298,9 +298,11 @@ class RayLauncher:
         strategy = str(self.cfg.strategy) if len(bundles) > 1 else "PACK"
         pg = placement_group(bundles, strategy=strategy, name=f"arl-{name}-{os.getpid()}-{time.monotonic_ns()}")
         if wait:  # in slices: `abort` (Ctrl-C) ends the wait within one
-            deadline, ready_ref, ready = self._deadline or 0.0, pg.ready(), []
-            while not ready and not self._aborted.is_set() and time.monotonic() < deadline:
-                ready, _ = ray.wait([ready_ref], timeout=min(0.25, max(0.01, deadline - time.monotonic())))
+            deadline, ready_ref = self._deadline or 0.0, pg.ready()
+            while True:  # at least one look, even past the deadline (a group placed at once is placed)
+                ready, _ = ray.wait([ready_ref], timeout=min(0.25, max(0.1, deadline - time.monotonic())))
+                if ready or self._aborted.is_set() or time.monotonic() >= deadline:
+                    break
             if not ready:
                 remove_placement_group(pg)
                 if self._aborted.is_set():

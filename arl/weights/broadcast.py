@@ -703,9 +703,9 @@ class WeightReceiver:
         buffers take the next transfer (two model copies stay allocated, as during any transfer; no page faults)."""
         self._bufs_spare, self._bufs_live, self._bufs_last = self._bufs_live, self._bufs_last, []
 
-    def _buffer(self, k: int, nbytes: int, device: Any) -> torch.Tensor:
+    def _buffer(self, k: int, nbytes: int, device: torch.device) -> torch.Tensor:
         spare = self._bufs_spare[k] if k < len(self._bufs_spare) else None
-        if spare is not None and spare.numel() == nbytes and spare.device == torch.device(device or "cpu"):
+        if spare is not None and spare.numel() == nbytes and spare.device == device:
             return spare
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
 

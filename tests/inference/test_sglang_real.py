@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 import torch
 
+from tests.waiting import await_until
+
 pytestmark = [
     pytest.mark.sglang_real,
     pytest.mark.skipif(os.environ.get("ARL_SGLANG_REAL") != "1" or importlib.util.find_spec("sglang") is None,
@@ -270,7 +272,8 @@ def _broadcast_two_versions(engine, run, base: str, ref: torch.nn.Module, prompt
             publisher.request(version, [0])
             assert run(loader.load()) == version
             assert engine.version == version and client.version == version
-            run(_until(lambda: publisher.stats["weight_sends"] == k + 1))  # the learner saw the server's outcome
+            # the learner saw the server's outcome
+            run(await_until(lambda: publisher.stats["weight_sends"] == k + 1, what="the send's outcome"))
             assert publisher.stats["weight_send_failures"] == 0
             after = generate()
             _assert_served_by(after, prompts, model, version)
@@ -286,14 +289,6 @@ def _broadcast_two_versions(engine, run, base: str, ref: torch.nn.Module, prompt
         run(_gather(runner, return_exceptions=True))
         run(loader.close())
         publisher.close()
-
-
-async def _until(cond, timeout_s: float = 60.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not cond():
-        assert loop.time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 async def _gather(*aws, return_exceptions: bool = False) -> list:

@@ -364,7 +364,7 @@ class Controller:
     def _give_up_inference(self, name: str, reason: str) -> None:
         """A restarted inference process that did not come back: kill it and leave its servers lost."""
         self.sup.gave_up(name)
-        self.weights.give_up(self.sup.servers_of(name))
+        self.weights.lose(self.sup.servers_of(name))  # they stay lost, no longer rejoining
         self.launcher.kill(name)
         logger.error("restarted inference process %s %s; the run goes on without it", name, reason)
         self.reporter.event("fault", kind="inference_restart_failed", role=name, reason=reason)

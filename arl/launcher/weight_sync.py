@@ -94,7 +94,8 @@ class WeightSync:
         return []
 
     def lose(self, servers: list[int]) -> None:
-        """`servers` left the ack set (their process died or hung); `advance()` tells if a version went live."""
+        """`servers` left the ack set (their process died or hung), or restarted ones did not come back (they stay
+        lost); `advance()` tells if a version went live."""
         self.lost.update(servers)
         self.rejoining.difference_update(servers)
         self._registered.difference_update(servers)
@@ -105,11 +106,6 @@ class WeightSync:
         for s in servers:
             self.acked[s] = self.sent[s] = initial_version
         self.rejoining.update(servers)
-
-    def give_up(self, servers: list[int]) -> None:
-        """Restarted `servers` did not come back: they stay lost."""
-        self.rejoining.difference_update(servers)
-        self._registered.difference_update(servers)
 
     def registered(self, server: int) -> list[Action]:
         """A restarted server's new process registered: it loads the newest version (or rejoins at once if none

@@ -112,8 +112,8 @@ def test_gave_up_server_stays_lost():
     ws = WeightSync(2)
     ws.lose([1])
     ws.restarted([1])
-    ws.give_up([1])
-    assert ws.registered(1) == [] and ws.lost == {1}
+    ws.lose([1])  # the restarted process did not come back
+    assert ws.registered(1) == [] and ws.lost == {1} and ws.rejoining == set()
 
 
 def test_resume_publishes_the_checkpoint_version():

@@ -271,8 +271,8 @@ class Controller:
         role, index = key
         name = self.sup.process_of(role, index)
         waiting = str(self.role_stats.get(key, {}).get("waiting_on") or "unknown (it never said)")
-        why = (f"role {role}{index} sent no heartbeat for {silent_s:.0f}s (timeout {self.sup.timeout(role):g}s); "
-               f"it was last waiting on: {waiting}")
+        why = (f"role {role}{index} sent no heartbeat for {silent_s:.0f}s "
+               f"(timeout {self.sup.heartbeat_timeouts[role]:g}s); it was last waiting on: {waiting}")
         logger.error("%s", why)
         state, dump = "?", ""
         if self.launcher.alive(name):

@@ -120,12 +120,9 @@ class Supervisor:
         self.all_up = self.all_up or registrations >= self.expected
         return self.restarted_at.pop(self.process_of(*key), None) is not None
 
-    def timeout(self, role: str) -> float:
-        return self.heartbeat_timeouts[role]
-
     def silent(self, now: float) -> list[tuple[tuple[str, int], float]]:
         """(role key, when last heard) of every role past its heartbeat timeout."""
-        return [(k, t) for k, t in list(self.last_seen.items()) if now - t > self.timeout(k[0])]
+        return [(k, t) for k, t in list(self.last_seen.items()) if now - t > self.heartbeat_timeouts[k[0]]]
 
     def late(self, now: float) -> list[str]:
         """Restarted processes that did not register within `startup_timeout`."""

@@ -11,6 +11,7 @@ joiner.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import os
@@ -104,8 +105,7 @@ class Controller:
         self.broadcast = weights_transport == "broadcast"
         self._weights_backend = weights_backend
         self._weights_store: Optional[tuple[str, int]] = None  # the learner's sender (broadcast)
-        self.weight_groups: dict[int, str] = {}  # inference server -> its current weight group (broadcast)
-        self._groups_made = 0
+        self._group_numbers = itertools.count(1)  # names a fresh weight group per server incarnation (broadcast)
         self._secret, self._bind_host, self._max_bytes = secret, bind_host, max_bytes
         self.stack_dump_wait = stack_dump_wait
         self.router: Optional[Router] = None
@@ -446,13 +446,12 @@ class Controller:
         self._write_addresses()
         position = self._prompt_positions.get(msg.index) if msg.role == "rollout" else None
         await self._send(ident, m.Ack(ok=True, prompt_position=position))
-        if self.broadcast and msg.role == "learner":
-            for (role, i) in list(self.peers):
-                if role == "inference":
-                    await self._form_weight_group(i)
+        # broadcast: a weight group for each inference server once it and the learner registered (a server's is
+        # formed before it is sent anything to load)
+        if self.broadcast and msg.role != "rollout":
+            for server in range(self.sup.num_inference) if msg.role == "learner" else [msg.index]:
+                await self._form_weight_group(server)
         if msg.role == "inference":
-            if self.broadcast:
-                await self._form_weight_group(msg.index)  # before it is sent anything to load
             await self._apply(self.weights.registered(msg.index))  # a restarted server catches up, then rejoins
         await self._answer_lookups()
         await self._maybe_start()
@@ -549,9 +548,7 @@ class Controller:
         once both registered; the learner closes the server's previous group."""
         if self._weights_store is None or ("inference", server) not in self.peers:
             return
-        self._groups_made += 1
-        name = f"arl-weights-s{server}-{self._groups_made}"
-        self.weight_groups[server] = name
+        name = f"arl-weights-s{server}-{next(self._group_numbers)}"
         host, port = self._weights_store
         spec = {"master_address": host, "master_port": port, "group_name": name, "world_size": 2, "rank": 1,
                 "backend": self._weights_backend}  # arl.weights.broadcast.GroupSpec (no torch import here)

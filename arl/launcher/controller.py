@@ -11,6 +11,7 @@ joiner.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -152,20 +153,19 @@ class Controller:
 
     def spawn_roles(self, python: str = sys.executable) -> None:
         base = [python, "-m", "arl.launcher.worker", "--run-dir", self.run_dir, "--controller", self.address]
-        logs = os.path.join(self.run_dir, "logs")
         k = self.sup.servers_per_process
         for i in range(-(-self.sup.num_inference // k)):  # process i hosts servers i*k..i*k+k-1
-            self._spawn(f"inference{i}", base + ["--role", "inference", "--index", str(i)], logs)
+            self._spawn(f"inference{i}", base + ["--role", "inference", "--index", str(i)])
         learner_argv = base + ["--role", "learner", "--index", "0"]
         if self.learner_ranks > 1 and not getattr(self.launcher, "runs_ranks", False):  # rank 0 registers and talks to us; the others follow it (arl.learner.ranks)
             learner_argv = [python, "-m", "torch.distributed.run", "--nproc_per_node", str(self.learner_ranks),
                             "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", *learner_argv[2:]]
-        self._spawn("learner", learner_argv, logs)
+        self._spawn("learner", learner_argv)
         for i in range(self.sup.num_rollout):
-            self._spawn(f"rollout{i}", base + ["--role", "rollout", "--index", str(i)], logs)
+            self._spawn(f"rollout{i}", base + ["--role", "rollout", "--index", str(i)])
 
-    def _spawn(self, name: str, argv: list[str], logs: str) -> None:
-        self.launcher.spawn(name, argv, os.path.join(logs, f"{name}.log"))
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        self.launcher.spawn(name, argv, os.path.join(self.run_dir, "logs", f"{name}.log"))
         self._names.append(name)
 
     async def run(self) -> dict:
@@ -189,10 +189,8 @@ class Controller:
         self.launcher.expect_exit()
         if self.router is not None:
             for ident in list(self.peers.values()):
-                try:
+                with contextlib.suppress(Exception):
                     await self._send(ident, m.Shutdown(reason="run finished"))
-                except Exception:  # noqa: BLE001
-                    pass
         loop = asyncio.get_running_loop()
         if not await loop.run_in_executor(None, self.launcher.wait_all, grace):
             await loop.run_in_executor(None, self.launcher.terminate_all, 3.0)
@@ -396,8 +394,7 @@ class Controller:
         try:
             msg = m.parse(msg_type, payload)
         except ValueError as e:
-            bad = "bad_register" if msg_type == "register" else "bad_payload"
-            self._control_error(bad, f"refused {msg_type}: {e}")
+            self._control_error("bad_register" if msg_type == "register" else "bad_payload", f"refused {msg_type}: {e}")
             return
         await handler(ident, msg)
 

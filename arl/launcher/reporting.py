@@ -27,7 +27,6 @@ class JsonlSink:
     """Appends one JSON object per line to metrics.jsonl (flushed at once, so a crash keeps the history)."""
 
     def __init__(self, path: str) -> None:
-        self.path = path
         self._f = open(path, "a", buffering=1)
 
     def log(self, record: dict, step: int) -> None:

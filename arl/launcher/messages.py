@@ -83,9 +83,8 @@ class ControlMessage:
         return cls(**kwargs)
 
     def to_payload(self) -> dict:
-        out = {name: getattr(self, name) for name, *_ in self._SPEC if getattr(self, name) is not None}
-        out.update(getattr(self, "extra", {}))
-        return out
+        fields = {name: getattr(self, name) for name, *_ in self._SPEC if getattr(self, name) is not None}
+        return fields | getattr(self, "extra", {})
 
 
 class Register(ControlMessage):

@@ -57,8 +57,7 @@ class Admission:
     def worker_lost(self, worker: Hashable) -> tuple[int, list[Grant]]:
         """Forget `worker`'s requests and release what it held; returns (groups lost in flight, new grants)."""
         lost = self.held.pop(worker, 0)
-        if lost:
-            self.gate.release(lost)
+        self.gate.release(lost)
         self._wants = collections.deque(w for w in self._wants if w[0] != worker)
         return lost, self.grant()
 

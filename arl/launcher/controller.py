@@ -191,9 +191,8 @@ class Controller:
             for ident in list(self.peers.values()):
                 with contextlib.suppress(Exception):
                     await self._send(ident, m.Shutdown(reason="run finished"))
-        loop = asyncio.get_running_loop()
-        if not await loop.run_in_executor(None, self.launcher.wait_all, grace):
-            await loop.run_in_executor(None, self.launcher.terminate_all, 3.0)
+        if not await asyncio.to_thread(self.launcher.wait_all, grace):
+            await asyncio.to_thread(self.launcher.terminate_all, 3.0)
         if self.router is not None:
             self.router.close()
         self.reporter.close()
@@ -422,8 +421,7 @@ class Controller:
             self._control_error("bad_register", f"refused a registration as {msg.role}/{msg.index}")
             return
         key = (msg.role, msg.index)
-        if self.peers.get(key, ident) != ident:  # a new incarnation: the old one's identity is no longer heard
-            self._who.pop(self.peers[key], None)
+        self._who.pop(self.peers.get(key, b""), None)  # a new incarnation: the old one's identity is no longer heard
         self.peers[key] = ident
         self._who[ident] = key
         restarted = self.sup.registered(key, time.monotonic(), len(self.peers))
@@ -596,10 +594,9 @@ class Controller:
             logger.info("all roles registered after %.1fs; evaluating version 0", self.reporter.elapsed())
             await self._request_eval(0)
         elif self.start_version not in self.weights.published:
-            v = self.start_version
-            logger.info("all roles registered; resuming at version %d", v)
-            path = "" if self.broadcast else os.path.join(self.run_dir, "weights", f"v{v}.safetensors")
-            await self._apply(self.weights.publish(v, path))
+            logger.info("all roles registered; resuming at version %d", self.start_version)
+            path = "" if self.broadcast else os.path.join(self.run_dir, "weights", f"v{self.start_version}.safetensors")
+            await self._apply(self.weights.publish(self.start_version, path))
 
     async def _request_eval(self, version: int) -> None:
         self.reporter.eval_requested(version)

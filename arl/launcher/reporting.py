@@ -276,8 +276,7 @@ class Reporter:
         if not self.progress:
             return
         bar = self._ensure_bar()
-        last_eval = max((v for v, e in self.evals.items() if e), default=None)
-        acc = self.evals[last_eval]["first_acc"] if last_eval is not None else float("nan")
+        acc = next((e["first_acc"] for _, e in sorted(self.evals.items(), reverse=True) if e), float("nan"))  # newest
         self._postfix = dict(v=version, reward=f"{metrics.get('reward_mean', float('nan')):.3f}",
                              acc=f"{acc:.3f}", stale=metrics.get("head_offpolicyness"))
         bar.set_postfix(**self._postfix, **({"dropped": self._drops_text} if self._drops_text else {}),

@@ -516,9 +516,8 @@ class Controller:
             self._done.set()
 
     async def _on_error(self, ident: bytes, msg: m.Error) -> None:
-        role, index = self._who[ident]
         text = str(msg.message)
-        if not await self._on_failure(self.sup.process_of(role, index), f"reported a fatal error: {text[:300]}"):
+        if not await self._on_failure(self.sup.process_of(*self._who[ident]), f"reported a fatal error: {text[:300]}"):
             self.fail(f"role reported a fatal error: {text}")
 
     # -- actions -------------------------------------------------------------------------------------------------

@@ -95,12 +95,9 @@ class ProgressWatch:
             return
         self.drops[reason] += n
         self._recent[reason] += n
-        if not streak:
-            return
-        if reason == self.streak_reason:
-            self.streak += n
-        else:
-            self.streak, self.streak_reason = n, reason
+        if streak:
+            self.streak = self.streak + n if reason == self.streak_reason else n
+            self.streak_reason = reason
 
     def top_reason(self) -> tuple[str, int]:
         """The most frequent drop reason since the last progress (else of the whole run) and its count."""

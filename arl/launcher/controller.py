@@ -624,11 +624,10 @@ class Controller:
                                         inference_restarts=self.sup.inference_restarts, transport=transport)
 
     def summary(self) -> dict:
-        evals = {v: e for v, e in self.reporter.evals.items() if e}
         return {
             "run_dir": self.run_dir,
             "steps": self.gate.version,
-            "evals": {v: (e["first_acc"], e["solved_acc"]) for v, e in sorted(evals.items())},
+            "evals": {v: (e["first_acc"], e["solved_acc"]) for v, e in sorted(self.reporter.evals.items()) if e},
             "groups": dict(self.reporter.group_reasons),
             "lost_inference": sorted(self.weights.lost),
             "seconds": self.reporter.elapsed(),

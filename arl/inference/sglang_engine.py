@@ -99,15 +99,12 @@ class SGLangError(RuntimeError):
 
 
 def server_command(*, model_path: str, host: str, port: int, device: str, seed: int, python: str = "",
-                   max_running_requests: int = 0, context_length: int = 0,
-                   extra_args: Sequence[str] = ()) -> list[str]:
+                   max_running_requests: int = 0, extra_args: Sequence[str] = ()) -> list[str]:
     """The `sglang.launch_server` command line for one server (CPU flags added when `device` is cpu)."""
     cmd = [python or sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host,
            "--port", str(port), "--device", device, "--random-seed", str(seed)]
     if max_running_requests > 0:
         cmd += ["--max-running-requests", str(max_running_requests)]
-    if context_length > 0:
-        cmd += ["--context-length", str(context_length)]
     if device == "cpu":
         cmd += list(CPU_SERVER_ARGS)
     return cmd + list(extra_args)
@@ -127,34 +124,19 @@ def server_gpus(index: int, gpus_per_server: int, first_gpu: int = 0, visible: s
 class SGLangServer:
     """An SGLang server process owned by this worker: started, health-checked, and stopped with it."""
 
-    def __init__(self, cmd: Sequence[str], *, host: str, port: int, log_path: str,
-                 env: Optional[dict[str, str]] = None) -> None:
-        self.cmd = list(cmd)
-        self.host, self.port = host, port
-        self.log_path = log_path
-        self.env = dict(env or {})
-        self.proc: Optional[subprocess.Popen] = None
-
-    @property
-    def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def start(self) -> "SGLangServer":
+    def __init__(self, cmd: Sequence[str], *, base_url: str, log_path: str, env: dict[str, str]) -> None:
         """Spawn the server (call from the main thread: PR_SET_PDEATHSIG is tied to the spawning thread)."""
-        os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
-        log = open(self.log_path, "ab", buffering=0)
-        try:
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env={"PYTHONUNBUFFERED": "1", **os.environ, **self.env},
-                                         start_new_session=True,
+        os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
+        with open(log_path, "ab", buffering=0) as log:
+            self.proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env={"PYTHONUNBUFFERED": "1", **os.environ, **env}, start_new_session=True,
                                          preexec_fn=die_with_parent_preexec())
-        finally:
-            log.close()
-        logger.info("started sglang server (pid %d) on %s, log %s", self.proc.pid, self.base_url, self.log_path)
-        return self
+        self.base_url = base_url
+        self.log_path = log_path
+        logger.info("started sglang server (pid %d) on %s, log %s", self.proc.pid, base_url, log_path)
 
     def exit_code(self) -> Optional[int]:
-        return None if self.proc is None else self.proc.poll()
+        return self.proc.poll()
 
     def wait_ready(self, timeout: float) -> None:
         """Block until GET /health answers 200; raises with the log tail if the server exits or times out."""
@@ -168,15 +150,14 @@ class SGLangServer:
                 with urllib.request.urlopen(self.base_url + "/health", timeout=5) as r:
                     if r.status == 200:
                         return
-            if time.monotonic() > deadline:
-                self.stop()
+            if time.monotonic() > deadline:  # the caller stops the server
                 raise SGLangError(f"sglang server not healthy within {timeout:.0f}s; last lines of "
                                   f"{self.log_path}:\n{tail(self.log_path, 30)}")
             time.sleep(0.5)
 
     def stop(self, grace: float = 10.0) -> None:
         """SIGTERM the server's process group, SIGKILL what is left after `grace` seconds. Idempotent."""
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc.poll() is not None:
             return
         for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
             signal_group(self.proc.pid, sig)
@@ -217,7 +198,7 @@ class SGLangEngine:
                  server: Optional[SGLangServer] = None, pause_mode: str = PauseMode.retract.value,
                  weights_dir: str = "", max_context_len: int = 0, request_timeout: float = 3600.0,
                  control_timeout: float = 600.0, health_interval: float = 5.0, max_health_failures: int = 3,
-                 empty_device_cache: bool = False, max_connections: int = 1024) -> None:
+                 empty_device_cache: bool = False) -> None:
         self.base_url = base_url.rstrip("/")
         self.model_path = model_path
         self.name = name
@@ -230,15 +211,13 @@ class SGLangEngine:
         self.health_interval = float(health_interval)
         self.max_health_failures = int(max_health_failures)
         self.empty_device_cache = bool(empty_device_cache)
-        self.max_connections = int(max_connections)
         self._initial_version = int(version)
         self._version = int(version)
         self._session: Any = None
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._health_task: Optional[asyncio.Task] = None
-        self._update_lock: Optional[asyncio.Lock] = None
+        self._update_lock = asyncio.Lock()  # asyncio primitives bind to the loop that first waits on them
         self._failed: Optional[str] = None
-        self._failed_event: Optional[asyncio.Event] = None
+        self._failed_event = asyncio.Event()
         self._closed = False
         self._updating = False
         self._abort_epoch = 0  # bumped by each abort-mode update: an abort seen after it is resubmitted
@@ -296,7 +275,6 @@ class SGLangEngine:
         """Pause the server (per `pause_mode`), load `source` as `version`, resume. Raises (old weights and
         version kept) if SGLang refuses the update; generation is resumed either way."""
         await self._ensure_session()
-        assert self._update_lock is not None
         async with self._update_lock:
             path = await asyncio.to_thread(self._weights_path, str(source), int(version))
 
@@ -310,7 +288,8 @@ class SGLangEngine:
                 return int(version)
 
             await self._paused_update(load, path)
-            self._prune_built()
+            while len(self._built_dirs) > 2:  # keep the last two
+                shutil.rmtree(self._built_dirs.pop(0), ignore_errors=True)
 
     async def update_weights_from_distributed(self, client: Any, wait_s: Optional[float] = None) -> int:
         """Load the next transfer of the learner's weight broadcast (`weights.transport=broadcast`) through
@@ -318,7 +297,6 @@ class SGLangEngine:
         to announce it (generation goes on), then pause (per `pause_mode`), have the server receive it, resume.
         Returns the version loaded (the newest the learner held, which may be newer than the one asked for)."""
         await self._ensure_session()
-        assert self._update_lock is not None
         async with self._update_lock:
             version, plan = await asyncio.to_thread(client.next_transfer, wait_s)
 
@@ -362,7 +340,6 @@ class SGLangEngine:
     async def wait_failed(self) -> str:
         """Returns (with the reason) once the server is gone for good; the worker then exits and is failed over."""
         await self._ensure_session()
-        assert self._failed_event is not None
         await self._failed_event.wait()
         return self._failed or "unknown"
 
@@ -490,31 +467,15 @@ class SGLangEngine:
         self._built_dirs.append(str(d))
         return str(d)
 
-    def _prune_built(self, keep: int = 2) -> None:
-        while len(self._built_dirs) > keep:
-            shutil.rmtree(self._built_dirs.pop(0), ignore_errors=True)
-
     # ------------------------------------------------------------------ HTTP
 
     async def _ensure_session(self) -> None:
-        loop = asyncio.get_running_loop()
-        if self._session is not None and self._loop is loop:
+        """Open the HTTP session on the running event loop, the one the engine is driven from from now on."""
+        if self._session is not None:
             return
         import aiohttp
 
-        if self._session is not None:  # used from a new event loop (e.g. successive asyncio.run): start afresh
-            if self._health_task is not None and not self._loop.is_closed():
-                self._health_task.cancel()
-            self._health_task = None
-            if not self._loop.is_closed():
-                with contextlib.suppress(Exception):  # the session belongs to another loop
-                    await self._session.close()
-        self._loop = loop
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self.max_connections))
-        self._update_lock = asyncio.Lock()
-        self._failed_event = asyncio.Event()
-        if self._failed:
-            self._failed_event.set()
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024))
         if self.health_interval > 0:
             self._health_task = asyncio.create_task(self._watch_health())
 
@@ -569,8 +530,7 @@ class SGLangEngine:
         if self._failed is None:
             logger.error("%s: %s", self.name, reason)
             self._failed = reason
-        if self._failed_event is not None:
-            self._failed_event.set()
+        self._failed_event.set()
 
 
 def launch_sglang_engine(config: SGLangConfig, *, model_path: str, device: str, seed: int, name: str, index: int = 0,
@@ -592,8 +552,8 @@ def launch_sglang_engine(config: SGLangConfig, *, model_path: str, device: str, 
         env["CUDA_VISIBLE_DEVICES"] = server_gpus(index, config.gpus_per_server, config.first_gpu,
                                                   os.environ.get("CUDA_VISIBLE_DEVICES", ""))
     log_dir = os.path.join(run_dir, "logs") if run_dir else os.path.join(os.getcwd(), "sglang-logs")
-    server = SGLangServer(cmd, host=host, port=port, log_path=os.path.join(log_dir, f"{name}-sglang.log"), env=env)
-    server.start()
+    server = SGLangServer(cmd, base_url=f"http://{host}:{port}", log_path=os.path.join(log_dir, f"{name}-sglang.log"),
+                          env=env)
     try:
         server.wait_ready(config.startup_timeout)
     except BaseException:

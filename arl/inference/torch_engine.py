@@ -158,7 +158,6 @@ class TorchEngine:
         self.pad_token_id = int(pad_token_id)
         eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(int(t) for t in eos))
-        self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
         self.max_batch_size = int(max_batch_size)
         self.max_context_len = int(max_context_len)
         self.seed = int(seed)
@@ -340,9 +339,8 @@ class TorchEngine:
                                 self._ack_pause_locked()
                                 self._cv.wait()
                                 continue
-                            self._drop_cancelled_waiting_locked()
-                            if self._waiting or self._rows:
-                                newcomers = self._admit_locked()
+                            newcomers = self._admit_locked()
+                            if newcomers or self._rows:
                                 break
                             self._cv.wait()
                     if cmds:
@@ -360,18 +358,15 @@ class TorchEngine:
             _post(loop, fut, None)
         self._pause_waiters = []
 
-    def _drop_cancelled_waiting_locked(self) -> None:
+    def _admit_locked(self) -> list[_Request]:
+        """FIFO admission while the batch has rows free (a request takes n rows); cancelled requests are dropped
+        (an empty batch admits the head of the queue: no request has more samples than the batch has rows)."""
         if any(r.cancelled for r in self._waiting):
             self._waiting = collections.deque(r for r in self._waiting if not r.cancelled)
-
-    def _admit_locked(self) -> list[_Request]:
-        """FIFO admission while the batch has rows free (a request takes n rows)."""
         free = self.max_batch_size - len(self._rows)
         admitted: list[_Request] = []
         while self._waiting and self._waiting[0].n <= free:
             r = self._waiting.popleft()
-            if r.cancelled:
-                continue
             admitted.append(r)
             free -= r.n
         return admitted
@@ -413,24 +408,17 @@ class TorchEngine:
                 try:
                     self._decode()
                 except Exception as e:  # noqa: BLE001
-                    logger.exception("%s: decode step failed; failing %d running samples", self.name,
-                                     len(self._rows))
-                    self._fail_rows(self._rows, f"decode step failed: {type(e).__name__}: {e}")
+                    self._fail("decode step failed", e, [r.owner for r in self._rows])
                     self._reset_batch()
                 self._evict()
             if newcomers:
                 try:
                     self._prefill_and_join(newcomers)
                 except Exception as e:  # noqa: BLE001
-                    logger.exception("%s: prefill failed; failing %d requests", self.name, len(newcomers))
-                    for r in newcomers:
-                        self._fail_request(r, f"prefill failed: {type(e).__name__}: {e}")
+                    self._fail("prefill failed", e, newcomers)
                 self._evict()
         except Exception as e:  # noqa: BLE001 - batch bookkeeping failed: start over with an empty batch
-            logger.exception("%s: step failed; failing all %d running samples", self.name, len(self._rows))
-            self._fail_rows(self._rows, f"engine step failed: {type(e).__name__}: {e}")
-            for r in newcomers:
-                self._fail_request(r, f"engine step failed: {type(e).__name__}: {e}")
+            self._fail("engine step failed", e, [*(r.owner for r in self._rows), *newcomers])
             self._reset_batch()
         finally:
             self._n["steps"] += 1
@@ -570,11 +558,10 @@ class TorchEngine:
     def _sample(self, rows: list[_Row], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per row and its logprob under the distribution it was drawn from (see the module doc)."""
         dev = logits.device
-        B, V = logits.shape
-        greedy = [r.owner.gconfig.greedy for r in rows]
-        temps = torch.tensor([1.0 if gr else float(r.owner.gconfig.temperature) for r, gr in zip(rows, greedy)],
-                             dtype=logits.dtype, device=dev)
-        masked = logits / temps[:, None]
+        gconfigs = [r.owner.gconfig for r in rows]
+        temps = torch.tensor([1.0 if g.greedy else float(g.temperature) for g in gconfigs], dtype=logits.dtype,
+                             device=dev)
+        dist = logits / temps[:, None]  # the distribution each row's token comes from (sampled rows: truncated)
 
         # min_new_tokens: stop/eos ids cannot be drawn until reached
         mi: list[int] = []
@@ -584,42 +571,35 @@ class TorchEngine:
                 mi.extend([i] * len(r.owner.stop_list))
                 mj.extend(r.owner.stop_list)
         if mi:
-            masked[torch.tensor(mi, device=dev), torch.tensor(mj, device=dev)] = float("-inf")
+            dist[torch.tensor(mi, device=dev), torch.tensor(mj, device=dev)] = float("-inf")
 
-        if all(greedy):
-            tokens = masked.argmax(dim=-1)
-            logp_all = torch.log_softmax(masked, dim=-1)
-        else:
-            s_idx = [i for i, gr in enumerate(greedy) if not gr]
-            sub = masked if len(s_idx) == B else masked[torch.tensor(s_idx, device=dev)]
-            top_k = [rows[i].owner.gconfig.top_k for i in s_idx]
-            top_p = [float(rows[i].owner.gconfig.top_p) for i in s_idx]
-            sub = _truncate(sub, top_k, top_p)
+        sampled = [i for i, g in enumerate(gconfigs) if not g.greedy]
+        every = len(sampled) == len(rows)
+        tokens = None if every else dist.argmax(dim=-1)  # greedy rows: the most likely token
+        if sampled:  # the others: a draw from the top-k/top-p truncated distribution (renormalised by the softmaxes)
+            idx = None if every else torch.tensor(sampled, device=dev)
+            sub = _truncate(dist if every else dist[idx], [gconfigs[i].top_k for i in sampled],
+                            [float(gconfigs[i].top_p) for i in sampled])
             drawn = torch.multinomial(torch.softmax(sub, dim=-1), 1, generator=self._generator).squeeze(1)
-            sub_logp = torch.log_softmax(sub, dim=-1)  # the sampled distribution, renormalised after truncation
-            if len(s_idx) == B:
-                tokens, logp_all = drawn, sub_logp
+            if every:
+                tokens, dist = drawn, sub
             else:
-                s_t = torch.tensor(s_idx, device=dev)
-                tokens = masked.argmax(dim=-1)
-                tokens[s_t] = drawn
-                logp_all = torch.log_softmax(masked, dim=-1)
-                logp_all[s_t] = sub_logp
-        logps = logp_all.gather(1, tokens[:, None]).squeeze(1)
+                tokens[idx], dist[idx] = drawn, sub
+        logps = torch.log_softmax(dist, dim=-1).gather(1, tokens[:, None]).squeeze(1)
         return tokens, logps
 
     # ---- failures and shutdown
 
-    def _fail_request(self, owner: _Request, msg: str) -> None:
-        if owner.responded or owner.cancelled:
-            return
-        owner.responded = True
-        self._n["requests_failed"] += 1
-        self._outbox.append((owner.loop, owner.future, GenerateResponse(qid=owner.qid, samples=[], error=msg)))
-
-    def _fail_rows(self, rows: list[_Row], msg: str) -> None:
-        for owner in {id(r.owner): r.owner for r in rows}.values():
-            self._fail_request(owner, msg)
+    def _fail(self, what: str, e: Exception, owners: list[_Request]) -> None:
+        """Log that `what` failed with `e` and answer every request of `owners` (once each) with the error."""
+        logger.exception("%s: %s; failing %d requests", self.name, what, len({id(o) for o in owners}))
+        error = f"{what}: {type(e).__name__}: {e}"
+        for owner in owners:
+            if not (owner.responded or owner.cancelled):
+                owner.responded = True
+                self._n["requests_failed"] += 1
+                self._outbox.append((owner.loop, owner.future,
+                                     GenerateResponse(qid=owner.qid, samples=[], error=error)))
 
     def _fail_all_closed(self) -> None:
         """After the thread stopped (or never started): answer everything still pending with 'engine closed'."""

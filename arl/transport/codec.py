@@ -118,23 +118,15 @@ def _build(cls: type, fields: dict) -> Any:
 # --------------------------------------------------------------------------------------------- scalars
 
 
-def _str(obj: Any, field: str) -> str:
-    if type(obj) is not str:
-        raise MalformedMessage(f"{field}: expected str")
-    return obj
-
-
-def _opt_str(obj: Any, field: str) -> Optional[str]:
-    if obj is not None and type(obj) is not str:
-        raise MalformedMessage(f"{field}: expected str or nil")
+def _str(obj: Any, field: str, nullable: bool = False) -> Optional[str]:
+    """`obj`, checked to be a str (or, if `nullable`, None)."""
+    if type(obj) is not str and not (nullable and obj is None):
+        raise MalformedMessage(f"{field}: expected str{' or nil' if nullable else ''}")
     return obj
 
 
 def _float(obj: Any, field: str) -> float:
-    t = type(obj)
-    if t is float:
-        return obj
-    if t is int:
+    if type(obj) in (float, int):  # exact types: a bool is not a number here
         return float(obj)
     raise MalformedMessage(f"{field}: expected a number")
 
@@ -206,7 +198,7 @@ def _gen_req_in(p: Any) -> GenerateRequest:
     return _build(GenerateRequest, {"qid": _str(p["qid"], "qid"),
                                     "input_ids": _arr_in(p["input_ids"], _I32, "input_ids"),
                                     "gconfig": _gconfig_in(p["gconfig"]),
-                                    "session_id": _opt_str(p["session_id"], "session_id")})
+                                    "session_id": _str(p["session_id"], "session_id", nullable=True)})
 
 
 def _gen_resp_out(r: Any) -> dict:
@@ -234,7 +226,7 @@ def _gen_resp_in(p: Any) -> GenerateResponse:
     if type(samples) is not list:
         raise MalformedMessage("samples: expected an array")
     return _build(GenerateResponse, {"qid": _str(p["qid"], "qid"), "samples": [_sample_in(s) for s in samples],
-                                     "error": _opt_str(p["error"], "error")})
+                                     "error": _str(p["error"], "error", nullable=True)})
 
 
 # --------------------------------------------------------------------------------------------- traj

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import os
 import time
@@ -79,19 +80,13 @@ def context() -> zmq.asyncio.Context:
     return _ctx
 
 
-def bind_random(sock: Any, host: str = "127.0.0.1") -> str:
-    """Bind ``sock`` (one of ours or a raw zmq socket) to a free TCP port on ``host``; return the address.
+def bind_random(sock: "_Socket", host: str = "127.0.0.1") -> str:
+    """``sock.bind_random(host)``: bind to a free TCP port on ``host``; return the address.
 
     Loopback by default; pass a configured host (an interface address) for multi-host runs. A wildcard host
     ("*", "0.0.0.0") binds every interface, and the returned address must then be rewritten before others connect.
     """
-    if isinstance(sock, _Socket):
-        return sock.bind_random(host)
-    if ":" in host and not host.startswith("["):  # IPv6 literal
-        sock.setsockopt(zmq.IPV6, 1)
-        host = f"[{host}]"
-    port = sock.bind_to_random_port(f"tcp://{host}")
-    return f"tcp://{host}:{port}"
+    return sock.bind_random(host)
 
 
 class _Socket:
@@ -133,8 +128,9 @@ class _Socket:
         self._max_bytes = max_bytes
         self.name = name or type(self).__name__
         self.stats: dict[str, int] = {"received": 0, "sent": 0, "malformed": 0}
-        if self._drops:
+        if self._drops:  # a Router: unroutable replies raise (we count them) instead of vanishing
             self.stats["dropped"] = 0
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.addresses: list[str] = []
         self._closed = False
         self._last_warn = -1e9
@@ -150,7 +146,11 @@ class _Socket:
         return endpoint
 
     def bind_random(self, host: str = "127.0.0.1") -> str:
-        address = bind_random(self._sock, host)
+        """Bind to a free TCP port on ``host`` (see the module function); the address."""
+        if ":" in host and not host.startswith("["):  # IPv6 literal
+            self._sock.setsockopt(zmq.IPV6, 1)
+            host = f"[{host}]"
+        address = f"tcp://{host}:{self._sock.bind_to_random_port(f'tcp://{host}')}"
         self.addresses.append(address)
         return address
 
@@ -174,10 +174,8 @@ class _Socket:
             self._unwatch()
             for fut in (*self._recv_waiters, *self._send_waiters):
                 if not fut.done():
-                    try:
+                    with contextlib.suppress(RuntimeError):  # its event loop is closed already
                         fut.set_exception(SocketClosed(f"{self.name} was closed"))
-                    except RuntimeError:  # its event loop is closed already
-                        pass
             self._recv_waiters.clear()
             self._send_waiters.clear()
             self._sock.close(linger=0)
@@ -222,10 +220,8 @@ class _Socket:
 
     def _unwatch(self) -> None:
         if self._watching and self._loop is not None and not self._loop.is_closed():
-            try:
+            with contextlib.suppress(ValueError, OSError, RuntimeError):
                 self._loop.remove_reader(self._fd)
-            except (ValueError, OSError, RuntimeError):
-                pass
         self._watching = False
 
     def _wake(self) -> None:
@@ -256,10 +252,8 @@ class _Socket:
                 self._wake()  # we were woken but will not act on it: pass the wake on
             raise
         finally:
-            try:
+            with contextlib.suppress(ValueError):
                 waiters.remove(fut)
-            except ValueError:
-                pass
         if self._closed:
             raise SocketClosed(f"{self.name} was closed during {op}")
 
@@ -423,10 +417,6 @@ class Router(_Socket):
 
     _kind = zmq.ROUTER
     _drops = True
-
-    def __init__(self, **kw: Any) -> None:
-        super().__init__(**kw)
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable replies raise (we count them) instead of vanishing
 
     async def send(self, identity: bytes, msg_type: str, payload: Any = None) -> None:
         """Queue a reply to ``identity``. Never blocks: if the peer is gone or its queue is full when the batch is

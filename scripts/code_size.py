@@ -7,6 +7,7 @@ them): documentation is wanted, and a cut must not be a deleted docstring.
     python scripts/code_size.py                      # HEAD
     python scripts/code_size.py 8c8151e HEAD         # side by side
     python scripts/code_size.py HEAD --exclude arl/weights/,arl/report/ --files
+    python scripts/code_size.py --history 8c8151e    # what each commit on main since 8c8151e added or removed
 """
 
 from __future__ import annotations
@@ -41,13 +42,35 @@ def sizes(rev: str, exclude: list[str], repo: Path = ROOT) -> dict[str, tuple[in
     return {f: count(git("show", f"{rev}:{f}")) for f in files}
 
 
+def history(start: str, exclude: list[str], repo: Path = ROOT) -> list[tuple[str, int, str]]:
+    """(commit, code statements, subject) of `start` and of each first-parent commit after it up to HEAD: on main,
+    a merge's row is what the whole branch it merged added or removed, so each change is seen once."""
+    def log(*revs: str) -> list[str]:
+        return subprocess.run(["git", "-C", str(repo), "log", "--first-parent", "--reverse", "--format=%h %s", *revs],
+                              check=True, capture_output=True, text=True).stdout.splitlines()
+
+    rows = []
+    for line in log("-1", start) + log(f"{start}..HEAD"):
+        commit, _, subject = line.partition(" ")
+        rows.append((commit, sum(s - d for s, d in sizes(commit, exclude, repo).values()), subject))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("revs", nargs="*", default=["HEAD"], help="git revisions (default HEAD)")
     ap.add_argument("--exclude", default="", help="comma-separated path prefixes left out (e.g. arl/weights/)")
     ap.add_argument("--files", action="store_true", help="one line per file too")
+    ap.add_argument("--history", metavar="REV", help="code statements after each first-parent commit since REV")
     args = ap.parse_args(argv)
     exclude = [e for e in args.exclude.split(",") if e]
+    if args.history:
+        prev = None
+        for commit, code, subject in history(args.history, exclude):
+            delta = "" if prev is None else f"{code - prev:+d}"
+            print(f"{commit:<12} {code:>7} {delta:>6}  {subject[:100]}")
+            prev = code
+        return
     print(f"{'revision':<12} {'files':>6} {'statements':>11} {'docstrings':>11} {'code':>7}")
     for rev in args.revs:
         per_file = sizes(rev, exclude)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from scripts.code_size import count, main, sizes
+from scripts.code_size import count, history, main, sizes
 
 MODULE = '''"""Module doc."""
 import os
@@ -44,6 +44,9 @@ def test_sizes_reads_a_revision_and_leaves_out_excluded_prefixes(tmp_path: Path,
     assert sizes(first, [], tmp_path) == {"arl/a.py": (7, 2), "arl/sub/b.py": (2, 0)}
     assert sizes("HEAD", [], tmp_path) == {"arl/a.py": (7, 2), "arl/sub/b.py": (1, 0)}
     assert sizes("HEAD", ["arl/sub/"], tmp_path) == {"arl/a.py": (7, 2)}
+    # the start and every first-parent commit after it, with its code statements (docstrings apart)
+    short = [git("rev-parse", "--short", first), git("rev-parse", "--short", "HEAD")]
+    assert history(first, [], tmp_path) == [(short[0], 7, "one"), (short[1], 6, "two")]
 
 
 def test_main_prints_a_row_per_revision(capsys) -> None:

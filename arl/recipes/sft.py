@@ -61,8 +61,8 @@ def masked_sft(model: Any, examples: Sequence[tuple[list[int], list[int]]], pad_
                lr: float, eval_every: int, seed: int, lr_warmup_steps: int = 0,
                log_name: str = "warm-up") -> dict[str, Any]:
     """The warm-up loop both tiny-model recipes share: shuffled passes over `examples` (token ids, loss mask),
-    AdamW with gradient clipping (and an optional linear LR warm-up), `evaluate()` every `eval_every` steps until
-    its "accuracy" reaches `target_acc` or `max_steps` is reached.
+    AdamW with gradient clipping (and an optional linear LR warm-up), `evaluate()` (in eval mode) every `eval_every`
+    steps until its "accuracy" reaches `target_acc` or `max_steps` is reached.
 
     Returns {"steps", "seconds", "reached_target", "target_acc", "final_loss", "history", **last evaluation}.
     """
@@ -100,6 +100,7 @@ def masked_sft(model: Any, examples: Sequence[tuple[list[int], list[int]]], pad_
             step += 1
             loss_val = float(out.loss.detach())
             if step % eval_every == 0 or step == max_steps:
+                model.eval()
                 ev = evaluate()
                 history.append({"step": step, "loss": loss_val, **ev})
                 logger.info("%s step %d loss %.3f %s", log_name, step, loss_val,
@@ -124,15 +125,28 @@ def torch_threads(num_threads: Optional[int]) -> Iterator[None]:
         torch.set_num_threads(old)
 
 
-def save_warm_model(model: Any, tokenizer: Any, path: str, result: dict[str, Any], what: str) -> dict[str, Any]:
-    """Save a warmed-up model (warning when it stopped short of its target); the info recorded in the cache."""
-    from arl.models.tiny import save_model_dir
+def warm_model_dir(cache_dir: str, prefix: str, settings: dict[str, Any], what: str,
+                   train: Callable[[Any, Any], dict[str, Any]], *, seed: int, extra_chars: str = "",
+                   model_kwargs: Optional[dict[str, Any]] = None, num_threads: Optional[int] = None) -> str:
+    """The cached folder (`cached_model_dir`) of a tiny model (char tokenizer with `extra_chars`, `build_tiny_model`
+    with `seed` and `model_kwargs`) warmed up by `train(model, tokenizer)` -> `masked_sft`'s result, which
+    `warmup.json` records (a warning when it stopped short of its target)."""
+    from arl.models.tiny import build_char_tokenizer, build_tiny_model, save_model_dir
 
-    if not result["reached_target"]:
-        logger.warning("%s stopped at %d steps with greedy accuracy %.3f < target %.3f", what, result["steps"],
-                       result["accuracy"], result["target_acc"])
-    save_model_dir(model, tokenizer, path)
-    return {"num_params": sum(p.numel() for p in model.parameters()), **result}
+    def build(tmp: str) -> dict:
+        with torch_threads(num_threads):
+            tok = build_char_tokenizer(extra_chars)
+            model = build_tiny_model(len(tok), seed=seed, pad_token_id=tok.pad_token_id,
+                                     eos_token_id=tok.eos_token_id, **(model_kwargs or {}))
+            logger.info("warming up the %s into %s", what, tmp)
+            result = train(model, tok)
+            if not result["reached_target"]:
+                logger.warning("%s warm-up stopped at %d steps with greedy accuracy %.3f < target %.3f", what,
+                               result["steps"], result["accuracy"], result["target_acc"])
+            save_model_dir(model, tok, tmp)
+            return {"num_params": sum(p.numel() for p in model.parameters()), **result}
+
+    return cached_model_dir(cache_dir, prefix, settings, build)
 
 
 def cached_model_dir(cache_dir: str, prefix: str, settings: dict[str, Any], build: Callable[[str], dict]) -> str:

@@ -18,16 +18,13 @@ reward and tool calls per trajectory both go up as RL shifts the policy toward t
 from __future__ import annotations
 
 import asyncio
-import logging
 import random
 from typing import Any, Optional, Sequence
 
 import torch
 
 from arl.envs.math import exact_number_match
-from arl.recipes.sft import cached_model_dir, greedy_generate, masked_sft, save_warm_model, torch_threads
-
-logger = logging.getLogger(__name__)
+from arl.recipes.sft import greedy_generate, masked_sft, warm_model_dir
 
 TOOL_WARMUP_FORMAT = "arl-tiny-tool-warmup-v2"
 
@@ -63,18 +60,6 @@ def render_example(agent: Any, row: dict, mode: str) -> tuple[list[int], list[in
     return ids, mask
 
 
-def build_examples(agent: Any, rows: Sequence[dict], p_tool: float, p_python: float,
-                   seed: int) -> list[tuple[list[int], list[int]]]:
-    rng = random.Random(seed)
-    out = []
-    for r in rows:
-        mode = "direct"
-        if rng.random() < p_tool:
-            mode = "python" if rng.random() < p_python else "calculator"
-        out.append(render_example(agent, r, mode))
-    return out
-
-
 async def _tool_turns(agent: Any, texts: list[str]) -> list[tuple[str, Any]]:
     """For each first-turn text: ("answer", text) | ("tool", observation ids) | ("void", None)."""
     outs: list[tuple[str, Any]] = []
@@ -94,29 +79,25 @@ async def _tool_turns(agent: Any, texts: list[str]) -> list[tuple[str, Any]]:
 @torch.no_grad()
 def tool_policy_eval(model: Any, agent: Any, rows: Sequence[dict], batch_size: int = 128) -> dict[str, float]:
     """Greedy two-turn rollouts (a tool call, then an answer) with real tool execution (the python tool runs in
-    its sandbox). Returns accuracy and the fraction of first turns that called a tool."""
+    its sandbox), with the model in the mode it is in. Returns accuracy and the fraction of first turns that
+    called a tool."""
     tok = agent.tokenizer
-    was_training = model.training
-    model.eval()
     correct = calls = 0
-    try:
-        for s in range(0, len(rows), batch_size):
-            chunk = rows[s: s + batch_size]
-            prompts = [list(agent.prompt_ids(r)) for r in chunk]
-            first = greedy_generate(model, prompts, 96, tok.eos_token_id, tok.pad_token_id)
-            texts = [tok.decode(o, skip_special_tokens=True) for o in first]
-            kinds = asyncio.run(_tool_turns(agent, texts))
-            second_idx = [i for i, (k, _) in enumerate(kinds) if k == "tool"]
-            calls += len(second_idx)
-            ctx = [prompts[i] + list(first[i]) + list(kinds[i][1]) for i in second_idx]
-            second = greedy_generate(model, ctx, 8, tok.eos_token_id, tok.pad_token_id) if ctx else []
-            answers = {i: tok.decode(o, skip_special_tokens=True) for i, o in zip(second_idx, second)}
-            for i, (k, v) in enumerate(kinds):
-                text = v if k == "answer" else answers.get(i)
-                if text is not None:
-                    correct += exact_number_match(text, str(chunk[i]["answer"]))
-    finally:
-        model.train(was_training)
+    for s in range(0, len(rows), batch_size):
+        chunk = rows[s: s + batch_size]
+        prompts = [list(agent.prompt_ids(r)) for r in chunk]
+        first = greedy_generate(model, prompts, 96, tok.eos_token_id, tok.pad_token_id)
+        texts = [tok.decode(o, skip_special_tokens=True) for o in first]
+        kinds = asyncio.run(_tool_turns(agent, texts))
+        second_idx = [i for i, (k, _) in enumerate(kinds) if k == "tool"]
+        calls += len(second_idx)
+        ctx = [prompts[i] + list(first[i]) + list(kinds[i][1]) for i in second_idx]
+        second = greedy_generate(model, ctx, 8, tok.eos_token_id, tok.pad_token_id) if ctx else []
+        answers = {i: tok.decode(o, skip_special_tokens=True) for i, o in zip(second_idx, second)}
+        for i, (k, v) in enumerate(kinds):
+            text = v if k == "answer" else answers.get(i)
+            if text is not None:
+                correct += exact_number_match(text, str(chunk[i]["answer"]))
     return {"accuracy": correct / len(rows), "tool_call_rate": calls / len(rows)}
 
 
@@ -124,8 +105,15 @@ def warmup_tool_sft(model: Any, agent: Any, train_rows: Sequence[dict], eval_row
                     target_acc: float = 0.3, max_steps: int = 1500, batch_size: int = 32, lr: float = 2e-3,
                     p_tool: float = 0.4, p_python: float = 0.2, eval_every: int = 100,
                     seed: int = 0) -> dict[str, Any]:
-    """Masked SFT on rendered conversations until the greedy tool-policy accuracy reaches `target_acc`."""
-    examples = build_examples(agent, train_rows, p_tool, p_python, seed)
+    """Masked SFT on rendered conversations until the greedy tool-policy accuracy reaches `target_acc`. Each
+    example calls a tool with probability `p_tool` (the python tool with probability `p_python` of those)."""
+    rng = random.Random(seed)
+    examples = []
+    for r in train_rows:
+        mode = "direct"
+        if rng.random() < p_tool:
+            mode = "python" if rng.random() < p_python else "calculator"
+        examples.append(render_example(agent, r, mode))
     return masked_sft(model, examples, agent.tokenizer.pad_token_id, lambda: tool_policy_eval(model, agent, eval_rows),
                       target_acc=target_acc, max_steps=max_steps, batch_size=batch_size, lr=lr,
                       eval_every=eval_every, seed=seed, lr_warmup_steps=50, log_name="tool warm-up")
@@ -137,23 +125,17 @@ def get_warm_tool_model(cache_dir: str, *, seed: int = 0, target_acc: float = 0.
     """Path of the tiny model (char tokenizer with TOOL_CHARS) warmed up on word problems with tool calls. The
     signature matches `model.warmup` ("arl.recipes.warmup_tools:get_warm_tool_model")."""
     from arl.data.word_problems import make_word_problem_splits
-    from arl.models.tiny import CHARS, TOOL_CHARS, build_char_tokenizer, build_tiny_model
+    from arl.models.tiny import CHARS, TOOL_CHARS
 
     model_kwargs = {"max_position_embeddings": 512}
     settings = {"format": TOOL_WARMUP_FORMAT, "seed": seed, "target_acc": target_acc, "max_steps": max_steps,
                 "p_tool": p_tool, "p_python": p_python, "test_size": test_size, "data_seed": data_seed,
                 "chars": CHARS + TOOL_CHARS, "model_kwargs": model_kwargs}
 
-    def build(tmp: str) -> dict:
-        with torch_threads(num_threads):
-            train, test = make_word_problem_splits(test_size=test_size, seed=data_seed)
-            tok = build_char_tokenizer(TOOL_CHARS)
-            model = build_tiny_model(len(tok), seed=seed, pad_token_id=tok.pad_token_id,
-                                     eos_token_id=tok.eos_token_id, **model_kwargs)
-            agent = tool_agent_for(tok)
-            logger.info("warming up the tiny tool model into %s", tmp)
-            result = warmup_tool_sft(model, agent, train, test[:100], target_acc=target_acc, max_steps=max_steps,
-                                     p_tool=p_tool, p_python=p_python, seed=seed)
-            return save_warm_model(model, tok, tmp, result, "tool warm-up")
+    def train(model: Any, tok: Any) -> dict[str, Any]:
+        rows, test = make_word_problem_splits(test_size=test_size, seed=data_seed)
+        return warmup_tool_sft(model, tool_agent_for(tok), rows, test[:100], target_acc=target_acc,
+                               max_steps=max_steps, p_tool=p_tool, p_python=p_python, seed=seed)
 
-    return cached_model_dir(cache_dir, "tiny-tools", settings, build)
+    return warm_model_dir(cache_dir, "tiny-tools", settings, "tiny tool model", train, seed=seed,
+                          extra_chars=TOOL_CHARS, model_kwargs=model_kwargs, num_threads=num_threads)

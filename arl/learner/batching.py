@@ -115,20 +115,12 @@ def split_by_token_budget(lengths: Sequence[int], max_tokens_per_mb: int) -> lis
         raise ValueError(f"max_tokens_per_mb must be >= 1, got {max_tokens_per_mb}")
     order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
     groups: list[list[int]] = []
-    cur: list[int] = []
-    cur_max = 0
-    for i in order:
-        n = max(int(lengths[i]), 1)
-        new_max = max(cur_max, n)
-        if cur and (len(cur) + 1) * new_max > max_tokens_per_mb:
-            groups.append(sorted(cur))
-            cur, cur_max = [], 0
-            new_max = n
-        cur.append(i)
-        cur_max = new_max
-    if cur:
-        groups.append(sorted(cur))
-    return groups
+    for i in order:  # longest first: a group's padded length is that of its first sequence
+        if groups and (len(groups[-1]) + 1) * max(int(lengths[groups[-1][0]]), 1) <= max_tokens_per_mb:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return [sorted(g) for g in groups]
 
 
 def pack_by_token_budget(lengths: Sequence[int], max_tokens_per_mb: int) -> list[list[int]]:

@@ -152,8 +152,7 @@ class DeepSpeedEngine:
         import deepspeed as ds
 
         self.cfg = deepspeed  # the section checked its own fields
-        opt_cfg = optimizer
-        lr_fn = lr_lambda(opt_cfg.lr_schedule, opt_cfg.warmup_steps, total_optimizer_steps, opt_cfg.min_lr_ratio)
+        lr_fn = lr_lambda(optimizer.lr_schedule, optimizer.warmup_steps, total_optimizer_steps, optimizer.min_lr_ratio)
         self.version = int(version)
         self.ref_model: Optional[torch.nn.Module] = None
         if reference or ref_model is not None:
@@ -184,7 +183,7 @@ class DeepSpeedEngine:
         self.ds_config: dict[str, Any] = {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,
-            "gradient_clipping": float(opt_cfg.grad_clip),
+            "gradient_clipping": float(optimizer.grad_clip),
             "zero_optimization": zero,
             "bf16": {"enabled": bool(deepspeed.bf16)},
             # A client torch AdamW with ZeRO-Offload: allowed (DeepSpeedCPUAdam would JIT-compile an op).
@@ -193,8 +192,8 @@ class DeepSpeedEngine:
             "wall_clock_breakdown": False,
         }
         self.pad_token_id = int(getattr(getattr(model, "config", None), "pad_token_id", None) or 0)
-        adamw = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=opt_cfg.lr,
-                                  betas=tuple(opt_cfg.betas), weight_decay=opt_cfg.weight_decay)
+        adamw = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=optimizer.lr,
+                                  betas=tuple(optimizer.betas), weight_decay=optimizer.weight_decay)
         self.model_engine, self.optimizer, _, self.lr_scheduler = ds.initialize(
             model=model, optimizer=adamw, config=self.ds_config,
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_fn),
@@ -256,13 +255,10 @@ class DeepSpeedEngine:
         try:
             for mb in self._equal_counts(self._micro_batches(TrainBatch(batch.trajs))):  # only the tokens
                 lp = token_logprobs(self._forward_logits(mb, module), mb.input_ids, temperature).cpu().numpy()
-                if mb.packed:
-                    bounds = mb.cu_seqlens.tolist()
-                    for j, i in enumerate(mb.indices):
-                        out[i] = lp[0, bounds[j]:bounds[j + 1]]
-                else:
-                    for j, (i, n) in enumerate(zip(mb.indices, mb.seq_lens.tolist())):
-                        out[i] = lp[j, :n]
+                lens = mb.seq_lens.tolist()
+                rows = np.split(lp[0], np.cumsum(lens)[:-1]) if mb.packed else [r[:n] for r, n in zip(lp, lens)]
+                for i, row in zip(mb.indices, rows):
+                    out[i] = row
         finally:
             self.model_engine.module.train(was_training)
         return out

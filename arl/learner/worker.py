@@ -149,8 +149,6 @@ class LearnerWorker:
 
     def _drop_stale(self) -> int:
         """Remove buffered groups that are too stale (`is_stale`: long-tailed stragglers)."""
-        if self.eta is None:
-            return 0
         keep = [g for g in self.buffer if not self.is_stale(g)]
         dropped = len(self.buffer) - len(keep)
         if dropped:

@@ -69,10 +69,8 @@ def split_minibatches(lengths: Sequence[int], k: int) -> list[list[int]]:
 
 def _n_scored_seqs(mb: MicroBatch) -> int:
     """Sequences of a micro-batch with at least one loss token (the count sequence-level aggregation divides by)."""
-    if not mb.packed:
-        return int((mb.loss_mask.sum(-1) > 0).sum())
-    bounds = mb.cu_seqlens.tolist()
-    return int(sum(bool(mb.loss_mask[0, s:e].any()) for s, e in zip(bounds[:-1], bounds[1:])))
+    rows = mb.loss_mask[0].split(mb.seq_lens.tolist()) if mb.packed else mb.loss_mask
+    return sum(bool(r.any()) for r in rows)
 
 
 @dataclasses.dataclass

@@ -72,10 +72,6 @@ class MicroBatch:
         return self.cu_seqlens is not None
 
     @property
-    def n_seqs(self) -> int:
-        return int(self.seq_lens.numel()) if self.packed else int(self.input_ids.shape[0])
-
-    @property
     def real_tokens(self) -> int:
         return int(self.seq_lens.sum())
 

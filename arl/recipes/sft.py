@@ -70,8 +70,8 @@ def masked_sft(model: Any, examples: Sequence[tuple[list[int], list[int]]], pad_
     order: list[int] = []
     device = next(model.parameters()).device
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = (torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / lr_warmup_steps))
-             if lr_warmup_steps else None)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / lr_warmup_steps) if lr_warmup_steps
+                                              else 1.0)
     history: list[dict[str, float]] = []
     ev: dict[str, float] = {"accuracy": 0.0}
     step, loss_val = 0, float("nan")
@@ -95,8 +95,7 @@ def masked_sft(model: Any, examples: Sequence[tuple[list[int], list[int]]], pad_
             out.loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
-            if sched is not None:
-                sched.step()
+            sched.step()
             step += 1
             loss_val = float(out.loss.detach())
             if step % eval_every == 0 or step == max_steps:

@@ -29,13 +29,12 @@ from arl.recipes.sft import greedy_generate, masked_sft, warm_model_dir
 TOOL_WARMUP_FORMAT = "arl-tiny-tool-warmup-v2"
 
 
-def tool_agent_for(tokenizer: Any, **kw: Any) -> Any:
+def tool_agent_for(tokenizer: Any) -> Any:
     """The ToolAgent whose rendering the warm-up copies (calculator + python, hermes parser)."""
     from arl.agents.tool_agent import ToolAgent
     from arl.api import GenerationConfig
 
-    kw.setdefault("tools", ["calculator", "python"])
-    return ToolAgent(tokenizer, GenerationConfig(max_new_tokens=96), group_size=1, **kw)
+    return ToolAgent(tokenizer, GenerationConfig(max_new_tokens=96), group_size=1, tools=["calculator", "python"])
 
 
 def render_example(agent: Any, row: dict, mode: str) -> tuple[list[int], list[int]]:

@@ -48,7 +48,7 @@ def test_pack_by_token_budget_first_fit_decreasing():
 def test_collate_packed_layout():
     trajs = [_traj([1, 2], [5, 6, 7], v=3, lp=-0.5), _traj([9], [4], v=1, lp=-2.0), _traj([], [8, 8], v=0)]
     mb = collate_packed(trajs, [0, 1, 2], [1.5, -2.0, 4.0], token_weights=[1.0, 2.0, np.array([7, 3], np.float32)])
-    assert mb.packed and mb.attention_mask is None and mb.n_seqs == 3
+    assert mb.packed and mb.attention_mask is None and mb.seq_lens.numel() == 3
     assert mb.input_ids.tolist() == [[1, 2, 5, 6, 7, 9, 4, 8, 8]]
     assert mb.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 0, 1]]
     assert mb.cu_seqlens.tolist() == [0, 5, 7, 9]

@@ -204,9 +204,7 @@ def collate_padded(
             out[row, : len(a)] = a
         return torch.from_numpy(out)
 
-    attn = torch.zeros(shape, dtype=torch.long)
-    for row, n in enumerate(lens):
-        attn[row, :n] = 1
+    attn = (torch.arange(shape[1]) < torch.tensor(lens)[:, None]).long()  # 1 on each row's first len tokens
     return MicroBatch(**{k: pad(k) for k in cols}, attention_mask=attn, seq_lens=torch.tensor(lens), indices=idx)
 
 

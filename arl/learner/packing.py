@@ -9,7 +9,7 @@ How transformers 5 supports packed rows, and what this module adds:
 - ``flash_attention_2/3`` take ``cu_seq_lens_q/k`` + ``max_length_q/k`` (`TransformersKwargs`) and run varlen
   kernels (GPU only).
 - Here: an attention function registered under ``"arl_varlen"`` (`AttentionInterface.register`) that splits the row
-  at ``cu_seq_lens_q`` (or at the restarts of ``position_ids``) and runs causal SDPA on each sequence, so the work
+  at ``cu_seq_lens_q`` (`packed_forward_kwargs` passes it) and runs causal SDPA on each sequence, so the work
   is ``sum(L_i^2)`` as in varlen flash attention, on any device. Its mask function returns None when there is no
   padding mask (nothing to materialise) and defers to the sdpa mask otherwise, so padded batches still work.
 
@@ -32,16 +32,6 @@ __all__ = ["VARLEN_ATTENTION", "register_varlen_attention", "enable_varlen_atten
 VARLEN_ATTENTION = "arl_varlen"
 
 
-def _segments_from_positions(position_ids: torch.Tensor) -> Optional[list[int]]:
-    """Boundaries (cumulative lengths) of the sequences in a ``[1, T]`` row of restarting position ids, or None
-    if the row holds a single sequence."""
-    pos = position_ids.reshape(-1)
-    starts = torch.nonzero(pos[1:] != pos[:-1] + 1).reshape(-1) + 1
-    if starts.numel() == 0:
-        return None
-    return [0, *starts.tolist(), int(pos.numel())]
-
-
 def _varlen_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -59,22 +49,17 @@ def _varlen_attention(
     cu = kwargs.pop("cu_seq_lens_q", None)
     for k in ("cu_seq_lens_k", "max_length_q", "max_length_k"):
         kwargs.pop(k, None)
-    bounds: Optional[list[int]] = None
     q_len = query.shape[2]
-    if query.shape[0] == 1 and attention_mask is None and q_len > 1 and q_len == key.shape[2]:
-        if cu is not None:
-            bounds = [int(x) for x in cu.tolist()]
-        elif kwargs.get("position_ids") is not None:
-            bounds = _segments_from_positions(kwargs["position_ids"])
-    if not bounds or len(bounds) <= 2:
+    packed_row = query.shape[0] == 1 and attention_mask is None and q_len > 1 and q_len == key.shape[2]
+    if cu is None or len(cu) <= 2 or not packed_row:  # a single sequence, or not a packed row
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    if bounds[-1] != q_len:
-        raise ValueError(f"cu_seq_lens end at {bounds[-1]} but the packed row has {q_len} tokens")
+    if int(cu[-1]) != q_len:
+        raise ValueError(f"cu_seq_lens end at {int(cu[-1])} but the packed row has {q_len} tokens")
     kwargs.pop("is_causal", None)
     # split (not slicing): its backward concatenates the pieces' gradients once, where each slice's backward
     # would materialise a zero tensor of the whole row
-    lens = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+    lens = cu.diff().tolist()
     outs = []
     for q, k, v in zip(query.split(lens, dim=2), key.split(lens, dim=2), value.split(lens, dim=2)):
         o, _ = sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling, is_causal=True,

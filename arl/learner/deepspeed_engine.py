@@ -143,20 +143,17 @@ class DeepSpeedEngine:
         seed: seeds python/numpy/torch RNGs of this process. total_optimizer_steps: where the LR schedule ends.
         version: policy version of the initial weights.
         reference: keep a frozen copy of ``model`` as given (the initial weights) for
-            ``forward_logprobs(..., reference=True)`` (a KL penalty); ``ref_model`` passes another one.
+            ``forward_logprobs(..., reference=True)`` (a KL penalty).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: OptimizerConfig, deepspeed: DeepSpeedConfig, *,
-                 seed: int = 0, total_optimizer_steps: int = 1, version: int = 0, reference: bool = False,
-                 ref_model: Optional[torch.nn.Module] = None) -> None:
+                 seed: int = 0, total_optimizer_steps: int = 1, version: int = 0, reference: bool = False) -> None:
         import deepspeed as ds
 
         self.cfg = deepspeed  # the section checked its own fields
         lr_fn = lr_lambda(optimizer.lr_schedule, optimizer.warmup_steps, total_optimizer_steps, optimizer.min_lr_ratio)
         self.version = int(version)
-        self.ref_model: Optional[torch.nn.Module] = None
-        if reference or ref_model is not None:
-            self.ref_model = (ref_model if ref_model is not None else copy.deepcopy(model)).eval().requires_grad_(False)
+        self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if reference else None
         if deepspeed.packing and deepspeed.packed_attention == PackedAttention.varlen:
             for m in (model, self.ref_model):
                 if m is not None:
@@ -309,17 +306,15 @@ class DeepSpeedEngine:
             return None
         return {k: v.detach().to("cpu").contiguous().clone() for k, v in sd.items()}
 
-    def export_weights(self, path: str, dtype: Optional[torch.dtype] = None) -> None:
+    def export_weights(self, path: str) -> None:
         """Write the full model state dict as one safetensors file, atomically (temp file in the same folder, then
-        ``os.replace``). Collective under ZeRO-3; only rank 0 writes. ``dtype`` casts floating tensors (default:
-        the training dtype). Metadata carries the policy version."""
+        ``os.replace``), in the training dtype. Collective under ZeRO-3; only rank 0 writes. Metadata carries the
+        policy version."""
         from safetensors.torch import save_file
 
         sd = self.full_state_dict()
         if self.rank == 0:
             assert sd is not None
-            if dtype is not None:
-                sd = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in sd.items()}
             with replacing_file(path) as tmp:
                 save_file(sd, tmp, metadata={"format": "pt", "version": str(self.version)})
         self._barrier()

@@ -147,22 +147,16 @@ class LearnerWorker:
             return min(int(g.min()) for g in gen) < oldest_ok
         return max(int(g.max()) for g in gen) < oldest_ok
 
-    def _drop_stale(self) -> int:
-        """Remove buffered groups that are too stale (`is_stale`: long-tailed stragglers)."""
-        keep = [g for g in self.buffer if not self.is_stale(g)]
-        dropped = len(self.buffer) - len(keep)
-        if dropped:
-            self.stats["stale_trajectories_dropped"] += sum(len(g) for g in self.buffer) - sum(len(g) for g in keep)
-            self.buffer = collections.deque(keep)
-            self.stats["stale_groups_dropped"] += dropped
-        return dropped
-
     async def next_batch(self) -> tuple[list[Trajectory], float]:
         """Wait for B fresh-enough groups (FIFO); returns the flattened batch and the seconds spent waiting."""
         t0 = time.monotonic()
         while True:
-            dropped = self._drop_stale()
-            if dropped:
+            keep = [g for g in self.buffer if not self.is_stale(g)]  # long-tailed stragglers go
+            if len(keep) < len(self.buffer):
+                dropped = len(self.buffer) - len(keep)
+                self.stats["stale_groups_dropped"] += dropped
+                self.stats["stale_trajectories_dropped"] += sum(map(len, self.buffer)) - sum(map(len, keep))
+                self.buffer = collections.deque(keep)
                 logger.info("dropped %d groups staler than eta=%s; their budget goes back", dropped, self.eta)
                 await self._send("groups_dropped", {"n": dropped, "reason": "stale"})
             if len(self.buffer) >= self.batch_size:

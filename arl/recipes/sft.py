@@ -33,26 +33,21 @@ def greedy_generate(
     from arl.inference.torch_engine import left_pad
 
     device = next(model.parameters()).device
-    ids, mask, pos = left_pad(prompts, pad_token_id, device)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
-    past = out.past_key_values
-    nxt = out.logits[:, -1].argmax(-1)
+    ids, mask, pos = left_pad(prompts, pad_token_id, device)  # the prefill, then one new token per row
+    past = None
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     gen: list[list[int]] = [[] for _ in prompts]
-    pos = pos[:, -1:]
-    for step in range(max_new_tokens):
+    for _ in range(max_new_tokens):
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=past, use_cache=True)
+        past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1)
         for i in range(len(prompts)):
             if not done[i]:
                 gen[i].append(int(nxt[i]))
         done |= nxt == eos_token_id
-        if bool(done.all()) or step == max_new_tokens - 1:
+        if bool(done.all()):
             break
+        ids, pos = nxt[:, None], pos[:, -1:] + 1
         mask = torch.cat([mask, torch.ones((len(prompts), 1), dtype=mask.dtype, device=device)], dim=1)
-        pos = pos + 1
-        out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos, past_key_values=past,
-                    use_cache=True)
-        past = out.past_key_values
-        nxt = out.logits[:, -1].argmax(-1)
     return gen
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Optional
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +51,7 @@ def normalize_answer(answer: Any) -> str:
     return boxed if boxed is not None else text
 
 
-def load_hf(path: str, *, split: str = "train", prompt_field: str = "", answer_field: str = "",
-            id_prefix: Optional[str] = None, limit: int = 0) -> list[dict[str, Any]]:
+def load_hf(path: str, *, split: str = "train", prompt_field: str = "", answer_field: str = "") -> list[dict[str, Any]]:
     """Rows from a datasets file or folder on disk; rows without a prompt or an answer are skipped (counted)."""
     ds = _load(path, split)
     cols = list(ds.column_names)
@@ -61,11 +60,9 @@ def load_hf(path: str, *, split: str = "train", prompt_field: str = "", answer_f
     if pf not in cols or af not in cols:
         raise ValueError(f"{path}: need a prompt column ({prompt_field or '|'.join(PROMPT_FIELDS)}) and an answer "
                          f"column ({answer_field or '|'.join(ANSWER_FIELDS)}); it has {cols}")
-    prefix = id_prefix if id_prefix is not None else os.path.basename(path.rstrip("/")).split(".")[0]
+    prefix = os.path.basename(path.rstrip("/")).split(".")[0]  # ids of rows without one: <prefix>-<index>
     rows, bad = [], 0
     for i, r in enumerate(ds):
-        if limit and len(rows) >= limit:
-            break
         p, a = r.get(pf), r.get(af)
         if p is None or a is None or (isinstance(p, str) and not p.strip()):
             bad += 1

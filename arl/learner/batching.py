@@ -141,16 +141,6 @@ def pack_by_token_budget(lengths: Sequence[int], max_tokens_per_mb: int) -> list
     return [sorted(b) for b in bins]
 
 
-def _per_token(traj: Trajectory, value: float | np.ndarray) -> np.ndarray:
-    """A scalar broadcast over the trajectory's tokens, or a per-token array aligned with its input_ids."""
-    a = np.asarray(value, dtype=np.float32)
-    if a.ndim == 0:
-        return np.full(len(traj.input_ids), float(a), np.float32)
-    if a.shape != (len(traj.input_ids),):
-        raise ValueError(f"per-token values have shape {a.shape}, trajectory has {len(traj.input_ids)} tokens")
-    return a
-
-
 def _columns(
     trajs: Sequence[Trajectory],
     idx: list[int],
@@ -174,7 +164,10 @@ def _columns(
         cols["logprobs"].append(np.where(m, t.logprobs, 0.0).astype(np.float32))
         cols["versions"].append(np.where(m, t.versions, -1).astype(np.int64))
         for k, v in values.items():
-            cols[k].append(np.where(m, _per_token(t, v[i]), 0.0).astype(np.float32))
+            a = np.asarray(v[i], dtype=np.float32)  # a scalar (broadcast over the tokens) or one value per token
+            if a.ndim and a.shape != (len(t.input_ids),):
+                raise ValueError(f"per-token values have shape {a.shape}, trajectory has {len(t.input_ids)} tokens")
+            cols[k].append(np.where(m, a, 0.0).astype(np.float32))
     return cols
 
 

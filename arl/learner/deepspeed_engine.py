@@ -242,22 +242,19 @@ class DeepSpeedEngine:
     def forward_logprobs(self, batch: TrainBatch, temperature: float = 1.0,
                          reference: bool = False) -> list[np.ndarray]:
         """Token logprobs of each trajectory (aligned with input_ids, see `ppo.token_logprobs`) under the current
-        weights in eval mode (or the frozen reference model), no grad."""
+        weights in eval mode (or the frozen reference model), no grad. The model stays in eval mode (`train_batch`
+        switches it back to training)."""
         if reference and self.ref_model is None:
             raise ValueError("this engine keeps no reference model (build it with reference=True)")
         module = self.ref_model if reference else self.model_engine
         out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(batch)
-        was_training = self.model_engine.module.training
         self.model_engine.module.eval()
-        try:
-            for mb in self._equal_counts(self._micro_batches(TrainBatch(batch.trajs))):  # only the tokens
-                lp = token_logprobs(self._forward_logits(mb, module), mb.input_ids, temperature).cpu().numpy()
-                lens = mb.seq_lens.tolist()
-                rows = np.split(lp[0], np.cumsum(lens)[:-1]) if mb.packed else [r[:n] for r, n in zip(lp, lens)]
-                for i, row in zip(mb.indices, rows):
-                    out[i] = row
-        finally:
-            self.model_engine.module.train(was_training)
+        for mb in self._equal_counts(self._micro_batches(TrainBatch(batch.trajs))):  # only the tokens
+            lp = token_logprobs(self._forward_logits(mb, module), mb.input_ids, temperature).cpu().numpy()
+            lens = mb.seq_lens.tolist()
+            rows = np.split(lp[0], np.cumsum(lens)[:-1]) if mb.packed else [r[:n] for r, n in zip(lp, lens)]
+            for i, row in zip(mb.indices, rows):
+                out[i] = row
         return out
 
     def train_batch(self, batch: TrainBatch, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:

@@ -153,11 +153,9 @@ class DeepSpeedEngine:
         self.cfg = deepspeed  # the section checked its own fields
         lr_fn = lr_lambda(optimizer.lr_schedule, optimizer.warmup_steps, total_optimizer_steps, optimizer.min_lr_ratio)
         self.version = int(version)
-        self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if reference else None
         if deepspeed.packing and deepspeed.packed_attention == PackedAttention.varlen:
-            for m in (model, self.ref_model):
-                if m is not None:
-                    enable_varlen_attention(m)
+            enable_varlen_attention(model)
+        self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if reference else None  # varlen too
         if deepspeed.bf16 and deepspeed.zero_stage == 0:
             # DeepSpeed 0.19.8 wraps bf16 + stage 0 + a client optimizer in FP16_UnfusedOptimizer, which
             # accumulates gradients in bf16; stage >= 1 uses fp32 gradient accumulation.

@@ -611,11 +611,6 @@ def to_yaml(cfg: Any) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
-def load_yaml(path: str, config_cls: type) -> Any:
-    schema = OmegaConf.structured(config_cls)
-    return OmegaConf.to_object(OmegaConf.merge(schema, OmegaConf.load(path)))
-
-
 def weights_backend(cfg: ExperimentConfig) -> str:
     """The broadcast group backend: `weights.backend`, or with 'auto' nccl when inference runs on CUDA."""
     if cfg.weights.backend != "auto":
@@ -635,5 +630,5 @@ def resolve_threads(cfg: ExperimentConfig, role: str) -> int:
 
 __all__ = [
     "ExperimentConfig", "ConfigError", "parse_overrides", "split_experiment", "format_help", "import_user_modules",
-    "to_yaml", "load_yaml", "resolve_threads", "weights_backend", "rollout_deadlines", "DictConfig",
+    "to_yaml", "resolve_threads", "weights_backend", "rollout_deadlines", "DictConfig",
 ]

@@ -368,7 +368,8 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
         if msg.role == "inference":
             client.worker_back(msg.index, _socket(Dealer).connect(msg.address))
 
-    ctl.handlers.update(gate_grant=lambda msg: worker.on_grant(msg.n), eval=on_eval, worker_lost=on_worker_lost, worker_back=on_worker_back)
+    ctl.handlers.update(gate_grant=lambda msg: worker.on_grant(msg.n), eval=on_eval, worker_lost=on_worker_lost,
+                        worker_back=on_worker_back)
     ack = await ctl.register(cfg.startup_timeout)
     if ack.get("prompt_position"):  # resuming a run: continue this worker's prompt stream where it stood
         prompts.seek(int(ack["prompt_position"]))

@@ -31,11 +31,7 @@ def load_config(argv: Sequence[str], experiments: Sequence[str] = ()):
     does not import them). The chosen experiment's module joins `imports`, so every role process imports it and
     reads config.yaml with the same class (a user experiment may add fields).
     """
-    from arl.api.registry import EXPERIMENTS
-
-    _load_registries(argv, experiments)
-    name, rest = split_experiment(argv)
-    cls = EXPERIMENTS.get(name or "async-ppo-math")
+    name, rest, cls = _experiment(argv, experiments)
     cfg = parse_overrides(cls, rest)
     cfg.experiment = name or cfg.experiment
     if cls.__module__ not in cfg.imports and cls.__module__ != "__main__":
@@ -43,11 +39,16 @@ def load_config(argv: Sequence[str], experiments: Sequence[str] = ()):
     return cfg
 
 
-def _load_registries(argv: Sequence[str], experiments: Sequence[str]) -> None:
+def _experiment(argv: Sequence[str], experiments: Sequence[str]) -> tuple[Optional[str], list[str], type]:
+    """The `experiment=NAME` of `argv` (None: not given), the rest of `argv`, and the experiment's config class,
+    after the builtins, `experiments` and the early imports registered what they define."""
+    from arl.api.registry import EXPERIMENTS
     from arl.builtin import load_builtins
 
     load_builtins()
     import_user_modules([*experiments, *_early_imports(argv)])
+    name, rest = split_experiment(argv)
+    return name, rest, EXPERIMENTS.get(name or "async-ppo-math")
 
 
 def main(argv: Optional[Sequence[str]] = None, experiments: Sequence[str] = ()) -> int:
@@ -56,9 +57,7 @@ def main(argv: Optional[Sequence[str]] = None, experiments: Sequence[str] = ()) 
     if any(a in ("-h", "--help", "help") for a in argv):
         from arl.api.registry import EXPERIMENTS
 
-        _load_registries(argv, experiments)
-        name, _ = split_experiment(argv)
-        print(format_help(EXPERIMENTS.get(name or "async-ppo-math")))
+        print(format_help(_experiment(argv, experiments)[2]))
         print(f"\nregistered experiments: {EXPERIMENTS.names()}")
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -487,13 +487,11 @@ def parse_overrides(config_cls: type, overrides: Sequence[str], base: Any = None
         merged = OmegaConf.merge(schema, cli)
     except (ConfigKeyError, ConfigAttributeError) as e:
         key = getattr(e, "full_key", None) or str(e)
-        given = [o.split("=", 1)[0] for o in overrides]
+        given = (o.split("=", 1)[0] for o in overrides)
         key = next((g for g in given if g == key or g.startswith(key + ".")), key)
         hint = _close_matches(key, config_cls)
-        msg = f"unknown config key '{key}'"
-        if hint:
-            msg += f"; did you mean: {', '.join(hint)}?"
-        raise ConfigError(msg + " (see --help for every field)") from None
+        did_you_mean = f"; did you mean: {', '.join(hint)}?" if hint else ""
+        raise ConfigError(f"unknown config key '{key}'{did_you_mean} (see --help for every field)") from None
     except ValidationError as e:
         key = getattr(e, "full_key", "?")
         expected = next((tname for k, tname, *_ in _field_rows(config_cls()) if k == key), "a different type")
@@ -611,11 +609,6 @@ def to_yaml(cfg: Any) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
-def load_yaml(path: str, config_cls: type) -> Any:
-    schema = OmegaConf.structured(config_cls)
-    return OmegaConf.to_object(OmegaConf.merge(schema, OmegaConf.load(path)))
-
-
 def weights_backend(cfg: ExperimentConfig) -> str:
     """The broadcast group backend: `weights.backend`, or with 'auto' nccl when inference runs on CUDA."""
     if cfg.weights.backend != "auto":
@@ -626,14 +619,10 @@ def weights_backend(cfg: ExperimentConfig) -> str:
 def resolve_threads(cfg: ExperimentConfig, role: str) -> int:
     """torch threads for a role: its own setting, or the cores split between the compute-heavy roles."""
     explicit = {"inference": cfg.inference.threads, "learner": cfg.learner.threads}.get(role, 1)
-    if explicit:
-        return explicit
-    cores = os.cpu_count() or 1
-    heavy = cfg.inference.num_workers + 1  # inference workers + learner
-    return max(1, cores // heavy)
+    return explicit or max(1, (os.cpu_count() or 1) // (cfg.inference.num_workers + 1))  # inference workers + learner
 
 
 __all__ = [
     "ExperimentConfig", "ConfigError", "parse_overrides", "split_experiment", "format_help", "import_user_modules",
-    "to_yaml", "load_yaml", "resolve_threads", "weights_backend", "rollout_deadlines", "DictConfig",
+    "to_yaml", "resolve_threads", "weights_backend", "rollout_deadlines", "DictConfig",
 ]

@@ -13,19 +13,17 @@ import os
 import signal
 import sys
 import time
-from typing import IO, Optional
 
 __all__ = ["install_stack_dump_handler", "process_state", "request_stack_dump", "read_from"]
 
 DUMP_SIGNAL = signal.SIGUSR1
 
 
-def install_stack_dump_handler(file: Optional[IO] = None) -> None:
-    """Dump all threads' stacks to `file` (default: stdout, which is the role's log) on SIGUSR1, and on a fatal
-    signal (SIGSEGV, SIGABRT, ...)."""
-    f = file or sys.stdout
-    faulthandler.enable(file=f, all_threads=True)
-    faulthandler.register(DUMP_SIGNAL, file=f, all_threads=True, chain=False)
+def install_stack_dump_handler() -> None:
+    """Dump all threads' stacks to stdout (the role's log) on SIGUSR1, and on a fatal signal (SIGSEGV, SIGABRT,
+    ...)."""
+    faulthandler.enable(file=sys.stdout, all_threads=True)
+    faulthandler.register(DUMP_SIGNAL, file=sys.stdout, all_threads=True, chain=False)
 
 
 def _stat(pid: int | str) -> list[str]:

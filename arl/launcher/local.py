@@ -217,8 +217,8 @@ def resume_state(cfg: ExperimentConfig, run_dir: str) -> Optional[dict]:
 
 
 def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
-    """Run to completion; raises RunFailed (with the failing role's log tail) or KeyboardInterrupt."""
-    check_names(cfg)
+    """Run to completion; raises RunFailed (with the failing role's log tail) or KeyboardInterrupt. The caller
+    checks the names first (`check_names`, as arl.cli does, so a bad name is a config error, not a failed run)."""
     run_dir = make_run_dir(cfg)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=prepare_model(cfg)))
     with open(os.path.join(run_dir, "config.yaml"), "w") as f:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
+import inspect
 import logging
 import os
 import signal
@@ -16,11 +18,11 @@ import sys
 import time
 from typing import Any, Awaitable, Callable, Optional, TypeVar
 
-from arl.config import ExperimentConfig, WeightTransport, import_user_modules, load_yaml, resolve_threads, \
+from arl.config import ExperimentConfig, WeightTransport, import_user_modules, resolve_threads, \
     rollout_deadlines, weights_backend
 from arl.launcher.forensics import install_stack_dump_handler
-from arl.launcher.messages import ControlMessage, Error, Eval, GateGrant, Heartbeat, JoinWeightGroup, \
-    OpenWeightGroup, PruneWeights, Register, SendWeights, UpdateWeights, WorkerBack, WorkerLost, parse
+from arl.launcher.messages import ControlMessage, Error, Eval, Heartbeat, JoinWeightGroup, \
+    Lookup, Register, UpdateWeights, WorkerBack, WorkerLost, parse
 from arl.launcher.security import advertised_address, effective_bind_host, resolve_secret
 from arl.transport.sockets import Dealer, Pull, Push, Router, bind_random
 from arl.transport.loop import run as run_loop
@@ -56,12 +58,10 @@ class ControlChannel:
     def __init__(self, address: str, role: str, index: int) -> None:
         self.dealer = _socket(Dealer).connect(address)
         self.role, self.index = role, index
-        self.handlers: dict[str, Callable[[Any], Awaitable[None]]] = {}  # command type -> handler of its message
+        # command type -> handler of its typed message (a coroutine function, or a plain one for a quick command)
+        self.handlers: dict[str, Callable[[Any], Any]] = {}
         self._waiters: dict[str, asyncio.Future] = {}
         self.stopped = asyncio.Event()
-
-    async def send(self, msg_type: str, payload: dict) -> None:
-        await self.dealer.send(msg_type, payload)
 
     async def post(self, msg: ControlMessage) -> None:
         """Send a typed control message (a plain map on the wire)."""
@@ -70,14 +70,14 @@ class ControlChannel:
     async def register(self, timeout: float, index: Optional[int] = None, address: Optional[str] = None,
                        weights_store: Optional[str] = None) -> dict:
         """Register as this role (or as hosted inference server `index`); returns the controller's ack."""
-        msg = Register(role=self.role, index=self.index if index is None else index, address=address, pid=os.getpid(),
-                       weights_store=weights_store)
-        return await self.request(msg.TYPE, msg.to_payload(), "ack", timeout)
+        return await self.request(Register(role=self.role, index=self.index if index is None else index,
+                                           address=address, pid=os.getpid(), weights_store=weights_store),
+                                  "ack", timeout)
 
-    async def request(self, msg_type: str, payload: dict, reply_type: str, timeout: float) -> dict:
+    async def request(self, msg: ControlMessage, reply_type: str, timeout: float) -> dict:
         fut = asyncio.get_running_loop().create_future()
         self._waiters[reply_type] = fut
-        await self.send(msg_type, payload)
+        await self.post(msg)
         try:
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
@@ -99,7 +99,9 @@ class ControlChannel:
 
     async def _run_handler(self, msg_type: str, payload: dict) -> None:
         try:  # the handler gets the typed command; a malformed one is reported like a failed handler
-            await self.handlers[msg_type](parse(msg_type, payload))
+            result = self.handlers[msg_type](parse(msg_type, payload))
+            if inspect.isawaitable(result):
+                await result
         except Exception as e:  # noqa: BLE001 - report, then let the controller decide
             logger.exception("handler for %s failed", msg_type)
             await self.post(Error(message=f"{self.role}{self.index}: {msg_type} failed: {e}"))
@@ -141,7 +143,8 @@ async def run_inference(cfg: ExperimentConfig, ctl: ControlChannel, index: int, 
             from arl.weights.channel import BroadcastLoader
 
             loader = BroadcastLoader(engine, timeout_s=cfg.weights.timeout_s, gloo_host=_host(cfg))
-        workers.append(InferenceWorker(index=i, engine=engine, router=router, send_control=ctl.send, loader=loader))
+        workers.append(InferenceWorker(index=i, engine=engine, router=router, send_control=ctl.dealer.send,
+                                       loader=loader))
     latest = -1
 
     async def on_update(msg: UpdateWeights) -> None:
@@ -183,7 +186,7 @@ async def run_learner(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
 
     lc = cfg.learner
     actor, backend = _learner_actor(cfg)
-    # learner.num_ranks > 1: the other ranks run `run_learner_follower`; rank 0 drives them all
+    # learner.num_ranks > 1: the other ranks follow (see `main`); rank 0 drives them all
     leader = RankLeader(actor) if actor.engine.world_size > 1 else None
     pull = _socket(Pull)
     address = _bind(pull, cfg)
@@ -199,11 +202,20 @@ async def run_learner(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
         publisher = WeightPublisher(sender, protocol="sglang" if cfg.inference.backend == "sglang" else "arl",
                                     bucket_bytes=cfg.weights.bucket_mb << 20)
         skip = tied_aliases(cfg.model.path)
+
+    def write_final(weights: Any, version: int) -> None:
+        """Writes ``<run>/final/`` (see `arl.learner.export`) from the last step's weights (file or state dict)."""
+        from arl.learner.export import export_final
+
+        out = export_final(weights, cfg.model.path, os.path.join(run_dir, "final"), gen=dataclasses.asdict(cfg.gen),
+                           version=version)
+        logger.info("final model written to %s", out)
+
     worker = LearnerWorker(
         actor=leader or actor,
         engine=leader or actor.engine,
         pull=pull,
-        send_control=ctl.send,
+        send_control=ctl.dealer.send,
         batch_size=lc.batch_size,
         total_steps=cfg.total_train_steps,
         weights_dir=os.path.join(run_dir, "weights"),
@@ -214,59 +226,28 @@ async def run_learner(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
         checkpoint_every=lc.checkpoint_every,
         keep_checkpoints=lc.keep_checkpoints,
         vocab_size=_vocab_size(cfg) if real else None,
-        export_final=_final_exporter(cfg, run_dir) if real else None,
+        export_final=write_final if real else None,
         publisher=publisher,
         skip_names=skip,
     )
 
-    async def on_prune(msg: PruneWeights) -> None:  # the controller: no server reads versions below msg.below again
-        worker.prune_below(msg.below)
-
-    ctl.handlers["prune_weights"] = on_prune
-    coros: list[Awaitable] = []
-    store = None
+    # the controller's prune_weights: no server reads versions below msg.below again
+    ctl.handlers["prune_weights"] = lambda msg: worker.prune_below(msg.below)
     if publisher is not None:
-        async def on_open(msg: OpenWeightGroup) -> None:
-            await publisher.open_group(msg.name, msg.server)
-
-        async def on_send(msg: SendWeights) -> None:
-            publisher.request(msg.version, msg.servers)
-
-        ctl.handlers.update(open_weight_group=on_open, send_weights=on_send)
-        coros.append(publisher.run())
-        store = f"{publisher.sender.address}:{publisher.sender.port}"
+        ctl.handlers.update(open_weight_group=lambda msg: publisher.open_group(msg.name, msg.server),
+                            send_weights=lambda msg: publisher.request(msg.version, msg.servers))
     if cfg.recover == "auto":
         await worker.resume()  # before registering: the controller sends the exported weights to inference
+    store = f"{publisher.sender.address}:{publisher.sender.port}" if publisher is not None else None
     await ctl.register(cfg.startup_timeout, address=address, weights_store=store)
+    coros = [worker.receive(), worker.train(), ctl.heartbeat(worker.heartbeat_stats)]
     cleanups = [_aclose(pull)]
     if publisher is not None:
+        coros.append(publisher.run())
         cleanups.append(asyncio.to_thread(publisher.close))
     if leader is not None:
         cleanups.append(asyncio.to_thread(leader.stop))  # release the follower ranks
-    return [worker.receive(), worker.train(), ctl.heartbeat(worker.heartbeat_stats), *coros], cleanups
-
-
-def _final_exporter(cfg: ExperimentConfig, run_dir: str) -> Callable[[Any, int], Any]:
-    """Writes ``<run>/final/`` (see `arl.learner.export`) from the last step's weights (file or state dict)."""
-    from arl.learner.export import export_final
-
-    def write(weights: Any, version: int) -> None:
-        out = export_final(weights, cfg.model.path, os.path.join(run_dir, "final"), gen=dataclasses.asdict(cfg.gen),
-                           version=version)
-        logger.info("final model written to %s", out)
-
-    return write
-
-
-def run_learner_follower(cfg: ExperimentConfig) -> int:
-    """Learner rank > 0: build the same engine and actor (DeepSpeed's collectives line up), resume like rank 0,
-    then run rank 0's commands until it says stop (see `arl.learner.ranks`)."""
-    from arl.learner.ranks import follow
-
-    actor, _ = _learner_actor(cfg)
-    steps = follow(actor)
-    logger.info("learner rank %d done after %d steps", actor.engine.rank, steps)
-    return 0
+    return coros, cleanups
 
 
 @dataclasses.dataclass
@@ -326,8 +307,10 @@ def rollout_worker(cfg: ExperimentConfig, parts: AgentParts, client: Any, *, ind
                    push_group: Callable[[Any], Awaitable[None]]) -> Any:
     """Rollout worker `index`, as the run and `arl.launcher.evaluate` build it."""
     from arl.api.registry import make_env
+    from arl.rollout.env_groups import worker_spec
     from arl.rollout.worker import RolloutWorker
 
+    rc = cfg.rollout
     return RolloutWorker(
         index=index,
         make_agent=parts.make_agent,
@@ -342,13 +325,18 @@ def rollout_worker(cfg: ExperimentConfig, parts: AgentParts, client: Any, *, ind
         trajectory_timeout=rollout_deadlines(cfg)[2],
         eval_concurrency=cfg.eval.concurrency,
         seed=cfg.seed,
-        env_timeout=cfg.rollout.env_timeout,
-        env_groups=_env_group_spec(cfg, index, parts.group_size),
-        filter_void_turns=cfg.rollout.filter_void_turns,
-        filter_uniform_groups=cfg.rollout.filter_uniform_groups,
-        verify_token_ledger=cfg.rollout.verify_token_ledger,
+        env_timeout=rc.env_timeout,
+        # this worker's env groups (tags, pooled group indices) from `rollout.*`
+        env_groups=worker_spec(make_env=make_env, env_name=cfg.env.name, env_args=dict(cfg.env.args),
+                               group_size=parts.group_size, num_env_groups=rc.num_env_groups, tags=list(rc.tags),
+                               num_groups_partition=list(rc.num_groups_partition),
+                               max_env_num_per_worker=rc.max_env_num_per_worker, env_configs=dict(rc.env_configs),
+                               num_workers=rc.num_workers, worker=index),
+        filter_void_turns=rc.filter_void_turns,
+        filter_uniform_groups=rc.filter_uniform_groups,
+        verify_token_ledger=rc.verify_token_ledger,
         tokenizer=parts.tokenizer,  # trajectory traces decode with it
-        trace_rate=cfg.rollout.trace_rate,
+        trace_rate=rc.trace_rate,
     )
 
 
@@ -356,23 +344,20 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
     from arl.rollout.worker import PromptStream
 
     parts = agent_parts(cfg)
-    addrs = await ctl.request("lookup", {"role": "rollout", "index": index}, "addresses", cfg.startup_timeout)
+    addrs = await ctl.request(Lookup(role="rollout", index=index), "addresses", cfg.startup_timeout)
     push = _socket(Push).connect(addrs["learner"])
     prompts = PromptStream(parts.train_rows, seed=cfg.seed, shard=index, num_shards=cfg.rollout.num_workers)
     client = inference_client(cfg, [_socket(Dealer).connect(a) for a in addrs["inference"]])
     per_worker = max(1, cfg.rollout.max_concurrent_rollouts // cfg.rollout.num_workers)
     worker = rollout_worker(cfg, parts, client, index=index, prompts=prompts, capacity=per_worker,
-                            send_control=ctl.send, push_group=lambda group: push.send("traj", group))
-
-    async def on_grant(msg: GateGrant) -> None:
-        worker.on_grant(msg.n)
+                            send_control=ctl.dealer.send, push_group=lambda group: push.send("traj", group))
 
     async def on_eval(msg: Eval) -> None:
         result = await worker.evaluate(msg.version, msg.max_prompts)
         # fresh counters first (same socket, so they arrive first): the eval record carries this worker's stats as
         # of the evaluation, not a heartbeat up to a second old (a short run can finish within one heartbeat)
         await ctl.post(Heartbeat(role="rollout", index=index, stats=worker.heartbeat_stats()))
-        await ctl.send("eval_done", result)
+        await ctl.dealer.send("eval_done", result)
 
     async def on_worker_lost(msg: WorkerLost) -> None:  # the controller dropped an inference server: re-route
         if msg.role == "inference":
@@ -383,7 +368,8 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
         if msg.role == "inference":
             client.worker_back(msg.index, _socket(Dealer).connect(msg.address))
 
-    ctl.handlers.update(gate_grant=on_grant, eval=on_eval, worker_lost=on_worker_lost, worker_back=on_worker_back)
+    ctl.handlers.update(gate_grant=lambda msg: worker.on_grant(msg.n), eval=on_eval, worker_lost=on_worker_lost,
+                        worker_back=on_worker_back)
     ack = await ctl.register(cfg.startup_timeout)
     if ack.get("prompt_position"):  # resuming a run: continue this worker's prompt stream where it stood
         prompts.seek(int(ack["prompt_position"]))
@@ -403,23 +389,8 @@ def _vocab_size(cfg: ExperimentConfig) -> Optional[int]:
         return None
 
 
-def _env_group_spec(cfg: ExperimentConfig, index: int, group_size: int) -> Any:
-    """This rollout worker's env groups (tags, pooled group indices) from `rollout.*`."""
-    from arl.api.registry import make_env
-    from arl.rollout.env_groups import worker_spec
-
-    rc = cfg.rollout
-    return worker_spec(make_env=make_env, env_name=cfg.env.name, env_args=dict(cfg.env.args), group_size=group_size,
-                       num_env_groups=rc.num_env_groups, tags=list(rc.tags),
-                       num_groups_partition=list(rc.num_groups_partition),
-                       max_env_num_per_worker=rc.max_env_num_per_worker, env_configs=dict(rc.env_configs),
-                       num_workers=rc.num_workers, worker=index)
-
-
 def _construct(cls: Any, **kwargs: Any) -> Any:
     """Pass only the keyword arguments the agent's constructor accepts (user agents need not take them all)."""
-    import inspect
-
     sig = inspect.signature(cls)
     if any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values()):
         return cls(**kwargs)
@@ -454,20 +425,16 @@ async def amain(cfg: ExperimentConfig, role: str, index: int, controller: str, r
         return 0
     except Exception as e:
         logger.exception("%s%d failed", role, index)
-        try:
+        with contextlib.suppress(Exception):
             await asyncio.wait_for(ctl.post(Error(message=f"{role}{index}: {type(e).__name__}: {e}")), 1.0)
-        except Exception:  # noqa: BLE001
-            pass
         return 1
     finally:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for c in cleanups:
-            try:
+            with contextlib.suppress(Exception):
                 await asyncio.wait_for(c, 5.0)
-            except Exception:  # noqa: BLE001
-                pass
         ctl_task.cancel()
         ctl.dealer.close()
 
@@ -483,7 +450,8 @@ def load_run_config(path: str) -> ExperimentConfig:
     raw = OmegaConf.load(path)
     load_builtins()
     import_user_modules(list(raw.get("imports", [])))
-    return load_yaml(path, EXPERIMENTS.get(str(raw.get("experiment", "async-ppo-math"))))
+    cls = EXPERIMENTS.get(str(raw.get("experiment", "async-ppo-math")))
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), raw))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -515,7 +483,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                 f", busy poll {cfg.busy_poll_us:g} us" if cfg.busy_poll_us > 0 else "")
     t0 = time.monotonic()
     if ranked and int(os.environ["RANK"]) > 0:
-        return run_learner_follower(cfg)  # rank 0 runs the role
+        # rank 0 runs the role; this rank builds the same engine and actor (DeepSpeed's collectives line up),
+        # resumes like rank 0, then runs rank 0's commands until it says stop (see `arl.learner.ranks`)
+        from arl.learner.ranks import follow
+
+        actor, _ = _learner_actor(cfg)
+        logger.info("learner rank %d done after %d steps", actor.engine.rank, follow(actor))
+        return 0
     code = run_loop(amain(cfg, args.role, args.index, args.controller, args.run_dir), cfg.busy_poll_us)
     logger.info("%s%d exiting with %d after %.1fs", args.role, args.index, code, time.monotonic() - t0)
     return code

@@ -26,9 +26,12 @@ def row_messages(prompt: dict[str, Any]) -> list[dict[str, str]]:
     raise ValueError(f"prompt row {prompt.get('id')!r} has neither 'prompt' nor 'messages' (keys: {sorted(prompt)})")
 
 
-def encode_chat(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-    """Render `messages` with the tokenizer's chat template and tokenize the text once (no extra BOS)."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+def encode_chat(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                **template_kw: Any) -> list[int]:
+    """Render `messages` with the tokenizer's chat template (`template_kw`, e.g. ``tools``, go to it) and
+    tokenize the text once (no extra BOS)."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                         **template_kw)
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 

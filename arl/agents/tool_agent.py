@@ -40,7 +40,8 @@ import dataclasses
 import re
 from typing import Any, Optional, Sequence
 
-from arl.agents.common import agent_gconfig, check_int, env_for, filter_uniform, generate, new_id, row_messages
+from arl.agents.common import (agent_gconfig, check_int, encode_chat, env_for, filter_uniform, generate, new_id,
+                               row_messages)
 from arl.api import (Agent, EnvironmentService, GenerateRequest, GenerationConfig, SampleOutput, Trajectory,
                      TrajectoryBuilder, register_agent, scalar_reward)
 from arl.tools.base import ToolResult, ToolSet
@@ -161,8 +162,7 @@ class ToolAgent(Agent):
         kw: dict[str, Any] = {}
         if self.tools_in_prompt and self.toolset.names():
             kw["tools"] = self.toolset.schemas()
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return encode_chat(self.tokenizer, messages, **kw)
 
     # ---------------------------------------------------------------------------------------------- turns
     async def _generate(self, p: _Path, n: int, session: str, obs_queue: asyncio.Queue,

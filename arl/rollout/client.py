@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import itertools
 import logging
 from typing import Any, Optional
@@ -54,18 +55,16 @@ def _expire(fut: asyncio.Future) -> None:
         fut.set_result(_TIMEOUT)
 
 
+@dataclasses.dataclass(slots=True, eq=False)
 class _Pending:
     """One request in flight: its wire form (for re-sending), the worker it sits on, and its weight in the load."""
 
-    __slots__ = ("future", "idx", "work", "wire", "attempts", "answered_by")
-
-    def __init__(self, future: asyncio.Future, wire: GenerateRequest, work: int) -> None:
-        self.future = future
-        self.wire = wire
-        self.work = work
-        self.idx = -1
-        self.attempts = 0
-        self.answered_by = -1
+    future: asyncio.Future
+    wire: GenerateRequest
+    work: int
+    idx: int = -1
+    attempts: int = 0
+    answered_by: int = -1
 
 
 class InferenceClient:

@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional, Sequence
 from arl.api.agent import EnvironmentService
 
 __all__ = ["partition_groups", "group_seed", "worker_groups", "check_env_capacity", "EnvGroup", "EnvGroupPool",
-           "EnvGroupSpec", "tag_factories", "worker_spec"]
+           "EnvGroupSpec", "worker_spec"]
 
 EnvFactory = Callable[[], EnvironmentService]
 
@@ -228,27 +228,21 @@ class EnvGroupSpec:
                             default_tag=self.default_tag)
 
 
-def tag_factories(tags: Sequence[str], make_env: Callable[..., EnvironmentService], default_name: str,
-                  default_args: dict[str, Any], env_configs: Optional[dict[str, Any]] = None) -> dict[str, EnvFactory]:
-    """Env factory per tag: `env_configs[tag]` = {"name": registered env, "args": {...}}, else the tag is a
-    registered env name (with `default_args` when it is the experiment's env.name)."""
-    env_configs = env_configs or {}
-    out: dict[str, EnvFactory] = {}
-    for tag in tags:
-        spec = dict(env_configs.get(tag) or {})
-        name = str(spec.get("name", tag))
-        args = dict(spec.get("args", default_args if name == default_name and tag not in env_configs else {}))
-        out[tag] = lambda name=name, args=args: make_env(name, **args)
-    return out
-
-
 def worker_spec(*, make_env: Callable[..., EnvironmentService], env_name: str, env_args: dict[str, Any],
                 group_size: int, num_env_groups: int = 0, tags: Sequence[str] = (),
                 num_groups_partition: Sequence[int] = (), max_env_num_per_worker: int = 0,
                 env_configs: Optional[dict[str, Any]] = None, num_workers: int = 1, worker: int = 0) -> EnvGroupSpec:
     """The `EnvGroupSpec` of rollout worker `worker` from the `rollout.*` settings (see the module docstring)."""
     tags = list(tags) or [env_name]
-    factories = tag_factories(tags, make_env, env_name, env_args, env_configs)
+    # env factory per tag: `env_configs[tag]` = {"name": registered env, "args": {...}}, else the tag is a
+    # registered env name (with `env_args` when it is the experiment's env.name)
+    env_configs = env_configs or {}
+    factories: dict[str, EnvFactory] = {}
+    for tag in tags:
+        spec = dict(env_configs.get(tag) or {})
+        name = str(spec.get("name", tag))
+        args = dict(spec.get("args", env_args if name == env_name and tag not in env_configs else {}))
+        factories[tag] = lambda name=name, args=args: make_env(name, **args)
     if num_env_groups <= 0:
         return EnvGroupSpec(factories, group_size, default_tag=tags[0])
     check_env_capacity(num_env_groups, num_workers, group_size, max_env_num_per_worker)

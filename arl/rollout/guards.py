@@ -77,24 +77,20 @@ class GuardedEnv(EnvironmentService):
                  close_timeout: float = 5.0) -> None:
         if not (timeout > 0):
             raise ValueError(f"env timeout must be > 0 seconds, got {timeout!r}")
-        self._env = env
+        self.wrapped = env
         self._timeout = float(timeout)
         self._close_timeout = min(float(close_timeout), self._timeout)
         self.stats = stats if stats is not None else collections.Counter()
         self.failure: Optional[str] = None  # reason of the first failed call
 
-    @property
-    def wrapped(self) -> EnvironmentService:
-        return self._env
-
     def __getattr__(self, name: str) -> Any:  # only called for attributes the proxy itself lacks
-        if name.startswith("__") or name == "_env":
+        if name.startswith("__") or name == "wrapped":
             raise AttributeError(name)
-        return getattr(self._env, name)
+        return getattr(self.wrapped, name)
 
     async def _call(self, method: str, timeout: float, *args: Any, **kwargs: Any) -> Any:
         self.stats["env_calls"] += 1
-        result = getattr(self._env, method)(*args, **kwargs)
+        result = getattr(self.wrapped, method)(*args, **kwargs)
         if not inspect.isawaitable(result):  # a synchronous method already ran to completion
             return result
         self.stats["env_calls_in_flight"] += 1
@@ -103,11 +99,11 @@ class GuardedEnv(EnvironmentService):
         except DeadlineExceeded:
             self.stats["env_timeout"] += 1
             raise self._fail(f"env_timeout:{method}",
-                             f"{type(self._env).__name__}.{method} took longer than {timeout:g}s") from None
+                             f"{type(self.wrapped).__name__}.{method} took longer than {timeout:g}s") from None
         except Exception as e:  # noqa: BLE001 - any env bug becomes a counted drop reason
             self.stats["env_error"] += 1
             raise self._fail(f"env_error:{method}:{type(e).__name__}",
-                             f"{type(self._env).__name__}.{method} raised {type(e).__name__}: {e}") from e
+                             f"{type(self.wrapped).__name__}.{method} raised {type(e).__name__}: {e}") from e
         finally:
             self.stats["env_calls_in_flight"] -= 1
 
@@ -123,13 +119,13 @@ class GuardedEnv(EnvironmentService):
         out = await self._call("step", self._timeout, action)
         if not isinstance(out, (tuple, list)) or len(out) != 5:
             raise self._fail("env_error:step:BadResult",
-                             f"{type(self._env).__name__}.step must return (obs, reward, terminated, truncated, "
+                             f"{type(self.wrapped).__name__}.step must return (obs, reward, terminated, truncated, "
                              f"info), got {type(out).__name__}")
         try:
             check_reward(out[1])  # a finite number, or one finite number per answer (AReaL's stateless envs)
         except ValueError as e:
             raise self._fail("env_error:step:BadReward",
-                             f"{type(self._env).__name__}.step returned a non-finite or non-numeric reward "
+                             f"{type(self.wrapped).__name__}.step returned a non-finite or non-numeric reward "
                              f"{out[1]!r:.60} ({e})") from None
         info = out[4]
         if isinstance(info, dict) and info.get("error"):

@@ -134,9 +134,7 @@ async def run_agent(
     finally:
         for t in list(obs_q.inflight):
             t.cancel()
-    if trajs is None:
-        return []
-    trajs = list(trajs)
+    trajs = [] if trajs is None else list(trajs)
     for t in trajs:
         if not isinstance(t, Trajectory):
             raise TypeError(f"collect_trajectory must return a list of Trajectory, got {type(t).__name__}")

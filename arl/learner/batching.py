@@ -146,29 +146,32 @@ def _columns(
     idx: list[int],
     advantages: Sequence[float | np.ndarray],
     per_token: dict[str, Optional[Sequence[float | np.ndarray]]],
-) -> dict[str, list[np.ndarray]]:
-    """Per `MicroBatch` field, one array per sequence of ``idx``: position 0 leaves the loss mask (no prefix to
-    condition on, and in a packed row the logits before it belong to the previous sequence); values off the loss
-    mask are zeroed (versions: -1)."""
+) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Per `MicroBatch` field, the values of the sequences of ``idx`` concatenated, and their lengths: position 0 of
+    each leaves the loss mask (no prefix to condition on, and in a packed row the logits before it belong to the
+    previous sequence); values off the loss mask are zeroed (versions: -1). Whole-array operations on the
+    concatenation rather than a few per sequence: a batch has hundreds of short sequences."""
     if not idx:
         raise ValueError("a micro-batch needs at least one sequence")
+    sel = [trajs[i] for i in idx]
+    lens = np.fromiter((len(t.input_ids) for t in sel), np.int64, len(sel))
+    m = np.concatenate([t.loss_mask for t in sel]).astype(bool)
+    m[(np.cumsum(lens) - lens)[lens > 0]] = False
+    cols = {"input_ids": np.concatenate([t.input_ids for t in sel]).astype(np.int64), "loss_mask": m,
+            "logprobs": np.where(m, np.concatenate([t.logprobs for t in sel]), 0.0).astype(np.float32),
+            "versions": np.where(m, np.concatenate([t.versions for t in sel]), -1).astype(np.int64)}
     values = {"advantages": advantages, **{k: v for k, v in per_token.items() if v is not None}}
-    cols: dict[str, list[np.ndarray]] = {k: [] for k in ("input_ids", "loss_mask", "logprobs", "versions", *values)}
-    for i in idx:
-        t = trajs[i]
-        m = t.loss_mask.astype(bool).copy()
-        if len(m):
-            m[0] = False
-        cols["input_ids"].append(t.input_ids.astype(np.int64))
-        cols["loss_mask"].append(m)
-        cols["logprobs"].append(np.where(m, t.logprobs, 0.0).astype(np.float32))
-        cols["versions"].append(np.where(m, t.versions, -1).astype(np.int64))
-        for k, v in values.items():
-            a = np.asarray(v[i], dtype=np.float32)  # a scalar (broadcast over the tokens) or one value per token
-            if a.ndim and a.shape != (len(t.input_ids),):
-                raise ValueError(f"per-token values have shape {a.shape}, trajectory has {len(t.input_ids)} tokens")
-            cols[k].append(np.where(m, a, 0.0).astype(np.float32))
-    return cols
+    for k, v in values.items():
+        vals = [np.asarray(v[i], dtype=np.float32) for i in idx]  # a scalar (broadcast) or one value per token
+        if all(a.ndim == 0 for a in vals):
+            flat = np.repeat(np.array(vals, np.float32), lens)
+        else:
+            for a, n in zip(vals, lens):
+                if a.ndim and a.shape != (n,):
+                    raise ValueError(f"per-token values have shape {a.shape}, trajectory has {n} tokens")
+            flat = np.concatenate([np.broadcast_to(a, (n,)) for a, n in zip(vals, lens)])
+        cols[k] = np.where(m, flat, 0.0).astype(np.float32)
+    return cols, lens
 
 
 def collate_padded(
@@ -186,19 +189,18 @@ def collate_padded(
     (optional `PER_TOKEN` fields, e.g. ``token_weights``, same convention) fill the micro-batch's tensors.
     """
     idx = list(indices)
-    cols = _columns(trajs, idx, advantages, per_token)
-    lens = [len(a) for a in cols["input_ids"]]
-    shape = (len(idx), max(max(lens), 1))
+    cols, lens = _columns(trajs, idx, advantages, per_token)
+    shape = (len(idx), max(int(lens.max()), 1))
+    inside = np.arange(shape[1]) < lens[:, None]  # True on each row's first len tokens
     fill = {"input_ids": pad_token_id, "versions": -1}
 
     def pad(key: str) -> torch.Tensor:
-        out = np.full(shape, fill.get(key, 0), cols[key][0].dtype)
-        for row, a in enumerate(cols[key]):
-            out[row, : len(a)] = a
+        out = np.full(shape, fill.get(key, 0), cols[key].dtype)
+        out[inside] = cols[key]  # row-major: the concatenation's order
         return torch.from_numpy(out)
 
-    attn = (torch.arange(shape[1]) < torch.tensor(lens)[:, None]).long()  # 1 on each row's first len tokens
-    return MicroBatch(**{k: pad(k) for k in cols}, attention_mask=attn, seq_lens=torch.tensor(lens), indices=idx)
+    return MicroBatch(**{k: pad(k) for k in cols}, attention_mask=torch.from_numpy(inside.astype(np.int64)),
+                      seq_lens=torch.from_numpy(lens), indices=idx)
 
 
 def collate_packed(
@@ -210,15 +212,14 @@ def collate_packed(
     """Concatenate ``trajs[i] for i in indices`` into one padding-free row (see `MicroBatch`). Per-token values
     follow `collate_padded`; the first token of every sequence is out of the loss."""
     idx = list(indices)
-    cols = _columns(trajs, idx, advantages, per_token)
-    lens = [len(a) for a in cols["input_ids"]]
-    if min(lens) < 1:
+    cols, lens = _columns(trajs, idx, advantages, per_token)
+    if lens.min() < 1:
         raise ValueError("packing needs non-empty sequences")
-    cols["position_ids"] = [np.arange(n, dtype=np.int64) for n in lens]
     cu = np.zeros(len(lens) + 1, np.int32)
     cu[1:] = np.cumsum(lens)
-    return MicroBatch(**{k: torch.from_numpy(np.concatenate(v)).unsqueeze(0) for k, v in cols.items()},
-                      attention_mask=None, seq_lens=torch.tensor(lens), indices=idx, cu_seqlens=torch.from_numpy(cu))
+    cols["position_ids"] = np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(cu[:-1].astype(np.int64), lens)
+    return MicroBatch(**{k: torch.from_numpy(v).unsqueeze(0) for k, v in cols.items()},
+                      attention_mask=None, seq_lens=torch.from_numpy(lens), indices=idx, cu_seqlens=torch.from_numpy(cu))
 
 
 def build_micro_batches(

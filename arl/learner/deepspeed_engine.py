@@ -61,6 +61,24 @@ _INIT_TIMEOUT_S = 600.0
 _DIST_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
 
 
+def skip_shm_comm_build() -> None:
+    """Keep DeepSpeed from JIT-compiling its shared-memory comm op when it sets up torch.distributed.
+
+    On the CPU accelerator ``deepspeed.comm``'s backend probes every op (compiler subprocesses) and builds
+    ``deepspeed_shm_comm`` with gcc at its first ``init_distributed`` on a machine: 25-70 s before a learner can
+    register, repeated on every new machine. That op serves only ``inference_all_reduce`` (DeepSpeed's
+    tensor-parallel inference); training's collectives (gradient all-reduce, ZeRO's gathers) go through
+    torch.distributed (gloo on CPU, NCCL on GPU) whether it exists or not, so a learner never needs it.
+    """
+    import importlib
+
+    # by module path: `import deepspeed.comm.torch as m` would resolve the attribute `torch` of deepspeed.comm,
+    # which is PyTorch itself
+    ds_torch_comm = importlib.import_module("deepspeed.comm.torch")
+    if hasattr(ds_torch_comm, "build_shm_op"):
+        ds_torch_comm.build_shm_op = lambda: None
+
+
 def ensure_distributed() -> None:
     """Initialise torch.distributed through DeepSpeed if nobody has; single-process defaults when no launcher set
     the environment (RANK=0, WORLD_SIZE=1, LOCAL_RANK=0, MASTER_ADDR=127.0.0.1, a free MASTER_PORT)."""
@@ -69,9 +87,10 @@ def ensure_distributed() -> None:
 
     if tdist.is_available() and tdist.is_initialized():
         return
-    # DeepSpeed JIT-builds its CPU comm op into TORCH_EXTENSIONS_DIR. Builds for different torch versions (another
-    # virtualenv on the same machine) share the default folder and replace each other's .so, so a process can
-    # find it half-rebuilt and fail to import it: keep one folder per torch version.
+    skip_shm_comm_build()
+    # Should DeepSpeed JIT-build an op after all, builds for different torch versions (another virtualenv on the
+    # same machine) share the default folder and replace each other's .so, so a process can find it half-rebuilt
+    # and fail to import it: keep one folder per torch version.
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.expanduser("~/.cache/torch_extensions"),
                                                                f"torch-{torch.__version__}"))
     added = [k for k in _DIST_ENV if k not in os.environ]
@@ -187,12 +206,22 @@ class DeepSpeedEngine:
             "wall_clock_breakdown": False,
         }
         self.pad_token_id = int(getattr(getattr(model, "config", None), "pad_token_id", None) or 0)
+        # fused: one kernel over all parameters (CPU and CUDA) instead of a dozen small ops per tensor, which on a
+        # small model cost more than the update itself
         adamw = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=optimizer.lr,
-                                  betas=tuple(optimizer.betas), weight_decay=optimizer.weight_decay)
+                                  betas=tuple(optimizer.betas), weight_decay=optimizer.weight_decay, fused=True)
         self.model_engine, self.optimizer, _, self.lr_scheduler = ds.initialize(
             model=model, optimizer=adamw, config=self.ds_config,
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_fn),
         )
+        if self.world_size == 1 and deepspeed.zero_stage == 0:
+            # a lone rank's gradient all-reduce is an identity that still flattens, sends through gloo and copies
+            # back every gradient once per optimizer step (ZeRO >= 1 reduces inside its optimizer: left alone)
+            self.model_engine.enable_backward_allreduce = False
+        # Eval mode for every forward, the update's too: with dropout in training but not in the proximal
+        # recompute (or a fresh mask in each), the ratio would move off 1 before any update and the clip would
+        # bound noise. RL fine-tuning trains with dropout off.
+        self.model_engine.module.eval()
         self.device = self.model_engine.device
         if self.ref_model is not None:
             self.ref_model.to(self.device)
@@ -240,13 +269,11 @@ class DeepSpeedEngine:
     def forward_logprobs(self, batch: TrainBatch, temperature: float = 1.0,
                          reference: bool = False) -> list[np.ndarray]:
         """Token logprobs of each trajectory (aligned with input_ids, see `ppo.token_logprobs`) under the current
-        weights in eval mode (or the frozen reference model), no grad. The model stays in eval mode (`train_batch`
-        switches it back to training)."""
+        weights (or the frozen reference model), no grad, in eval mode like every forward of this engine."""
         if reference and self.ref_model is None:
             raise ValueError("this engine keeps no reference model (build it with reference=True)")
         module = self.ref_model if reference else self.model_engine
         out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(batch)
-        self.model_engine.module.eval()
         for mb in self._equal_counts(self._micro_batches(TrainBatch(batch.trajs))):  # only the tokens
             lp = token_logprobs(self._forward_logits(mb, module), mb.input_ids, temperature).cpu().numpy()
             lens = mb.seq_lens.tolist()
@@ -257,14 +284,17 @@ class DeepSpeedEngine:
 
     def train_batch(self, batch: TrainBatch, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
         """One optimizer step over ``batch`` (see the module doc); returns grad_norm (before clipping), the lr it
-        used and the padded / real tokens of its micro-batches on this rank."""
+        used and the padded / real tokens of its micro-batches on this rank. A batch without a loss token on any
+        rank takes no step (``empty_minibatches``: 1)."""
         mbs = self._micro_batches(batch)
         padded, real = sum(mb.padded_tokens for mb in mbs), sum(mb.real_tokens for mb in mbs)
         weight = self.all_reduce([float(sum(loss_weight_fn(mb) for mb in mbs))])[0]
-        mbs = self._equal_counts(mbs)
-        denominator = max(weight, 1.0) / self.world_size
         lr = float(self.optimizer.param_groups[0]["lr"])
-        self.model_engine.module.train()
+        if weight <= 0:  # every token of it dropped (on every rank: the weight is all-reduced): no step at all,
+            # which with zero gradients would still move the weights by weight decay and Adam's momentum
+            return {"lr": lr, "padded_tokens": float(padded), "real_tokens": float(real), "empty_minibatches": 1.0}
+        mbs = self._equal_counts(mbs)
+        denominator = weight / self.world_size
         for i, mb in enumerate(mbs):
             self.model_engine.set_gradient_accumulation_boundary(i == len(mbs) - 1)
             logits = self._forward_logits(mb)

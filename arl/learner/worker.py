@@ -269,6 +269,7 @@ class LearnerWorker:
                       stale_tokens: dict[int, int]) -> dict[str, float]:
         """The step's record: the actor's statistics plus the worker's timing and staleness counters."""
         self.stats["train_seconds"] += train_s
+        self.stats["idle_seconds"] += waited
         self.stats["steps"] += 1
         head = metrics.get("head_offpolicyness")
         # head is measured as received: with stale_tokens drop/downweight the actor took the old tokens out of the

@@ -251,3 +251,25 @@ def test_zero_stages_match_stage0(kw, tmp_path):
     assert set(sd) == set(ref_sd)
     for k in ref_sd:
         torch.testing.assert_close(sd[k], ref_sd[k], rtol=1e-4, atol=1e-5)
+
+
+def test_engine_start_builds_no_deepspeed_op(tmp_path):
+    """A learner's start compiles nothing: DeepSpeed's shared-memory comm op (25-70 s of gcc on a fresh machine)
+    serves only its inference all-reduce, so `ensure_distributed` keeps it from being built."""
+    import subprocess
+    import sys
+
+    code = ("import torch; torch.set_num_threads(1)\n"
+            "from tests.learner.test_deepspeed_engine import tiny_model\n"
+            "from tests.learner._build import make_actor\n"
+            "a = make_actor(tiny_model())\n"
+            "print('started', a.engine.world_size)\n")
+    ext = tmp_path / "torch_extensions"
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(ext), "PYTHONPATH": os.getcwd()}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "started 1" in out.stdout
+    built = [p.name for p in ext.rglob("*")] if ext.exists() else []
+    assert not built, f"DeepSpeed built {built} at start"

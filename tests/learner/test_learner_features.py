@@ -161,3 +161,30 @@ def test_bad_options_raise():
                dict(packed_attention="flash"), dict(lr_schedule="step"), dict(turn_discount=2.0)):
         with pytest.raises(ValueError):
             make_actor(tiny(0), **kw)
+
+
+def test_proximal_and_update_forward_in_the_same_mode_with_dropout():
+    """A model with dropout: the proximal recompute and the update's forward see the same network (dropout off in
+    both), so with one minibatch the ratio is exactly 1 where the gradient is taken: nothing clipped, no KL."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=4, pad_token_id=0,
+                                         attention_dropout=0.5))
+    batch = [traj([1, 2], [3, 4, 5], reward=1.0, gid="a", lp=-0.5), traj([1, 2], [6, 7], reward=0.0, gid="a", lp=-4.0),
+             traj([5], [6, 7, 8, 9], reward=1.0, gid="b", lp=-6.0), traj([5], [8], reward=0.0, gid="b", lp=-1.0)]
+    actor = make_actor(model, lr=1e-3, eps_clip=0.01)
+    m = actor.step(batch)
+    assert m["approx_kl"] == 0.0 and m["clip_frac"] == 0.0 and m["dual_clip_frac"] == 0.0
+
+
+def test_a_minibatch_with_every_token_dropped_takes_no_optimizer_step():
+    """stale_tokens=drop can leave a minibatch without a loss token: it must not step (AdamW's weight decay and
+    momentum would still move the weights)."""
+    base = tiny(4)
+    stale = [traj([1, 2], [3, 4], version=0, reward=r, gid="a") for r in (0.0, 1.0)]
+    actor = make_actor(copy.deepcopy(base), lr=1e-2, weight_decay=0.1, version=5, eta=1, stale_tokens="drop",
+                       minibatches=2)
+    m = actor.step(stale)
+    for (name, a), b in zip(actor.engine.module.state_dict().items(), base.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=name)
+    assert m["n_tokens"] == 0 and m["empty_minibatches"] == 2.0

@@ -99,3 +99,32 @@ async def test_downweight_keeps_old_tokens_with_a_decayed_weight():
     w = batch.data.fields["token_weights"][i]
     assert w[2:].tolist() == [0.25, 0.25, 1.0]  # 0.5 ** (lag 4 - eta 2)
     assert worker.stats["stale_groups_dropped"] == 1
+
+
+@pytest.mark.asyncio
+async def test_idle_seconds_count_the_time_spent_waiting_for_a_batch(tmp_path):
+    """`idle_seconds` (heartbeats, the report's "learner idle" chart) adds up the learner's waits for groups."""
+
+    class SlowPull:
+        def __init__(self) -> None:
+            self.groups = [GROUPS["fresh"]]
+
+        async def recv(self):
+            if not self.groups:
+                await asyncio.sleep(3600)
+            await asyncio.sleep(0.3)
+            return "traj", self.groups.pop()
+
+    async def send(msg_type: str, payload: dict) -> None:
+        pass
+
+    actor = PPOActor(SimLearner(SimLearnerConfig(s_per_token=0.0, step_base_s=0.0), version=V), PPOConfig(), eta=ETA)
+    worker = LearnerWorker(actor=actor, pull=SlowPull(), send_control=send, batch_size=1, total_steps=V + 1,
+                           weights_dir=str(tmp_path), max_head_offpolicyness=ETA)
+    receiver = asyncio.create_task(worker.receive())
+    try:
+        await asyncio.wait_for(worker.train(), 60)
+    finally:
+        receiver.cancel()
+    assert worker.stats["idle_seconds"] >= 0.25
+    assert worker.heartbeat_stats()["idle_seconds"] == worker.stats["idle_seconds"]

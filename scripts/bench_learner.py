@@ -31,7 +31,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -225,6 +225,83 @@ def layout_work(lengths: np.ndarray, budget: int) -> dict[str, dict[str, float]]
     }
 
 
+def default_run_batch(seed: int = 0, groups: int = 16, group_size: int = 8, p_correct: float = 0.45,
+                      turns: int = 3) -> list[Trajectory]:
+    """A batch shaped like the default run's: a+b prompts rendered by the tiny tokenizer's chat template, up to
+    ``turns`` answers of the right length with the math agent's feedback turn between them, a turn correct with
+    probability ``p_correct`` (greedy accuracy at the start of RL is ~0.3-0.45)."""
+    from arl.agents.common import encode_chat
+    from arl.agents.math_multi_turn import DEFAULT_FEEDBACK
+    from arl.data.arith import make_arith_splits
+    from arl.models.tiny import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    feedback = encode_chat(tok, [{"role": "user", "content": DEFAULT_FEEDBACK}])
+    rows, _ = make_arith_splits()
+    rng = np.random.default_rng(seed)
+    out = []
+    for g in range(groups):
+        row = rows[int(rng.integers(len(rows)))]
+        prompt = encode_chat(tok, [{"role": "user", "content": row["prompt"]}])
+        for k in range(group_size):
+            ids, mask = list(prompt), [0] * len(prompt)
+            for turn in range(turns):
+                answer = list(rng.integers(5, len(tok), size=len(row["answer"]))) + [tok.eos_token_id]
+                ids, mask = ids + answer, mask + [1] * len(answer)
+                if rng.random() < p_correct or turn == turns - 1:
+                    break
+                ids, mask = ids + feedback, mask + [0] * len(feedback)
+            m = np.array(mask)
+            lp = np.where(m > 0, -0.7 + rng.normal(0, 0.3, len(m)), 0.0)
+            out.append(Trajectory(np.array(ids), m, lp, np.where(m > 0, 0, -1), float(rng.random() < 0.5), f"g{g}:{k}"))
+    return out
+
+
+def forward_flops(model: torch.nn.Module, lengths: Sequence[int]) -> float:
+    """Multiply-adds x 2 of one forward pass over sequences of ``lengths``: every linear layer (the LM head
+    included) on every token, plus causal attention's QK^T and AV (``L (L+1) / 2`` pairs per head and layer)."""
+    cfg = model.config
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    tokens = float(sum(lengths))
+    pairs = float(sum(n * (n + 1) / 2 for n in lengths))
+    attention = 2 * 2 * pairs * cfg.hidden_size * cfg.num_hidden_layers
+    return 2 * linear * tokens + attention
+
+
+def matmul_rate(rows: int, hidden: int, inner: int, repeats: int = 50) -> float:
+    """FLOP/s of this process's torch on the matmul shapes of a step (tokens x hidden @ hidden x inner and back),
+    in CPU seconds (the same clock the step is measured by)."""
+    a, b, c = torch.randn(rows, hidden), torch.randn(hidden, inner), torch.randn(inner, hidden)
+    for _ in range(3):
+        (a @ b) @ c
+    c0 = time.process_time()
+    for _ in range(repeats):
+        (a @ b) @ c
+    return repeats * 2 * 2 * rows * hidden * inner / (time.process_time() - c0)
+
+
+def default_step(repeats: int) -> dict[str, Any]:
+    """The default run's learner step (its model shape, DeepSpeed and PPO settings: 4 minibatches) on
+    `default_run_batch`: seconds per step against the FLOP time of its work at the measured matmul rate."""
+    from arl.config import DeepSpeedConfig, OptimizerConfig, PPOConfig
+    from arl.learner.actor import PPOActor
+    from arl.learner.deepspeed_engine import DeepSpeedEngine
+    from arl.models.tiny import build_char_tokenizer, build_tiny_model
+
+    model = build_tiny_model(len(build_char_tokenizer()))
+    batches = [default_run_batch(seed) for seed in range(4)]
+    lens = [len(t.input_ids) for t in batches[0]]
+    flops = 4 * forward_flops(model, lens)  # proximal recompute + update forward + backward (2x)
+    actor = PPOActor(DeepSpeedEngine(model, OptimizerConfig(), DeepSpeedConfig()), PPOConfig(), eta=2)
+    steps = iter(range(1 << 30))
+    times = alternate({"step": timed(lambda: actor.step(batches[next(steps) % len(batches)]))}, repeats)["step"]
+    cfg = model.config
+    rate = matmul_rate(sum(lens) // PPOConfig().minibatches, cfg.hidden_size, cfg.intermediate_size)
+    return {"tokens": sum(lens), "loss_tokens": int(sum(t.loss_mask.sum() for t in batches[0])), "flops": flops,
+            "matmul_flops_per_s": rate, "cpu": statistics.median(times["cpu"]),
+            "wall": statistics.median(times["wall"])}
+
+
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seqs", type=int, default=128, help="trajectories per batch")
@@ -348,6 +425,15 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         "deepspeed_s": med2["deepspeed"], "plain_s": med2["plain"], "deepspeed_over_plain": ratio,
         "raw": {"packing": times, "deepspeed_vs_plain": ds_plain},
     }
+    d = default_step(args.repeats)
+    flop_s = d["flops"] / d["matmul_flops_per_s"]
+    print(f"\n3. the default run's step (its model, DeepSpeed and PPO settings, {PPOConfig().minibatches} minibatches) "
+          f"on a batch shaped like its own: {d['tokens']:,} tokens ({d['loss_tokens']} generated), "
+          f"{d['flops'] / 1e9:.1f} GFLOP, matmul rate {d['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s -> FLOP time "
+          f"{flop_s:.3f} s; median of {args.repeats} steps: cpu {d['cpu']:.3f} s, wall {d['wall']:.3f} s")
+    print(f"learner step: {d['cpu']:.3f} s, {100 * d['cpu'] / flop_s:.0f}% of its FLOP time at the measured matmul "
+          "rate")
+    result["default_step"] = {**d, "flop_seconds": flop_s}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

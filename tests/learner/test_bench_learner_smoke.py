@@ -31,3 +31,21 @@ def test_bench_learner_tiny(tmp_path, capsys):
     assert work["packed"]["tokens"] == res["tokens"] < work["padded"]["tokens"]
     assert 0 < work["packed"]["attention_cells"] < work["padded"]["attention_cells"]
     assert att["packed"] > 0 and att["padded"] > 0  # both layouts' attention calls were replayed
+    assert "learner step: " in text and "% of its FLOP time at the measured matmul rate" in text
+    d = res["default_step"]
+    assert d["flops"] > 0 and d["matmul_flops_per_s"] > 0 and d["cpu"] > 0 and d["loss_tokens"] > 0
+
+
+def test_forward_flops_by_hand():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    spec = importlib.util.spec_from_file_location("bench_learner", os.path.join(ROOT, "scripts", "bench_learner.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True))
+    linear = 4 * 8 * 8 + 3 * 8 * 16 + 8 * 10  # q k v o, gate up down, the (tied) LM head
+    # two sequences of 3 and 1 tokens: 4 tokens, 6 + 1 causal pairs
+    assert mod.forward_flops(model, [3, 1]) == 2 * linear * 4 + 2 * 2 * 7 * 8 * 1

@@ -185,11 +185,14 @@ class RolloutConfig:
     filter_uniform_groups: bool = field(False, "Drop groups whose rewards are all equal (no group advantage).")
     verify_token_ledger: bool = field(False, "Check every trajectory is exactly the engine's tokens plus the "
                                              "agent's declared insertions; a drift stops the run.")
-    max_no_progress_s: float = field(300.0, "Stop the run (exit non-zero, naming the top drop reason) when no "
-                                            "prompt group was accepted for this many seconds while groups kept being "
-                                            "dropped; evaluations and warm-up do not count. 0: never.")
+    max_no_progress_s: float = field(300.0, "Stop the run (exit non-zero) when no prompt group was accepted and no "
+                                            "learner step made for this many seconds, naming the top drop reason and "
+                                            "its newest error, or with no drops what each role is doing; evaluations "
+                                            "and warm-up do not count. Raise it if one group or one learner step "
+                                            "takes longer. 0: never.")
     max_consecutive_drops: int = field(200, "Stop the run when this many prompt groups in a row were dropped for "
-                                            "the same reason (errors, timeouts, bad rewards, filters). 0: never.")
+                                            "the same reason (errors, timeouts, bad rewards, the void-turn filter; "
+                                            "groups filtered for equal rewards do not count). 0: never.")
     trace_rate: float = field(0.05, "Share of prompt groups written to traces.jsonl (decoded turns, versions, "
                                     "timings); groups an error or a filter touched are always traced.")
 

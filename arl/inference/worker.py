@@ -27,7 +27,7 @@ class InferenceWorker:
         self._t0 = time.monotonic()
         self._target_version = -1  # newest version being loaded or loaded
         self.stats = {"requests": 0, "bad_requests": 0, "updates": 0, "update_ms_last": 0.0, "aborted": 0,
-                      "abort_unknown": 0}
+                      "abort_unknown": 0, "update_failures": 0}
 
     async def serve(self) -> None:
         """Answer requests until the socket closes; raises if the engine reports its backend gone for good (an
@@ -89,19 +89,29 @@ class InferenceWorker:
 
     async def update_weights(self, version: int, path: str) -> None:
         """Load `version`, unless it is not newer than the loaded or loading one: a duplicate or late update
-        must never take the weights backwards (it is dropped without an ack)."""
+        must never take the weights backwards (it is dropped without an ack). A load that raises is acked with
+        its `error` (the weights stay as they were)."""
         if version <= max(int(self.engine.version), self._target_version):
             logger.info("ignored update_weights v%d: v%d is loaded or loading", version,
                         max(int(self.engine.version), self._target_version))
             return
         self._target_version = version
         t0 = time.perf_counter()
-        if self.loader is not None:  # the learner sends the newest it holds: at least `version`
-            version = await self.loader.load()
-            self._target_version = max(self._target_version, version)
-            path = "the learner's broadcast"
-        else:
-            await self.engine.update_weights(path, version)
+        try:
+            if self.loader is not None:  # the learner sends the newest it holds: at least `version`
+                version = await self.loader.load()
+                self._target_version = max(self._target_version, version)
+                path = "the learner's broadcast"
+            else:
+                await self.engine.update_weights(path, version)
+        except Exception as e:  # noqa: BLE001 - acked as failed: the controller retries it or fails this server
+            # the weights are those it had: the same version may be sent again and must then load
+            self._target_version = int(self.engine.version)
+            self.stats["update_failures"] += 1
+            logger.exception("loading weights v%d from %s failed", version, path or "the learner's broadcast")
+            await self._send("weights_loaded", {"version": version, "index": self.index,
+                                                "error": f"{type(e).__name__}: {e}"[:1000]})
+            return
         ms = (time.perf_counter() - t0) * 1000
         self.stats["updates"] += 1
         self.stats["update_ms_last"] = ms

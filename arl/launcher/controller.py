@@ -23,10 +23,10 @@ from typing import Any, Awaitable, Callable, Optional
 from arl.launcher import messages as m
 from arl.launcher.admission import Admission, Grant
 from arl.launcher.process import LocalLauncher
-from arl.launcher.reporting import JsonlSink, MetricsSink, ProgressWatch, Reporter
+from arl.launcher.reporting import JsonlSink, MetricsSink, ProgressWatch, Reporter, stall_report
 from arl.launcher.security import advertised_address
 from arl.launcher.supervision import RoleLauncher, Supervisor
-from arl.launcher.weight_sync import Action, Rejoin, Send, WeightSync
+from arl.launcher.weight_sync import Action, GiveUp, Rejoin, Send, WeightSync
 from arl.learner.checkpoint import CHECKPOINT_SUBDIR, latest_checkpoint
 from arl.report.page import ReportBuilder
 from arl.report.traces import TraceWriter
@@ -101,6 +101,7 @@ class Controller:
         self.progress_watch = ProgressWatch(max_no_progress_s=max_no_progress_s,
                                             max_consecutive_drops=max_consecutive_drops, warn_after_s=warn)
         self._last_drops_shown = -1e9
+        self._last_messages: dict[str, dict[str, float]] = {}  # process -> message type -> when last heard
         if weights_transport not in ("disk", "broadcast"):
             raise ValueError(f"weights_transport must be disk or broadcast, got {weights_transport!r}")
         self.broadcast = weights_transport == "broadcast"
@@ -258,9 +259,19 @@ class Controller:
                 logger.warning("%s", text)
             self.reporter.event("no_progress_warning", text=text, drops=dict(watch.drops))
             return True
+        if kind == "stall":  # nothing finished at all: say what each role is doing
+            text += "\n" + self._stall_report(now)
         self.reporter.event("no_progress", reason=text, drops=dict(watch.drops))
         self.fail(f"the run is making no progress: {text}")
         return False
+
+    def _stall_report(self, now: float) -> str:
+        processes: dict[str, list[Key]] = {}
+        for key in ([("rollout", i) for i in range(self.sup.num_rollout)] + [("learner", 0)]
+                    + [("inference", i) for i in range(self.sup.num_inference)]):
+            processes.setdefault(self.sup.process_of(*key), []).append(key)
+        return stall_report(now, gate=self.gate, waiting=self.admission.waiting(), in_flight=dict(self.admission.held),
+                            processes=processes, role_stats=self.role_stats, last_messages=self._last_messages)
 
     async def _investigate_silence(self, key: Key, silent_s: float) -> str:
         """Log which role went silent and what it was last waiting on, and have it dump its Python stacks into its
@@ -396,6 +407,9 @@ class Controller:
             self._control_error("bad_register" if msg_type == "register" else "bad_payload", f"refused {msg_type}: {e}")
             return
         await handler(ident, msg)
+        key = self._who.get(ident)
+        if key is not None:  # for the stall report: when each process last sent each kind of message
+            self._last_messages.setdefault(self.sup.process_of(*key), {})[msg_type] = time.monotonic()
 
     def _control_error(self, kind: str, text: str, exc_info: bool = False) -> None:
         """Count a refused control message; log at most one per second (a flood must not flood the log)."""
@@ -491,7 +505,7 @@ class Controller:
         if msg.accepted:
             self.progress_watch.accepted(time.monotonic())
         else:
-            self.progress_watch.dropped(str(msg.reason), time.monotonic())
+            self.progress_watch.dropped(str(msg.reason), time.monotonic(), error=msg.error)
         await self._grant(grants)
 
     async def _on_groups_dropped(self, ident: bytes, msg: m.GroupsDropped) -> None:
@@ -505,6 +519,12 @@ class Controller:
         self.reporter.train(msg.version, msg.metrics, self.role_stats)
 
     async def _on_loaded(self, ident: bytes, msg: m.WeightsLoaded) -> None:
+        if msg.error is not None:  # it keeps the weights it had: sent the newest again, or given up on
+            error = msg.error[:1000]
+            logger.warning("inference server %d could not load weights v%d: %s", msg.index, msg.version, error)
+            self.reporter.fault("weight_load_failed", server=msg.index, version=msg.version, error=error)
+            await self._apply(self.weights.load_failed(msg.index, msg.version, error))
+            return
         await self._apply(self.weights.loaded(msg.index, msg.version))
         await self._advance()
 
@@ -534,6 +554,10 @@ class Controller:
                 await self._send_to(("inference", a.server), m.UpdateWeights(version=a.version, path=a.path))
             elif isinstance(a, Rejoin):
                 await self._rejoin(a)
+            elif isinstance(a, GiveUp):  # handled as the failure of its process: restarted, dropped or fatal
+                why = f"could not load weights v{a.version} ({a.attempts} tries in a row): {a.error}"
+                if not await self._on_failure(self.sup.process_of("inference", a.server), why):
+                    self.fail(f"inference server {a.server} {why}")
         for version, servers in sends.items():
             await self._send_to(("learner", 0), m.SendWeights(version=version, servers=servers))
 

@@ -133,6 +133,7 @@ class GroupDone(ControlMessage):
     traj_stats: Optional[dict] = None  # sums of numeric trajectory metadata, before filters
     n_traj_raw: Optional[float] = None
     traces: Optional[list[dict]] = None  # sampled or forced trajectory traces (arl.report.traces), for traces.jsonl
+    error: Optional[str] = None  # a dropped group's error: message and innermost frames (arl.utils.errors)
 
 
 class GroupsDropped(ControlMessage):
@@ -155,6 +156,7 @@ class WeightsLoaded(ControlMessage):
     version: int
     index: int
     ms: Optional[float] = None
+    error: Optional[str] = None  # the load of `version` failed (the server keeps the weights it had)
 
 
 class JoinWeightGroup(ControlMessage):

@@ -36,19 +36,30 @@ class JsonlSink:
         self._f.close()
 
 
+# drop reasons of groups whose rewards are all equal (no group advantage): the agent's own filter returns no
+# trajectories ('filtered'), rollout.filter_uniform_groups drops the group; not a fault of the system
+UNIFORM_REASONS = frozenset({"filtered", "filtered:uniform_reward"})
+UNIFORM_TEXT = "every group has equal rewards: the task is solved or too hard at this setting"
+MAX_ERROR_CHARS = 2000  # what one kept error may hold (the rollout worker bounds it too)
+
+
 class ProgressWatch:
     """Is the run getting anywhere? Pure: events and the time come from the caller (the controller).
 
     Progress is a group accepted or a learner step. Time counts only while the watch is not held (the controller
     holds it while admission is closed, i.e. before the first evaluation, and while an evaluation runs): a
     warm-up or an evaluation is not "no progress". Drops are every other outcome of a group, by reason (a rollout
-    drop such as 'timeout', 'error:ValueError', 'env_error', a filter such as 'uniform_groups', or the learner's
-    'learner_stale' / 'learner_invalid'); a filtered group makes no progress either, so it counts, under its name.
+    drop such as 'timeout', 'error:ValueError', 'env_error', a filter such as 'filtered:uniform_reward', or the
+    learner's 'learner_stale' / 'learner_invalid'); a filtered group makes no progress either, so it counts, under
+    its name. A dropped group may come with its error (message and innermost frames): the newest per reason is
+    kept and said when the run stops for that reason.
 
-    `check` says 'warn' when no learner step happened for `warn_after_s` (again every `warn_after_s`) and 'stop'
-    when no group was accepted for `max_no_progress_s` while groups kept being dropped (a run where nothing
-    finishes is left to the trajectory timeout and the heartbeats), or when the last `max_consecutive_drops` groups
-    were all dropped for the same reason. 0 turns a limit off.
+    `check` says 'warn' when no learner step happened for `warn_after_s` (again every `warn_after_s`); 'stop'
+    when the last `max_consecutive_drops` groups were all dropped for the same reason (groups filtered as uniform
+    make no streak: equal rewards are the task's state, not a fault), or when no group was accepted and no step
+    made for `max_no_progress_s` while groups kept being dropped; 'stall' when that time passed with no group
+    finishing at all (leaked slots, a stuck learner, a lost push: the caller adds what each role is doing).
+    0 turns a limit off.
     """
 
     def __init__(self, *, max_no_progress_s: float = 0.0, max_consecutive_drops: int = 0,
@@ -60,6 +71,7 @@ class ProgressWatch:
         self._recent: collections.Counter = collections.Counter()  # drops since the last accepted group or step
         self.streak, self.streak_reason = 0, ""  # consecutive drops for one reason (an accepted group ends it)
         self.since_progress = self.since_step = 0.0  # un-held seconds since the last progress / learner step
+        self.errors: dict[str, str] = {}  # the newest error per drop reason (at most 32 reasons, newest last)
         self._warned_at = 0.0  # since_step when the last warning was given
         self._held = True  # until the controller opens admission
         self._last: Optional[float] = None
@@ -87,15 +99,21 @@ class ProgressWatch:
         self.since_progress = self.since_step = self._warned_at = 0.0
         self._recent.clear()
 
-    def dropped(self, reason: str, now: float, n: int = 1, streak: bool = True) -> None:
+    def dropped(self, reason: str, now: float, n: int = 1, streak: bool = True, error: Optional[str] = None) -> None:
         """`streak=False`: counted, but it neither extends nor ends the run of same-reason drops (the learner's
-        drops: a peer that floods the learner with malformed groups must not be able to stop the run)."""
+        drops: a peer that floods the learner with malformed groups must not be able to stop the run; and groups
+        filtered as uniform). `error`: what the group failed with."""
         self._tick(now)
         if n <= 0:
             return
         self.drops[reason] += n
         self._recent[reason] += n
-        if streak:
+        if error:
+            self.errors.pop(reason, None)
+            self.errors[reason] = str(error)[:MAX_ERROR_CHARS]
+            while len(self.errors) > 32:
+                del self.errors[next(iter(self.errors))]
+        if streak and reason not in UNIFORM_REASONS:
             self.streak = self.streak + n if reason == self.streak_reason else n
             self.streak_reason = reason
 
@@ -104,26 +122,51 @@ class ProgressWatch:
         counts = self._recent or self.drops
         return counts.most_common(1)[0] if counts else ("none", 0)
 
+    def _error_of(self, reason: str) -> str:
+        """'; newest error: ...' for `reason` (else the newest of any reason), or ''."""
+        if reason in self.errors:
+            return f"; its newest error:\n{self.errors[reason]}"
+        if self.errors:
+            other = next(reversed(self.errors))
+            return f"; the newest error (for '{other}'):\n{self.errors[other]}"
+        return ""
+
     def check(self, now: float) -> Optional[tuple[str, str]]:
-        """None, ('warn', text) or ('stop', reason to stop the run with)."""
+        """None, ('warn', text), ('stop', reason to stop the run with) or ('stall', the same, for a run where
+        nothing finished: the caller says what each role is doing)."""
         self._tick(now)
         if self.max_consecutive_drops and self.streak >= self.max_consecutive_drops:
             return "stop", (f"the last {self.streak} prompt groups were all dropped for '{self.streak_reason}' "
-                            f"(rollout.max_consecutive_drops={self.max_consecutive_drops}); see logs/rollout*.log")
-        if self.max_no_progress_s and self.since_progress >= self.max_no_progress_s and self._recent:
+                            f"(rollout.max_consecutive_drops={self.max_consecutive_drops}); see logs/rollout*.log"
+                            + self._error_of(self.streak_reason))
+        if self.max_no_progress_s and self.since_progress >= self.max_no_progress_s:
+            limit = f"rollout.max_no_progress_s={self.max_no_progress_s:g}"
+            if not self._recent:
+                return "stall", (f"no prompt group accepted and no learner step for {self.since_progress:.0f}s, and no "
+                                 f"group dropped either: something is stuck ({limit})")
+            if self._uniform():
+                return "stop", (f"no prompt group accepted for {self.since_progress:.0f}s: {UNIFORM_TEXT} "
+                                f"({sum(self._recent.values())} groups filtered as uniform: "
+                                f"{format_drops(self._recent)}; {limit})")
             reason, n = self.top_reason()
             return "stop", (f"no prompt group accepted for {self.since_progress:.0f}s while "
                             f"{sum(self._recent.values())} were dropped, most for '{reason}' ({n}) "
-                            f"(rollout.max_no_progress_s={self.max_no_progress_s:g}); see logs/rollout*.log")
+                            f"({limit}); see logs/rollout*.log" + self._error_of(reason))
         if self.warn_after_s and self.since_step - self._warned_at >= self.warn_after_s:
             self._warned_at = self.since_step
             reason, n = self.top_reason()
             text = (f"no learner step for {self.since_step:.0f}s; groups dropped by reason: "
                     f"{format_drops(self._recent or self.drops) or 'none'}")
-            if n:
+            if self._uniform():
+                text += f": {UNIFORM_TEXT}"
+            elif n:
                 text += f"; top reason '{reason}'"
             return "warn", text
         return None
+
+    def _uniform(self) -> bool:
+        """Every group dropped since the last progress was filtered for equal rewards."""
+        return bool(self._recent) and all(r in UNIFORM_REASONS for r in self._recent)
 
 
 def format_drops(counts: Any, top: int = 3) -> str:
@@ -131,6 +174,39 @@ def format_drops(counts: Any, top: int = 3) -> str:
     items = [(str(k), int(v)) for k, v in collections.Counter(counts).most_common() if v > 0]
     text = ", ".join(f"{k} {v}" for k, v in items[:top])
     return text + (f", +{len(items) - top} more" if len(items) > top else "")
+
+
+def stall_report(now: float, *, gate: Any, waiting: int, in_flight: dict[int, int],
+                 processes: dict[str, list[tuple[str, int]]], role_stats: dict[tuple[str, int], dict],
+                 last_messages: dict[str, dict[str, float]]) -> str:
+    """What each role is doing when nothing moves, one line each: the staleness gate; per rollout worker the groups
+    in flight by the controller's count and by its own (a gap: leaked slots); the learner's buffer and what it
+    waits on; each inference server's version; and when each process last sent each kind of message
+    (`last_messages`: process name -> message type -> monotonic time). `processes`: name -> role keys it hosts."""
+    lines = [f"  gate: version {gate.version}, {gate.accepted} groups accepted, {gate.running} in flight, room for "
+             f"{gate.capacity()} more, {waiting} asked for and waiting"]
+    for name, keys in processes.items():
+        parts = []
+        for role, index in keys:
+            st = role_stats.get((role, index), {})
+            if role == "rollout":
+                own = (f"its own count: {st.get('running')} running, {st.get('wanted', 0)} awaiting a grant"
+                       if "running" in st else "no heartbeat yet")
+                parts.append(f"{in_flight.get(index, 0)} groups in flight ({own})")
+            elif role == "learner":
+                parts.append(f"version {st.get('version', '?')}, {st.get('buffered_groups', '?')} groups buffered "
+                             f"({st.get('buffered_trajectories', '?')} trajectories), {st.get('in_step_groups', 0)} in "
+                             f"a step, {st.get('groups_received', '?')} received, {st.get('trained_groups', '?')} "
+                             f"trained")
+            else:
+                parts.append(f"server {index} at version {st.get('version', '?')}")
+            if st.get("waiting_on"):
+                parts[-1] += f", waiting on: {st['waiting_on']}"
+        heard = sorted((last_messages.get(name) or {}).items(), key=lambda kv: -kv[1])
+        ages = ", ".join(f"{t} {now - at:.0f}s ago" if now - at >= 10 else f"{t} {now - at:.1f}s ago"
+                         for t, at in heard)
+        lines.append(f"  {name}: {'; '.join(parts)}; last messages: {ages or 'none'}")
+    return "what each role is doing:\n" + "\n".join(lines)
 
 
 LEARNER_KEYS = ("groups_received", "trajectories_received", "trained_groups", "trained_trajectories",

@@ -1,8 +1,9 @@
 """Which policy version each inference server has, and what to send it next. Pure: no I/O, no clock.
 
-Events go in (a version was published, server i loaded v, server i was lost / restarted / registered again) and
-actions come out: `Send(server, version, path)` (tell it to load that version) and `Rejoin(server)` (a restarted
-server caught up: route to it again). `live` is the newest version every server in the ack set has loaded, which
+Events go in (a version was published, server i loaded v or failed to, server i was lost / restarted / registered
+again) and actions come out: `Send(server, version, path)` (tell it to load that version), `Rejoin(server)` (a
+restarted server caught up: route to it again) and `GiveUp(server, ...)` (its loads keep failing: handle it as a
+failed server). `live` is the newest version every server in the ack set has loaded, which
 the controller gives the staleness gate.
 
 Updates are ordered and coalesced: a server is never sent a version at or below one it has or was already sent,
@@ -29,13 +30,24 @@ class Rejoin:
     version: int
 
 
-Action = Union[Send, Rejoin]
+@dataclasses.dataclass(frozen=True)
+class GiveUp:
+    """Server `server` failed to load weights `attempts` times in a row (the last: `version`, with `error`)."""
+
+    server: int
+    version: int
+    attempts: int
+    error: str = ""
+
+
+Action = Union[Send, Rejoin, GiveUp]
 
 
 class WeightSync:
-    """Per-server versions of `num_servers` inference servers; every one starts with `initial_version` loaded."""
+    """Per-server versions of `num_servers` inference servers; every one starts with `initial_version` loaded.
+    A server whose load fails is sent the newest version again, up to `max_load_attempts` failures in a row."""
 
-    def __init__(self, num_servers: int, initial_version: int = 0) -> None:
+    def __init__(self, num_servers: int, initial_version: int = 0, max_load_attempts: int = 3) -> None:
         self.num_servers = num_servers
         self.published: dict[int, str] = {}  # version -> weights path
         self.acked = [initial_version] * num_servers  # newest version each server reported loaded
@@ -44,6 +56,8 @@ class WeightSync:
         self.rejoining: set[int] = set()  # lost servers that were restarted and will rejoin once caught up
         self._registered: set[int] = set()  # rejoining servers whose new process registered
         self.live = initial_version
+        self.max_load_attempts = max(1, int(max_load_attempts))
+        self.failures = [0] * num_servers  # failed loads in a row, per server
 
     # -- queries ---------------------------------------------------------------------------------------------
     @property
@@ -83,6 +97,7 @@ class WeightSync:
             return []  # a late ack from a lost process (or the dead incarnation of a restarted one)
         self.acked[server] = max(self.acked[server], version)
         self.sent[server] = max(self.sent[server], version)
+        self.failures[server] = 0
         nxt = self._offer(server)
         if nxt is not None:
             return [nxt]
@@ -92,6 +107,23 @@ class WeightSync:
             self.lost.discard(server)
             return [Rejoin(server, self.acked[server])]
         return []
+
+    def load_failed(self, server: int, version: int, error: str = "") -> list[Action]:
+        """Server `server` could not load `version` (it keeps the weights it had): send it the newest again, or
+        after `max_load_attempts` failures in a row `GiveUp`. A report for no load in flight is ignored (late, or
+        from a lost process)."""
+        if not 0 <= server < self.num_servers:
+            raise ValueError(f"no inference server {server}")
+        if (server in self.lost and server not in self._registered) or not self.loading(server) \
+                or version != self.sent[server]:
+            return []
+        self.sent[server] = self.acked[server]
+        self.failures[server] += 1
+        if self.failures[server] >= self.max_load_attempts:
+            attempts, self.failures[server] = self.failures[server], 0
+            return [GiveUp(server, version, attempts, error)]
+        nxt = self._offer(server)
+        return [nxt] if nxt is not None else []
 
     def lose(self, servers: list[int]) -> None:
         """`servers` left the ack set (their process died or hung), or restarted ones did not come back (they stay
@@ -105,6 +137,7 @@ class WeightSync:
         and caught up with the newest version."""
         for s in servers:
             self.acked[s] = self.sent[s] = initial_version
+            self.failures[s] = 0
         self.rejoining.update(servers)
 
     def registered(self, server: int) -> list[Action]:

@@ -125,7 +125,8 @@ async def run_inference(cfg: ExperimentConfig, ctl: ControlChannel, index: int, 
     is still a separate engine behind its own ROUTER socket and address, registers under its own index and
     heartbeats for it, so the controller, routing and transport see N servers exactly as with N processes.
     The controller sends `update_weights` once per server; the first message for a version updates all of
-    them (concurrently), later copies are ignored, and each server acks with its own index.
+    them (concurrently), later copies are ignored by the servers that have or load it (a retry after a failed
+    load reaches the one that failed), and each server acks with its own index.
     """
     from arl.inference.factory import build_engine
     from arl.inference.worker import InferenceWorker
@@ -145,13 +146,9 @@ async def run_inference(cfg: ExperimentConfig, ctl: ControlChannel, index: int, 
             loader = BroadcastLoader(engine, timeout_s=cfg.weights.timeout_s, gloo_host=_host(cfg))
         workers.append(InferenceWorker(index=i, engine=engine, router=router, send_control=ctl.dealer.send,
                                        loader=loader))
-    latest = -1
 
     async def on_update(msg: UpdateWeights) -> None:
-        nonlocal latest
-        if msg.version > latest:
-            latest = msg.version
-            await asyncio.gather(*(w.update_weights(msg.version, msg.path) for w in workers))
+        await asyncio.gather(*(w.update_weights(msg.version, msg.path) for w in workers))
 
     async def on_join(msg: JoinWeightGroup) -> None:  # broadcast: the group later updates come through
         from arl.weights.broadcast import GroupSpec

@@ -21,6 +21,7 @@ from typing import Any, Awaitable, Optional
 
 from arl.api.agent import EnvironmentService
 from arl.api.types import check_reward
+from arl.utils.errors import describe_error
 
 logger = logging.getLogger("arl.rollout")
 
@@ -82,6 +83,7 @@ class GuardedEnv(EnvironmentService):
         self._close_timeout = min(float(close_timeout), self._timeout)
         self.stats = stats if stats is not None else collections.Counter()
         self.failure: Optional[str] = None  # reason of the first failed call
+        self.failure_detail: Optional[str] = None  # its message and where it was raised (bounded)
 
     def __getattr__(self, name: str) -> Any:  # only called for attributes the proxy itself lacks
         if name.startswith("__") or name == "wrapped":
@@ -103,13 +105,13 @@ class GuardedEnv(EnvironmentService):
         except Exception as e:  # noqa: BLE001 - any env bug becomes a counted drop reason
             self.stats["env_error"] += 1
             raise self._fail(f"env_error:{method}:{type(e).__name__}",
-                             f"{type(self.wrapped).__name__}.{method} raised {type(e).__name__}: {e}") from e
+                             f"{type(self.wrapped).__name__}.{method} raised {type(e).__name__}: {e}", e) from e
         finally:
             self.stats["env_calls_in_flight"] -= 1
 
-    def _fail(self, reason: str, message: str) -> EnvCallError:
+    def _fail(self, reason: str, message: str, cause: Optional[BaseException] = None) -> EnvCallError:
         if self.failure is None:
-            self.failure = reason
+            self.failure, self.failure_detail = reason, describe_error(message, cause)
         return EnvCallError(reason, message)
 
     async def reset(self, seed: Optional[int] = None, options: Optional[dict[str, Any]] = None) -> tuple[Any, dict]:
@@ -134,9 +136,9 @@ class GuardedEnv(EnvironmentService):
         return out  # type: ignore[return-value]
 
     async def close(self) -> None:
-        failure = self.failure
+        failure, detail = self.failure, self.failure_detail
         try:
             await self._call("close", self._close_timeout)
         except EnvCallError as e:  # closing is best effort; the group's fate is already decided
-            self.failure = failure
+            self.failure, self.failure_detail = failure, detail
             logger.warning("%s", e)

@@ -25,6 +25,7 @@ from arl.rollout.filters import apply_filters
 from arl.rollout.ledger import EngineLog, TokenLedgerError, verify_trajectory
 from arl.rollout.guards import EnvCallError, GuardedEnv, call_with_deadline
 from arl.report.traces import GroupTimeline, TraceSampler, group_traces
+from arl.utils.errors import describe_error, exception_text
 from arl.utils.histogram import LogHistogram
 
 logger = logging.getLogger("arl.rollout")
@@ -141,6 +142,14 @@ async def run_agent(
     return trajs
 
 
+def _failure_detail(env: Any) -> Optional[str]:
+    """The message and frames of the env failure a group is dropped for (its first failed `GuardedEnv`)."""
+    for m in getattr(env, "members", None) or ([env] if env is not None else []):
+        if getattr(m, "failure", None):
+            return getattr(m, "failure_detail", None)
+    return None
+
+
 def trajectory_stats(trajs: Sequence[Trajectory]) -> dict[str, float]:
     """Sums over `trajs` of their numeric metadata (tool calls, turns, void turns, solved, ...) and rewards, so
     the controller can report per-trajectory means."""
@@ -239,6 +248,7 @@ class RolloutWorker:
         gid = f"w{self.index}.{self._incarnation}g{next(self._group_ids)}"
         t0 = time.monotonic()
         reason, trajs = "accepted", []
+        error: Optional[str] = None  # a dropped group's error: its message and where it was raised (bounded)
         raw: list[Trajectory] = []  # what the agent returned, before filters (for traces)
         env: Any = None
         stats: dict[str, float] = {}
@@ -251,7 +261,7 @@ class RolloutWorker:
             trajs = await run_agent(self._make_agent(), prompt, env, self._client, self._timeout, log, timeline)
             raw = list(trajs)
             if env.failure is not None:  # the agent caught an env failure and went on: its rewards are made up
-                reason = env.failure
+                reason, error = env.failure, _failure_detail(env)
             elif not trajs:
                 reason = "filtered"
             else:
@@ -264,14 +274,16 @@ class RolloutWorker:
                 if dropped:
                     reason = dropped
         except EnvCallError as e:
-            reason = e.reason
+            reason, error = e.reason, describe_error(str(e), e.__cause__)
             logger.warning("group %s (prompt %s) dropped: %s", gid, prompt.get("id"), e)
-        except TokenLedgerError:
-            reason = "error:TokenLedgerError"
+        except TokenLedgerError as e:
+            reason, error = "error:TokenLedgerError", describe_error(exception_text(e))
         except asyncio.TimeoutError:
             reason = getattr(env, "failure", None) or "timeout"
+            error = _failure_detail(env) or f"the agent took longer than {self._timeout:g}s (trajectory deadline)"
         except Exception as e:  # noqa: BLE001 - one bad trajectory must not take the worker down
             reason = getattr(env, "failure", None) or f"error:{type(e).__name__}"
+            error = _failure_detail(env) or describe_error(exception_text(e), e)
             logger.warning("group %s (prompt %s) failed: %s: %s", gid, prompt.get("id"), type(e).__name__, e)
         finally:
             if env is not None:
@@ -297,6 +309,8 @@ class RolloutWorker:
             "traj_stats": stats,  # sums of numeric trajectory metadata, before filters
             "n_traj_raw": n_raw,
         }
+        if error is not None and not accepted:
+            done["error"] = error
         traces = self._traces(raw, timeline, reason, admission_s, done["seconds"], len(raw) != len(trajs), gid,
                               prompt.get("id"))
         if traces:

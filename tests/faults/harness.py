@@ -68,7 +68,8 @@ class Hold:
         with open(os.path.join(self.dir, "hold_agent.py"), "w") as f:
             f.write(HOLD_MODULE)
         self.flag = os.path.join(self.dir, "release")
-        self.args = ["imports=[hold_agent]", "agent.name=hold-math"]
+        # a held run is stalled on purpose (no group finishes until the test says so): not the stall rule's case
+        self.args = ["imports=[hold_agent]", "agent.name=hold-math", "rollout.max_no_progress_s=3600"]
         self.env = {"ARL_TEST_RELEASE": self.flag, "ARL_TEST_HOLD_FROM": str(hold_from),
                     "PYTHONPATH": os.pathsep.join([self.dir, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
 

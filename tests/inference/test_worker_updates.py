@@ -98,3 +98,35 @@ async def test_gen_abort_stops_the_generation_and_sends_no_answer():
     assert w.stats["aborted"] == 1 and w._inflight == {}
     serving.cancel()
     await asyncio.gather(serving, return_exceptions=True)
+
+
+class FailOnceEngine:
+    """Its first weight load raises (a read error); later ones load."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.calls = 0
+
+    async def update_weights(self, source: str, version: int) -> None:
+        self.calls += 1
+        if self.calls == 1:
+            raise OSError(f"cannot read {source}")
+        self.version = version
+
+
+@pytest.mark.asyncio
+async def test_a_failed_load_is_acked_as_failed_and_the_same_version_loads_on_retry():
+    """A load that raises must not leave the worker silent with its target set: the controller hears of the failure
+    (then retries) and the retry of the same version loads."""
+    engine, acks = FailOnceEngine(), []
+
+    async def send(msg_type: str, payload: dict) -> None:
+        acks.append((msg_type, payload))
+
+    w = InferenceWorker(index=1, engine=engine, router=None, send_control=send)  # type: ignore[arg-type]
+    await w.update_weights(2, "/v2")  # no exception out of it: the failure is reported
+    assert engine.version == 0 and w.stats["update_failures"] == 1
+    assert acks == [("weights_loaded", {"version": 2, "index": 1, "error": "OSError: cannot read /v2"})]
+    await w.update_weights(2, "/v2")  # the controller's retry
+    assert engine.version == 2 and acks[-1][0] == "weights_loaded" and "error" not in acks[-1][1]
+    assert acks[-1][1]["version"] == 2 and w.stats["updates"] == 1

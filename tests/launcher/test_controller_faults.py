@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import re
 import time
 
 import pytest
@@ -208,4 +209,81 @@ async def test_every_group_dropped_for_one_reason_stops_the_run(tmp_path, capsys
     assert not await ctl._check()
     assert "no progress" in ctl._failure and "dropped for 'reward_error'" in ctl._failure
     assert [r for r in records(tmp_path) if r["type"] == "no_progress"][0]["drops"] == {"reward_error": 3}
+    ctl.reporter.close()
+
+
+@pytest.mark.asyncio
+async def test_a_failed_weight_load_is_retried_and_the_lone_server_goes_on(tmp_path):
+    """One inference server whose load of v1 fails once: the controller sends it again (the newest), the server
+    acks the retry and v1 goes live; a server that keeps failing is handled as a failed server (here: the run stops
+    and says why)."""
+    ctl = make_controller(tmp_path, num_inference=1, num_rollout=1, total_train_steps=10)
+    await ctl._dispatch(b"i0", "register", {"role": "inference", "index": 0, "address": "tcp://a:0"})
+    await ctl._dispatch(b"r0", "register", {"role": "rollout", "index": 0})
+    await ctl._dispatch(b"L", "register", {"role": "learner", "index": 0, "address": "tcp://l:1"})
+    sent = ctl.router.sent
+    await ctl._dispatch(b"L", "weights_published", {"version": 1, "path": "/w/v1"})
+    assert sent[-1] == (b"i0", "update_weights", {"version": 1, "path": "/w/v1"})
+    n = len(sent)
+    await ctl._dispatch(b"i0", "weights_loaded", {"version": 1, "index": 0, "error": "OSError: disk read"})
+    assert sent[n:] == [(b"i0", "update_weights", {"version": 1, "path": "/w/v1"})] and ctl._failure is None
+    fault = [r for r in records(tmp_path) if r["type"] == "fault"][-1]
+    assert fault["kind"] == "weight_load_failed" and fault["error"] == "OSError: disk read" and fault["server"] == 0
+    await ctl._dispatch(b"i0", "weights_loaded", {"version": 1, "index": 0})
+    assert ctl.gate.version == 1 and ctl._failure is None
+    await ctl._dispatch(b"L", "weights_published", {"version": 2, "path": "/w/v2"})
+    for _ in range(3):
+        await ctl._dispatch(b"i0", "weights_loaded", {"version": 2, "index": 0, "error": "OSError: gone"})
+    assert ctl._failure is not None and "could not load weights v2" in ctl._failure and "OSError: gone" in ctl._failure
+    ctl.reporter.close()
+
+
+@pytest.mark.asyncio
+async def test_a_stall_with_no_drops_stops_the_run_and_says_what_is_stuck(tmp_path):
+    """Groups granted and never reported done (leaked slots, a lost push), no drop, no step: after
+    max_no_progress_s the run stops, naming the groups in flight per rollout worker (the controller's count and the
+    worker's own), the learner's buffer and when each role last sent what."""
+    ctl = make_controller(tmp_path, num_rollout=2, max_no_progress_s=300, max_consecutive_drops=5)
+    await ctl._dispatch(b"i0", "register", {"role": "inference", "index": 0, "address": "tcp://a:0"})
+    for r in (0, 1):
+        await ctl._dispatch(f"r{r}".encode(), "register", {"role": "rollout", "index": r})
+    await ctl._dispatch(b"L", "register", {"role": "learner", "index": 0, "address": "tcp://l:1"})
+    await ctl._dispatch(b"r0", "eval_done", {"version": 0, "n": 1, "first_acc": 0.0, "solved_acc": 0.0})  # opens
+    await ctl._dispatch(b"r0", "gate_acquire", {"want": 3})
+    await ctl._dispatch(b"r0", "heartbeat", {"role": "rollout", "index": 0,
+                                             "stats": {"running": 0, "wanted": 0, "waiting_on": "0 groups running"}})
+    await ctl._dispatch(b"L", "heartbeat", {"role": "learner", "index": 0, "stats": {
+        "version": 0, "buffered_groups": 1, "buffered_trajectories": 4, "in_step_groups": 0, "groups_received": 1,
+        "trained_groups": 0, "waiting_on": "waiting for a batch (1/2 groups buffered)"}})
+    now = time.monotonic()
+    assert ctl._watch_progress(now) and ctl._watch_progress(now + 299)
+    assert not ctl._watch_progress(now + 301)
+    failure = ctl._failure
+    assert "no prompt group accepted and no learner step for 301s, and no group dropped either" in failure
+    assert "rollout0: 3 groups in flight (its own count: 0 running, 0 awaiting a grant)" in failure
+    assert "rollout1: 0 groups in flight (no heartbeat yet); last messages: register " in failure
+    assert "learner: version 0, 1 groups buffered (4 trajectories), 0 in a step, 1 received, 0 trained" in failure
+    assert "waiting for a batch (1/2 groups buffered)" in failure
+    assert re.search(r"rollout0: .*; last messages: heartbeat 3\d\ds ago, gate_acquire 3\d\ds ago, eval_done "
+                     r"3\d\ds ago, register 3\d\ds ago", failure)
+    assert "inference0: server 0 at version ?" in failure
+    assert [r for r in records(tmp_path) if r["type"] == "no_progress"][0]["reason"] in failure
+    ctl.reporter.close()
+
+
+@pytest.mark.asyncio
+async def test_a_drop_streak_stop_says_the_newest_error(tmp_path):
+    ctl = make_controller(tmp_path, max_consecutive_drops=2)
+    await ctl._dispatch(b"r0", "register", {"role": "rollout", "index": 0})
+    await ctl._grant(ctl.admission.open())
+    await ctl._dispatch(b"r0", "gate_acquire", {"want": 4})
+    for msg in ("first", "the reward service is down"):
+        await ctl._dispatch(b"r0", "group_done", {
+            "accepted": False, "reason": "env_error:step:ValueError",
+            "error": f"RaisingEnv.step raised ValueError: {msg}\nraised at (innermost last):\n"
+                     f'  File "bad_env.py", line 9, in step\n    raise ValueError("{msg}")'})
+    assert not await ctl._check()
+    assert ctl._failure.endswith("its newest error:\nRaisingEnv.step raised ValueError: the reward service is down\n"
+                                 'raised at (innermost last):\n  File "bad_env.py", line 9, in step\n'
+                                 '    raise ValueError("the reward service is down")')
     ctl.reporter.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from arl.launcher.reporting import JsonlSink, ProgressWatch, Reporter, format_drops
+from arl.launcher.reporting import UNIFORM_TEXT, JsonlSink, ProgressWatch, Reporter, format_drops, stall_report
 
 
 class ListSink:
@@ -133,10 +133,15 @@ def test_accepted_groups_and_steps_are_progress():
     assert w.check(1090.0) is None
 
 
-def test_nothing_finishing_is_not_spinning():
-    """No drops and no accepts (say, long generations): the trajectory timeout and the heartbeats guard that."""
+def test_nothing_finishing_is_a_stall():
+    """No drops and no accepts (leaked slots, a stuck learner, a lost push): a stall once the time is up, which the
+    controller reports with what each role is doing."""
     w = open_watch(max_no_progress_s=100)
-    assert w.check(500.0) is None
+    assert w.check(99.0) is None
+    kind, text = w.check(100.0)
+    assert kind == "stall" and "no group dropped either" in text and "max_no_progress_s=100" in text
+    w.stepped(101.0)  # a learner step is progress
+    assert w.check(200.0) is None and w.check(201.0)[0] == "stall"
 
 
 def test_held_time_does_not_count():
@@ -173,3 +178,79 @@ def test_consecutive_drops_for_one_reason_stop_the_run():
 def test_format_drops():
     assert format_drops({"a": 1, "b": 5, "c": 2, "d": 1, "accepted": 0}) == "b 5, c 2, a 1, +1 more"
     assert format_drops({}) == ""
+
+
+def test_groups_filtered_as_uniform_make_no_streak_and_are_said_plainly():
+    """Equal rewards in every group is the task's state at this setting, not a fault: no drop streak, a plain
+    sentence in the warning and, once the time is up, in the stop (not a 'most for' failure report)."""
+    w = open_watch(max_no_progress_s=100, max_consecutive_drops=5, warn_after_s=30)
+    for t in range(0, 30):
+        w.dropped("filtered" if t % 2 else "filtered:uniform_reward", float(t))
+        assert w.check(float(t)) is None  # 30 in a row: no streak
+    kind, text = w.check(30.0)
+    assert kind == "warn" and text.endswith(UNIFORM_TEXT) and "top reason" not in text
+    kind, text = w.check(100.0)
+    assert kind == "stop" and UNIFORM_TEXT in text and "30 groups filtered as uniform" in text
+    assert "see logs" not in text and "most for" not in text
+    # one fault among them: reported as drops, with the top reason
+    w.dropped("timeout", 101.0)
+    assert "most for 'filtered" in w.check(101.0)[1]
+    # uniform groups neither extend nor end a fault's streak
+    w = open_watch(max_consecutive_drops=3)
+    for t, reason in enumerate(["env_error", "filtered", "env_error", "filtered:uniform_reward", "env_error"]):
+        w.dropped(reason, float(t))
+    assert w.streak == 3 and w.check(5.0)[0] == "stop"
+
+
+def test_a_stop_says_the_newest_error_of_its_reason():
+    w = open_watch(max_consecutive_drops=3, max_no_progress_s=100)
+    w.dropped("timeout", 1.0, error="the agent took longer than 5s")
+    for t in (2.0, 3.0, 4.0):
+        w.dropped("env_error:step:ValueError", t, error=f"Env.step raised ValueError: at {t:g}")
+    kind, text = w.check(4.0)
+    assert kind == "stop" and text.endswith("; its newest error:\nEnv.step raised ValueError: at 4")
+    # by time: the error of the top reason; a reason without one: the newest of any reason
+    w = open_watch(max_no_progress_s=100)
+    w.dropped("error:KeyError", 1.0, n=3, error="KeyError: 'answer'")
+    w.dropped("timeout", 2.0)
+    text = w.check(100.0)[1]
+    assert "most for 'error:KeyError' (3)" in text and text.endswith("; its newest error:\nKeyError: 'answer'")
+    w = open_watch(max_no_progress_s=100)
+    w.dropped("error:KeyError", 1.0, error="KeyError: 'answer'")
+    w.dropped("timeout", 2.0, n=2)
+    assert w.check(100.0)[1].endswith("; the newest error (for 'error:KeyError'):\nKeyError: 'answer'")
+    # what it keeps is bounded: 32 reasons, 2000 characters each
+    for i in range(100):
+        w.dropped(f"error:E{i}", 3.0, error="x" * 10_000)
+    assert len(w.errors) == 32 and "error:E99" in w.errors and max(map(len, w.errors.values())) == 2000
+
+
+class _Gate:
+    version, accepted, running = 3, 12, 4
+
+    def capacity(self) -> int:
+        return 0
+
+
+def test_stall_report_says_what_each_role_is_doing():
+    stats = {("rollout", 0): {"running": 0, "wanted": 2, "waiting_on": "nothing"},
+             ("learner", 0): {"version": 3, "buffered_groups": 2, "buffered_trajectories": 8, "in_step_groups": 0,
+                              "groups_received": 14, "trained_groups": 12,
+                              "waiting_on": "waiting for a batch (2/4 groups buffered)"},
+             ("inference", 0): {"version": 3}}
+    text = stall_report(1000.0, gate=_Gate(), waiting=2, in_flight={0: 4},
+                        processes={"rollout0": [("rollout", 0)], "rollout1": [("rollout", 1)],
+                                   "learner": [("learner", 0)], "inference0": [("inference", 0), ("inference", 1)]},
+                        role_stats=stats,
+                        last_messages={"rollout0": {"heartbeat": 999.5, "group_done": 690.0},
+                                       "learner": {"heartbeat": 999.0, "weights_published": 650.0}})
+    lines = text.splitlines()
+    assert lines[0] == "what each role is doing:"
+    assert lines[1] == "  gate: version 3, 12 groups accepted, 4 in flight, room for 0 more, 2 asked for and waiting"
+    assert lines[2] == ("  rollout0: 4 groups in flight (its own count: 0 running, 2 awaiting a grant), waiting on: "
+                        "nothing; last messages: heartbeat 0.5s ago, group_done 310s ago")
+    assert lines[3] == "  rollout1: 0 groups in flight (no heartbeat yet); last messages: none"
+    assert lines[4].startswith("  learner: version 3, 2 groups buffered (8 trajectories), 0 in a step, 14 received, "
+                               "12 trained, waiting on: waiting for a batch (2/4 groups buffered); last messages: ")
+    assert lines[4].endswith("heartbeat 1.0s ago, weights_published 350s ago")
+    assert lines[5] == "  inference0: server 0 at version 3; server 1 at version ?; last messages: none"

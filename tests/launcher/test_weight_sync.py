@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from arl.launcher.weight_sync import Rejoin, Send, WeightSync
+from arl.launcher.weight_sync import GiveUp, Rejoin, Send, WeightSync
 
 
 def test_publish_sends_to_every_server_and_goes_live_once_all_acked():
@@ -156,3 +156,25 @@ def test_prunable_only_once_every_live_server_acked_a_newer_version():
 def test_unknown_server_is_refused():
     with pytest.raises(ValueError):
         WeightSync(1).loaded(3, 1)
+
+
+def test_a_failed_load_is_retried_with_the_newest_then_given_up():
+    ws = WeightSync(2, max_load_attempts=3)
+    ws.publish(1, "/v1")
+    assert ws.load_failed(0, 1, "OSError: x") == [Send(0, 1, "/v1")]  # retried; it still has v0
+    assert ws.acked[0] == 0 and ws.loading(0)
+    ws.publish(2, "/v2")  # published meanwhile: the next retry sends the newest
+    assert ws.load_failed(0, 1, "OSError: x") == [Send(0, 2, "/v2")]
+    assert ws.load_failed(0, 1, "OSError: x") == []  # not the load in flight (v2): a stale report
+    assert ws.load_failed(0, 2, "OSError: y") == [GiveUp(0, 2, 3, "OSError: y")]  # third in a row
+    assert not ws.loading(0) and ws.advance() is None  # the controller fails the server (or the run)
+    # a success resets the count
+    ws.loaded(1, 1)
+    assert ws.loaded(1, 1) == [] and ws.sent[1] == 2
+    assert ws.load_failed(1, 2, "e") == [Send(1, 2, "/v2")]
+    assert ws.loaded(1, 2) == [] and ws.load_failed(1, 2, "late") == []  # no load in flight: ignored
+    ws.publish(3, "/v3")
+    assert ws.load_failed(1, 3, "e") == [Send(1, 3, "/v3")] and ws.load_failed(1, 3, "e") == [Send(1, 3, "/v3")]
+    # a lost server's reports are ignored
+    ws.lose([1])
+    assert ws.load_failed(1, 3, "e") == []

@@ -252,3 +252,31 @@ async def test_row_with_missing_fields_is_dropped_and_counted():
 def test_empty_training_set_is_a_clear_error():
     with pytest.raises(ValueError, match="empty"):
         PromptStream([], seed=0)
+
+
+@pytest.mark.asyncio
+async def test_a_dropped_group_says_its_error_and_where_it_was_raised():
+    """group_done carries the error's own message and the innermost frames of its traceback (bounded), whether
+    the env's exception reached the worker, the agent swallowed it, or the agent itself raised; a timeout says so."""
+
+    class RaisingAgent(OneShotAgent):
+        async def collect_trajectory(self, prompt, env, obs_queue, act_queue):
+            raise KeyError("answer" * 300)
+
+    details = {}
+    for name, factory, mode in (("env", OneShotAgent, "raise"), ("swallowed", lambda: OneShotAgent(swallow=True),
+                                "raise"), ("agent", RaisingAgent, "ok"), ("hang", OneShotAgent, "hang"),
+                                ("ok", OneShotAgent, "ok")):
+        sent, pushed = [], []
+        worker = make_worker([{"id": name, "mode": mode}], sent, pushed, agent_factory=factory)
+        await run_groups(worker, 1)
+        (p,) = [p for t, p in sent if t == "group_done"]
+        details[name] = p.get("error")
+    for name in ("env", "swallowed"):
+        first, *frames = details[name].splitlines()
+        assert first == "ScriptedEnv.step raised ValueError: env exploded"
+        assert 'raise ValueError("env exploded")' in frames[-1] and "in step" in frames[-2]
+    assert details["agent"].startswith("KeyError: 'answeranswer") and len(details["agent"]) <= 1500
+    assert "in collect_trajectory" in details["agent"]
+    assert details["hang"] == "ScriptedEnv.step took longer than 0.1s"
+    assert details["ok"] is None  # an accepted group carries none

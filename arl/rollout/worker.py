@@ -161,10 +161,19 @@ def plain(obj: Any) -> Any:
 def wire_ready(t: Trajectory) -> None:
     """Make what an agent may have put in `t` after building it sendable: turn rewards as `reward` takes them
     (a number or a one-element sequence), metadata without numpy types. ValueError/TypeError: the agent's bug."""
+    t.reward = one_reward(t.reward, "Trajectory.reward")
     t.turn_rewards = [one_reward(r, "Trajectory.turn_rewards") for r in t.turn_rewards]
     if not isinstance(t.metadata, dict):
         raise TypeError(f"Trajectory.metadata must be a dict, got {type(t.metadata).__name__}")
     t.metadata = plain(t.metadata)
+
+
+def _reward_sum(trajs: Sequence[Trajectory]) -> float:
+    """Sum of the rewards; 0.0 when one is not a number (that group was dropped for it)."""
+    try:
+        return float(sum(float(t.reward) for t in trajs))
+    except (TypeError, ValueError):
+        return 0.0
 
 
 def trajectory_stats(trajs: Sequence[Trajectory]) -> dict[str, float]:
@@ -328,7 +337,7 @@ class RolloutWorker:
             "reason": reason,
             "group_id": gid,
             "n_traj": len(trajs),
-            "reward_sum": float(sum(t.reward for t in trajs)),
+            "reward_sum": _reward_sum(trajs),
             "seconds": time.monotonic() - t0,
             "traj_stats": stats,  # sums of numeric trajectory metadata, before filters
             "n_traj_raw": n_raw,

@@ -99,3 +99,18 @@ async def test_a_group_done_that_cannot_go_as_it_is_goes_without_its_extras():
     (p,) = [p for t, p in sent if t == "group_done"]
     assert p["accepted"] and p["reason"] == "accepted" and p["group_id"].startswith("w0.")
     assert worker.stats["group_done_trimmed"] == 1
+
+
+@pytest.mark.asyncio
+async def test_a_reward_spoiled_after_the_build_drops_only_its_group():
+    class SpoilAgent(OneShotAgent):
+        async def collect_trajectory(self, prompt, env, obs_queue, act_queue):
+            trajs = await super().collect_trajectory(prompt, env, obs_queue, act_queue)
+            trajs[0].reward = "1.0?"  # set after the Trajectory checked it
+            return trajs
+
+    sent = []
+    worker = make_worker([{"id": "p", "mode": "ok"}], sent, [], agent_factory=SpoilAgent)
+    await run_groups(worker, 1)
+    (p,) = [p for t, p in sent if t == "group_done"]
+    assert p["reason"] == "error:ValueError" and not p["accepted"]

@@ -502,7 +502,7 @@ class Controller:
             return
         n = msg.n
         for gid in msg.group_ids or []:  # settled first: a drop must not overtake its group's acceptance
-            if not await self._settle(gid, 0):
+            if not self._settle(gid, 0):
                 n -= 1  # no group of this run: there is no budget to give back
         if n <= 0:
             return
@@ -512,7 +512,7 @@ class Controller:
 
     async def _on_group_received(self, ident: bytes, msg: m.GroupReceived) -> None:
         if self._from_learner(ident, "group_received"):
-            await self._settle(msg.group_id, msg.n_traj)
+            self._settle(msg.group_id, msg.n_traj)
 
     def _from_learner(self, ident: bytes, what: str) -> bool:
         if self._who[ident][0] != "learner":
@@ -520,7 +520,7 @@ class Controller:
             return False
         return True
 
-    async def _settle(self, group_id: str, n_traj: int) -> bool:
+    def _settle(self, group_id: str, n_traj: int) -> bool:
         """The learner has group `group_id`: it is accepted whatever its rollout worker does next (see
         `Admission.received`); False if no rollout worker of this run holds or held it."""
         who = parse_group_id(group_id)

@@ -10,11 +10,14 @@ import dataclasses
 import difflib
 import enum
 import importlib
+import inspect
 import os
 from typing import Any, Optional, Sequence
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from arl.api.registry import AGENTS
 
 
 class ConfigError(ValueError):
@@ -586,13 +589,25 @@ def rollout_deadlines(cfg: ExperimentConfig) -> tuple[float, float, float]:
         base, per_token = AUTO_REQUEST_BASE_S, float(rc.timeout_per_token_s)
     if rc.trajectory_timeout > 0:
         return base, per_token, float(rc.trajectory_timeout)
-    args = dict(cfg.agent.args)
-    try:
-        turns = max(1, int(args.get("max_turns") or args.get("num_turns") or 1))
-    except (TypeError, ValueError):
-        turns = 1
     request = base + per_token * cfg.gen.max_new_tokens
-    return base, per_token, turns * (2 * request + 2 * float(rc.env_timeout))
+    return base, per_token, agent_turns(cfg) * (2 * request + 2 * float(rc.env_timeout))
+
+
+def agent_turns(cfg: ExperimentConfig) -> int:
+    """Turns the configured agent may take: its `max_turns` / `num_turns` as it will run, i.e. `agent.args` over
+    the defaults of its registered constructor (the default math agent: 3); 1 if it has neither."""
+    settings: dict[str, Any] = {}
+    if cfg.agent.name in AGENTS:
+        try:
+            params = inspect.signature(AGENTS.get(cfg.agent.name)).parameters.values()
+            settings = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+        except (TypeError, ValueError):  # a callable without a signature: its args alone
+            pass
+    settings.update(cfg.agent.args)
+    try:
+        return max(1, int(settings.get("max_turns") or settings.get("num_turns") or 1))
+    except (TypeError, ValueError):
+        return 1
 
 
 def import_user_modules(modules: Sequence[str]) -> None:
@@ -627,5 +642,5 @@ def resolve_threads(cfg: ExperimentConfig, role: str) -> int:
 
 __all__ = [
     "ExperimentConfig", "ConfigError", "parse_overrides", "split_experiment", "format_help", "import_user_modules",
-    "to_yaml", "resolve_threads", "weights_backend", "rollout_deadlines", "DictConfig",
+    "to_yaml", "resolve_threads", "weights_backend", "rollout_deadlines", "agent_turns", "DictConfig",
 ]

@@ -86,12 +86,32 @@ def test_experiment_field_reaches_agent_args_by_interpolation():
 
 
 def test_auto_deadlines_follow_the_generation_budget():
-    cfg = parse_overrides(ExperimentConfig, ["gen.max_new_tokens=1000", "rollout.env_timeout=30"])
+    from arl.builtin import load_builtins
+
+    load_builtins()
+    cfg = parse_overrides(ExperimentConfig, ["gen.max_new_tokens=1000", "rollout.env_timeout=30",
+                                             "agent.args={num_turns: 1}"])
     base, per_token, traj = rollout_deadlines(cfg)
     assert (base, per_token) == (60.0, 0.1) and traj == pytest.approx(2 * (60 + 100) + 2 * 30)
     cfg = parse_overrides(ExperimentConfig, ["gen.max_new_tokens=1000", "rollout.env_timeout=30",
                                              "agent.args={num_turns: 3}"])
     assert rollout_deadlines(cfg)[2] == pytest.approx(3 * 380)  # per turn
+
+
+def test_auto_trajectory_deadline_counts_the_agents_default_turns():
+    """The default math agent takes 3 turns unless agent.args says otherwise: its budget is three turns'."""
+    from arl.builtin import load_builtins
+
+    load_builtins()
+    cfg = parse_overrides(ExperimentConfig, ["gen.max_new_tokens=1000", "rollout.env_timeout=30"])
+    assert cfg.agent.name == "math-multi-turn" and "num_turns" not in cfg.agent.args
+    assert rollout_deadlines(cfg)[2] == pytest.approx(3 * 380)
+    tool = parse_overrides(ExperimentConfig, ["agent.name=tool-agent", "gen.max_new_tokens=1000",
+                                              "rollout.env_timeout=30"])
+    assert rollout_deadlines(tool)[2] == pytest.approx(4 * 380)  # the tool agent's max_turns default
+    single = parse_overrides(ExperimentConfig, ["agent.name=math-single-step", "gen.max_new_tokens=1000",
+                                                "rollout.env_timeout=30"])
+    assert rollout_deadlines(single)[2] == pytest.approx(380)
     cfg = parse_overrides(ExperimentConfig, ["rollout.request_timeout=45", "rollout.trajectory_timeout=90"])
     assert rollout_deadlines(cfg) == (45.0, 0.0, 90.0)  # set by hand: fixed
     with pytest.raises(ConfigError, match="request_timeout"):

@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from arl.agents.common import gather_or_cancel, generate, new_id
+from arl.agents.common import env_for, gather_or_cancel, generate, new_id
 from arl.api import (Agent, EnvironmentService, GenerateRequest, GenerationConfig, Trajectory, TrajectoryBuilder,
                      register_agent, scalar_reward)
 from arl.envs.sim_tool import keyed_rng
@@ -60,6 +60,7 @@ class SimAgent(Agent):
     async def _chat(self, pid: str, index: int, env: EnvironmentService, obs_queue: asyncio.Queue,
                     act_queue: asyncio.Queue) -> Trajectory:
         session = f"{pid}/{index}"
+        env = await env_for(env, index)  # its own instance: the chats run at once
         b = TrajectoryBuilder(self._tokens(self.prompt_tokens, pid))
         reward, turn_rewards, termination, turn = 0.0, [], "length", 0
         generated = 0

@@ -46,6 +46,16 @@ def _reward_items(value: Any) -> Optional[list[Any]]:
     return None
 
 
+def one_reward(value: Any, what: str = "reward") -> float:
+    """One answer's reward as a trajectory holds it: a number or a one-element sequence of one (a per-answer
+    list), non-finite values kept (the learner's validation refuses them). ValueError otherwise."""
+    items = _reward_items(value)
+    if items is not None and len(items) != 1:
+        raise ValueError(f"{what} must be one number (this trajectory's answer), got {len(items)} values "
+                         f"{value!r:.60}")
+    return _reward_number(items[0] if items is not None else value, finite=False)
+
+
 def check_reward(value: Any) -> float | list[float]:
     """An environment's reward as `step` may return it: one finite number, or (AReaL's stateless envs, whose
     ``step((qid, answers))`` rewards every answer) a non-empty flat sequence of finite numbers, one per answer.
@@ -186,12 +196,9 @@ class Trajectory:
                 f"logprobs={len(self.logprobs)} versions={len(self.versions)}"
             )
         # one number per trajectory (a one-element per-answer list is that number); non-finite values are left
-        # for the learner's validation to refuse with the trajectory's index
-        items = _reward_items(self.reward)
-        if items is not None and len(items) != 1:
-            raise ValueError(f"Trajectory.reward must be one number (this trajectory's answer), got {len(items)} "
-                             f"values {self.reward!r:.60}")
-        self.reward = _reward_number(items[0] if items is not None else self.reward, finite=False)
+        # for the learner's validation to refuse with the trajectory's index. A turn's reward is taken the same way.
+        self.reward = one_reward(self.reward, "Trajectory.reward")
+        self.turn_rewards = [one_reward(r, "Trajectory.turn_rewards") for r in self.turn_rewards]
 
     @property
     def num_generated(self) -> int:

@@ -2,12 +2,16 @@
 
 Pure bookkeeping, no I/O: every method returns the grants to send, as ``(worker, n)`` pairs, and the controller
 sends them. A worker is whatever key the caller uses (the controller uses the rollout worker's index).
+
+A group ends once: by its worker's ``group_done`` or by the learner's receipt (`received`), whichever comes first.
+The receipt is what makes a group trained by the learner count as accepted when its worker died between pushing
+it and reporting it (it would otherwise be released as lost, its budget given back, and admitted again).
 """
 
 from __future__ import annotations
 
 import collections
-from typing import Hashable
+from typing import Hashable, Optional
 
 from arl.rollout.staleness import StalenessGate
 
@@ -22,28 +26,73 @@ class Admission:
     cannot keep the run from admitting its last groups.
     """
 
-    def __init__(self, gate: StalenessGate) -> None:
+    def __init__(self, gate: StalenessGate, max_remembered: int = 1 << 16) -> None:
         self.gate = gate
         self.is_open = False
         self.held: collections.Counter = collections.Counter()
         self._wants: collections.deque[list] = collections.deque()  # [worker, remaining]
+        self.incarnation: dict[Hashable, str] = {}  # the process whose groups `held[w]` counts (from acquire)
+        self._groups: collections.OrderedDict[str, tuple[str, Hashable, int]] = collections.OrderedDict()  # `_note`
+        self._lost: collections.Counter = collections.Counter()  # (w, incarnation) -> groups released as lost
+        self.max_remembered = max_remembered
 
     def open(self) -> list[Grant]:
         self.is_open = True
         return self.grant()
 
-    def acquire(self, worker: Hashable, want: int) -> list[Grant]:
+    def acquire(self, worker: Hashable, want: int, incarnation: Optional[str] = None) -> list[Grant]:
+        """`worker` (its process `incarnation`, which names its groups' ids) wants `want` more groups."""
+        if incarnation is not None:
+            self.incarnation[worker] = incarnation
         if want > 0:
             self._wants.append([worker, want])
         return self.grant()
 
-    def group_done(self, worker: Hashable, accepted: bool) -> list[Grant]:
-        """A group `worker` held finished; ValueError if it holds none (a late or duplicate report)."""
+    def group_done(self, worker: Hashable, accepted: bool, group_id: Optional[str] = None) -> list[Grant]:
+        """A group `worker` held finished; ValueError if it holds none or reported this one before (a late or
+        duplicate report). A group the learner's receipt settled already is not settled again."""
+        if group_id is not None and group_id in self._groups:
+            state, holder, _ = self._groups[group_id]
+            if state != "received" or holder != worker:
+                raise ValueError(f"group_done for group {group_id!r} again")
+            self._groups[group_id] = ("closed", worker, 0)
+            return []
         if self.held[worker] <= 0:
             raise ValueError(f"group_done from {worker!r}, which holds no running group")
         self.held[worker] -= 1
         self.gate.finish(accepted)
+        if group_id is not None:  # an accepted one's receipt is still to come: it must not settle it again
+            self._note(group_id, "done" if accepted else "closed", worker)
         return self.grant()
+
+    def received(self, worker: Hashable, incarnation: str, group_id: str, n_traj: int = 0) -> str:
+        """The learner received group `group_id` of `worker`'s process `incarnation`: the group is accepted,
+        whatever happens to the worker. Returns 'known' (its group_done came first, or a duplicate receipt),
+        'settled' (running: accepted now; its group_done will not settle it again), 'reclaimed' (its worker died
+        and it was released as lost: accepted now) or 'unknown' (no group of this run's workers)."""
+        if group_id in self._groups:
+            state, holder, _ = self._groups[group_id]
+            if state == "done":
+                self._groups[group_id] = ("closed", holder, 0)
+            return "known"
+        if incarnation == self.incarnation.get(worker) and self.held[worker] > 0:
+            self.held[worker] -= 1
+            self.gate.finish(True)
+            self._note(group_id, "received", worker, n_traj)
+            return "settled"
+        if self._lost[(worker, incarnation)] > 0:
+            self._lost[(worker, incarnation)] -= 1
+            self.gate.reclaim(1)
+            self._note(group_id, "closed", worker)
+            return "reclaimed"
+        return "unknown"
+
+    def _note(self, group_id: str, state: str, worker: Hashable, n_traj: int = 0) -> None:
+        """Remember how far group `group_id` got ('done': group_done came, 'received': its receipt came, 'closed':
+        both, or it was rejected); the oldest are forgotten beyond `max_remembered` (both come within seconds)."""
+        self._groups[group_id] = (state, worker, int(n_traj))
+        while len(self._groups) > self.max_remembered:
+            self._groups.popitem(last=False)
 
     def groups_dropped(self, n: int) -> list[Grant]:
         """The learner discarded `n` accepted groups (too stale, invalid): their budget comes back."""
@@ -55,11 +104,24 @@ class Admission:
         return self.grant()
 
     def worker_lost(self, worker: Hashable) -> tuple[int, list[Grant]]:
-        """Forget `worker`'s requests and release what it held; returns (groups lost in flight, new grants)."""
+        """Forget `worker`'s requests and release what it held; returns (groups lost in flight, new grants).
+        Groups the learner has already are not lost (see `orphans`); one of the released groups that reaches the
+        learner later is reclaimed by its receipt (`received`)."""
         lost = self.held.pop(worker, 0)
         self.gate.release(lost)
+        incarnation = self.incarnation.pop(worker, None)
+        if incarnation is not None and lost:
+            self._lost[(worker, incarnation)] += lost
         self._wants = collections.deque(w for w in self._wants if w[0] != worker)
         return lost, self.grant()
+
+    def orphans(self, worker: Hashable) -> list[int]:
+        """Forget the groups of `worker` the learner received and whose group_done never came (the worker died):
+        they were accepted; returns their trajectory counts, for the accounting."""
+        mine = [(g, n) for g, (state, w, n) in self._groups.items() if state == "received" and w == worker]
+        for g, _ in mine:
+            self._groups[g] = ("closed", worker, 0)
+        return [n for _, n in mine]
 
     def waiting(self) -> int:
         """Groups asked for and not granted yet."""

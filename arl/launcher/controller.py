@@ -30,7 +30,7 @@ from arl.launcher.weight_sync import Action, GiveUp, Rejoin, Send, WeightSync
 from arl.learner.checkpoint import CHECKPOINT_SUBDIR, latest_checkpoint
 from arl.report.page import ReportBuilder
 from arl.report.traces import TraceWriter
-from arl.rollout.staleness import StalenessGate
+from arl.rollout.staleness import StalenessGate, parse_group_id
 from arl.transport.sockets import Router, bind_random
 from arl.utils.net import free_port
 from arl.utils.proc import tail
@@ -125,7 +125,8 @@ class Controller:
         self._handlers: dict[str, Callable[[bytes, Any], Awaitable[None]]] = {
             "register": self._on_register, "lookup": self._on_lookup, "heartbeat": self._on_heartbeat,
             "gate_acquire": self._on_gate_acquire, "group_done": self._on_group_done,
-            "groups_dropped": self._on_groups_dropped, "weights_published": self._on_published,
+            "groups_dropped": self._on_groups_dropped, "group_received": self._on_group_received,
+            "weights_published": self._on_published,
             "weights_loaded": self._on_loaded, "eval_done": self._on_eval_done, "error": self._on_error,
         }
 
@@ -323,6 +324,8 @@ class Controller:
             # prompt stream from the position the old one's heartbeats reported (_on_heartbeat), gets its evaluations
             index = self.sup.rollout_index(name)
             key = ("rollout", index)
+            for n_traj in self.admission.orphans(index):  # pushed, received by the learner, never reported done
+                self.reporter.group_done(True, "accepted", n_traj, None, None)
             lost, grants = self.admission.worker_lost(index)
             self.reporter.groups_lost(lost)
             self._who.pop(self.peers.pop(key, b""), None)
@@ -490,14 +493,14 @@ class Controller:
     async def _on_gate_acquire(self, ident: bytes, msg: m.GateAcquire) -> None:
         index = self._rollout_index(ident, "gate_acquire")
         if index is not None:
-            await self._grant(self.admission.acquire(index, msg.want))
+            await self._grant(self.admission.acquire(index, msg.want, msg.incarnation))
 
     async def _on_group_done(self, ident: bytes, msg: m.GroupDone) -> None:
         index = self._rollout_index(ident, "group_done")
         if index is None:
             return
         try:
-            grants = self.admission.group_done(index, msg.accepted)
+            grants = self.admission.group_done(index, msg.accepted, msg.group_id)
         except ValueError:
             self._control_error("unexpected_group_done", "dropped a group_done for no running group")
             return
@@ -509,9 +512,42 @@ class Controller:
         await self._grant(grants)
 
     async def _on_groups_dropped(self, ident: bytes, msg: m.GroupsDropped) -> None:
-        self.reporter.group_reasons["dropped_" + msg.reason] += msg.n
-        self.progress_watch.dropped("learner_" + msg.reason, time.monotonic(), msg.n, streak=False)
-        await self._grant(self.admission.groups_dropped(msg.n))
+        if not self._from_learner(ident, "groups_dropped"):
+            return
+        n = msg.n
+        for gid in msg.group_ids or []:  # settled first: a drop must not overtake its group's acceptance
+            if not self._settle(gid, 0):
+                n -= 1  # no group of this run: there is no budget to give back
+        if n <= 0:
+            return
+        self.reporter.group_reasons["dropped_" + msg.reason] += n
+        self.progress_watch.dropped("learner_" + msg.reason, time.monotonic(), n, streak=False)
+        await self._grant(self.admission.groups_dropped(n))
+
+    async def _on_group_received(self, ident: bytes, msg: m.GroupReceived) -> None:
+        if self._from_learner(ident, "group_received"):
+            self._settle(msg.group_id, msg.n_traj)
+
+    def _from_learner(self, ident: bytes, what: str) -> bool:
+        if self._who[ident][0] != "learner":
+            self._control_error(f"unexpected_{what}", f"dropped a {what} from {self._who[ident]}")
+            return False
+        return True
+
+    def _settle(self, group_id: str, n_traj: int) -> bool:
+        """The learner has group `group_id`: it is accepted whatever its rollout worker does next (see
+        `Admission.received`); False if no rollout worker of this run holds or held it."""
+        who = parse_group_id(group_id)
+        outcome = "unknown" if who is None else self.admission.received(who[0], who[1], group_id, n_traj)
+        if outcome == "unknown":
+            self._control_error("unknown_group", f"the learner reports group {group_id[:60]!r}, which no rollout "
+                                                 "worker holds")
+            return False
+        if outcome == "reclaimed":  # its worker died after pushing it: counted lost, now accepted
+            self.reporter.groups_lost(-1)
+            self.reporter.group_done(True, "accepted", n_traj, None, None)
+            self.progress_watch.accepted(time.monotonic())
+        return True
 
     async def _on_published(self, ident: bytes, msg: m.WeightsPublished) -> None:
         self.progress_watch.stepped(time.monotonic())

@@ -118,6 +118,7 @@ class Addresses(ControlMessage):
 
 class GateAcquire(ControlMessage):
     want: Count
+    incarnation: Optional[str] = None  # the rollout worker process's id, which its group ids carry
 
 
 class GateGrant(ControlMessage):
@@ -134,11 +135,22 @@ class GroupDone(ControlMessage):
     n_traj_raw: Optional[float] = None
     traces: Optional[list[dict]] = None  # sampled or forced trajectory traces (arl.report.traces), for traces.jsonl
     error: Optional[str] = None  # a dropped group's error: message and innermost frames (arl.utils.errors)
+    group_id: Optional[str] = None  # settles the group once, whichever of this and the learner's receipt is first
+    size_bytes: Optional[int] = None  # reason 'too_large': the size of the group's frame
+
+
+class GroupReceived(ControlMessage):
+    """Learner -> controller: group `group_id` (of `n_traj` trajectories) is in the learner's buffer; this settles
+    it as accepted even if its rollout worker dies before its group_done."""
+
+    group_id: str
+    n_traj: Count = Count(0)
 
 
 class GroupsDropped(ControlMessage):
     n: Count
     reason: str = "learner"
+    group_ids: Optional[list[str]] = None  # groups dropped on arrival, never reported received (settled first)
 
 
 class WeightsPublished(ControlMessage):

@@ -216,7 +216,7 @@ LEARNER_KEYS = ("groups_received", "trajectories_received", "trained_groups", "t
 
 # the inference client's counters the accounting sums over rollout workers (arl.rollout.client)
 REQUEST_KEYS = ("sent", "received", "resent_timeout", "resent_lost", "timeout", "aborted_resent",
-                "aborted_abandoned", "late")
+                "aborted_abandoned", "aborted_superseded", "late")
 
 
 def _env_counts(rollout_stats: dict) -> dict:

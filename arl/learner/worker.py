@@ -47,6 +47,11 @@ def staleness_counts(batch: list[Trajectory], version: int) -> dict[int, int]:
     return {k: int(n) for k, n in enumerate(np.bincount(np.maximum(version - gen, 0))) if n}
 
 
+def _group_of(group: list[Trajectory]) -> str:
+    """The rollout worker's id of a group (its trajectories' group_id before the ':')."""
+    return str(group[0].group_id).split(":", 1)[0]
+
+
 class LearnerWorker:
     def __init__(
         self,
@@ -121,12 +126,14 @@ class LearnerWorker:
                     self._last_invalid_log = time.monotonic()
                     logger.warning("dropped an invalid trajectory group (%s); %d so far", problem,
                                    self.stats["invalid_groups"])
-                await self._send("groups_dropped", {"n": 1, "reason": "invalid"})
+                await self._send("groups_dropped", {"n": 1, "reason": "invalid", "group_ids": [_group_of(group)]})
                 continue
             self.buffer.append(group)
             self.stats["groups_received"] += 1
             self.stats["trajectories_received"] += len(group)
             self._arrived.set()
+            # the receipt settles the group at the controller, even if its rollout worker dies before group_done
+            await self._send("group_received", {"group_id": _group_of(group), "n_traj": len(group)})
 
     def is_stale(self, group: list[Trajectory]) -> bool:
         """Whether `group` is too stale to train on at the current version (it is dropped, its budget returned).

@@ -13,8 +13,8 @@ Deadlines scale with the generation budget, so they do not cut long answers more
 would push the policy toward short answers): an attempt may take ``request_timeout + timeout_per_token *
 max_new_tokens`` seconds. An attempt past its deadline is re-sent to another worker (while attempts remain) and
 the original is aborted (``gen_abort``: its worker stops generating it), so the work is not done twice; a request
-its caller gives up on (out of attempts, or the trajectory was cancelled) is aborted too. Re-sends and aborts are
-counted in `stats`.
+its caller gives up on (out of attempts, or the trajectory was cancelled) is aborted too, and so is a re-sent attempt
+when an earlier one answers first. Re-sends and aborts are counted in `stats`.
 """
 
 from __future__ import annotations
@@ -143,6 +143,11 @@ class InferenceClient:
         except Exception as e:  # noqa: BLE001 - a closed socket: nothing left to stop
             logger.debug("could not abort request %s on worker %d: %s", wire_id, idx, e)
 
+    def _abort_later(self, idx: int, wire_id: str, why: str) -> None:
+        t = asyncio.get_running_loop().create_task(self._abort(idx, wire_id, why))
+        self._aborts.add(t)
+        t.add_done_callback(self._aborts.discard)
+
     def _choose(self, session_id: Optional[str], exclude: int = -1) -> int:
         """Sticky worker of the session if it is alive, else the live worker with the least outstanding work."""
         if session_id is not None and session_id in self._sticky:
@@ -250,9 +255,7 @@ class InferenceClient:
             if self._pending.pop(wire_id, None) is not None and p.idx >= 0:
                 self._load[p.idx] -= p.work
                 if not self._closing:  # given up (out of attempts, or the caller was cancelled): stop it there
-                    t = loop.create_task(self._abort(p.idx, wire_id, "abandoned"))
-                    self._aborts.add(t)
-                    t.add_done_callback(self._aborts.discard)
+                    self._abort_later(p.idx, wire_id, "abandoned")
             if info is not None:
                 info["worker"], info["attempts"] = p.answered_by, p.attempts
         if resp is None:
@@ -278,6 +281,8 @@ class InferenceClient:
                 continue
             del self._pending[resp.qid]
             self._load[p.idx] -= p.work
+            if p.idx != idx:  # an earlier attempt answered first: stop the re-sent one (no double work)
+                self._abort_later(p.idx, resp.qid, "superseded")
             p.idx = -1
             p.answered_by = idx
             self._observe_versions(resp)

@@ -17,15 +17,24 @@ at once). Validation (eval) uses a group of one at temperature 0.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hashlib
+import itertools
 from typing import Any, Callable, Optional, Sequence
 
 from arl.api.agent import EnvironmentService
 
 __all__ = ["partition_groups", "group_seed", "worker_groups", "check_env_capacity", "EnvGroup", "EnvGroupPool",
-           "EnvGroupSpec", "worker_spec"]
+           "EnvGroupSpec", "worker_spec", "EnvSharedError"]
 
 EnvFactory = Callable[[], EnvironmentService]
+
+_CLAIMS: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar("arl_env_group_claims", default=frozenset())
+_claim_ids = itertools.count(1)
+
+
+class EnvSharedError(RuntimeError):
+    """Two chains of an agent called reset/step on the one env it was given."""
 
 
 def partition_groups(num_env_groups: int, tags: Sequence[str],
@@ -95,18 +104,50 @@ class EnvGroup(EnvironmentService):
         self.episodes = 0  # episodes handed out by a pool (it derives the next seed from it)
         self._was_reset = False
         self._lock = asyncio.Lock()
+        self._owner: Optional[asyncio.Task] = None  # the chain (task) that uses reset/step on the group
+        self._claim = 0  # its claim id, in the context of the tasks it starts after its first call
+        self._helper: Optional[asyncio.Task] = None  # the one task of that chain besides its own using them now
 
     async def reset(self, seed: Optional[int] = None, options: Optional[dict[str, Any]] = None) -> tuple[Any, dict]:
-        """Reset every member with the same seed and options (a None seed keeps the group's current one)."""
-        if seed is not None:
-            self.seed = int(seed)
-        self.options = dict(options) if options is not None else None
-        self._was_reset = True
+        """Reset every member with the same seed and these options (a None seed keeps the group's current one).
+        EnvSharedError when another chain uses the group (see the module docstring)."""
+        self._check_chain("reset")
+        return await self._reset_members(seed, options)
+
+    async def new_episode(self, seed: Optional[int], options: Optional[dict[str, Any]]) -> tuple[Any, dict]:
+        """The pool's reset for a new prompt group: every member reset, no chain holds the group any more."""
+        self._owner = self._helper = None
+        return await self._reset_members(seed, options)
+
+    async def _reset_members(self, seed: Optional[int], options: Optional[dict[str, Any]]) -> tuple[Any, dict]:
+        opts = dict(options) if options is not None else None  # this call's: never another caller's
         async with self._lock:
+            if seed is not None:
+                self.seed = int(seed)
+            self.options, self._was_reset = opts, True  # what members made later are reset with
             if not self.members:
                 self.members.append(self._make_env())
-            results = await asyncio.gather(*(m.reset(seed=self.seed, options=self._opts()) for m in self.members))
+            results = await asyncio.gather(*(m.reset(seed=self.seed, options=None if opts is None else dict(opts))
+                                             for m in self.members))
         return results[0]
+
+    def _check_chain(self, what: str) -> None:
+        """reset/step on the group serve one chain: the first task that calls them (again any task once it ended),
+        plus one task at a time of those it started after its first call; anything else is refused."""
+        task = asyncio.current_task()
+        if task is None or task is self._owner:
+            return
+        if self._owner is None or self._owner.done():
+            self._owner, self._claim, self._helper = task, next(_claim_ids), None
+            _CLAIMS.set(_CLAIMS.get() | {self._claim})
+            return
+        if self._claim in _CLAIMS.get() and (self._helper is None or self._helper.done() or self._helper is task):
+            self._helper = task
+            return
+        raise EnvSharedError(
+            f"env.{what}() was called by a second chain while another chain uses this env: the env an agent is "
+            f"given serves one chain. Give chain i its own instance: `env_i = await env_for(env, i)` "
+            f"(arl.agents.common) or `await env.member(i)`; every member is reset with the group's seed and options.")
 
     def _opts(self) -> Optional[dict[str, Any]]:
         return dict(self.options) if self.options is not None else None
@@ -128,6 +169,8 @@ class EnvGroup(EnvironmentService):
         await self.member(self.size - 1)
 
     async def step(self, action: Any) -> tuple[Any, float, bool, bool, dict]:
+        """Step member 0 (EnvSharedError when another chain uses the group)."""
+        self._check_chain("step")
         return await (await self.member(0)).step(action)
 
     @property
@@ -189,7 +232,7 @@ class EnvGroupPool:
         s = seed if seed is not None else group_seed(self.base_seed, group.index, group.episodes)
         group.episodes += 1
         try:
-            await group.reset(seed=s, options=options)
+            await group.new_episode(seed=s, options=options)
         except BaseException:
             await self.release(group)
             raise

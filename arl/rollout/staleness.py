@@ -9,6 +9,22 @@ starts under version v makes tokens of version >= v and is consumed by a learner
 from __future__ import annotations
 
 import dataclasses
+import re
+from typing import Optional
+
+_GROUP_ID = re.compile(r"w(\d+)\.([0-9a-f]+)g(\d+)")
+
+
+def make_group_id(worker: int, incarnation: str, n: int) -> str:
+    """The id of the `n`-th group of rollout worker `worker`'s `incarnation` (a random hex per process): unique
+    across restarts, and it names the worker that holds the group (`parse_group_id`)."""
+    return f"w{worker}.{incarnation}g{n}"
+
+
+def parse_group_id(group_id: str) -> Optional[tuple[int, str]]:
+    """(worker index, incarnation) of a `make_group_id` id (the part before a trajectory's ':'), else None."""
+    m = _GROUP_ID.fullmatch(group_id.split(":", 1)[0])
+    return (int(m.group(1)), m.group(2)) if m else None
 
 
 @dataclasses.dataclass
@@ -22,6 +38,7 @@ class StalenessGate:
     started: int = 0
     rejected: int = 0  # finished groups that produced no trajectories (filtered, failed, timed out)
     max_groups: int | None = None  # stop admitting after this many accepted + running (end of the run)
+    owed: int = 0  # learner drops that came before their group was accepted: taken from the next accepted ones
 
     def capacity(self) -> int:
         """How many more groups may start right now."""
@@ -42,7 +59,10 @@ class StalenessGate:
         if self.running <= 0:
             raise RuntimeError("StalenessGate.finish called with no running group")
         self.running -= 1
-        if accepted:
+        if accepted and self.owed:  # the learner dropped it already (its drop overtook this report)
+            self.owed -= 1
+            self.rejected += 1
+        elif accepted:
             self.accepted += 1
         else:
             self.rejected += 1
@@ -52,17 +72,27 @@ class StalenessGate:
 
         The gate alone bounds staleness only if groups finish in the order they started; a long-tailed group
         can finish after younger ones have moved the version on. The learner drops such groups at consumption
-        (so no consumed token is ever more than eta behind) and the gate lets replacements start.
+        (so no consumed token is ever more than eta behind) and the gate lets replacements start. A drop that
+        arrives before its group's acceptance (the learner reports on another connection than the rollout
+        worker) is owed and taken when that group is accepted, not lost.
         """
-        n = min(n, self.accepted)
-        self.accepted -= n
-        self.rejected += n
+        k = min(n, self.accepted)
+        self.accepted -= k
+        self.rejected += k
+        self.owed = min(self.owed + n - k, self.running)  # only a running group can still be accepted
+
+    def reclaim(self, n: int) -> None:
+        """`n` groups released as lost (`release`) reached the learner after all: they count as accepted."""
+        n = min(n, self.rejected)
+        self.rejected -= n
+        self.accepted += n
 
     def release(self, n: int) -> None:
         """Return budget of groups that were admitted but never ran (a worker died or shut down)."""
         n = min(n, self.running)
         self.running -= n
         self.rejected += n
+        self.owed = min(self.owed, self.running)
 
     def set_version(self, version: int) -> None:
         if version < self.version:

@@ -17,13 +17,16 @@ import random
 import time
 from typing import Any, Awaitable, Callable, Optional, Sequence
 
+import numpy as np
+
 from arl.api.agent import Agent, EnvironmentService
-from arl.api.types import GenerateResponse, Trajectory
+from arl.api.types import GenerateResponse, Trajectory, one_reward
 from arl.rollout.client import InferenceClient, to_request
 from arl.rollout.env_groups import EnvGroupSpec
 from arl.rollout.filters import apply_filters
 from arl.rollout.ledger import EngineLog, TokenLedgerError, verify_trajectory
 from arl.rollout.guards import EnvCallError, GuardedEnv, call_with_deadline
+from arl.rollout.staleness import make_group_id
 from arl.report.traces import GroupTimeline, TraceSampler, group_traces
 from arl.utils.errors import describe_error, exception_text
 from arl.utils.histogram import LogHistogram
@@ -150,6 +153,38 @@ def _failure_detail(env: Any) -> Optional[str]:
     return None
 
 
+def plain(obj: Any) -> Any:
+    """`obj` with numpy scalars and arrays as Python numbers and lists, tuples as lists and dict subclasses as
+    dicts (what the wire carries); anything else is left for the codec to refuse."""
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, dict):
+        return {k: plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [plain(v) for v in obj]
+    return obj
+
+
+def wire_ready(t: Trajectory) -> None:
+    """Make what an agent may have put in `t` after building it sendable: turn rewards as `reward` takes them
+    (a number or a one-element sequence), metadata without numpy types. ValueError/TypeError: the agent's bug."""
+    t.reward = one_reward(t.reward, "Trajectory.reward")
+    t.turn_rewards = [one_reward(r, "Trajectory.turn_rewards") for r in t.turn_rewards]
+    if not isinstance(t.metadata, dict):
+        raise TypeError(f"Trajectory.metadata must be a dict, got {type(t.metadata).__name__}")
+    t.metadata = plain(t.metadata)
+
+
+def _reward_sum(trajs: Sequence[Trajectory]) -> float:
+    """Sum of the rewards; 0.0 when one is not a number (that group was dropped for it)."""
+    try:
+        return float(sum(float(t.reward) for t in trajs))
+    except (TypeError, ValueError):
+        return 0.0
+
+
 def trajectory_stats(trajs: Sequence[Trajectory]) -> dict[str, float]:
     """Sums over `trajs` of their numeric metadata (tool calls, turns, void turns, solved, ...) and rewards, so
     the controller can report per-trajectory means."""
@@ -239,13 +274,13 @@ class RolloutWorker:
             if want > 0:
                 self._wanted += want
                 self._acquires.append([time.monotonic(), want])
-                await self._send("gate_acquire", {"want": want})
+                await self._send("gate_acquire", {"want": want, "incarnation": self._incarnation})
             self._wake.clear()
             await self._wake.wait()
 
     # -- one prompt group ------------------------------------------------------------------------------------
     async def _run_group(self, prompt: dict, prompt_pos: int = -1, admission_s: Optional[float] = None) -> None:
-        gid = f"w{self.index}.{self._incarnation}g{next(self._group_ids)}"
+        gid = make_group_id(self.index, self._incarnation, next(self._group_ids))
         t0 = time.monotonic()
         reason, trajs = "accepted", []
         error: Optional[str] = None  # a dropped group's error: its message and where it was raised (bounded)
@@ -259,6 +294,8 @@ class RolloutWorker:
             env = await self._env_pool.acquire(options=dict(prompt), timeout=self._env_timeout,
                                                seed=None if self._env_pool.pooled else self._seed)
             trajs = await run_agent(self._make_agent(), prompt, env, self._client, self._timeout, log, timeline)
+            for t in trajs:
+                wire_ready(t)
             raw = list(trajs)
             if env.failure is not None:  # the agent caught an env failure and went on: its rewards are made up
                 reason, error = env.failure, _failure_detail(env)
@@ -290,32 +327,55 @@ class RolloutWorker:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(self._env_pool.release(env), 5.0)
         self.traj_stats.update(stats)
+        size: Optional[int] = None
+        if reason == "accepted":  # the push can fail too: the group still ends with its group_done
+            try:
+                for t in trajs:
+                    t.group_id = f"{gid}:{t.group_id}"
+                    t.metadata["prompt_pos"] = [self.index, prompt_pos]  # the learner's checkpoint keeps data position
+                await self._push(trajs)
+                self.stats["trajectories"] += len(trajs)
+            except Exception as e:  # noqa: BLE001 - e.g. metadata the wire cannot carry, a frame over the limit
+                size = getattr(e, "size_bytes", None)  # arl.transport.sockets.FrameTooLarge
+                reason = "too_large" if size is not None else f"error:{type(e).__name__}"
+                error = describe_error(exception_text(e), e)
+                logger.warning("group %s (prompt %s) could not be sent to the learner: %s: %s", gid, prompt.get("id"),
+                               type(e).__name__, e)
         accepted = reason == "accepted"
-        if accepted:
-            for t in trajs:
-                t.group_id = f"{gid}:{t.group_id}"
-                t.metadata["prompt_pos"] = [self.index, prompt_pos]  # the learner's checkpoint keeps data position
-            await self._push(trajs)
-            self.stats["trajectories"] += len(trajs)
-        else:
+        if not accepted:
             self.drop_reasons[reason] += 1
         self.stats["groups_" + ("accepted" if accepted else "dropped")] += 1
         done = {
             "accepted": accepted,
             "reason": reason,
+            "group_id": gid,
             "n_traj": len(trajs),
-            "reward_sum": float(sum(t.reward for t in trajs)),
+            "reward_sum": _reward_sum(trajs),
             "seconds": time.monotonic() - t0,
             "traj_stats": stats,  # sums of numeric trajectory metadata, before filters
             "n_traj_raw": n_raw,
         }
         if error is not None and not accepted:
             done["error"] = error
+        if size is not None:
+            done["size_bytes"] = size
         traces = self._traces(raw, timeline, reason, admission_s, done["seconds"], len(raw) != len(trajs), gid,
                               prompt.get("id"))
         if traces:
             done["traces"] = traces
-        await self._send("group_done", done)
+        await self._report(done)
+
+    async def _report(self, done: dict) -> None:
+        """Send a group's group_done; if it cannot go as it is (traces or stats the wire cannot carry, a frame over
+        the limit), without them: every admitted group must end with exactly one, or it holds its gate slot."""
+        try:
+            await self._send("group_done", done)
+        except (TypeError, ValueError) as e:
+            self.stats["group_done_trimmed"] += 1
+            logger.warning("group %s: group_done sent without its traces and stats (%s: %s)", done.get("group_id"),
+                           type(e).__name__, e)
+            keep = ("accepted", "reason", "group_id", "n_traj", "seconds", "size_bytes")
+            await self._send("group_done", {k: done[k] for k in keep if k in done})
 
     def _traces(self, raw: list[Trajectory], timeline: Optional[GroupTimeline], reason: str,
                 admission_s: Optional[float], seconds: float, some_dropped: bool, gid: str,

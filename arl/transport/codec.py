@@ -52,7 +52,8 @@ TYPED_TYPES = frozenset({"gen_req", "gen_resp", "traj"})
 CONTROL_TYPES = frozenset({"register", "heartbeat", "lookup", "addresses", "gate_acquire", "gate_grant", "group_done",
                            "weights_published", "update_weights", "weights_loaded", "prune_weights", "gen_abort",
                            "metrics", "shutdown", "ack", "error", "eval_done", "eval", "groups_dropped",
-                           "worker_lost", "worker_back", "join_weight_group", "open_weight_group", "send_weights"})
+                           "worker_lost", "worker_back", "join_weight_group", "open_weight_group", "send_weights",
+                           "group_received"})
 MESSAGE_TYPES = TYPED_TYPES | CONTROL_TYPES
 
 _METADATA_MAX_DEPTH = 32

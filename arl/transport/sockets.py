@@ -47,7 +47,7 @@ import zmq.asyncio
 
 from arl.transport.codec import DEFAULT_MAX_BYTES, TAG_SIZE, MalformedMessage, decode, encode
 
-__all__ = ["DEFAULT_HWM", "SocketClosed", "context", "bind_random", "Router", "Dealer", "Push", "Pull"]
+__all__ = ["DEFAULT_HWM", "SocketClosed", "FrameTooLarge", "context", "bind_random", "Router", "Dealer", "Push", "Pull"]
 
 logger = logging.getLogger("arl.transport")
 
@@ -60,6 +60,14 @@ _MAX_FAST_STREAK = 64  # receives served from the queue without yielding to the 
 _MAX_BATCH = 16
 # plain ints: pyzmq's enum flags cost microseconds per `&` and per call on this hot path
 _DONTWAIT, _EVENTS, _POLLIN, _POLLOUT = int(zmq.DONTWAIT), int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT)
+
+
+class FrameTooLarge(ValueError):
+    """A frame to send is over the socket's `max_bytes` (the peer would drop it): nothing was sent."""
+
+    def __init__(self, msg_type: str, size_bytes: int, limit: int) -> None:
+        super().__init__(f"{msg_type} frame of {size_bytes} bytes exceeds max_bytes={limit}")
+        self.size_bytes, self.limit = size_bytes, limit
 
 
 class SocketClosed(ConnectionError):
@@ -193,7 +201,7 @@ class _Socket:
     def _encode(self, msg_type: str, payload: Any) -> bytes:
         frame = encode(msg_type, payload, secret=self._secret)
         if len(frame) > self._max_bytes:
-            raise ValueError(f"{msg_type} frame of {len(frame)} bytes exceeds max_bytes={self._max_bytes}")
+            raise FrameTooLarge(msg_type, len(frame), self._max_bytes)
         return frame
 
     def _warn(self, text: str) -> None:

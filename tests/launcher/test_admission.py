@@ -71,3 +71,31 @@ def test_end_of_run_stops_admitting():
     a = make(batch_size=2, eta=5, max_groups=3)
     a.open()
     assert a.acquire("w0", 5) == [("w0", 3)]
+
+
+def test_the_learners_receipt_settles_a_group_once():
+    a = make(batch_size=2, eta=1)
+    a.open()
+    a.acquire(0, 3, incarnation="aa")
+    # group_done first, then its receipt: one acceptance
+    assert a.group_done(0, True, "w0.aag0") == [] and a.received(0, "aa", "w0.aag0", 2) == "known"
+    # receipt first, then group_done: one acceptance
+    assert a.received(0, "aa", "w0.aag1", 2) == "settled" and a.held[0] == 1 and a.gate.accepted == 2
+    assert a.group_done(0, True, "w0.aag1") == [] and a.gate.accepted == 2 and a.held[0] == 1
+    with pytest.raises(ValueError):  # a replayed group_done settles nothing
+        a.group_done(0, True, "w0.aag0")
+    assert a.received(0, "zz", "w0.zzg0") == "unknown" and a.gate.accepted == 2 and a.gate.running == 1
+
+
+def test_a_group_pushed_by_a_worker_that_died_before_group_done_counts_as_accepted():
+    a = make(batch_size=2, eta=0)
+    a.open()
+    a.acquire(0, 2, incarnation="aa")
+    assert a.received(0, "aa", "w0.aag0", 3) == "settled"  # pushed; the worker dies before its group_done
+    assert a.orphans(0) == [3]
+    lost, _ = a.worker_lost(0)  # its other group is lost ...
+    assert lost == 1 and a.gate.accepted == 1 and a.gate.running == 0 and a.gate.rejected == 1
+    assert a.gate.capacity() == 1  # ... and its budget returned; the received one keeps its budget
+    # a receipt that comes after the worker was declared lost reclaims one of its released groups
+    assert a.received(0, "aa", "w0.aag1", 3) == "reclaimed" and a.gate.accepted == 2 and a.gate.capacity() == 0
+    assert a.received(0, "aa", "w0.aag2", 3) == "unknown"  # it never held a third

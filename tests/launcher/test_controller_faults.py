@@ -286,4 +286,48 @@ async def test_a_drop_streak_stop_says_the_newest_error(tmp_path):
     assert ctl._failure.endswith("its newest error:\nRaisingEnv.step raised ValueError: the reward service is down\n"
                                  'raised at (innermost last):\n  File "bad_env.py", line 9, in step\n'
                                  '    raise ValueError("the reward service is down")')
+
+
+async def test_a_group_the_learner_has_is_accepted_though_its_worker_died_before_group_done(tmp_path):
+    """Rollout worker 0 pushes two groups and dies before either group_done: the learner's receipts settle them
+    as accepted (one before the death is noticed, one after), not lost with their budget given back."""
+    ctl = make_controller(tmp_path, num_rollout=1, max_restarts=1)
+    await ctl._dispatch(b"L", "register", {"role": "learner", "index": 0})
+    await ctl._dispatch(b"r0", "register", {"role": "rollout", "index": 0})
+    await ctl._grant(ctl.admission.open())
+    await ctl._dispatch(b"r0", "gate_acquire", {"want": 3, "incarnation": "aa"})
+    assert ctl.gate.running == 3
+    await ctl._dispatch(b"L", "group_received", {"group_id": "w0.aag0", "n_traj": 4})
+    assert ctl.gate.accepted == 1 and ctl.gate.running == 2
+    ctl.launcher.exit("rollout0", -9)
+    assert await ctl._check()
+    assert ctl.reporter.accepted_groups == 1 and ctl.reporter.accepted_trajectories == 4
+    assert ctl.reporter.lost_groups == 2 and ctl.gate.accepted == 1 and ctl.gate.running == 0
+    await ctl._dispatch(b"L", "group_received", {"group_id": "w0.aag1", "n_traj": 4})  # after the death
+    assert ctl.reporter.accepted_groups == 2 and ctl.reporter.lost_groups == 1 and ctl.gate.accepted == 2
+    assert ctl.reporter.group_reasons["lost_worker_died"] == 1
+    # a receipt for a group no worker holds gives nothing, and only the learner may send one
+    await ctl._dispatch(b"L", "group_received", {"group_id": "w0.bbg0", "n_traj": 4})  # another process's
+    await ctl._dispatch(b"L", "group_received", {"group_id": "nonsense", "n_traj": 4})
+    await ctl._dispatch(b"L", "group_received", {"group_id": "w0.aag1", "n_traj": 4})  # a duplicate receipt
+    assert ctl.gate.accepted == 2 and ctl.control_errors == {"unknown_group": 2}
+    assert ctl.reporter.accepted_groups == 2
+    ctl.reporter.close()
+
+
+@pytest.mark.asyncio
+async def test_a_learner_drop_that_overtakes_its_group_done_returns_the_budget(tmp_path):
+    ctl = make_controller(tmp_path, num_rollout=1, batch_size=1, max_head_offpolicyness=0)
+    await ctl._dispatch(b"L", "register", {"role": "learner", "index": 0})
+    await ctl._dispatch(b"r0", "register", {"role": "rollout", "index": 0})
+    await ctl._grant(ctl.admission.open())
+    await ctl._dispatch(b"r0", "gate_acquire", {"want": 2, "incarnation": "aa"})
+    assert ctl.gate.running == 1  # batch 1, eta 0: one group at version 0
+    # the learner refuses the group (invalid) before the rollout worker's group_done reaches the controller
+    await ctl._dispatch(b"L", "groups_dropped", {"n": 1, "reason": "invalid", "group_ids": ["w0.aag0"]})
+    await ctl._dispatch(b"r0", "group_done", {"accepted": True, "reason": "accepted", "n_traj": 2,
+                                              "group_id": "w0.aag0"})
+    assert ctl.gate.accepted == 0 and ctl.gate.running == 1  # its budget came back: the next group started
+    assert [s for s in ctl.router.sent if s[1] == "gate_grant"][-1] == (b"r0", "gate_grant", {"n": 1})
+    assert ctl.reporter.group_reasons["dropped_invalid"] == 1 and ctl.control_errors == {}
     ctl.reporter.close()

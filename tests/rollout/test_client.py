@@ -183,3 +183,20 @@ async def test_a_cancelled_request_is_aborted_on_its_worker():
     await asyncio.sleep(0)
     assert client.stats["aborted_abandoned"] == 1 and len(d0.aborted + d1.aborted) == 1
     await client.close()
+
+
+@pytest.mark.asyncio
+async def test_a_resent_request_is_aborted_when_the_first_attempt_answers_first():
+    d0, d1 = FakeDealer(0), FakeDealer(1)
+    client = InferenceClient([d0, d1], request_timeout=0.2, max_attempts=2)
+    client.start()
+    t = asyncio.create_task(client.generate(gen("slow")))
+    await until(lambda: len(d1.sent) == 1)  # timed out on 0, re-sent to 1 (and aborted on 0, too late)
+    d0.answer(d0.sent[0])  # ... 0 had finished it anyway: its answer comes first
+    r = await t
+    assert r.error is None
+    await until(lambda: d1.aborted == [d1.sent[0].qid])  # the re-sent attempt stops: no double work
+    assert client.stats["aborted_superseded"] == 1 and client.stats["aborted_abandoned"] == 0
+    d1.answer(d1.sent[0])
+    await until(lambda: client.stats["late"] == 1)
+    await client.close()

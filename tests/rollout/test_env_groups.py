@@ -126,3 +126,74 @@ def test_config_checks_env_groups_before_anything_starts():
                      (["rollout.num_env_groups=1", "rollout.num_workers=2"], "num_env_groups=1 < rollout.num_workers")]:
         with pytest.raises(ConfigError, match=msg):
             parse_overrides(ExperimentConfig, bad)
+
+
+class EpisodeEnv(EnvironmentService):
+    """A gymnasium-like env wrapped by hand: reset stores the episode's target (slowly), step reads it."""
+
+    def __init__(self):
+        self.state = {}
+        self.resets = []
+
+    async def reset(self, seed=None, options=None):
+        await asyncio.sleep(0.01)  # a real reset takes a while: other chains run meanwhile
+        self.state = {"target": options["target"]}
+        self.resets.append(options["target"])
+        return None, {}
+
+    async def step(self, action):
+        target = self.state.pop("target")  # one step per episode: a second one finds no episode (KeyError)
+        return None, float(action == target), True, False, {}
+
+
+@pytest.mark.asyncio
+async def test_chains_that_share_the_env_they_were_given_are_refused_clearly():
+    """Several chains each reset the env they were given with their own options, then step: they must not share
+    one instance by accident (it mixed their options and failed with a KeyError); the second chain is refused."""
+    g = EnvGroup(EpisodeEnv, size=3)
+
+    async def chain(i):
+        await g.reset(options={"target": f"t{i}"})
+        return (await g.step(f"t{i}"))[1]
+
+    results = await asyncio.gather(*(chain(i) for i in range(3)), return_exceptions=True)
+    assert [m.resets for m in g.members] == [["t0"]]  # reset with the options of its own call, by one chain
+    assert results[0] == 1.0  # the first chain had the env to itself; the others are told what to do instead
+    assert [type(r).__name__ for r in results[1:]] == ["EnvSharedError"] * 2
+    assert "env_for(env, i)" in str(results[1])
+
+    # what the message says works: each chain takes its own member
+    from arl.agents.common import env_for
+
+    g = EnvGroup(EpisodeEnv, size=2)
+
+    async def own_chain(i):
+        env = await env_for(g, i)
+        await env.reset(options={"target": f"t{i}"})
+        return (await env.step(f"t{i}"))[1]
+
+    assert await asyncio.gather(*(own_chain(i) for i in range(2))) == [1.0, 1.0]
+
+
+@pytest.mark.asyncio
+async def test_one_chain_may_use_the_group_from_its_own_tasks_one_at_a_time():
+    from arl.rollout.env_groups import EnvSharedError
+
+    g = EnvGroup(lambda: SeedEnv(), size=3)
+    await g.reset(seed=1, options={"answer": "5"})  # the agent's task resets the group for its chains ...
+    assert all(m.options == {"answer": "5"} for m in [await g.member(i) for i in range(3)])
+    for _ in range(2):  # ... steps in sub-tasks it starts one after the other are the same chain
+        await asyncio.create_task(g.step("x"))
+    assert g.members[0].steps == 2
+
+    async def chain():  # a chain of two turns
+        for _ in range(2):
+            await asyncio.sleep(0.01)
+            await g.step("x")
+
+    # chains that all step the group it reset would share member 0 at once: the second is refused
+    out = await asyncio.gather(chain(), chain(), return_exceptions=True)
+    assert sum(isinstance(r, EnvSharedError) for r in out) == 1
+    # a new episode from the pool frees the group for the next prompt's chains
+    await g.new_episode(seed=2, options={"answer": "6"})
+    assert await asyncio.create_task(g.step("x")) and all(m.options == {"answer": "6"} for m in g.members)

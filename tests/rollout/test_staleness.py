@@ -60,3 +60,25 @@ def test_simulated_staleness_never_exceeds_eta():
                 version += 1
                 g.set_version(version)
         assert version > 100
+
+
+def test_a_drop_before_its_groups_acceptance_is_not_lost():
+    """The learner's drop of a group can reach the controller before the rollout worker's group_done (two
+    connections): at the start of a run there is nothing accepted to take it from; it is taken on acceptance."""
+    g = StalenessGate(batch_size=1, max_head_offpolicyness=0, max_concurrent=100)
+    assert g.try_start(5) == 1
+    g.drop_accepted(1)  # invalid at the learner, reported before the group's group_done
+    g.finish(True)
+    assert g.accepted == 0 and g.rejected == 1 and g.try_start(5) == 1  # its budget is back
+    g.drop_accepted(3)  # more than could ever be accepted (one running group): no debt beyond it
+    assert g.owed == 1
+    g.release(1)
+    assert g.owed == 0
+
+
+def test_group_ids_name_their_worker_and_process():
+    from arl.rollout.staleness import make_group_id, parse_group_id
+
+    gid = make_group_id(3, "a1b2c3", 17)
+    assert parse_group_id(gid) == (3, "a1b2c3") and parse_group_id(gid + ":p7#x") == (3, "a1b2c3")
+    assert parse_group_id("p7") is None and parse_group_id("w1.zz g2") is None

@@ -288,6 +288,7 @@ async def test_a_drop_streak_stop_says_the_newest_error(tmp_path):
                                  '    raise ValueError("the reward service is down")')
 
 
+@pytest.mark.asyncio
 async def test_a_group_the_learner_has_is_accepted_though_its_worker_died_before_group_done(tmp_path):
     """Rollout worker 0 pushes two groups and dies before either group_done: the learner's receipts settle them
     as accepted (one before the death is noticed, one after), not lost with their budget given back."""

@@ -215,13 +215,16 @@ class InferenceClient:
         if none did) and the number of sends ("attempts"), for trajectory traces."""
         wire_id = f"{next(self._ids)}"
         loop = asyncio.get_running_loop()
-        wire = GenerateRequest(qid=wire_id, input_ids=req.input_ids, gconfig=req.gconfig, session_id=req.session_id)
-        p = _Pending(loop.create_future(), wire, req.gconfig.n * req.gconfig.max_new_tokens)
+        # `req` under the wire id, without a second __post_init__ (its input_ids were converted when it was built)
+        wire = object.__new__(GenerateRequest)
+        wire.__dict__.update(req.__dict__, qid=wire_id)
+        g = req.gconfig
+        p = _Pending(loop.create_future(), wire, g.n * g.max_new_tokens)
         idx = self._choose(req.session_id)
         if idx < 0:
             return GenerateResponse(qid=req.qid, error="no inference worker left")
         self._pending[wire_id] = p
-        deadline = self.deadline(req)
+        deadline = self._timeout + self._per_token * max(0, int(g.max_new_tokens))  # self.deadline(req), inlined
         try:
             await self._send(p, idx)
             while True:
@@ -262,8 +265,14 @@ class InferenceClient:
 
     def _observe_versions(self, resp: GenerateResponse) -> None:
         # A sample's versions never decrease (weights only move forward), so its last token has its newest.
-        self.set_version(max((int(s.output_versions[-1]) for s in resp.samples if len(s.output_versions)),
-                             default=-1))
+        # (a plain loop, and set_version only when newer: this runs once per answer)
+        newest = -1
+        for s in resp.samples:
+            versions = s.output_versions
+            if len(versions) and versions[-1] > newest:
+                newest = int(versions[-1])
+        if newest > self._version:
+            self.set_version(newest)
 
     async def _recv_loop(self, idx: int) -> None:
         dealer = self._dealers[idx]

@@ -183,3 +183,27 @@ async def test_a_cancelled_request_is_aborted_on_its_worker():
     await asyncio.sleep(0)
     assert client.stats["aborted_abandoned"] == 1 and len(d0.aborted + d1.aborted) == 1
     await client.close()
+
+
+def test_deadlines_still_expire_after_the_client_moves_to_another_event_loop():
+    """Deadlines are checked by one sweep timer per client: a sweep left scheduled on an event loop that closed
+    must not leave the next loop's requests without a deadline (they would wait forever)."""
+    d0 = FakeDealer(0)
+    client = InferenceClient([d0], request_timeout=0.05, max_attempts=1)
+
+    async def first_loop() -> None:
+        client.start()
+        asyncio.get_running_loop().create_task(client.generate(gen("x")))  # cancelled when this loop ends
+        await until(lambda: len(d0.sent) == 1)
+
+    async def second_loop() -> GenerateResponse:
+        d0._inbox = asyncio.Queue()
+        client.start()
+        try:
+            return await asyncio.wait_for(client.generate(gen("y")), 10)
+        finally:
+            await client.close()
+
+    asyncio.run(first_loop())
+    resp = asyncio.run(second_loop())
+    assert resp.error is not None and "no response" in resp.error and client.stats["timeout"] == 1

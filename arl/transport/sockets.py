@@ -60,7 +60,7 @@ _MAX_FAST_STREAK = 64  # receives served from the queue without yielding to the 
 _MAX_BATCH = 16
 # plain ints: pyzmq's enum flags cost microseconds per `&` and per call on this hot path
 _DONTWAIT, _EVENTS, _POLLIN, _POLLOUT = int(zmq.DONTWAIT), int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT)
-_SNDMORE, _RCVMORE = int(zmq.SNDMORE), int(zmq.RCVMORE)  # (send_/recv_multipart build enums for these per part)
+_SNDMORE = int(zmq.SNDMORE)  # (send_multipart builds an enum from 'SNDMORE | flags' per part)
 
 
 class SocketClosed(ConnectionError):
@@ -293,13 +293,15 @@ class _Socket:
                 self._wake()
             return parts
 
-    def _recv_multipart(self) -> list:
-        """pyzmq's recv_multipart with int flags: zmq.Again only before the first part (libzmq delivers a
-        multipart message whole)."""
+    def _recv_multipart(self) -> list[bytes]:
+        """pyzmq's recv_multipart, reading each part's more-flag from its Frame (``get(RCVMORE)`` builds an
+        enum per part); zmq.Again only before the first part (libzmq delivers a multipart message whole)."""
         sync = self._sync
-        parts = [sync.recv(_DONTWAIT, copy=True)]
-        while sync.get(_RCVMORE):
-            parts.append(sync.recv(_DONTWAIT, copy=True))
+        frame = sync.recv(_DONTWAIT, copy=False)
+        parts = [frame.bytes]
+        while frame.more:
+            frame = sync.recv(_DONTWAIT, copy=False)
+            parts.append(frame.bytes)
         return parts
 
     def _try_send(self, parts: list[bytes]) -> bool:

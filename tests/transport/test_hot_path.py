@@ -4,7 +4,7 @@ piled up on it, unseen because wall-clock figures on a shared machine are noise)
 Counts Python function calls per round trip through the real path in one process, 8 requests in flight:
 InferenceClient -> Dealer -> Router -> InferenceWorker -> engine and back. Call counts are deterministic (no wall
 clock: the test fails when the path gains work, not when the machine is busy). Measured with Python 3.11 and
-pyzmq 27: 8c8151e 141 calls (67 in arl), f605d73 155 (79), after issue 24 109 (61). A budget that fails here
+pyzmq 27: 8c8151e 141 calls (67 in arl), f605d73 155 (79), after issue 24 105 (61). A budget that fails here
 asks for a look at what the path gained (scripts/bench_transport.py, docs/benchmarks.md), not a bigger budget.
 """
 
@@ -83,4 +83,4 @@ async def calls_per_round_trip() -> collections.Counter:
 async def test_python_calls_per_round_trip_within_budget():
     per_rt = await calls_per_round_trip()
     assert per_rt["arl"] <= 66, f"arl calls per round trip: {per_rt['arl']:.1f} (was 61; 8c8151e: 67)"
-    assert per_rt["all"] <= 125, f"Python calls per round trip: {per_rt['all']:.1f} (was 109; 8c8151e: 141)"
+    assert per_rt["all"] <= 125, f"Python calls per round trip: {per_rt['all']:.1f} (was 105; 8c8151e: 141)"

@@ -18,6 +18,12 @@ For scale, the same run first measures the machine's floor: a bare blocking pyzm
 between two processes with a frame of the same size (no asyncio, no codec, no ARL), and the summary prints how
 much ARL's round trip adds to it. ``--transport ipc`` runs both over a Unix socket instead of loopback TCP;
 ``--busy-poll-us N`` makes both sides' event loops poll N microseconds before sleeping (config ``busy_poll_us``).
+
+``--baseline-tree PATH`` compares two checkouts side by side: it runs this script (no floor) alternately with
+this tree's ``arl`` and with PATH's (environment variable ``ARL_BENCH_TREE``, both processes) for ``--rounds``
+rounds, prints each run's best rate and CPU per round trip, and as the last line the medians' ratios
+this/baseline. The machine's load changes both alike, so the ratio (CPU above all) is what to read on a shared
+machine.
 """
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# ARL_BENCH_TREE: import `arl` from another checkout (--baseline-tree runs this same script against it)
+sys.path.insert(0, os.environ.get("ARL_BENCH_TREE") or os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from arl.api.types import GenerateRequest, GenerateResponse, GenerationConfig, SampleOutput  # noqa: E402
 from arl.transport.loop import run as run_loop  # noqa: E402
@@ -314,6 +321,35 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+def compare_trees(baseline: str, bench_args: list[str], rounds: int) -> int:
+    """Run this tree's bench and `baseline`'s alternately (order flipped each round); print the medians' ratios."""
+    import tempfile
+
+    trees = {"this": os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+             "baseline": os.path.abspath(baseline)}
+    runs: dict[str, list[dict]] = {name: [] for name in trees}
+    keys = ("rt_per_s", "client_cpu_us", "server_cpu_us")
+    with tempfile.TemporaryDirectory(prefix="arl-bench-ab-") as tmp:
+        for r in range(rounds):
+            for name in (("this", "baseline") if r % 2 == 0 else ("baseline", "this")):
+                out = os.path.join(tmp, f"{name}{r}.json")
+                env = {**os.environ, "PYTHONPATH": trees[name], "ARL_BENCH_TREE": trees[name]}
+                subprocess.run([sys.executable, os.path.abspath(__file__), *bench_args, "--no-floor", "--json", out],
+                               env=env, stdout=subprocess.DEVNULL, check=True, timeout=600)
+                with open(out) as f:
+                    best = max(json.load(f)["rows"], key=lambda row: row["rt_per_s"])
+                runs[name].append(best)
+                print(f"round {r} {name:8s}: {best['rt_per_s']:8.0f} rt/s ({best['payload']} tokens, {best['level']}, "
+                      f"{best['concurrency']} in flight); CPU per rt: client {best['client_cpu_us']:5.1f} us, "
+                      f"server {best['server_cpu_us']:5.1f} us", flush=True)
+    med = {name: {k: float(np.median([row[k] for row in rows])) for k in keys} for name, rows in runs.items()}
+    for name in trees:
+        print(f"median {name:8s}: {med[name]['rt_per_s']:8.0f} rt/s; CPU per rt: client "
+              f"{med[name]['client_cpu_us']:5.1f} us, server {med[name]['server_cpu_us']:5.1f} us  ({trees[name]})")
+    print("this/baseline: " + ", ".join(f"{k} {med['this'][k] / med['baseline'][k]:.3f}" for k in keys))
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--serve", default=None, help=argparse.SUPPRESS)
@@ -327,7 +363,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--busy-poll-us", type=float, default=0.0,
                     help="both sides' event loops poll this long before sleeping (config busy_poll_us)")
     ap.add_argument("--json", default="", help="also write the rows to this file")
+    ap.add_argument("--baseline-tree", default="", help="another checkout: run both benches alternately, print ratios")
+    ap.add_argument("--rounds", type=int, default=4, help="with --baseline-tree: runs of each tree")
     args = ap.parse_args(argv)
+    if args.baseline_tree:
+        return compare_trees(args.baseline_tree, [
+            "--payloads", *map(str, args.payloads), "--levels", *args.levels,
+            "--concurrency", *map(str, args.concurrency), "--seconds", str(args.seconds), "--transport", args.transport,
+            "--busy-poll-us", str(args.busy_poll_us)],
+            args.rounds)
     if args.serve is not None:
         return serve(args.serve, args.busy_poll_us)
     if args.serve_bare is not None:

@@ -58,13 +58,7 @@ class InferenceWorker:
                 self.stats["bad_requests"] += 1
                 continue
             key = (ident, payload.qid)
-            t = asyncio.create_task(self._answer(ident, payload))
-            self._inflight[key] = t
-            t.add_done_callback(lambda done, key=key: self._forget(key, done))
-
-    def _forget(self, key: tuple[bytes, str], task: asyncio.Task) -> None:
-        if self._inflight.get(key) is task:
-            del self._inflight[key]
+            self._inflight[key] = asyncio.create_task(self._answer(ident, payload, key))
 
     def _abort(self, ident: bytes, payload: object) -> None:
         """A client gave up on a request (re-sent elsewhere, or its trajectory ended): cancel its generation, so
@@ -78,14 +72,20 @@ class InferenceWorker:
         task.cancel()
         self.stats["aborted"] += 1
 
-    async def _answer(self, ident: bytes, req: GenerateRequest) -> None:
+    async def _answer(self, ident: bytes, req: GenerateRequest, key: tuple[bytes, str]) -> None:
         self.stats["requests"] += 1
         try:
-            resp = await self.engine.agenerate(req)  # a cancellation (gen_abort) cancels the engine's request
-        except Exception as e:  # noqa: BLE001 - the engine should not raise, but never lose a reply
-            logger.exception("engine failed on %s", req.qid)
-            resp = GenerateResponse(qid=req.qid, error=f"engine error: {type(e).__name__}: {e}")
-        await self.router.send(ident, "gen_resp", resp)
+            try:
+                resp = await self.engine.agenerate(req)  # a cancellation (gen_abort) cancels the engine's request
+            except Exception as e:  # noqa: BLE001 - the engine should not raise, but never lose a reply
+                logger.exception("engine failed on %s", req.qid)
+                resp = GenerateResponse(qid=req.qid, error=f"engine error: {type(e).__name__}: {e}")
+            await self.router.send(ident, "gen_resp", resp)
+        finally:
+            # forget this task here, not in a done callback (one callback less per request); the identity check
+            # keeps a later request under the same key (a re-send that came back here) in the table
+            if self._inflight.get(key) is asyncio.current_task():
+                del self._inflight[key]
 
     async def update_weights(self, version: int, path: str) -> None:
         """Load `version`, unless it is not newer than the loaded or loading one: a duplicate or late update

@@ -11,7 +11,9 @@ duplicate is dropped and counted as "late".
 
 Deadlines scale with the generation budget, so they do not cut long answers more often than short ones (which
 would push the policy toward short answers): an attempt may take ``request_timeout + timeout_per_token *
-max_new_tokens`` seconds. An attempt past its deadline is re-sent to another worker (while attempts remain) and
+max_new_tokens`` seconds (checked by one sweep per client every ``min(1 s, request_timeout / 8)``, so an attempt
+expires up to that much late; a loop timer per request cost ~15 Python calls per round trip). An attempt past
+its deadline is re-sent to another worker (while attempts remain) and
 the original is aborted (``gen_abort``: its worker stops generating it), so the work is not done twice; a request
 its caller gives up on (out of attempts, or the trajectory was cancelled) is aborted too, and so is a re-sent attempt
 when an earlier one answers first. Re-sends and aborts are counted in `stats`.
@@ -24,6 +26,7 @@ import collections
 import dataclasses
 import itertools
 import logging
+import time
 from typing import Any, Optional
 
 from arl.api.types import GenerateRequest, GenerateResponse, GenerationConfig
@@ -48,11 +51,7 @@ def to_request(item: Any) -> GenerateRequest:
 
 
 _TIMEOUT = object()  # what an attempt's future holds when its time ran out
-
-
-def _expire(fut: asyncio.Future) -> None:
-    if not fut.done():
-        fut.set_result(_TIMEOUT)
+_SWEEP_MAX_S = 1.0  # the longest pause between two deadline sweeps
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -64,6 +63,7 @@ class _Pending:
     work: int
     idx: int = -1
     attempts: int = 0
+    expires: float = 0.0  # time.monotonic() past which the current attempt has timed out
     answered_by: int = -1
 
 
@@ -99,6 +99,9 @@ class InferenceClient:
         self._version = -1
         self._ids = itertools.count()
         self._tasks: list[asyncio.Task] = []
+        self._sweep_every = min(_SWEEP_MAX_S, request_timeout / 8)
+        self._sweeper: Optional[asyncio.TimerHandle] = None
+        self._sweep_loop: Optional[asyncio.AbstractEventLoop] = None  # None while no sweep is scheduled
         self.stats = collections.Counter()
 
     @property
@@ -115,6 +118,9 @@ class InferenceClient:
 
     async def close(self) -> None:
         self._closing = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = self._sweep_loop = None
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -147,6 +153,24 @@ class InferenceClient:
         t = asyncio.get_running_loop().create_task(self._abort(idx, wire_id, why))
         self._aborts.add(t)
         t.add_done_callback(self._aborts.discard)
+
+    def _sweep(self) -> None:
+        """Time out the attempts past their deadline; runs every `_sweep_every` seconds while requests are pending
+        (one timer per client instead of one per request)."""
+        self._sweeper = self._sweep_loop = None
+        if not self._pending:
+            return
+        now = time.monotonic()
+        for p in self._pending.values():
+            if p.expires <= now and not p.future.done():
+                p.future.set_result(_TIMEOUT)  # wakes its generate() (no callback runs here: the dict stays as is)
+        self._schedule_sweep(asyncio.get_running_loop())
+
+    def _schedule_sweep(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._sweeper is not None:  # scheduled on another (closed) event loop: it will never run
+            self._sweeper.cancel()
+        self._sweeper = loop.call_later(self._sweep_every, self._sweep)
+        self._sweep_loop = loop
 
     def _choose(self, session_id: Optional[str], exclude: int = -1) -> int:
         """Sticky worker of the session if it is alive, else the live worker with the least outstanding work."""
@@ -220,23 +244,25 @@ class InferenceClient:
         if none did) and the number of sends ("attempts"), for trajectory traces."""
         wire_id = f"{next(self._ids)}"
         loop = asyncio.get_running_loop()
-        wire = GenerateRequest(qid=wire_id, input_ids=req.input_ids, gconfig=req.gconfig, session_id=req.session_id)
-        p = _Pending(loop.create_future(), wire, req.gconfig.n * req.gconfig.max_new_tokens)
+        # `req` under the wire id, without a second __post_init__ (its input_ids were converted when it was built)
+        wire = object.__new__(GenerateRequest)
+        wire.__dict__.update(req.__dict__, qid=wire_id)
+        g = req.gconfig
+        p = _Pending(loop.create_future(), wire, g.n * g.max_new_tokens)
         idx = self._choose(req.session_id)
         if idx < 0:
             return GenerateResponse(qid=req.qid, error="no inference worker left")
         self._pending[wire_id] = p
-        deadline = self.deadline(req)
+        deadline = self._timeout + self._per_token * max(0, int(g.max_new_tokens))  # self.deadline(req), inlined
         try:
             await self._send(p, idx)
             while True:
-                # One timer per attempt that resolves the attempt's future with _TIMEOUT (not wait_for + shield:
-                # three futures and their callbacks per request, on the hottest path of a rollout worker).
-                timer = loop.call_later(deadline, _expire, p.future)
-                try:
-                    resp = await p.future
-                finally:
-                    timer.cancel()
+                # _sweep resolves the attempt's future with _TIMEOUT once it expires (not wait_for + shield: three
+                # futures and their callbacks per request; not a loop timer each: heap upkeep per request)
+                p.expires = time.monotonic() + deadline
+                if self._sweep_loop is not loop:
+                    self._schedule_sweep(loop)
+                resp = await p.future
                 if resp is not _TIMEOUT:
                     break
                 target = self._choose(req.session_id, exclude=p.idx)
@@ -265,8 +291,14 @@ class InferenceClient:
 
     def _observe_versions(self, resp: GenerateResponse) -> None:
         # A sample's versions never decrease (weights only move forward), so its last token has its newest.
-        self.set_version(max((int(s.output_versions[-1]) for s in resp.samples if len(s.output_versions)),
-                             default=-1))
+        # (a plain loop, and set_version only when newer: this runs once per answer)
+        newest = -1
+        for s in resp.samples:
+            versions = s.output_versions
+            if len(versions) and versions[-1] > newest:
+                newest = int(versions[-1])
+        if newest > self._version:
+            self.set_version(newest)
 
     async def _recv_loop(self, idx: int) -> None:
         dealer = self._dealers[idx]

@@ -60,6 +60,7 @@ _MAX_FAST_STREAK = 64  # receives served from the queue without yielding to the 
 _MAX_BATCH = 16
 # plain ints: pyzmq's enum flags cost microseconds per `&` and per call on this hot path
 _DONTWAIT, _EVENTS, _POLLIN, _POLLOUT = int(zmq.DONTWAIT), int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT)
+_SNDMORE = int(zmq.SNDMORE)  # (send_multipart builds an enum from 'SNDMORE | flags' per part)
 
 
 class FrameTooLarge(ValueError):
@@ -287,7 +288,7 @@ class _Socket:
                     await self._wait(self._recv_waiters, "recv", checked=True)
                     likely = True
                     continue
-                parts = self._sync.recv_multipart(_DONTWAIT, copy=True)
+                parts = self._recv_multipart()
             except zmq.Again:
                 self._fast_streak = 0
                 likely = False
@@ -300,10 +301,25 @@ class _Socket:
                 self._wake()
             return parts
 
+    def _recv_multipart(self) -> list[bytes]:
+        """pyzmq's recv_multipart, reading each part's more-flag from its Frame (``get(RCVMORE)`` builds an
+        enum per part); zmq.Again only before the first part (libzmq delivers a multipart message whole)."""
+        sync = self._sync
+        frame = sync.recv(_DONTWAIT, copy=False)
+        parts = [frame.bytes]
+        while frame.more:
+            frame = sync.recv(_DONTWAIT, copy=False)
+            parts.append(frame.bytes)
+        return parts
+
     def _try_send(self, parts: list[bytes]) -> bool:
         """Non-blocking send; False if the queue is full (zmq.Again). Other ZMQErrors propagate."""
         try:
-            self._sync.send_multipart(parts, _DONTWAIT, copy=True)
+            # the sends pyzmq's send_multipart makes, with int flags
+            sync, last = self._sync, len(parts) - 1
+            for i in range(last):
+                sync.send(parts[i], _DONTWAIT | _SNDMORE, copy=True)
+            sync.send(parts[last], _DONTWAIT, copy=True)
         except zmq.Again:
             return False
         finally:

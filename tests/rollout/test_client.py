@@ -200,3 +200,27 @@ async def test_a_resent_request_is_aborted_when_the_first_attempt_answers_first(
     d1.answer(d1.sent[0])
     await until(lambda: client.stats["late"] == 1)
     await client.close()
+
+
+def test_deadlines_still_expire_after_the_client_moves_to_another_event_loop():
+    """Deadlines are checked by one sweep timer per client: a sweep left scheduled on an event loop that closed
+    must not leave the next loop's requests without a deadline (they would wait forever)."""
+    d0 = FakeDealer(0)
+    client = InferenceClient([d0], request_timeout=0.05, max_attempts=1)
+
+    async def first_loop() -> None:
+        client.start()
+        asyncio.get_running_loop().create_task(client.generate(gen("x")))  # cancelled when this loop ends
+        await until(lambda: len(d0.sent) == 1)
+
+    async def second_loop() -> GenerateResponse:
+        d0._inbox = asyncio.Queue()
+        client.start()
+        try:
+            return await asyncio.wait_for(client.generate(gen("y")), 10)
+        finally:
+            await client.close()
+
+    asyncio.run(first_loop())
+    resp = asyncio.run(second_loop())
+    assert resp.error is not None and "no response" in resp.error and client.stats["timeout"] == 1

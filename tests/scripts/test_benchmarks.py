@@ -38,6 +38,15 @@ def test_bench_transport_smoke(tmp_path, transport):
     assert "of ARL" in proc.stdout  # the summary sets ARL's latency against the bare pyzmq floor
 
 
+def test_bench_transport_baseline_tree():
+    """--baseline-tree alternates this tree with another checkout (here: this tree again) and ends on the ratios."""
+    proc = run_script("bench_transport.py", ["--payloads", "16", "--levels", "agent", "--concurrency", "4",
+                                             "--seconds", "0.2", "--baseline-tree", ROOT, "--rounds", "2"])
+    lines = proc.stdout.strip().splitlines()
+    assert sum(line.startswith("round ") for line in lines) == 4
+    assert re.fullmatch(r"this/baseline: rt_per_s [0-9.]+, client_cpu_us [0-9.]+, server_cpu_us [0-9.]+", lines[-1])
+
+
 SIM_TINY = ["--servers", "4", "--servers-per-process", "2", "--rollout-workers", "1", "--steps", "2", "--batch", "2",
             "--group-size", "2", "--time-scale", "0.01", "--len-median", "30", "--max-new-tokens", "300",
             "--tool-latency", "0.2"]

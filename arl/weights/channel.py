@@ -73,7 +73,7 @@ class WeightPublisher:
             elif newest is not None and newest is not self._sending and newest.plan == plan:
                 target, self.newest = newest, None  # superseded; `run` cannot start sending it meanwhile
             else:
-                target = Packed.allocate(plan, self.sender.device or "cpu")
+                target = Packed.allocate(plan, self.sender.device)  # NCCL: on the learner's GPU
                 self._pool.append(target)
         return target.fill(tensors)
 
@@ -144,8 +144,9 @@ class BroadcastLoader:
     transfer of the learner into the engine. A torch engine receives the tensors in this process (`WeightReceiver`)
     and swaps them in between decode steps; an SGLang engine's server receives them itself (`SGLangWeightClient`)."""
 
-    def __init__(self, engine: Any, *, timeout_s: float = 120.0, gloo_host: Optional[str] = None) -> None:
-        self.engine, self.timeout_s, self.gloo_host = engine, timeout_s, gloo_host
+    def __init__(self, engine: Any, *, timeout_s: float = 120.0, gloo_host: Optional[str] = None,
+                 secret: Optional[bytes] = None) -> None:
+        self.engine, self.timeout_s, self.gloo_host, self.secret = engine, timeout_s, gloo_host, secret
         self.sglang = hasattr(engine, "update_weights_from_distributed")
         if not self.sglang and not hasattr(engine, "update_weights_from_tensors"):
             raise ValueError(f"engine {type(engine).__name__} cannot load broadcast weights (weights.transport="
@@ -160,9 +161,13 @@ class BroadcastLoader:
             from arl.weights.sglang import SGLangWeightClient
 
             member: Any = SGLangWeightClient(self.engine.base_url, spec, timeout_s=self.timeout_s,
-                                             flush_cache=getattr(self.engine, "pause_mode", "") != "in_place")
+                                             flush_cache=getattr(self.engine, "pause_mode", "") != "in_place",
+                                             secret=self.secret)
         else:
-            member = WeightReceiver(spec, timeout_s=self.timeout_s, gloo_host=self.gloo_host)
+            # NCCL: receive on the engine's own GPU (the group's default, the current CUDA device, may be another)
+            device = getattr(self.engine, "device", None) if spec.backend == "nccl" else None
+            member = WeightReceiver(spec, timeout_s=self.timeout_s, gloo_host=self.gloo_host, device=device,
+                                    secret=self.secret)
         self._member = member
         self._joined = asyncio.create_task(asyncio.to_thread(member.join))
         await self._joined

@@ -424,6 +424,13 @@ class Controller:
             self._control_error("bad_register", f"refused a registration as {msg.role}/{msg.index}")
             return
         key = (msg.role, msg.index)
+        old = self.peers.get(key)
+        if old is not None and old != ident and key in self.sup.last_seen:
+            # a role's identity is bound at registration: only a new incarnation (the old one died or was
+            # dropped, so it is no longer heard) may register under its key, never a second peer beside it
+            self._control_error("register_taken", f"refused a registration as {msg.role}{msg.index} from peer "
+                                                  f"{ident[:16]!r}: that role is registered and alive")
+            return
         self._who.pop(self.peers.get(key, b""), None)  # a new incarnation: the old one's identity is no longer heard
         self.peers[key] = ident
         self._who[ident] = key

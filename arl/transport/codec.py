@@ -312,6 +312,19 @@ def _reject_ext(code: int, data: bytes) -> Any:
     raise ValueError("ext types are not allowed")
 
 
+_MACS: dict[bytes, Any] = {}
+
+
+def _mac(secret: bytes) -> Any:
+    """A fresh HMAC-SHA256 for `secret`, copied from one keyed once (keying costs more than a small frame's MAC)."""
+    m = _MACS.get(secret)
+    if m is None:
+        if len(_MACS) >= 16:
+            _MACS.clear()
+        m = _MACS[secret] = hmac.new(secret, digestmod=hashlib.sha256)
+    return m.copy()
+
+
 def encode(msg_type: str, payload: Any = None, *, secret: Optional[bytes] = None,
            stamp: Optional[bytes] = None) -> bytes:
     """Build one frame. Typed messages take their dataclass (``traj``: a list of Trajectory); control messages
@@ -332,7 +345,8 @@ def encode(msg_type: str, payload: Any = None, *, secret: Optional[bytes] = None
     body = msgpack.packb({"type": msg_type, "v": PROTOCOL_VERSION, "payload": payload}, use_bin_type=True)
     if secret is not None:
         stamp = stamp if stamp is not None else fresh_stamp()
-        mac = hmac.new(secret, body, hashlib.sha256)
+        mac = _mac(secret)
+        mac.update(body)
         mac.update(stamp)
         return b"".join((body, stamp, mac.digest()))
     return body
@@ -358,8 +372,9 @@ def decode(
     if secret is not None:
         if n < TAG_SIZE + STAMP_SIZE + 1:
             raise MalformedMessage("frame too short to carry a stamp and an HMAC tag")
-        signed = memoryview(frame)[:-TAG_SIZE]
-        if not hmac.compare_digest(hmac.new(secret, signed, hashlib.sha256).digest(), frame[-TAG_SIZE:]):
+        mac = _mac(secret)
+        mac.update(memoryview(frame)[:-TAG_SIZE])
+        if not hmac.compare_digest(mac.digest(), frame[-TAG_SIZE:]):
             raise MalformedMessage("HMAC tag does not verify")
         n -= TAG_SIZE + STAMP_SIZE
         if guard is not None:

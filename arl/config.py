@@ -344,7 +344,8 @@ class WeightsConfig:
                                                              "every worker reads it (a shared filesystem across "
                                                              "hosts); 'broadcast': learner rank 0 sends them over a "
                                                              "torch.distributed group per inference worker (no file).")
-    backend: str = field("auto", "broadcast: 'gloo', 'nccl', or 'auto' (nccl when inference runs on CUDA, else gloo).")
+    backend: str = field("auto", "broadcast: 'gloo', 'nccl', or 'auto' (nccl when inference runs on CUDA, else gloo; "
+                                 "disk instead when learner rank 0 and an inference server share a GPU).")
     bucket_mb: int = field(64, "broadcast: tensors travel in buckets of at most this many MiB.")
     timeout_s: float = field(120.0, "broadcast: longest wait of one group step (forming a group, one bucket).")
 

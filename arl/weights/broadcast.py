@@ -374,7 +374,8 @@ class Group:
         n = 16
         mine = torch.zeros(self.size * n, dtype=torch.int32)
         mine[self.rank * n:(self.rank + 1) * n] = torch.tensor(list(os.urandom(n)), dtype=torch.int32)
-        nonces = mine.to(self.device)
+        with self.on_stream():  # the copy to the GPU goes on the stream the all-reduce reads on
+            nonces = mine.to(self.device)
         self._wait(self.allreduce_async(nonces), "the secret handshake (nonces)")
         challenge = bytes(int(x) for x in nonces.cpu().tolist())
 
@@ -384,7 +385,8 @@ class Group:
 
         mine = torch.zeros(self.size * 32, dtype=torch.int32)
         mine[self.rank * 32:(self.rank + 1) * 32] = torch.tensor(list(proof(self.rank)), dtype=torch.int32)
-        proofs = mine.to(self.device)
+        with self.on_stream():
+            proofs = mine.to(self.device)
         self._wait(self.allreduce_async(proofs), "the secret handshake (proofs)")
         got = proofs.cpu().tolist()
         bad = [r for r in range(self.size) if r != self.rank and

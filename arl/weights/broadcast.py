@@ -761,8 +761,7 @@ class WeightSender:
                                       + " | ".join(f"{n}: {r}" for n, r in failures.items()), failures, sorted(live))
         return stats
 
-    @staticmethod
-    def _with_outcome(sg: _SenderGroup, seq: int, reason: str) -> str:
+    def _with_outcome(self, sg: _SenderGroup, seq: int, reason: str) -> str:
         """`reason`, plus what the SGLang worker reported if it did (why the server never took the bytes)."""
         if sg.protocol != "sglang":
             return reason

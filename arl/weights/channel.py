@@ -87,6 +87,7 @@ class WeightPublisher:
             await asyncio.to_thread(self.sender.open_group, name, 2, protocol=self.protocol)
         except WeightTransferError as e:  # the worker's join fails too: the controller restarts it, a new group
             logger.error("weight group %s with inference server %d did not form: %s", name, server, e)
+            self.stats.update(getattr(self.sender, "stats", {}))  # ranks_refused: in the learner's heartbeat
             return
         self._groups[server] = name
         self.stats["weight_groups"] = len(self._groups)
@@ -130,6 +131,7 @@ class WeightPublisher:
                 with self._lock:
                     self._sending = None
             self.stats["weight_sends"] += 1
+            self.stats.update(getattr(self.sender, "stats", {}))  # forged SGLang outcomes ignored (forged_values)
             self.stats["weight_send_s_last"] = time.monotonic() - t0
             logger.info("sent weights v%d to servers %s in %.3fs", version, ready, time.monotonic() - t0)
             if self._wanted:

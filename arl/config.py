@@ -350,7 +350,8 @@ class WeightsConfig:
                                                              "every worker reads it (a shared filesystem across "
                                                              "hosts); 'broadcast': learner rank 0 sends them over a "
                                                              "torch.distributed group per inference worker (no file).")
-    backend: str = field("auto", "broadcast: 'gloo', 'nccl', or 'auto' (nccl when inference runs on CUDA, else gloo).")
+    backend: str = field("auto", "broadcast: 'gloo', 'nccl', or 'auto' (nccl when inference runs on CUDA, else gloo; "
+                                 "disk instead when learner rank 0 and an inference server share a GPU).")
     bucket_mb: int = field(64, "broadcast: tensors travel in buckets of at most this many MiB.")
     timeout_s: float = field(120.0, "broadcast: longest wait of one group step (forming a group, one bucket).")
 
@@ -553,6 +554,11 @@ def validate(cfg: Any) -> None:
          "weights.transport=broadcast needs inference.backend torch or sglang, a learner that trains a model "
          "(not sim) and inference.servers_per_process=1"),
     ]
+    if cfg.weights.transport == WeightTransport.broadcast and cfg.weights.backend == "nccl":
+        why = shared_gpu(cfg)
+        checks.append((why is None, f"weights.backend=nccl: {why}; NCCL cannot put two ranks of one group on one "
+                                    "GPU ('Duplicate GPU detected'). Give them GPUs of their own, or use "
+                                    "weights.backend=auto (weights then go by disk) or gloo"))
     from arl.inference.factory import BACKENDS
     from arl.learner.backends import LEARNER_BACKENDS
 
@@ -628,10 +634,60 @@ def to_yaml(cfg: Any) -> str:
 
 
 def weights_backend(cfg: ExperimentConfig) -> str:
-    """The broadcast group backend: `weights.backend`, or with 'auto' nccl when inference runs on CUDA."""
+    """The broadcast group backend: `weights.backend`, or with 'auto' nccl when inference runs on CUDA (a run
+    whose learner and inference share a GPU gets disk instead: `resolve_weights`)."""
     if cfg.weights.backend != "auto":
         return cfg.weights.backend
     return "nccl" if cfg.inference.device.startswith("cuda") else "gloo"
+
+
+def _cuda_index(device: str) -> int:
+    """The GPU index of a torch device string ('cuda' -> 0, 'cuda:2' -> 2)."""
+    _, _, idx = device.partition(":")
+    try:
+        return int(idx) if idx else 0
+    except ValueError:
+        return 0
+
+
+def shared_gpu(cfg: ExperimentConfig) -> Optional[str]:
+    """Why learner rank 0 (the weight sender) and an inference server would run on the same GPU, or None (they
+    would not, or inference is not on CUDA). Locally, learner rank 0 trains on GPU 0 of CUDA_VISIBLE_DEVICES
+    (LOCAL_RANK 0); under Ray only whole GPUs per bundle keep them apart."""
+    ic = cfg.inference
+    if not ic.device.startswith("cuda"):
+        return None
+    if cfg.launcher == LauncherKind.ray:
+        r = cfg.ray
+        if r.gpus_per_learner_rank >= 1 and r.gpus_per_inference >= 1:
+            return None
+        return (f"under Ray, learner rank 0 and an inference server may share a GPU unless each gets whole GPUs "
+                f"(ray.gpus_per_learner_rank={r.gpus_per_learner_rank:g}, ray.gpus_per_inference="
+                f"{r.gpus_per_inference:g})")
+    if ic.backend == "sglang":
+        sg = ic.sglang
+        if sg.gpus_per_server > 0 and sg.first_gpu > 0:
+            return None
+        return (f"SGLang server 0 runs on GPU 0 (inference.sglang.first_gpu={sg.first_gpu}, gpus_per_server="
+                f"{sg.gpus_per_server}), where learner rank 0 trains; set inference.sglang.first_gpu >= "
+                f"learner.num_ranks")
+    if _cuda_index(ic.device) == 0:
+        return (f"inference.device={ic.device} is GPU 0, where learner rank 0 trains; put inference on another "
+                f"GPU (inference.device=cuda:{max(1, cfg.learner.num_ranks)})")
+    return None
+
+
+def resolve_weights(cfg: ExperimentConfig) -> tuple[ExperimentConfig, Optional[str]]:
+    """The config a run uses for weights, and a note when it differs: with `weights.backend=auto`, broadcast
+    weights between a learner and inference that share a GPU go by disk (NCCL cannot, see `shared_gpu`)."""
+    w = cfg.weights
+    if w.transport != WeightTransport.broadcast or w.backend != "auto" or weights_backend(cfg) != "nccl":
+        return cfg, None
+    why = shared_gpu(cfg)
+    if why is None:
+        return cfg, None
+    note = f"weights.transport=broadcast with weights.backend=auto: {why}; NCCL cannot, so weights go by disk"
+    return dataclasses.replace(cfg, weights=dataclasses.replace(w, transport=WeightTransport.disk)), note
 
 
 def resolve_threads(cfg: ExperimentConfig, role: str) -> int:
@@ -642,5 +698,6 @@ def resolve_threads(cfg: ExperimentConfig, role: str) -> int:
 
 __all__ = [
     "ExperimentConfig", "ConfigError", "parse_overrides", "split_experiment", "format_help", "import_user_modules",
-    "to_yaml", "resolve_threads", "weights_backend", "rollout_deadlines", "agent_turns", "DictConfig",
+    "to_yaml", "resolve_threads", "weights_backend", "shared_gpu", "resolve_weights", "rollout_deadlines",
+    "agent_turns", "DictConfig",
 ]

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import itertools
 import json
 import logging
@@ -108,6 +110,7 @@ class Controller:
         self._weights_backend = weights_backend
         self._weights_store: Optional[tuple[str, int]] = None  # the learner's sender (broadcast)
         self._group_numbers = itertools.count(1)  # names a fresh weight group per server incarnation (broadcast)
+        self._group_nonce = os.urandom(16)
         self._secret, self._bind_host, self._max_bytes = secret, bind_host, max_bytes
         self.stack_dump_wait = stack_dump_wait
         self.router: Optional[Router] = None
@@ -438,6 +441,13 @@ class Controller:
             self._control_error("bad_register", f"refused a registration as {msg.role}/{msg.index}")
             return
         key = (msg.role, msg.index)
+        old = self.peers.get(key)
+        if old is not None and old != ident and key in self.sup.last_seen:
+            # a role's identity is bound at registration: only a new incarnation (the old one died or was
+            # dropped, so it is no longer heard) may register under its key, never a second peer beside it
+            self._control_error("register_taken", f"refused a registration as {msg.role}{msg.index} from peer "
+                                                  f"{ident[:16]!r}: that role is registered and alive")
+            return
         self._who.pop(self.peers.get(key, b""), None)  # a new incarnation: the old one's identity is no longer heard
         self.peers[key] = ident
         self._who[ident] = key
@@ -602,7 +612,11 @@ class Controller:
         once both registered; the learner closes the server's previous group."""
         if self._weights_store is None or ("inference", server) not in self.peers:
             return
-        name = f"arl-weights-s{server}-{next(self._group_numbers)}"
+        # unguessable (the store has no access control): a tag derived from the run's secret and a nonce of this
+        # controller, so a peer that reaches the store cannot name a group it was not told (docs/reliability.md)
+        base = f"arl-weights-s{server}-{next(self._group_numbers)}"
+        tag = hmac.new(self._secret or self._group_nonce, self._group_nonce + base.encode(), hashlib.sha256)
+        name = f"{base}-{tag.hexdigest()[:32]}"
         host, port = self._weights_store
         spec = {"master_address": host, "master_port": port, "group_name": name, "world_size": 2, "rank": 1,
                 "backend": self._weights_backend}  # arl.weights.broadcast.GroupSpec (no torch import here)

@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Any, Optional
 
-from arl.config import ExperimentConfig, LauncherKind, to_yaml, weights_backend
+from arl.config import ExperimentConfig, LauncherKind, resolve_weights, to_yaml, weights_backend
 from arl.launcher.controller import Controller, RunFailed
 from arl.launcher.security import SECRET_ENV, effective_bind_host, is_loopback, resolve_secret
 from arl.launcher.supervision import Supervisor
@@ -221,6 +221,10 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
     checks the names first (`check_names`, as arl.cli does, so a bad name is a config error, not a failed run)."""
     run_dir = make_run_dir(cfg)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=prepare_model(cfg)))
+    cfg, note = resolve_weights(cfg)  # before config.yaml: every role reads the transport the run uses
+    if note:
+        logger.warning("%s", note)
+        print(f"note: {note}", file=sys.stderr, flush=True)
     with open(os.path.join(run_dir, "config.yaml"), "w") as f:
         f.write(to_yaml(dataclasses.replace(cfg, secret="")))  # the secret reaches the roles by environment
     print(f"run directory: {run_dir}", file=sys.stderr, flush=True)

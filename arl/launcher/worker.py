@@ -143,7 +143,8 @@ async def run_inference(cfg: ExperimentConfig, ctl: ControlChannel, index: int, 
         if cfg.weights.transport == WeightTransport.broadcast:
             from arl.weights.channel import BroadcastLoader
 
-            loader = BroadcastLoader(engine, timeout_s=cfg.weights.timeout_s, gloo_host=_host(cfg))
+            loader = BroadcastLoader(engine, timeout_s=cfg.weights.timeout_s, gloo_host=_host(cfg),
+                                     secret=SOCKET_OPTIONS.get("secret"))
         workers.append(InferenceWorker(index=i, engine=engine, router=router, send_control=ctl.dealer.send,
                                        loader=loader))
 
@@ -177,6 +178,19 @@ def _learner_actor(cfg: ExperimentConfig) -> tuple[Any, Any]:
     return actor, backend
 
 
+def weight_publisher(cfg: ExperimentConfig, device: Any) -> Any:
+    """Learner rank 0's `WeightPublisher` (weights.transport=broadcast). Over NCCL its buckets live on `device`,
+    the GPU the engine trains on (NCCL takes CUDA tensors only); over gloo on the CPU."""
+    from arl.weights.broadcast import WeightSender
+    from arl.weights.channel import WeightPublisher
+
+    host, backend = _host(cfg), weights_backend(cfg)
+    sender = WeightSender(host, 0, backend=backend, timeout_s=cfg.weights.timeout_s, gloo_host=host,
+                          device=device if backend == "nccl" else None, secret=SOCKET_OPTIONS.get("secret"))
+    return WeightPublisher(sender, protocol="sglang" if cfg.inference.backend == "sglang" else "arl",
+                           bucket_bytes=cfg.weights.bucket_mb << 20)
+
+
 async def run_learner(cfg: ExperimentConfig, ctl: ControlChannel, index: int, run_dir: str) -> RoleParts:
     from arl.learner.ranks import RankLeader
     from arl.learner.worker import LearnerWorker
@@ -191,13 +205,8 @@ async def run_learner(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
     publisher, skip = None, set()
     if cfg.weights.transport == WeightTransport.broadcast:  # rank 0 sends the weights; no file is written
         from arl.learner.export import tied_aliases
-        from arl.weights.broadcast import WeightSender
-        from arl.weights.channel import WeightPublisher
 
-        host = _host(cfg)
-        sender = WeightSender(host, 0, backend=weights_backend(cfg), timeout_s=cfg.weights.timeout_s, gloo_host=host)
-        publisher = WeightPublisher(sender, protocol="sglang" if cfg.inference.backend == "sglang" else "arl",
-                                    bucket_bytes=cfg.weights.bucket_mb << 20)
+        publisher = weight_publisher(cfg, getattr(actor.engine, "device", None))
         skip = tied_aliases(cfg.model.path)
 
     def write_final(weights: Any, version: int) -> None:

@@ -97,7 +97,7 @@ class LearnerWorker:
         self.stats = {"groups_received": 0, "trajectories_received": 0, "steps": 0, "idle_seconds": 0.0,
                       "train_seconds": 0.0, "staleness_violations": 0, "stale_groups_dropped": 0,
                       "trained_groups": 0, "trained_trajectories": 0, "stale_trajectories_dropped": 0,
-                      "invalid_groups": 0, "trained_twice": 0}
+                      "invalid_groups": 0, "trained_twice": 0, "replayed_groups": 0}
         self.checkpoint_dir = checkpoint_dir
         self.checkpoint_every = max(0, int(checkpoint_every))
         self.keep_checkpoints = max(1, int(keep_checkpoints))
@@ -105,6 +105,9 @@ class LearnerWorker:
         self.data_position: dict[str, int] = {}  # rollout worker index -> next prompt-stream position
         self.vocab_size = vocab_size
         self._trained_ids: set[str] = set()
+        # every group id ever received (checkpointed): a replayed `traj` is refused, even after a restart
+        self._received_ids: set[str] = set()
+        self._last_replay_log = -1e9
         self._in_step = 0  # groups of the step being trained (taken from the buffer, not yet counted as trained)
         self._last_invalid_log = -1e9
         self.waiting_on = "starting"  # reported in heartbeats; the controller logs it if this role goes silent
@@ -119,6 +122,15 @@ class LearnerWorker:
             msg_type, group = await self.pull.recv()
             if msg_type != "traj" or not group:
                 continue
+            ids = {t.group_id.split(":", 1)[0] for t in group}  # the rollout worker's group id prefix
+            if ids & self._received_ids:  # a replay (or a sender's bug): never trained, no budget returned
+                self.stats["replayed_groups"] += 1
+                if time.monotonic() - self._last_replay_log >= 1.0:
+                    self._last_replay_log = time.monotonic()
+                    logger.warning("refused a group whose id was received before (%s); %d so far",
+                                   sorted(ids & self._received_ids)[:3], self.stats["replayed_groups"])
+                continue
+            self._received_ids |= ids
             problem = group_problem(group, vocab_size=self.vocab_size, version=self.engine.version)
             if problem is not None:  # never train on it; give its budget back like a stale drop
                 self.stats["invalid_groups"] += 1
@@ -191,13 +203,15 @@ class LearnerWorker:
         """What a resume needs besides the engine's own state (JSON-safe)."""
         counters = {k: v for k, v in self.stats.items() if isinstance(v, (int, float))}  # staleness, accounting
         return {"groups_consumed": self.groups_consumed, "data_position": dict(self.data_position),
-                "batch_size": self.batch_size, "counters": counters}
+                "batch_size": self.batch_size, "counters": counters,
+                "received_group_ids": sorted(self._received_ids)}
 
     def restore(self, state: dict) -> None:
         """Take back `checkpoint_state()` after the engine loaded its checkpoint."""
         self.groups_consumed = int(state.get("groups_consumed", 0))
         self.data_position = {str(k): int(v) for k, v in dict(state.get("data_position", {})).items()}
         self.stats.update({k: v for k, v in dict(state.get("counters", {})).items() if k in self.stats})
+        self._received_ids = {str(i) for i in state.get("received_group_ids", [])}
 
     async def resume(self) -> Optional[int]:
         """Load the latest checkpoint under ``checkpoint_dir`` (engine state, then `restore`) and export its

@@ -3,7 +3,9 @@
 Frame layout
     body  = msgpack({"type": str, "v": PROTOCOL_VERSION, "payload": <payload>})
     frame = body                      (no secret)
-    frame = body + HMAC-SHA256(secret, body)   (32-byte tag appended when a secret is configured)
+    frame = body + stamp + HMAC-SHA256(secret, body + stamp)   (with a secret)
+
+``stamp`` (24 bytes: sender id, sequence number; ``arl.transport.replay``) lets a receiver refuse a replayed frame.
 
 A zmq message carries one or more frames (a batch: ``arl.transport.sockets`` sends what one event-loop iteration
 queued for a peer as one message); each frame is a whole envelope, encoded, tagged and decoded on its own.
@@ -40,9 +42,10 @@ import msgpack
 import numpy as np
 
 from arl.api.types import FINISH_REASONS, GenerateRequest, GenerateResponse, GenerationConfig, SampleOutput, Trajectory
+from arl.transport.replay import STAMP_SIZE, ReplayGuard, fresh_stamp
 
 __all__ = ["PROTOCOL_VERSION", "DEFAULT_MAX_BYTES", "TAG_SIZE", "TYPED_TYPES", "CONTROL_TYPES", "MESSAGE_TYPES",
-           "MalformedMessage", "encode", "decode"]
+           "MalformedMessage", "ReplayedMessage", "encode", "decode"]
 
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
@@ -61,6 +64,11 @@ _METADATA_MAX_DEPTH = 32
 
 class MalformedMessage(ValueError):
     """A frame that cannot be accepted; ``str(exc)`` is a short reason."""
+
+
+class ReplayedMessage(MalformedMessage):
+    """An authentic frame refused by the receiver's `ReplayGuard` (seen before, or too old); sockets count it
+    as ``replayed``."""
 
 
 # --------------------------------------------------------------------------------------------- arrays
@@ -318,9 +326,24 @@ def _reject_ext(code: int, data: bytes) -> Any:
     raise ValueError("ext types are not allowed")
 
 
-def encode(msg_type: str, payload: Any = None, *, secret: Optional[bytes] = None) -> bytes:
+_MACS: dict[bytes, Any] = {}
+
+
+def _mac(secret: bytes) -> Any:
+    """A fresh HMAC-SHA256 for `secret`, copied from one keyed once (keying costs more than a small frame's MAC)."""
+    m = _MACS.get(secret)
+    if m is None:
+        if len(_MACS) >= 16:
+            _MACS.clear()
+        m = _MACS[secret] = hmac.new(secret, digestmod=hashlib.sha256)
+    return m.copy()
+
+
+def encode(msg_type: str, payload: Any = None, *, secret: Optional[bytes] = None,
+           stamp: Optional[bytes] = None) -> bytes:
     """Build one frame. Typed messages take their dataclass (``traj``: a list of Trajectory); control messages
-    take a dict (or None for ``{}``). With ``secret``, a 32-byte HMAC-SHA256 tag is appended."""
+    take a dict (or None for ``{}``). With ``secret``, `stamp` (a socket's `Stamper`; default: a fresh sender's)
+    and a 32-byte HMAC-SHA256 tag over body and stamp are appended."""
     conv = _TO_WIRE.get(msg_type)
     if conv is not None:
         payload = conv(payload)
@@ -335,14 +358,20 @@ def encode(msg_type: str, payload: Any = None, *, secret: Optional[bytes] = None
         raise ValueError(f"unknown message type {msg_type!r}; known: {sorted(MESSAGE_TYPES)}")
     body = msgpack.packb({"type": msg_type, "v": PROTOCOL_VERSION, "payload": payload}, use_bin_type=True)
     if secret is not None:
-        return body + hmac.new(secret, body, hashlib.sha256).digest()
+        stamp = stamp if stamp is not None else fresh_stamp()
+        mac = _mac(secret)
+        mac.update(body)
+        mac.update(stamp)
+        return b"".join((body, stamp, mac.digest()))
     return body
 
 
 def decode(
-    frame: Any, *, max_bytes: int = DEFAULT_MAX_BYTES, secret: Optional[bytes] = None
+    frame: Any, *, max_bytes: int = DEFAULT_MAX_BYTES, secret: Optional[bytes] = None,
+    guard: Optional[ReplayGuard] = None
 ) -> tuple[str, Any]:
-    """Parse and validate one frame -> ``(type, payload)``; raise MalformedMessage on any defect.
+    """Parse and validate one frame -> ``(type, payload)``; raise MalformedMessage on any defect, and (with
+    `secret` and a `guard`) ``ReplayedMessage`` for an authentic frame whose stamp the guard refuses.
 
     ``payload`` is the dataclass (list of Trajectory for ``traj``) for typed messages, the dict otherwise.
     """
@@ -355,13 +384,18 @@ def decode(
     if n > max_bytes:
         raise MalformedMessage(f"frame of {n} bytes exceeds the {max_bytes}-byte limit")
     if secret is not None:
-        if n < TAG_SIZE + 1:
-            raise MalformedMessage("frame too short to carry an HMAC tag")
-        body, tag = frame[:-TAG_SIZE], frame[-TAG_SIZE:]
-        if not hmac.compare_digest(hmac.new(secret, body, hashlib.sha256).digest(), tag):
+        if n < TAG_SIZE + STAMP_SIZE + 1:
+            raise MalformedMessage("frame too short to carry a stamp and an HMAC tag")
+        mac = _mac(secret)
+        mac.update(memoryview(frame)[:-TAG_SIZE])
+        if not hmac.compare_digest(mac.digest(), frame[-TAG_SIZE:]):
             raise MalformedMessage("HMAC tag does not verify")
-        frame = body
-        n -= TAG_SIZE
+        n -= TAG_SIZE + STAMP_SIZE
+        if guard is not None:
+            why = guard.check(frame[n:n + STAMP_SIZE])
+            if why is not None:
+                raise ReplayedMessage(why)
+        frame = frame[:n]
     if n == 0:
         raise MalformedMessage("empty frame")
     try:

@@ -24,7 +24,9 @@ one of each per iteration instead of per message multiplies the round trips per 
 batch that finds no room (or no peer yet) stays queued and later sends wait; if its event loop ends first, it goes
 out with the socket's next send in another loop, or at ``close()``.
 
-With ``secret`` every frame carries an HMAC-SHA256 tag and frames without a valid tag count as malformed.
+With ``secret`` every frame carries an HMAC-SHA256 tag and frames without a valid tag count as malformed; an
+authentic frame this socket has seen already (or an old one from a sender it never heard) is dropped and counted as
+``replayed`` (``arl.transport.replay``).
 Frames up to ``max_bytes`` are decoded; larger ones are counted as malformed, and above ``2 * max_bytes`` libzmq
 itself drops the peer's connection (ZMQ_MAXMSGSIZE) so a runaway sender cannot exhaust memory.
 
@@ -45,7 +47,8 @@ from typing import Any, Optional
 import zmq
 import zmq.asyncio
 
-from arl.transport.codec import DEFAULT_MAX_BYTES, TAG_SIZE, MalformedMessage, decode, encode
+from arl.transport.codec import DEFAULT_MAX_BYTES, TAG_SIZE, MalformedMessage, ReplayedMessage, decode, encode
+from arl.transport.replay import ReplayGuard, Stamper
 
 __all__ = ["DEFAULT_HWM", "SocketClosed", "FrameTooLarge", "context", "bind_random", "Router", "Dealer", "Push", "Pull"]
 
@@ -137,6 +140,11 @@ class _Socket:
         self._max_bytes = max_bytes
         self.name = name or type(self).__name__
         self.stats: dict[str, int] = {"received": 0, "sent": 0, "malformed": 0}
+        # with a secret: this socket's stamps, and the newest stamp heard from each sender (arl.transport.replay)
+        self._stamper = Stamper() if secret is not None else None
+        self._guard = ReplayGuard() if secret is not None else None
+        if secret is not None:
+            self.stats["replayed"] = 0
         if self._drops:  # a Router: unroutable replies raise (we count them) instead of vanishing
             self.stats["dropped"] = 0
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -200,7 +208,8 @@ class _Socket:
         return self._recv() if timeout is None else asyncio.wait_for(self._recv(), timeout)
 
     def _encode(self, msg_type: str, payload: Any) -> bytes:
-        frame = encode(msg_type, payload, secret=self._secret)
+        frame = encode(msg_type, payload, secret=self._secret,
+                       stamp=self._stamper() if self._stamper is not None else None)
         if len(frame) > self._max_bytes:
             raise FrameTooLarge(msg_type, len(frame), self._max_bytes)
         return frame
@@ -349,9 +358,9 @@ class _Socket:
         msgs = []
         for i, frame in enumerate(frames):
             try:
-                msg = decode(frame, max_bytes=self._max_bytes, secret=self._secret)
+                msg = decode(frame, max_bytes=self._max_bytes, secret=self._secret, guard=self._guard)
             except MalformedMessage as e:
-                self.stats["malformed"] += len(frames)
+                self.stats["replayed" if isinstance(e, ReplayedMessage) else "malformed"] += len(frames)
                 self._warn(f"dropped malformed message ({len(frames)} frame(s)): frame {i}: {e}")
                 return
             msgs.append(msg if route is None else (route, msg[0], msg[1]))

@@ -28,9 +28,14 @@ rejoin under a new name), a refusal keeps it open.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import hashlib
+import hmac
 import json
 import logging
+import os
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -41,8 +46,9 @@ from torch._C._distributed_c10d import AllreduceOptions, BroadcastOptions, Prefi
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DTYPES", "GroupSpec", "Group", "Packed", "TensorMeta", "TransferPlan", "TransferStats", "WeightReceiver",
-           "WeightSender", "WeightTransferError", "dedup_tied", "make_plan", "pack_bucket", "unpack_bucket"]
+__all__ = ["DTYPES", "GroupSpec", "Group", "Packed", "RankNotProven", "TensorMeta", "TransferPlan", "TransferStats",
+           "WeightReceiver", "WeightSender", "WeightTransferError", "dedup_tied", "make_plan", "pack_bucket",
+           "sign_value", "unpack_bucket", "verify_value"]
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 DTYPES: dict[str, torch.dtype] = {
@@ -68,6 +74,14 @@ class WeightTransferError(RuntimeError):
         super().__init__(message)
         self.failures = dict(failures or {})
         self.ok = list(ok)
+
+
+class RankNotProven(WeightTransferError):
+    """A member of a weight group could not prove the run's secret (`ranks`); the group is closed."""
+
+    def __init__(self, message: str, ranks: Sequence[int]) -> None:
+        super().__init__(message)
+        self.ranks = list(ranks)
 
 
 # ---------------------------------------------------------------------------------------------------------- plan
@@ -191,10 +205,15 @@ def pack_bucket(plan: TransferPlan, k: int, tensors: Mapping[str, torch.Tensor],
 @dataclasses.dataclass
 class Packed:
     """A state dict packed into its plan's buckets: what a send puts on the wire. Packing into buffers kept from
-    one version to the next is one memory copy; into fresh ones it is page faults too (~1 GB/s on CPU)."""
+    one version to the next is one memory copy; into fresh ones it is page faults too (~1 GB/s on CPU).
+
+    On CUDA, `fill` only queues the copies on the packing thread's current stream (the training stream, so the
+    next step cannot change the weights before they are copied) and records `ready` after them: a send waits for
+    that event on its own stream, never for the training stream itself."""
 
     plan: TransferPlan
     buckets: list[torch.Tensor]
+    ready: Optional[Any] = None  # torch.cuda.Event recorded after the last copy of `fill` (CUDA buffers only)
 
     @classmethod
     def allocate(cls, plan: TransferPlan, device: Union[str, torch.device] = "cpu") -> "Packed":
@@ -204,7 +223,28 @@ class Packed:
     def fill(self, tensors: Mapping[str, torch.Tensor]) -> "Packed":
         for k, buf in enumerate(self.buckets):
             pack_bucket(self.plan, k, tensors, out=buf)
+        self.ready = _record_event(self.buckets[0].device) if self.buckets else None
         return self
+
+
+def _record_event(device: torch.device) -> Optional[Any]:
+    """A CUDA event recorded on `device`'s current stream (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(device))
+    return ev
+
+
+def resolve_device(device: Optional[Union[str, torch.device]], backend: str) -> torch.device:
+    """The device a group's tensors live on: `device`, else the CPU for gloo and the current CUDA device for
+    NCCL (with its index, so tensors can be compared with it). NCCL takes CUDA tensors only."""
+    dev = torch.device(device if device is not None else ("cpu" if backend == "gloo" else "cuda"))
+    if backend == "nccl" and dev.type != "cuda":
+        raise ValueError(f"an NCCL weight group needs a CUDA device, got {dev}")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
 
 
 def unpack_bucket(plan: TransferPlan, k: int, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -278,13 +318,17 @@ class Group:
 
     def __init__(self, base: Store, name: str, rank: int, size: int, *, backend: str = "gloo",
                  timeout_s: float = 60.0, gloo_host: Optional[str] = None,
-                 device: Optional[Union[str, torch.device]] = None) -> None:
+                 device: Optional[Union[str, torch.device]] = None, secret: Optional[bytes] = None) -> None:
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} outside world size {size}")
         self.name, self.rank, self.size, self.backend, self.timeout_s = name, rank, size, backend, timeout_s
         self.store = arl_store(base, name)
         dev = "cpu" if backend == "gloo" else "cuda"
-        self.device = torch.device(device if device is not None else dev)
+        self.device = resolve_device(device, backend)
+        # CUDA: collectives run on a stream of the group's own, and waits synchronise that stream only: a sender
+        # thread must not make the learner's training stream wait for a broadcast (nor an inference receiver
+        # the engine's decode stream), which synchronising the thread's current stream would do.
+        self.stream: Optional[Any] = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # _new_process_group_helper's prefixes under the group's store: f"{group_name}/", then the device
         pg_store = PrefixStore(f"{dev}/", PrefixStore(f"{name}/", self.store))
         t0 = time.monotonic()
@@ -315,6 +359,41 @@ class Group:
             raise WeightTransferError(f"group {name!r}: rank {rank} of {size} could not form the group within "
                                       f"{timeout_s:g}s ({time.monotonic() - t0:.1f}s): {e}") from e
         self.closed = False
+        if secret is not None:
+            try:
+                self._prove(secret)
+            except WeightTransferError:
+                self.close()
+                raise
+
+    def _prove(self, secret: bytes) -> None:
+        """Every rank proves it holds the run's secret, over the group itself (not the store, where anyone who
+        reaches it can read and write): each rank adds a fresh nonce, then an HMAC of its rank over all of them.
+        A peer that took a rank's place in the rendezvous (it can: the store has no access control) cannot
+        answer, and the group is refused before any weight moves. Raises `RankNotProven` naming the ranks."""
+        n = 16
+        mine = torch.zeros(self.size * n, dtype=torch.int32)
+        mine[self.rank * n:(self.rank + 1) * n] = torch.tensor(list(os.urandom(n)), dtype=torch.int32)
+        with self.on_stream():  # the copy to the GPU goes on the stream the all-reduce reads on
+            nonces = mine.to(self.device)
+        self._wait(self.allreduce_async(nonces), "the secret handshake (nonces)")
+        challenge = bytes(int(x) for x in nonces.cpu().tolist())
+
+        def proof(r: int) -> bytes:
+            return hmac.new(secret, b"arl-weight-rank|%s|%d|%d|" % (self.name.encode(), r, self.size) + challenge,
+                            hashlib.sha256).digest()
+
+        mine = torch.zeros(self.size * 32, dtype=torch.int32)
+        mine[self.rank * 32:(self.rank + 1) * 32] = torch.tensor(list(proof(self.rank)), dtype=torch.int32)
+        with self.on_stream():
+            proofs = mine.to(self.device)
+        self._wait(self.allreduce_async(proofs), "the secret handshake (proofs)")
+        got = proofs.cpu().tolist()
+        bad = [r for r in range(self.size) if r != self.rank and
+               not hmac.compare_digest(bytes(int(x) & 0xFF for x in got[r * 32:(r + 1) * 32]), proof(r))]
+        if bad:
+            raise RankNotProven(f"group {self.name!r}: rank(s) {bad} could not prove the run's secret; the group "
+                                f"is refused before any weight moves", bad)
 
     def _wait(self, work: Any, what: str) -> None:
         try:
@@ -325,27 +404,50 @@ class Group:
         except Exception as e:  # noqa: BLE001
             raise WeightTransferError(f"group {self.name!r} rank {self.rank}: {what} failed or timed out "
                                       f"({self.timeout_s:g}s): {e}") from e
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    def on_stream(self) -> Any:
+        """Context: the group's CUDA stream is current (no-op off CUDA); collectives and their buffers go there."""
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def after(self, event: Optional[Any]) -> None:
+        """The group's stream waits (on the GPU, not the CPU) for `event`, e.g. the packing of a send."""
+        if self.stream is not None and event is not None:
+            self.stream.wait_event(event)
+
+    def _check(self, t: torch.Tensor, what: str) -> None:
+        """Refuse a tensor on another device than the group's, as NCCL would, but saying which devices."""
+        if t.device != self.device:
+            raise WeightTransferError(f"group {self.name!r}: {what} tensor is on {t.device}, the group's "
+                                      f"{self.backend} backend was set up for {self.device}")
 
     def broadcast_async(self, t: torch.Tensor) -> Any:
+        self._check(t, "broadcast")
         opts = BroadcastOptions()
         opts.rootRank, opts.rootTensor = 0, 0
         opts.timeout = _td(self.timeout_s)
-        return self.pg.broadcast([t], opts)
+        with self.on_stream():
+            return self.pg.broadcast([t], opts)
 
     def broadcast(self, t: torch.Tensor, what: str) -> None:
         self._wait(self.broadcast_async(t), what)
 
     def allreduce_async(self, t: torch.Tensor) -> Any:
+        self._check(t, "all-reduce")
         opts = AllreduceOptions()
         opts.reduceOp = ReduceOp.SUM
         opts.timeout = _td(self.timeout_s)
-        return self.pg.allreduce([t], opts)
+        with self.on_stream():
+            return self.pg.allreduce([t], opts)
 
-    def flags(self) -> torch.Tensor:
-        """A zeroed per-rank vector for the refusal / failure all-reduces."""
-        return torch.zeros(self.size, dtype=torch.int32, device=self.device)
+    def flags(self, mine: bool = False) -> torch.Tensor:
+        """A per-rank vector for the refusal / failure all-reduces: 1 at this rank if `mine`, else zeros."""
+        with self.on_stream():
+            t = torch.zeros(self.size, dtype=torch.int32, device=self.device)
+            if mine:
+                t[self.rank] = 1
+            return t
 
     def close(self) -> None:
         """Drop the group (idempotent); its peers' next collective fails at once or after their timeout."""
@@ -362,11 +464,14 @@ class Group:
         self.pg = None
 
 
-def wait_announced(store: Store, group_name: str, seq: int, wait_s: float) -> tuple[int, TransferPlan]:
+def wait_announced(store: Store, group_name: str, seq: int, wait_s: float, secret: Optional[bytes] = None,
+                   on_forged: Optional[Callable[[str], None]] = None) -> tuple[int, TransferPlan]:
     """The version and plan the sender announced for transfer `seq` of a group, waiting at most `wait_s` (outside
-    any collective, so it can be long): the one wait both a torch receiver and an SGLang server's client make."""
+    any collective, so it can be long): the one wait both a torch receiver and an SGLang server's client make.
+    With `secret`, only an announcement signed with it counts (anyone who reaches the store can write keys): a
+    forged one is reported to `on_forged` and ignored, and the wait goes on for the sender's."""
     try:
-        raw = json.loads(_get_str(store, f"arl/xfer/{seq}", wait_s))
+        raw = json.loads(_get_signed(store, group_name, f"arl/xfer/{seq}", wait_s, secret, on_forged))
     except Exception as e:  # noqa: BLE001
         raise WeightTransferError(f"group {group_name!r}: no transfer #{seq} announced within {wait_s:g}s: "
                                   f"{e}") from e
@@ -376,6 +481,42 @@ def wait_announced(store: Store, group_name: str, seq: int, wait_s: float) -> tu
 def _get_str(store: Store, key: str, timeout_s: float) -> str:
     store.wait([key], _td(timeout_s))
     return store.get(key).decode()
+
+
+def sign_value(secret: Optional[bytes], group_name: str, key: str, value: str) -> str:
+    """`value` as stored under `key` of a group: with `secret`, prefixed by an HMAC over the group, key and value
+    (so it cannot be moved to another key or group either)."""
+    if secret is None:
+        return value
+    tag = hmac.new(secret, f"{group_name}|{key}|".encode() + value.encode(), hashlib.sha256).hexdigest()
+    return f"{tag} {value}"
+
+
+def verify_value(secret: Optional[bytes], group_name: str, key: str, stored: str) -> Optional[str]:
+    """The value `sign_value` stored, or None when its tag does not verify."""
+    if secret is None:
+        return stored
+    tag, _, value = stored.partition(" ")
+    good = hmac.new(secret, f"{group_name}|{key}|".encode() + value.encode(), hashlib.sha256).hexdigest()
+    return value if hmac.compare_digest(tag.encode(), good.encode()) else None
+
+
+def _get_signed(store: Store, group_name: str, key: str, timeout_s: float, secret: Optional[bytes],
+                on_forged: Optional[Callable[[str], None]] = None) -> str:
+    """`key`'s value once it carries a valid tag (`sign_value`), waiting at most `timeout_s`; a forged value is
+    reported and waited out (the signer's own write replaces it)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"no validly signed {key!r} within {timeout_s:g}s")
+        value = verify_value(secret, group_name, key, _get_str(store, key, left))
+        if value is not None:
+            return value
+        logger.warning("group %s: ignored a value under %s that is not signed with the run's secret", group_name, key)
+        if on_forged is not None:
+            on_forged(key)
+        time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
 
 
 def _delete(store: Store, *keys: str) -> None:
@@ -413,13 +554,37 @@ class WeightSender:
 
     `open_group` blocks until every receiver of the group has joined (run it in a thread beside the receivers'
     joins, or the SGLang server's ``/init_weights_update_group``). `send` is thread-safe against `open_group` /
-    `close_group` for other names, but transfers are serialised."""
+    `close_group` for other names, but transfers are serialised.
+
+    Trust: the store listens on `host` only (not every interface, TCPStore's default). It has no access control:
+    whoever reaches it can read and write keys. With `secret` (the run's), what a receiver acts on is signed
+    (announcements; an SGLang worker's outcome is checked here), and every member of an ``arl`` group proves the
+    secret over the group before any weight moves (`Group._prove`); `stats` counts what was refused."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, backend: str = "gloo", timeout_s: float = 60.0,
                  advertise_address: Optional[str] = None, gloo_host: Optional[str] = None,
-                 device: Optional[Union[str, torch.device]] = None) -> None:
-        self.backend, self.timeout_s, self.gloo_host, self.device = backend, timeout_s, gloo_host, device
-        self._store = TCPStore(host, port, None, True, _td(timeout_s), wait_for_workers=False, multi_tenant=True)
+                 device: Optional[Union[str, torch.device]] = None, secret: Optional[bytes] = None) -> None:
+        self.backend, self.timeout_s, self.gloo_host = backend, timeout_s, gloo_host
+        # where packed buckets must live: NCCL takes CUDA tensors only (the learner passes its engine's device)
+        self.device = torch.device(device if device is not None else ("cpu" if backend == "gloo" else "cuda"))
+        if backend == "nccl" and self.device.type != "cuda":
+            raise ValueError(f"weights over NCCL need the sender's CUDA device, got {self.device}")
+        self.secret = secret
+        self.stats = {"ranks_refused": 0, "forged_values": 0}
+        # TCPStore's server listens on every interface whatever its host says: bind the socket here, on `host`
+        family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+        listen = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listen.bind((host.strip("[]"), port))
+            listen.listen(512)
+            bound = listen.getsockname()[1]
+        except BaseException:
+            listen.close()
+            raise
+        # the store owns the socket from here on (it closes it when it goes)
+        self._store = TCPStore(host.strip("[]"), bound, None, True, _td(timeout_s), wait_for_workers=False,
+                               multi_tenant=True, master_listen_fd=listen.detach())
         self.address = advertise_address or host
         self.port = int(self._store.port)
         self._groups: dict[str, _SenderGroup] = {}
@@ -443,10 +608,18 @@ class WeightSender:
         with self._lock:
             if name in self._groups:
                 raise ValueError(f"group {name!r} is open already")
-        g = Group(self._store, name, 0, world_size, backend=self.backend, timeout_s=self.timeout_s,
-                  gloo_host=self.gloo_host, device=self.device)
+        try:  # an SGLang server joins with SGLang's own code: it cannot prove the secret (see docs/reliability.md)
+            g = Group(self._store, name, 0, world_size, backend=self.backend, timeout_s=self.timeout_s,
+                      gloo_host=self.gloo_host, device=self.device, secret=self.secret if protocol == "arl" else None)
+        except RankNotProven as e:
+            self.stats["ranks_refused"] += len(e.ranks)
+            logger.error("%s", e)
+            raise
         with self._lock:
             self._groups[name] = _SenderGroup(g, protocol)
+
+    def _forged(self, key: str) -> None:
+        self.stats["forged_values"] += 1
 
     def close_group(self, name: str) -> None:
         with self._lock:
@@ -494,7 +667,8 @@ class WeightSender:
         for n, sg in live.items():
             seqs[n] = sg.seq
             sg.seq += 1
-            sg.group.store.set(f"arl/xfer/{seqs[n]}", announce)
+            key = f"arl/xfer/{seqs[n]}"
+            sg.group.store.set(key, sign_value(self.secret, n, key, announce))
         # 2. refusals (ARL groups)
         pending = {n: (sg.group.flags(),) for n, sg in live.items() if sg.protocol == "arl"}
         works = {}
@@ -525,11 +699,15 @@ class WeightSender:
         posted: collections.deque[tuple[int, dict[str, Any], torch.Tensor]] = collections.deque()
         for k in range(nb + depth):
             if k < nb and live:
-                buf = tensors.buckets[k] if isinstance(tensors, Packed) else pack_bucket(plan, k, tensors,
-                                                                                          self._device())
+                if isinstance(tensors, Packed):
+                    buf, packed = tensors.buckets[k], tensors.ready
+                else:  # packed here, on this thread's current stream: the groups' streams wait for it
+                    buf = pack_bucket(plan, k, tensors, self._device())
+                    packed = _record_event(buf.device)
                 works = {}
                 for n, sg in list(live.items()):
                     try:
+                        sg.group.after(packed)
                         works[n] = sg.group.broadcast_async(buf)
                     except Exception as e:  # noqa: BLE001
                         fail(n, f"bucket {k}/{nb} of v{version}: {e}", close=True)
@@ -562,7 +740,8 @@ class WeightSender:
                         fail(n, f"v{version} not applied: " + "; ".join(msgs), close=False)
                 else:
                     try:
-                        done = json.loads(_get_str(g.store, f"arl/done/{seqs[n]}", self.timeout_s))
+                        done = json.loads(_get_signed(g.store, n, f"arl/done/{seqs[n]}", self.timeout_s, self.secret,
+                                                      self._forged))
                     except Exception as e:  # noqa: BLE001
                         raise WeightTransferError(f"group {n!r}: no outcome from the SGLang worker for v{version} "
                                                   f"within {self.timeout_s:g}s: {e}") from e
@@ -582,21 +761,22 @@ class WeightSender:
                                       + " | ".join(f"{n}: {r}" for n, r in failures.items()), failures, sorted(live))
         return stats
 
-    @staticmethod
-    def _with_outcome(sg: _SenderGroup, seq: int, reason: str) -> str:
+    def _with_outcome(self, sg: _SenderGroup, seq: int, reason: str) -> str:
         """`reason`, plus what the SGLang worker reported if it did (why the server never took the bytes)."""
         if sg.protocol != "sglang":
             return reason
         key = f"arl/done/{seq}"
         try:
             if sg.group.store.check([key]):
-                return f"{reason}; the SGLang worker says: {json.loads(sg.group.store.get(key)).get('message')}"
+                said = verify_value(self.secret, sg.group.name, key, sg.group.store.get(key).decode())
+                if said is not None:
+                    return f"{reason}; the SGLang worker says: {json.loads(said).get('message')}"
         except Exception:  # noqa: BLE001
             pass
         return reason
 
     def _device(self) -> torch.device:
-        return torch.device(self.device if self.device is not None else ("cpu" if self.backend == "gloo" else "cuda"))
+        return self.device
 
 
 # -------------------------------------------------------------------------------------------------------- receiver
@@ -648,8 +828,12 @@ class WeightReceiver:
     tensors, once per transfer the sender makes, in the same order. Every wait has a timeout."""
 
     def __init__(self, spec: GroupSpec, *, timeout_s: float = 60.0, gloo_host: Optional[str] = None,
-                 device: Optional[Union[str, torch.device]] = None) -> None:
+                 device: Optional[Union[str, torch.device]] = None, secret: Optional[bytes] = None) -> None:
+        """`secret`: the run's; then the group's members prove it before anything moves, and only announcements
+        signed with it are taken (`stats` counts the forged ones ignored)."""
         self.spec, self.timeout_s, self.gloo_host, self.device = spec, timeout_s, gloo_host, device
+        self.secret = secret
+        self.stats = {"forged_values": 0}
         self.group: Optional[Group] = None
         self._base: Optional[TCPStore] = None
         self.seq = 0
@@ -669,7 +853,7 @@ class WeightReceiver:
             raise WeightTransferError(f"group {s.group_name!r}: cannot reach the sender's store at "
                                       f"{s.master_address}:{s.master_port} within {self.timeout_s:g}s: {e}") from e
         self.group = Group(self._base, s.group_name, s.rank, s.world_size, backend=s.backend,
-                           timeout_s=self.timeout_s, gloo_host=self.gloo_host, device=self.device)
+                           timeout_s=self.timeout_s, gloo_host=self.gloo_host, device=self.device, secret=self.secret)
 
     def close(self) -> None:
         if self.group is not None:
@@ -680,7 +864,11 @@ class WeightReceiver:
         """The version and plan of the next transfer, waiting at most `wait_s` (default `timeout_s`) for the
         sender to announce it (this wait is outside any collective, so it can be long)."""
         g = self._joined()
-        return wait_announced(g.store, g.name, self.seq, self.timeout_s if wait_s is None else wait_s)
+        return wait_announced(g.store, g.name, self.seq, self.timeout_s if wait_s is None else wait_s, self.secret,
+                              self._forged)
+
+    def _forged(self, key: str) -> None:
+        self.stats["forged_values"] += 1
 
     def receive_into(self, target: Target, *, wait_s: Optional[float] = None,
                      expected_names: Optional[Sequence[str]] = None, allow_missing: bool = False,
@@ -747,8 +935,7 @@ class WeightReceiver:
             reason = f"checking the plan raised {type(e).__name__}: {e}"
         if reason:
             g.store.set(f"arl/refusal/{seq}/{g.rank}", reason)
-        flags = g.flags()
-        flags[g.rank] = 1 if reason else 0
+        flags = g.flags(bool(reason))
         try:
             g._wait(g.allreduce_async(flags), f"the refusal all-reduce of v{version}")
         except WeightTransferError:
@@ -761,24 +948,28 @@ class WeightReceiver:
         failure: Optional[str] = None
         n = len(plan.buckets)
         try:
-            # every bucket's buffer posted at once: the sender never waits for a receive to be posted
-            bufs = [self._buffer(k, plan.bucket_nbytes(k), g.device) if reuse else
-                    torch.empty(plan.bucket_nbytes(k), dtype=torch.uint8, device=g.device) for k in range(n)]
+            # CUDA: the group's stream first waits (on the GPU) for what the engine queued so far (it may still read
+            # the spare buffers); buffers, receives and casts then go on that stream, never the engine's
+            g.after(_record_event(g.device))
+            with g.on_stream():
+                # every bucket's buffer posted at once: the sender never waits for a receive to be posted
+                bufs = [self._buffer(k, plan.bucket_nbytes(k), g.device) if reuse else
+                        torch.empty(plan.bucket_nbytes(k), dtype=torch.uint8, device=g.device) for k in range(n)]
             works = [g.broadcast_async(buf) for buf in bufs]
             for k, (work, buf) in enumerate(zip(works, bufs)):
                 g._wait(work, f"bucket {k}/{n} of v{version}")
                 if failure is None:
                     try:
-                        for name, t in unpack_bucket(plan, k, buf):
-                            sink(name, t)
+                        with g.on_stream():  # the completion all-reduce's wait synchronises it
+                            for name, t in unpack_bucket(plan, k, buf):
+                                sink(name, t)
                     except Exception as e:  # noqa: BLE001 - reported to the sender; the group stays in step
                         failure = f"applying bucket {k}: {type(e).__name__}: {e}"
                 if progress is not None:
                     progress(k, n)
             if failure:
                 g.store.set(f"arl/failed/{seq}/{g.rank}", failure)
-            flags = g.flags()
-            flags[g.rank] = 1 if failure else 0
+            flags = g.flags(bool(failure))
             g._wait(g.allreduce_async(flags), f"the completion all-reduce of v{version}")
         except WeightTransferError:
             self.close()  # a collective failed: this group is out of step for good

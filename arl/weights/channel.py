@@ -73,7 +73,7 @@ class WeightPublisher:
             elif newest is not None and newest is not self._sending and newest.plan == plan:
                 target, self.newest = newest, None  # superseded; `run` cannot start sending it meanwhile
             else:
-                target = Packed.allocate(plan, self.sender.device or "cpu")
+                target = Packed.allocate(plan, self.sender.device)  # NCCL: on the learner's GPU
                 self._pool.append(target)
         return target.fill(tensors)
 
@@ -87,6 +87,7 @@ class WeightPublisher:
             await asyncio.to_thread(self.sender.open_group, name, 2, protocol=self.protocol)
         except WeightTransferError as e:  # the worker's join fails too: the controller restarts it, a new group
             logger.error("weight group %s with inference server %d did not form: %s", name, server, e)
+            self.stats.update(getattr(self.sender, "stats", {}))  # ranks_refused: in the learner's heartbeat
             return
         self._groups[server] = name
         self.stats["weight_groups"] = len(self._groups)
@@ -130,6 +131,7 @@ class WeightPublisher:
                 with self._lock:
                     self._sending = None
             self.stats["weight_sends"] += 1
+            self.stats.update(getattr(self.sender, "stats", {}))  # forged SGLang outcomes ignored (forged_values)
             self.stats["weight_send_s_last"] = time.monotonic() - t0
             logger.info("sent weights v%d to servers %s in %.3fs", version, ready, time.monotonic() - t0)
             if self._wanted:
@@ -144,8 +146,9 @@ class BroadcastLoader:
     transfer of the learner into the engine. A torch engine receives the tensors in this process (`WeightReceiver`)
     and swaps them in between decode steps; an SGLang engine's server receives them itself (`SGLangWeightClient`)."""
 
-    def __init__(self, engine: Any, *, timeout_s: float = 120.0, gloo_host: Optional[str] = None) -> None:
-        self.engine, self.timeout_s, self.gloo_host = engine, timeout_s, gloo_host
+    def __init__(self, engine: Any, *, timeout_s: float = 120.0, gloo_host: Optional[str] = None,
+                 secret: Optional[bytes] = None) -> None:
+        self.engine, self.timeout_s, self.gloo_host, self.secret = engine, timeout_s, gloo_host, secret
         self.sglang = hasattr(engine, "update_weights_from_distributed")
         if not self.sglang and not hasattr(engine, "update_weights_from_tensors"):
             raise ValueError(f"engine {type(engine).__name__} cannot load broadcast weights (weights.transport="
@@ -160,9 +163,13 @@ class BroadcastLoader:
             from arl.weights.sglang import SGLangWeightClient
 
             member: Any = SGLangWeightClient(self.engine.base_url, spec, timeout_s=self.timeout_s,
-                                             flush_cache=getattr(self.engine, "pause_mode", "") != "in_place")
+                                             flush_cache=getattr(self.engine, "pause_mode", "") != "in_place",
+                                             secret=self.secret)
         else:
-            member = WeightReceiver(spec, timeout_s=self.timeout_s, gloo_host=self.gloo_host)
+            # NCCL: receive on the engine's own GPU (the group's default, the current CUDA device, may be another)
+            device = getattr(self.engine, "device", None) if spec.backend == "nccl" else None
+            member = WeightReceiver(spec, timeout_s=self.timeout_s, gloo_host=self.gloo_host, device=device,
+                                    secret=self.secret)
         self._member = member
         self._joined = asyncio.create_task(asyncio.to_thread(member.join))
         await self._joined

@@ -15,8 +15,8 @@ import urllib.error
 import urllib.request
 from typing import Any, Optional
 
-from arl.weights.broadcast import GroupSpec, TransferPlan, WeightTransferError, arl_store, store_client, \
-    wait_announced
+from arl.weights.broadcast import GroupSpec, TransferPlan, WeightTransferError, arl_store, sign_value, \
+    store_client, wait_announced
 
 __all__ = ["SGLangWeightClient"]
 
@@ -27,8 +27,12 @@ class SGLangWeightClient:
     as long as its broadcast)."""
 
     def __init__(self, base_url: str, spec: GroupSpec, *, timeout_s: float = 60.0,
-                 http_timeout_s: Optional[float] = None, flush_cache: bool = True) -> None:
+                 http_timeout_s: Optional[float] = None, flush_cache: bool = True,
+                 secret: Optional[bytes] = None) -> None:
+        """`secret`: the run's; only announcements signed with it are loaded, and the outcome is signed."""
         self.base_url = base_url.rstrip("/")
+        self.secret = secret
+        self.stats = {"forged_values": 0}
         self.spec, self.timeout_s, self.flush_cache = spec, timeout_s, flush_cache
         self.http_timeout_s = http_timeout_s if http_timeout_s is not None else timeout_s
         self._store: Any = None
@@ -76,7 +80,10 @@ class SGLangWeightClient:
         if self._store is None:
             raise WeightTransferError(f"group {self.spec.group_name!r}: not joined")
         return wait_announced(self._store, self.spec.group_name, self.seq,
-                              self.timeout_s if wait_s is None else wait_s)
+                              self.timeout_s if wait_s is None else wait_s, self.secret, self._forged)
+
+    def _forged(self, key: str) -> None:
+        self.stats["forged_values"] += 1
 
     def load(self, version: int, plan: TransferPlan) -> int:
         """Have the server receive the announced transfer (`next_transfer`); returns `version`."""
@@ -98,7 +105,8 @@ class SGLangWeightClient:
             outcome = {"success": False, "message": str(e)}
             raise
         finally:
-            self._store.set(f"arl/done/{seq}", json.dumps(outcome))
+            key = f"arl/done/{seq}"
+            self._store.set(key, sign_value(self.secret, self.spec.group_name, key, json.dumps(outcome)))
         self.version = version
         return version
 

@@ -305,7 +305,7 @@ def test_hmac():
     secret = b"s3cret-shared-by-the-run"
     req = GenerateRequest("q", np.arange(5), GenerationConfig())
     frame = encode("gen_req", req, secret=secret)
-    assert len(frame) == len(encode("gen_req", req)) + 32
+    assert len(frame) == len(encode("gen_req", req)) + 24 + 32  # + the replay stamp + the tag
     _, out = decode(frame, secret=secret)
     np.testing.assert_array_equal(out.input_ids, req.input_ids)
 

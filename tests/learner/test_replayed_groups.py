@@ -60,7 +60,9 @@ async def test_a_replayed_group_is_refused_and_counted_also_after_a_restart(tmp_
     await drain(w)
     assert [g[0].group_id for g in w.buffer] == ["w0.t1g0:0", "w0.t1g1:0"]
     assert w.stats["replayed_groups"] == 2 and w.stats["groups_received"] == 2
-    assert sent == []  # no budget returned for what was never admitted
+    # receipts for the two groups buffered; nothing for the replays (no budget returned for what was never admitted)
+    assert sent == [("group_received", {"group_id": "w0.t1g0", "n_traj": 2}),
+                    ("group_received", {"group_id": "w0.t1g1", "n_traj": 2})]
     state = w.checkpoint_state()
     assert state["received_group_ids"] == ["w0.t1g0", "w0.t1g1"]
     # a restarted learner (from the checkpoint) refuses them too; a new group still gets in
@@ -69,4 +71,4 @@ async def test_a_replayed_group_is_refused_and_counted_also_after_a_restart(tmp_
     await drain(w2)
     assert [g[0].group_id for g in w2.buffer] == ["w0.t2g0:0"]
     assert w2.stats["replayed_groups"] == 1 + 2  # the counters came back with the checkpoint
-    assert sent2 == []
+    assert sent2 == [("group_received", {"group_id": "w0.t2g0", "n_traj": 2})]

@@ -8,7 +8,9 @@
    micro-batches padded in the order the trajectories arrived, as a loader without length grouping would.
    The attention calls of a step are then replayed alone with each layout's shapes, splitting the step's CPU time
    into attention and the rest, next to the work each layout has to do (padded vs real tokens; attention
-   ``B * L_max^2`` vs per-sequence causal ``sum L_i^2 / 2``), which is what bounds the ratio.
+   ``B * L_max^2 / 2`` vs per-sequence causal ``sum L_i^2 / 2``), which is what bounds the ratio. Both follow the
+   step's own micro-batches: the default PPO settings split the batch into minibatches first
+   (``learner.ppo.minibatches``), and each minibatch is packed or padded on its own.
 2. DeepSpeed vs plain torch: seconds per optimizer step of that step vs a hand-written
    plain-torch step doing the same work (same packed micro-batches, proximal-logprob recompute, decoupled PPO loss,
    entropy metric, backward, grad clipping, AdamW) on the same model and batch.
@@ -161,13 +163,21 @@ def padded_arrival_order_step(lrn: Any, batch: list[Trajectory], per_mb: int) ->
     return step
 
 
+def step_parts(lengths: np.ndarray, minibatches: int) -> list[np.ndarray]:
+    """The sequence indices of each PPO minibatch of a step (`PPOActor` splits the batch before the engine builds
+    micro-batches from each part)."""
+    from arl.learner.actor import split_minibatches
+
+    return [np.array(p) for p in split_minibatches(lengths.tolist(), minibatches)]
+
+
 def attention_replay(lengths: np.ndarray, budget: int, heads: int, head_dim: int, layers: int,
-                     repeats: int) -> dict[str, float]:
+                     repeats: int, minibatches: int = 1) -> dict[str, float]:
     """CPU seconds per step of the attention calls alone, replayed with each layout's shapes through the functions
     the model calls: per layer, one no-grad forward (proximal logprobs) and one forward + backward (the update).
     Packed: `arl.learner.packing`'s varlen attention on each bin (per-sequence causal SDPA); padded: transformers'
-    SDPA with the micro-batch's causal + padding mask (built outside the timing, as the model builds it once per
-    forward). Medians of ``repeats`` alternating rounds."""
+    causal SDPA on each right-padded micro-batch (no mask: no real token attends to a padding key). Micro-batches
+    are built per PPO minibatch, as the step builds them. Medians of ``repeats`` alternating rounds."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from arl.learner.batching import pack_by_token_budget, split_by_token_budget
@@ -183,16 +193,14 @@ def attention_replay(lengths: np.ndarray, budget: int, heads: int, head_dim: int
     def qkv(b: int, n: int) -> list[torch.Tensor]:
         return [torch.randn(b, heads, n, head_dim, generator=gen).requires_grad_() for _ in range(3)]
 
-    packed_in = []
-    for idx in pack_by_token_budget(lengths.tolist(), budget):
-        cu = torch.tensor(np.r_[0, np.cumsum(lengths[idx])], dtype=torch.int32)
-        packed_in.append((qkv(1, int(cu[-1])), {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu}))
-    padded_in = []
-    for idx in split_by_token_budget(lengths.tolist(), budget):
-        n = int(lengths[idx].max())
-        real = torch.arange(n)[None, :] < torch.as_tensor(lengths[idx])[:, None]  # [B, n] key is a real token
-        mask = torch.ones(n, n, dtype=torch.bool).tril()[None, None] & real[:, None, None, :]
-        padded_in.append((qkv(len(idx), n), {}, mask))
+    packed_in, padded_in = [], []
+    for part in step_parts(lengths, minibatches):
+        lens = lengths[part]
+        for idx in pack_by_token_budget(lens.tolist(), budget):
+            cu = torch.tensor(np.r_[0, np.cumsum(lens[idx])], dtype=torch.int32)
+            packed_in.append((qkv(1, int(cu[-1])), {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu}))
+        for idx in split_by_token_budget(lens.tolist(), budget):
+            padded_in.append((qkv(len(idx), int(lens[idx].max())), {}, None))
 
     def run(calls: list[tuple[Callable[..., Any], list[torch.Tensor], Optional[torch.Tensor], dict]]) -> None:
         for _ in range(layers):
@@ -209,19 +217,21 @@ def attention_replay(lengths: np.ndarray, budget: int, heads: int, head_dim: int
     return {k: v["cpu"] for k, v in medians(times).items()}
 
 
-def layout_work(lengths: np.ndarray, budget: int) -> dict[str, dict[str, float]]:
-    """Work each layout has to do for one forward pass: tokens through the per-token layers, and attention score
-    cells (padded: ``B * L_max^2`` per micro-batch, its mask turns off SDPA's causal skip; packed: causal
-    ``L_i * (L_i + 1) / 2`` per sequence)."""
-    from arl.learner.batching import split_by_token_budget
+def layout_work(lengths: np.ndarray, budget: int, minibatches: int = 1) -> dict[str, dict[str, float]]:
+    """Work each layout has to do for one forward pass over the step's micro-batches (built per PPO minibatch):
+    tokens through the per-token layers, and causal attention score cells (padded: ``B * L_max (L_max + 1) / 2``
+    per micro-batch; packed: ``L_i (L_i + 1) / 2`` per sequence)."""
+    from arl.learner.batching import pack_by_token_budget, split_by_token_budget
 
-    groups = split_by_token_budget(lengths.tolist(), budget)
+    parts = [lengths[p] for p in step_parts(lengths, minibatches)]
+    groups = [lens[g] for lens in parts for g in split_by_token_budget(lens.tolist(), budget)]
     return {
-        "padded": {"tokens": float(sum(len(g) * lengths[g].max() for g in groups)),
-                   "attention_cells": float(sum(len(g) * lengths[g].max() ** 2 for g in groups)),
+        "padded": {"tokens": float(sum(len(g) * g.max() for g in groups)),
+                   "attention_cells": float(sum(len(g) * g.max() * (g.max() + 1) / 2 for g in groups)),
                    "micro_batches": float(len(groups))},
         "packed": {"tokens": float(lengths.sum()),
-                   "attention_cells": float((lengths * (lengths + 1) / 2).sum())},
+                   "attention_cells": float((lengths * (lengths + 1) / 2).sum()),
+                   "micro_batches": float(sum(len(pack_by_token_budget(lens.tolist(), budget)) for lens in parts))},
     }
 
 
@@ -376,8 +386,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     labels = {"packed": "packed (packing=true, varlen attention)",
               "padded": "padded, length-grouped (packing=false)",
               "padded_arrival": f"padded, arrival order ({per_mb}/micro-batch)"}
-    print("\n1. packed vs padded (PPOActor.step on DeepSpeedEngine, median of "
-          f"{args.repeats} steps each, alternating)")
+    print(f"\n1. packed vs padded (PPOActor.step on DeepSpeedEngine, {PPOConfig().minibatches} PPO minibatches, "
+          f"micro-batches built per minibatch; median of {args.repeats} steps each, alternating)")
     print(f"   {'':40s} {'cpu s':>7s} {'wall s':>7s} {'tokens/s (cpu)':>15s} {'(wall)':>8s}  padding")
     for k in steps:
         print(f"   {labels[k]:40s} {med[k]['cpu']:7.3f} {med[k]['wall']:7.3f} {tps[k]['cpu']:15.0f} "
@@ -391,17 +401,18 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
 
     breakdown: dict[str, Any] = {}
     if not args.no_breakdown:
-        work = layout_work(lens, args.max_tokens_per_mb)
+        work = layout_work(lens, args.max_tokens_per_mb, PPOConfig().minibatches)
         att = attention_replay(lens, args.max_tokens_per_mb, args.heads, args.hidden // args.heads, args.layers,
-                               args.repeats)
+                               args.repeats, PPOConfig().minibatches)
         rest = {k: med[k]["cpu"] - att[k] for k in ("packed", "padded")}
         breakdown = {"work": work, "attention_cpu_s": att, "other_cpu_s": rest}
         print("\n   where the CPU time goes: attention calls replayed alone with each layout's shapes (median of "
               f"{args.repeats}), the rest of the step is everything else")
-        print(f"   {'':8s} {'attention s':>11s} {'rest s':>7s} {'share':>6s}  {'tokens':>7s}  attention cells/forward")
+        print(f"   {'':8s} {'attention s':>11s} {'rest s':>7s} {'share':>6s}  {'tokens':>7s}  {'micro-batches':>13s}"
+              "  attention cells/forward")
         for k in ("packed", "padded"):
             print(f"   {k:8s} {att[k]:11.3f} {rest[k]:7.3f} {att[k] / med[k]['cpu']:6.0%}  "
-                  f"{work[k]['tokens']:7,.0f}  {work[k]['attention_cells']:,.0f}")
+                  f"{work[k]['tokens']:7,.0f}  {work[k]['micro_batches']:13.0f}  {work[k]['attention_cells']:,.0f}")
         print(f"   padded / packed: attention {att['padded'] / att['packed']:.2f}x CPU for "
               f"{work['padded']['attention_cells'] / work['packed']['attention_cells']:.2f}x the cells; rest "
               f"{rest['padded'] / rest['packed']:.2f}x CPU for {work['padded']['tokens'] / work['packed']['tokens']:.2f}x"

@@ -101,22 +101,48 @@ class MicroBatch:
 
 def split_by_token_budget(lengths: Sequence[int], max_tokens_per_mb: int) -> list[list[int]]:
     """Group sequence indices so each group's *padded* size (``len(group) * max length in group``) stays within
-    ``max_tokens_per_mb``.
+    ``max_tokens_per_mb``, with as few groups as filling them longest first takes and, among those, the fewest
+    padded tokens.
 
-    Sequences are taken longest first (less padding) and added greedily to the current group while the padded
-    size fits; a sequence longer than the budget gets a group of its own (never dropped). Every index appears
-    exactly once. Within a group, indices are sorted ascending (stable, original order).
+    Groups are runs of the sequences sorted longest first (ties: lower index first). Filling greedily puts the
+    next shorter sequences beside a long one up to the budget, padding them all to its length: with a long tail
+    (or a PPO minibatch holding a quarter of a batch, a few long sequences among short ones) that is most of the
+    padding. The split points are chosen instead by dynamic programming over the sorted run, for the fewest padded
+    tokens in the greedy fill's number of groups, so the count of forward passes never grows. A sequence longer than the budget gets a group of its own (never dropped). Every index
+    appears exactly once. Within a group, indices are sorted ascending (stable, original order).
     """
     if max_tokens_per_mb < 1:
         raise ValueError(f"max_tokens_per_mb must be >= 1, got {max_tokens_per_mb}")
     order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
+    size = [max(int(lengths[i]), 1) for i in order]  # descending: a run's padded length is that of its first
+    n = len(size)
+    cap = [max(1, min(n - i, max_tokens_per_mb // s)) for i, s in enumerate(size)]  # most in a run starting at i
+    n_groups, i = 0, 0  # the greedy fill's number of groups, the number to match
+    while i < n:
+        i += cap[i]
+        n_groups += 1
+    # best[j]: fewest padded tokens of the first j sequences in g groups (g = the loop's pass), cut[g][j]: where the
+    # last of those groups starts.
+    best = np.full(n + 1, np.inf)
+    best[0] = 0.0
+    cut = [np.zeros(n + 1, np.int64)]
+    for _ in range(n_groups):
+        nxt, at = np.full(n + 1, np.inf), np.zeros(n + 1, np.int64)
+        for i in np.flatnonzero(np.isfinite(best[:n])).tolist():
+            cost = best[i] + size[i] * np.arange(1, cap[i] + 1)
+            end = slice(i + 1, i + 1 + cap[i])
+            better = cost < nxt[end]
+            nxt[end] = np.where(better, cost, nxt[end])
+            at[end] = np.where(better, i, at[end])
+        best = nxt
+        cut.append(at)
     groups: list[list[int]] = []
-    for i in order:  # longest first: a group's padded length is that of its first sequence
-        if groups and (len(groups[-1]) + 1) * max(int(lengths[groups[-1][0]]), 1) <= max_tokens_per_mb:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    return [sorted(g) for g in groups]
+    j = n
+    for g in range(n_groups, 0, -1):
+        i = int(cut[g][j])
+        groups.append(sorted(order[i:j]))
+        j = i
+    return groups[::-1]
 
 
 def pack_by_token_budget(lengths: Sequence[int], max_tokens_per_mb: int) -> list[list[int]]:

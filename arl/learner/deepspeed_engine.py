@@ -254,7 +254,12 @@ class DeepSpeedEngine:
                 kw = {k: kw[k] for k in ("input_ids", "position_ids", "attention_mask")}
             out = module(**kw, use_cache=False)  # a cache would switch off transformers' packed detection
         else:
-            out = module(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
+            # Right padding under a causal mask: no real token attends to a padding key (they all come after it),
+            # so the padding mask changes nothing the loss or the logprobs read, while passing it makes transformers
+            # build a [B, 1, L, L] mask and SDPA attend to every cell of it (no causal skip): 2x the attention
+            # work and a mask conversion per layer. Without it SDPA runs causal; padding positions' outputs differ
+            # but are never read (off the loss mask, cut from the logprobs).
+            out = module(input_ids=mb.input_ids, use_cache=False)
         return out.logits if hasattr(out, "logits") else out[0]
 
     def all_reduce(self, values: list[float], op: str = "sum") -> list[float]:

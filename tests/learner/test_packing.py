@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from arl.api.engine import TrainBatch
 from arl.api.types import Trajectory
 from arl.learner.batching import (
     build_micro_batches,
@@ -159,6 +160,35 @@ def test_packing_gives_the_same_loss_and_gradient_as_padding(extra):
     # and a second step (on updated weights, with non-trivial ratios) still agrees
     m_pad2, m_pk2 = padded.step(batch), packed.step(batch)
     assert m_pk2["loss"] == pytest.approx(m_pad2["loss"], rel=1e-4, abs=1e-6)
+
+
+def test_padded_micro_batches_attend_causally_without_a_mask(monkeypatch):
+    # right padding under a causal mask: no real token sees a padding key, so the padded path passes no mask and
+    # SDPA keeps its causal skip (a [B, 1, L, L] padding mask made it attend to every cell), same logprobs
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, *a, **kw):
+        calls.append((q.shape[0], attn_mask is None, kw.get("is_causal")))
+        return sdpa(q, k, v, attn_mask, *a, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    base = _tiny(5)
+    batch = _random_trajs(6, n=9)
+    padded = make_actor(copy.deepcopy(base), lr=1e-3, packing=False, max_tokens_per_mb=4096)
+    (mb,) = build_micro_batches(batch, 4096)
+    assert mb.input_ids.shape[0] == 9 and mb.padded_tokens > mb.real_tokens  # one padded micro-batch
+    with torch.no_grad():
+        ref = token_logprobs(base(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits,
+                             mb.input_ids)
+    calls.clear()
+    got = padded.engine.forward_logprobs(TrainBatch(batch))
+    assert calls and all(c == (9, True, True) for c in calls), calls
+    for row, lp, n in zip(ref, got, mb.seq_lens.tolist()):
+        torch.testing.assert_close(torch.from_numpy(lp), row[:n], rtol=1e-5, atol=1e-5)
+    calls.clear()
+    padded.step(batch)
+    assert calls and all(mask_free and causal for _, mask_free, causal in calls)
 
 
 @pytest.mark.parametrize("kw", [dict(bf16=True, zero_stage=1), dict(zero_stage=3)])

@@ -197,6 +197,24 @@ def test_split_by_token_budget():
     assert split_by_token_budget([2, 2, 2], 100) == [[0, 1, 2]]
 
 
+def test_split_by_token_budget_fewest_padded_tokens_in_as_many_groups():
+    # filling longest first would take [8, 4] (16 padded) then [4, 4, 4] (12): 28 tokens for 20 real ones; the same
+    # two groups split after the long one pad nothing
+    assert split_by_token_budget([8, 4, 4, 4, 4], 16) == [[0], [1, 2, 3, 4]]
+    assert split_by_token_budget([4, 8, 4, 4, 4], 16) == [[1], [0, 2, 3, 4]]
+    rng = np.random.default_rng(0)
+    for _ in range(300):  # never more groups than the greedy fill, never over budget, every index once
+        lens = rng.integers(0, 25, int(rng.integers(0, 30))).tolist()
+        budget = int(rng.integers(1, 60))
+        groups = split_by_token_budget(lens, budget)
+        assert sorted(i for g in groups for i in g) == list(range(len(lens)))
+        greedy, i, srt = 0, 0, sorted((max(n, 1) for n in lens), reverse=True)
+        while i < len(srt):
+            i, greedy = i + max(1, min(len(srt) - i, budget // srt[i])), greedy + 1
+        assert len(groups) == greedy
+        assert all(len(g) == 1 or len(g) * max(max(lens[i] for i in g), 1) <= budget for g in groups)
+
+
 def test_collate_alignment_and_padding():
     trajs = [_traj([1, 2], [5, 6, 7], v=3, lp=-0.5), _traj([9], [4], v=1, lp=-2.0), _traj([], [8, 8], v=0)]
     mb = collate_padded(trajs, [0, 1, 2], [1.5, -2.0, 4.0], pad_token_id=0)

@@ -79,6 +79,22 @@ class EnvConfig:
     args: dict[str, Any] = field(help="Extra keyword arguments for the environment's constructor.", factory=dict)
 
 
+class ModelDType(enum.StrEnum):
+    """The dtype the embedded engine holds the model in."""
+
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class LearnerDevice(enum.StrEnum):
+    """Where the learner is expected to train (DeepSpeed's accelerator places it; see LearnerConfig.device)."""
+
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
 class PauseMode(enum.StrEnum):
     """How an SGLang server pauses for a weight update."""
 
@@ -136,7 +152,10 @@ class InferenceConfig:
     num_workers: int = field(1, "Number of inference worker processes.")
     max_batch_size: int = field(256, "Most sequences decoded together in one step.")
     max_context_len: int = field(256, "Prompt + generated tokens limit; longer prompts are refused.")
-    device: str = field("cpu", "torch device of the embedded engine.")
+    device: str = field("cpu", "torch device of the embedded engine ('cpu', 'cuda', 'cuda:N').")
+    dtype: ModelDType = field(ModelDType.float32, "torch backend: dtype the engine holds the model in (bfloat16 on "
+                                                  "GPUs; weight updates are cast to it). sglang: pass --dtype in "
+                                                  "inference.sglang.args.")
     threads: int = field(0, "torch threads per worker; 0 = share the cores between roles.")
     heartbeat_timeout: float = field(120.0, "An inference worker silent this long is named in the log, its stacks "
                                             "dumped, and it is killed and treated as dead.")
@@ -317,6 +336,11 @@ class LearnerConfig:
                                       "'sim' (sleeps per token, benchmarks).")
     batch_size: int = field(16, "B: prompt groups per training step.")
     num_ranks: int = field(1, "Learner data-parallel ranks (DeepSpeed over gloo on CPU); each takes whole groups.")
+    device: LearnerDevice = field(LearnerDevice.auto, "Where the learner trains. DeepSpeed places rank r on GPU r "
+                                                      "(LOCAL_RANK) when CUDA is visible, else on the CPU; 'cuda' or "
+                                                      "'cpu' makes the learner fail at start-up if it landed "
+                                                      "elsewhere (a GPU run silently training on the CPU). Dtype: "
+                                                      "learner.deepspeed.bf16.")
     threads: int = field(0, "torch threads of the learner; 0 = share the cores between roles.")
     keep_weight_versions: int = field(3, "Floor: the newest N exported weight files are always kept; older ones "
                                          "are deleted once every live inference worker acked a newer version.")
@@ -551,6 +575,10 @@ def validate(cfg: Any) -> None:
     from arl.learner.backends import LEARNER_BACKENDS
 
     checks.append((ic.backend in BACKENDS, f"inference.backend: {BACKENDS.unknown(ic.backend)}"))
+    shared = shared_gpus(cfg) if cfg.weights.transport == WeightTransport.broadcast else []
+    checks.append((not shared or cfg.weights.backend != "nccl",
+                   f"weights.backend=nccl: inference and the learner share GPU(s) {shared}, and NCCL cannot pair two "
+                   "ranks on one GPU; use weights.backend=gloo (or auto), or weights.transport=disk"))
     from arl.report.trackers import TRACKERS
 
     checks.append((lc.backend in LEARNER_BACKENDS, f"learner.backend: {LEARNER_BACKENDS.unknown(lc.backend)}"))
@@ -609,11 +637,30 @@ def to_yaml(cfg: Any) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
+def shared_gpus(cfg: ExperimentConfig) -> list[int]:
+    """GPUs that an inference server and a learner rank would share (launcher=local: learner rank r trains on GPU r,
+    a torch-engine server on `inference.device`, SGLang server i on its `inference.sglang` GPUs). NCCL cannot pair
+    two ranks on one GPU ("Duplicate GPU detected"), so a weight broadcast between them must not use it. Empty for
+    launcher=ray, where Ray assigns the GPUs."""
+    ic, lc = cfg.inference, cfg.learner
+    if (cfg.launcher != LauncherKind.local or lc.device == LearnerDevice.cpu or lc.backend == "sim"
+            or not ic.device.startswith("cuda") or ic.backend not in ("torch", "sglang")):
+        return []
+    if ic.backend == "sglang" and ic.sglang.gpus_per_server > 0:
+        g = ic.sglang.gpus_per_server
+        servers = set(range(ic.sglang.first_gpu, ic.sglang.first_gpu + g * ic.num_workers))
+    else:  # the torch engine's device (cuda = cuda:0); an SGLang server with no GPUs named takes GPU 0
+        index = ic.device.partition(":")[2]
+        servers = {int(index) if index.isdigit() and ic.backend == "torch" else 0}
+    return sorted(servers & set(range(lc.num_ranks)))
+
+
 def weights_backend(cfg: ExperimentConfig) -> str:
-    """The broadcast group backend: `weights.backend`, or with 'auto' nccl when inference runs on CUDA."""
+    """The broadcast group backend: `weights.backend`, or with 'auto' nccl when inference runs on CUDA on GPUs of its
+    own, gloo otherwise (CPU inference, or a GPU shared with the learner: see `shared_gpus`)."""
     if cfg.weights.backend != "auto":
         return cfg.weights.backend
-    return "nccl" if cfg.inference.device.startswith("cuda") else "gloo"
+    return "nccl" if cfg.inference.device.startswith("cuda") and not shared_gpus(cfg) else "gloo"
 
 
 def resolve_threads(cfg: ExperimentConfig, role: str) -> int:
@@ -624,5 +671,5 @@ def resolve_threads(cfg: ExperimentConfig, role: str) -> int:
 
 __all__ = [
     "ExperimentConfig", "ConfigError", "parse_overrides", "split_experiment", "format_help", "import_user_modules",
-    "to_yaml", "resolve_threads", "weights_backend", "rollout_deadlines", "DictConfig",
+    "to_yaml", "resolve_threads", "weights_backend", "shared_gpus", "rollout_deadlines", "DictConfig",
 ]

@@ -311,10 +311,10 @@ def part_d(dev: str, sz: dict[str, Any], out_dir: str) -> None:
 
 # ------------------------------------------------------------------------------------------------ driver
 
-def run_part(part: str, dev: str, timeout_s: float, out_dir: str) -> dict[str, Any]:
+def run_part(part: str, dev: str, timeout_s: float, out_dir: str, script: str = __file__) -> dict[str, Any]:
     """Run one part in a child process (its own session, so a timeout ends it and whatever it started), echoing
     its output, and collect its figures."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--device", dev, "--part", part, "--out-dir", out_dir]
+    cmd = [sys.executable, os.path.abspath(script), "--device", dev, "--part", part, "--out-dir", out_dir]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

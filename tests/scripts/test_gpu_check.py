@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import zipfile
 
 import pytest
@@ -70,14 +71,28 @@ def test_driver_reports_a_failing_part_and_exits_nonzero(monkeypatch, capsys):
     assert "[b] FAILED (exit 2), 1 s" in out and out.rstrip().endswith("1/2 parts passed ====")
 
 
-def test_run_part_ends_a_part_that_overruns(tmp_path, monkeypatch):
+def test_run_part_ends_a_part_that_overruns(tmp_path):
     """A part past its time is killed with what it started (its own session), and reported as timed out."""
     script = tmp_path / "slow.py"
+    pid_file = tmp_path / "grandchild.pid"
     script.write_text("import subprocess, sys, time\nprint('FIGURE x. started', flush=True)\n"
-                      "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\ntime.sleep(60)\n")
-    monkeypatch.setattr(gpu_check.os.path, "abspath", lambda p: str(script) if p == gpu_check.__file__ else p)
-    r = gpu_check.run_part("x", "cpu", timeout_s=3, out_dir="")
+                      "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+                      f"open({str(pid_file)!r}, 'w').write(str(p.pid))\ntime.sleep(60)\n")
+    r = gpu_check.run_part("x", "cpu", timeout_s=5, out_dir="", script=str(script))
     assert r["timed_out"] and r["rc"] != 0 and r["figures"] == ["x. started"] and r["seconds"] < 30
+    import psutil
+
+    def alive(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while alive(pid):
+        assert time.monotonic() < deadline, "the part's own child outlived the timeout"
+        time.sleep(0.1)
 
 
 # ------------------------------------------------------------------------------------------------ wheels

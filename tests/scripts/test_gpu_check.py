@@ -72,14 +72,30 @@ def test_driver_reports_a_failing_part_and_exits_nonzero(monkeypatch, capsys):
 
 
 def test_run_part_ends_a_part_that_overruns(tmp_path):
-    """A part past its time is killed with what it started (its own session), and reported as timed out."""
+    """A part past its time is ended with what it started (its own session) and reported as timed out; the part
+    exits through Python, so its `finally` blocks run (a JIT-build lock held then is released)."""
     script = tmp_path / "slow.py"
-    pid_file = tmp_path / "grandchild.pid"
-    script.write_text("import subprocess, sys, time\nprint('FIGURE x. started', flush=True)\n"
-                      "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
-                      f"open({str(pid_file)!r}, 'w').write(str(p.pid))\ntime.sleep(60)\n")
-    r = gpu_check.run_part("x", "cpu", timeout_s=5, out_dir="", script=str(script))
-    assert r["timed_out"] and r["rc"] != 0 and r["figures"] == ["x. started"] and r["seconds"] < 30
+    pid_file, cleaned = tmp_path / "grandchild.pid", tmp_path / "cleaned"
+    script.write_text(f"""import subprocess, sys, time
+sys.path.insert(0, {os.path.join(ROOT, 'scripts')!r})
+import gpu_check, types
+sys.modules['torch'] = types.SimpleNamespace(manual_seed=lambda s: None, set_num_threads=lambda n: None)  # fast
+
+def part_z(dev, sz, out_dir):
+    print('FIGURE z. started', flush=True)
+    p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])
+    open({str(pid_file)!r}, 'w').write(str(p.pid))
+    try:
+        time.sleep(60)
+    finally:
+        open({str(cleaned)!r}, 'w').write('yes')
+
+gpu_check.part_z = part_z
+sys.exit(gpu_check.main())
+""")
+    r = gpu_check.run_part("z", "cpu", timeout_s=8, out_dir="", script=str(script))
+    assert r["timed_out"] and r["rc"] != 0 and r["figures"] == ["z. started"] and r["seconds"] < 30
+    assert cleaned.exists(), "the part was killed without running its finally blocks"
     import psutil
 
     def alive(pid: int) -> bool:

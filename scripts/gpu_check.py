@@ -189,8 +189,9 @@ def part_b(dev: str, sz: dict[str, Any], out_dir: str) -> None:
 
         async def pause() -> dict[str, Any]:
             try:
-                return await measure_update_pause(engine, [path], prompts[:sz["in_flight"]], 64 if dev == "cuda" else 16,
-                                                  sz["updates"], settle_steps=2)
+                max_new = 64 if dev == "cuda" else 16
+                return await measure_update_pause(engine, [path], prompts[:sz["in_flight"]], max_new, sz["updates"],
+                                                  settle_steps=2)
             finally:
                 await engine.close()
 

@@ -41,6 +41,7 @@ CARRY = [
     "math-verify==0.9.0", "latex2sympy2-extended==1.11.0", "antlr4-python3-runtime==4.13.2",
 ]
 BUILD = {"deepspeed": {"DS_BUILD_OPS": "0"}}  # sdist only on PyPI: `pip wheel --no-deps` here, with this env
+UNLISTED = "9999"  # the stand-in version of an image package whose version the notes do not give
 IMPORT_CHECK = ["zmq", "pydantic_core", "hjson", "antlr4"]  # carried modules that import without the image's
 PLATFORM = ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
             *[a for n in ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_26_x86_64",
@@ -160,7 +161,7 @@ def check(dest: str = DEST) -> None:
         os.makedirs(stubs)
         for name, version in device_packages():
             if name not in carried:  # a carried wheel shadows the image's copy (PYTHONPATH first)
-                stub_wheel(stubs, name, version or "9999")
+                stub_wheel(stubs, name, version or UNLISTED)
         report = os.path.join(tmp, "report.json")
         pip(["install", "--dry-run", "--ignore-installed", "--no-index", "--find-links", dest, "--find-links", stubs,
              *PLATFORM, "--target", os.path.join(tmp, "target"), "--report", report, "-q", *reqs], env=env)
@@ -169,7 +170,7 @@ def check(dest: str = DEST) -> None:
                        "carried" if norm(r["metadata"]["name"]) in carried else "device") for r in resolved)
         print(f"the project's requirements resolve for Python 3.12 / manylinux x86_64 to {len(rows)} distributions:")
         for n, v, where in rows:
-            print(f"  {where:8s} {n}=={v}")
+            print(f"  {where:8s} {n}" + (" (version not listed: checked by name)" if v == UNLISTED else f"=={v}"))
         unused = carried - {n for n, _, where in rows if where == "carried"}
         if unused:
             print(f"  (carried but not needed: {sorted(unused)})")
@@ -181,8 +182,8 @@ def check(dest: str = DEST) -> None:
         subprocess.run([py, "-m", "venv", venv], check=True)
         vpy = os.path.join(venv, "bin", "python")
         pip(["install", "-q", "--no-index", "--find-links", dest, "--find-links", stubs, *reqs], env=env, python=vpy)
-        subprocess.run([vpy, "-c", f"import {', '.join(IMPORT_CHECK)}; print('imported on', __import__('sys').version)"],
-                       check=True)
+        code = f"import sys, {', '.join(IMPORT_CHECK)}; print('imported {', '.join(IMPORT_CHECK)} on', sys.version)"
+        subprocess.run([vpy, "-c", code], check=True)
     print("gpu wheels: OK")
 
 

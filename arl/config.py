@@ -82,6 +82,22 @@ class EnvConfig:
     args: dict[str, Any] = field(help="Extra keyword arguments for the environment's constructor.", factory=dict)
 
 
+class ModelDType(enum.StrEnum):
+    """The dtype the embedded engine holds the model in."""
+
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class LearnerDevice(enum.StrEnum):
+    """Where the learner is expected to train (DeepSpeed's accelerator places it; see LearnerConfig.device)."""
+
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
 class PauseMode(enum.StrEnum):
     """How an SGLang server pauses for a weight update."""
 
@@ -139,7 +155,10 @@ class InferenceConfig:
     num_workers: int = field(1, "Number of inference worker processes.")
     max_batch_size: int = field(256, "Most sequences decoded together in one step.")
     max_context_len: int = field(256, "Prompt + generated tokens limit; longer prompts are refused.")
-    device: str = field("cpu", "torch device of the embedded engine.")
+    device: str = field("cpu", "torch device of the embedded engine ('cpu', 'cuda', 'cuda:N').")
+    dtype: ModelDType = field(ModelDType.float32, "torch backend: dtype the engine holds the model in (bfloat16 on "
+                                                  "GPUs; weight updates are cast to it). sglang: pass --dtype in "
+                                                  "inference.sglang.args.")
     threads: int = field(0, "torch threads per worker; 0 = share the cores between roles.")
     heartbeat_timeout: float = field(120.0, "An inference worker silent this long is named in the log, its stacks "
                                             "dumped, and it is killed and treated as dead.")
@@ -323,6 +342,11 @@ class LearnerConfig:
                                       "'sim' (sleeps per token, benchmarks).")
     batch_size: int = field(16, "B: prompt groups per training step.")
     num_ranks: int = field(1, "Learner data-parallel ranks (DeepSpeed over gloo on CPU); each takes whole groups.")
+    device: LearnerDevice = field(LearnerDevice.auto, "Where the learner trains. DeepSpeed places rank r on GPU r "
+                                                      "(LOCAL_RANK) when CUDA is visible, else on the CPU; 'cuda' or "
+                                                      "'cpu' makes the learner fail at start-up if it landed "
+                                                      "elsewhere (a GPU run silently training on the CPU). Dtype: "
+                                                      "learner.deepspeed.bf16.")
     threads: int = field(0, "torch threads of the learner; 0 = share the cores between roles.")
     keep_weight_versions: int = field(3, "Floor: the newest N exported weight files are always kept; older ones "
                                          "are deleted once every live inference worker acked a newer version.")
@@ -655,7 +679,7 @@ def shared_gpu(cfg: ExperimentConfig) -> Optional[str]:
     would not, or inference is not on CUDA). Locally, learner rank 0 trains on GPU 0 of CUDA_VISIBLE_DEVICES
     (LOCAL_RANK 0); under Ray only whole GPUs per bundle keep them apart."""
     ic = cfg.inference
-    if not ic.device.startswith("cuda"):
+    if not ic.device.startswith("cuda") or cfg.learner.device == LearnerDevice.cpu or cfg.learner.backend == "sim":
         return None
     if cfg.launcher == LauncherKind.ray:
         r = cfg.ray

@@ -63,19 +63,28 @@ def tiny_model(vocab: int, hidden: int, layers: int, seed: int) -> torch.nn.Modu
     return model.eval()
 
 
-def qwen2_05b_model() -> torch.nn.Module:
+def qwen2_05b_model(shape: Optional[dict] = None, device: str = "cpu",
+                    dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    """A Qwen2 model of `shape` (default Qwen2-0.5B's, which Qwen2.5-0.5B shares) with random weights, made directly
+    on `device` in `dtype`."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    cfg = Qwen2Config(**QWEN2_05B_SHAPE, dtype="bfloat16")
+    cfg = Qwen2Config(**(shape or QWEN2_05B_SHAPE), dtype=str(dtype).removeprefix("torch."))
     prev = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
+    torch.set_default_dtype(dtype)
     try:
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), torch.device(device):
             torch.manual_seed(0)
             model = Qwen2ForCausalLM(cfg)
     finally:
         torch.set_default_dtype(prev)
-    return model.to(torch.bfloat16).eval()
+    return model.to(dtype).eval()
+
+
+def sync(device: Any) -> None:
+    """Wait for the GPU's queued work, so a clock read after it counts it."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def save_weights(model: torch.nn.Module, path: str, scale: float = 1.0) -> None:
@@ -125,6 +134,8 @@ async def run_engine_static(engine: TorchEngine, prompts: list[np.ndarray], leng
 def run_hf_static(model: torch.nn.Module, prompts: list[np.ndarray], lengths: list[int], batch: int,
                   temperature: float, pad_id: int) -> tuple[float, int]:
     """HF `generate` on static batches: left padding, each batch runs to its longest requested length."""
+    dev = next(model.parameters()).device
+    sync(dev)
     t0 = time.perf_counter()
     for s in range(0, len(prompts), batch):
         ps, ls = prompts[s:s + batch], lengths[s:s + batch]
@@ -134,10 +145,11 @@ def run_hf_static(model: torch.nn.Module, prompts: list[np.ndarray], lengths: li
         for i, p in enumerate(ps):
             ids[i, width - len(p):] = torch.from_numpy(p.astype(np.int64))
             mask[i, width - len(p):] = 1
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(ls),
+        out = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=max(ls),
                              do_sample=True, temperature=temperature, top_k=0, top_p=1.0, pad_token_id=pad_id,
                              eos_token_id=None)
         assert out.shape[1] == width + max(ls), out.shape
+    sync(dev)
     return time.perf_counter() - t0, sum(lengths)
 
 

@@ -30,11 +30,13 @@ def server_seed(seed: int, index: int) -> int:
 
 def _torch_engine(model_path: str, inference: InferenceConfig, *, seed: int, index: int,
                   run_dir: str) -> InferenceEngine:
-    """The embedded PyTorch engine on `inference.device`."""
+    """The embedded PyTorch engine on `inference.device`, the model in `inference.dtype`."""
+    import torch
+
     from arl.inference.torch_engine import TorchEngine
     from arl.models.tiny import load_model_dir, stop_token_ids
 
-    model, tok = load_model_dir(model_path)
+    model, tok = load_model_dir(model_path, dtype=getattr(torch, str(inference.dtype)))
     # every eos of the folder (tokenizer + generation config), as SGLang and transformers stop on them all
     engine = TorchEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=stop_token_ids(model_path),
                          max_batch_size=inference.max_batch_size, max_context_len=inference.max_context_len,

@@ -163,12 +163,21 @@ class DeepSpeedEngine:
         version: policy version of the initial weights.
         reference: keep a frozen copy of ``model`` as given (the initial weights) for
             ``forward_logprobs(..., reference=True)`` (a KL penalty).
+        device: where the model must land: ``auto`` (DeepSpeed's accelerator: GPU ``LOCAL_RANK`` when CUDA is
+            visible, else the CPU), ``cuda`` or ``cpu`` (the same placement, checked: a GPU run that would silently
+            train on the CPU fails here instead).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: OptimizerConfig, deepspeed: DeepSpeedConfig, *,
-                 seed: int = 0, total_optimizer_steps: int = 1, version: int = 0, reference: bool = False) -> None:
+                 seed: int = 0, total_optimizer_steps: int = 1, version: int = 0, reference: bool = False,
+                 device: str = "auto") -> None:
         import deepspeed as ds
 
+        if device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"learner device must be auto, cpu or cuda, got {device!r}")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("learner.device=cuda, but torch sees no CUDA device (torch "
+                               f"{torch.__version__}, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
         self.cfg = deepspeed  # the section checked its own fields
         lr_fn = lr_lambda(optimizer.lr_schedule, optimizer.warmup_steps, total_optimizer_steps, optimizer.min_lr_ratio)
         self.version = int(version)
@@ -222,7 +231,10 @@ class DeepSpeedEngine:
         # recompute (or a fresh mask in each), the ratio would move off 1 before any update and the clip would
         # bound noise. RL fine-tuning trains with dropout off.
         self.model_engine.module.eval()
-        self.device = self.model_engine.device
+        self.device = torch.device(self.model_engine.device)
+        if device != "auto" and self.device.type != device:
+            raise RuntimeError(f"learner.device={device}, but DeepSpeed placed the model on {self.device} (its "
+                               "accelerator; CUDA_VISIBLE_DEVICES= or DS_ACCELERATOR=cpu picks the CPU)")
         if self.ref_model is not None:
             self.ref_model.to(self.device)
 

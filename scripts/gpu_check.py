@@ -1,0 +1,405 @@
+"""One GPU, one command: the production path on one device, each part printing `FIGURE` lines that the end sums up.
+
+    bash scripts/gpu_check.sh [--device cuda|cpu]       # what to run: installs the carried wheels on a GPU machine
+    python scripts/gpu_check.py --device cpu             # every part, each in its own process, then the summary
+    python scripts/gpu_check.py --device cpu --part b    # one part, in this process
+
+Parts (sizes in SIZES: a GPU run fits 8 minutes on one H100; `--device cpu` is the dry run of the same code with
+small sizes, the tiny model in place of the 0.5B one):
+
+a. the default experiment (`training/main_async_ppo.py`) with inference and the learner on the device, both in
+   bf16 (`inference.dtype`, `learner.deepspeed.bf16`, ZeRO-2), weights by disk: the held-out accuracy curve;
+b. a Qwen2.5-0.5B-shaped model (random weights, made on the spot) in the torch engine: tokens/s of continuous
+   batching on the long-tailed workload vs HF `generate` on static batches, and the in-flight weight-update pause
+   (`scripts/bench_engine.py`'s pieces);
+c. the DeepSpeed learner (bf16, ZeRO-2) on that model: tokens/s and MFU of one PPO step (`PPOActor.step`: one
+   no-grad forward for the proximal logprobs, then forward + backward of every token over the minibatches);
+d. the learner and the engine on one device in one process, weights by disk: each version the learner's step
+   (while the engine decodes beside it), its export and the engine's load.
+
+A part that fails or overruns its time is reported as such in the summary; the others still run. Exit status: 0
+when every part passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Optional, Sequence
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for p in (ROOT, os.path.join(ROOT, "scripts")):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+PARTS = "abcd"
+FIGURE = "FIGURE "
+# Qwen2-0.5B's shape, which Qwen2.5-0.5B shares (scripts/bench_engine.py), and a tiny one of the same family.
+TINY_QWEN2 = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=1024, rope_theta=1_000_000.0,
+                  tie_word_embeddings=True, use_sliding_window=False)
+SIZES: dict[str, dict[str, Any]] = {
+    "cuda": dict(shape="0.5b", steps=100, eval_every=25, eval_prompts=200, requests=256, batch=64, max_len=512,
+                 prompt_len=(16, 64), updates=3, seqs=128, seq_prompt=(32, 128), gen_median=256.0, seq_max=2048,
+                 mb_tokens=8192, learner_steps=2, in_flight=16, overrides=[],
+                 timeout_s={"a": 300, "b": 150, "c": 120, "d": 150}, budget_s=480),
+    "cpu": dict(shape="tiny", steps=4, eval_every=2, eval_prompts=20, requests=16, batch=8, max_len=32,
+                prompt_len=(4, 12), updates=2, seqs=8, seq_prompt=(4, 8), gen_median=8.0, seq_max=64,
+                mb_tokens=256, learner_steps=1, in_flight=4, overrides=["learner.batch_size=4"],
+                timeout_s={"a": 600, "b": 300, "c": 300, "d": 300}, budget_s=1500),  # shared CI cores
+}
+# Dense bf16 peak of one GPU (TFLOP/s), by a part of its name, first match wins; MFU is n/a for others.
+PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.4), ("H200", 989.4), ("GH200", 989.4), ("A100", 312.0))
+
+
+# ------------------------------------------------------------------------------------------------ arithmetic
+
+def forward_flops(linear_params: int, layers: int, hidden: int, seq_lens: Sequence[int], causal: bool = True) -> float:
+    """FLOPs of one forward pass over sequences of `seq_lens`: 2 per weight of every linear layer (lm_head included,
+    tied or not) per token, plus attention's two products (Q K^T and scores x V), 2 * 2 * hidden * L^2 per layer
+    and sequence, of which a causal kernel needs half."""
+    tokens = sum(seq_lens)
+    attention = (2 if causal else 4) * layers * hidden * sum(n * n for n in seq_lens)
+    return 2.0 * linear_params * tokens + attention
+
+
+def ppo_step_flops(linear_params: int, layers: int, hidden: int, seq_lens: Sequence[int]) -> float:
+    """One `PPOActor.step`: a no-grad forward (proximal logprobs) + forward and backward (2x) of every token."""
+    return 4.0 * forward_flops(linear_params, layers, hidden, seq_lens)
+
+
+def peak_tflops(device_name: str) -> Optional[float]:
+    return next((v for k, v in PEAK_BF16_TFLOPS if k in device_name), None)
+
+
+def linear_params(model: Any) -> int:
+    import torch
+
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+# ------------------------------------------------------------------------------------------------ summary
+
+def figures(text: str) -> list[str]:
+    """The figure lines a part printed (`FIGURE <line>`), in order."""
+    return [line[len(FIGURE):].rstrip() for line in text.splitlines() if line.startswith(FIGURE)]
+
+
+def summary(results: list[dict[str, Any]], header: str) -> list[str]:
+    """The closing block: one line per part (status, seconds), then its figures."""
+    ok = sum(1 for r in results if r["rc"] == 0)
+    out = [f"==== GPU check summary: {header} ===="]
+    for r in results:
+        status = "ok" if r["rc"] == 0 else ("TIMED OUT" if r.get("timed_out") else f"FAILED (exit {r['rc']})")
+        out.append(f"[{r['part']}] {status}, {r['seconds']:.0f} s")
+        out += [f"    {f}" for f in r["figures"]] or ["    (no figure)"]
+    out.append(f"==== GPU check: {ok}/{len(results)} parts passed ====")
+    return out
+
+
+def say(line: str) -> None:
+    print(FIGURE + line, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------ parts
+
+def part_a(dev: str, sz: dict[str, Any], out_dir: str) -> None:
+    """The default experiment through the real launcher: every role its own process, one device."""
+    run_dir = os.path.join(ROOT, "runs")
+    name = f"gpu-check-a-{dev}-{os.getpid()}"
+    cmd = [sys.executable, os.path.join(ROOT, "training", "main_async_ppo.py"), f"run_dir={run_dir}",
+           f"run_name={name}", f"total_train_steps={sz['steps']}", f"eval.every_n_steps={sz['eval_every']}",
+           f"eval.max_prompts={sz['eval_prompts']}", "progress=false", f"inference.device={dev}",
+           "inference.dtype=bfloat16", f"learner.device={dev}", "learner.deepspeed.bf16=true",
+           "learner.deepspeed.zero_stage=2", "weights.transport=disk", *sz["overrides"]]
+    print(" ".join(cmd[1:]), flush=True)
+    t0 = time.monotonic()
+    rc = subprocess.call(cmd, cwd=ROOT)
+    wall = time.monotonic() - t0
+    path = os.path.join(run_dir, name, "metrics.jsonl")
+    recs = [json.loads(line) for line in open(path) if line.strip()] if os.path.exists(path) else []
+    if out_dir and recs:
+        with open(os.path.join(out_dir, "gpu-check-a-metrics.jsonl"), "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in recs)
+    evals = [r for r in recs if r.get("type") == "eval"]
+    train = [r for r in recs if r.get("type") == "train"]
+    if rc != 0 or not evals:
+        raise SystemExit(f"the default run failed (exit {rc}, {len(evals)} evaluations); see {run_dir}/{name}")
+    curve = " ".join(f"{r['step']}:{r['first_acc']:.3f}" for r in evals)
+    step_s = statistics.median(r["learner_step_seconds"] for r in train) if train else float("nan")
+    upd = evals[-1].get("roles", {}).get("inference0", {}).get("update_ms_last", float("nan"))
+    say(f"a. default run on {dev} (bf16 inference + bf16 ZeRO-2 learner, weights by disk), {len(train)} steps: "
+        f"held-out accuracy {evals[0]['first_acc']:.3f} -> {evals[-1]['first_acc']:.3f}, {wall:.0f} s for the "
+        f"command, learner step median {step_s:.3f} s, last weight load {upd:.0f} ms")
+    say(f"a. held-out accuracy curve (step:greedy first-answer accuracy): {curve}")
+
+
+def _shape(sz: dict[str, Any]) -> dict[str, Any]:
+    from bench_engine import QWEN2_05B_SHAPE
+
+    return QWEN2_05B_SHAPE if sz["shape"] == "0.5b" else TINY_QWEN2
+
+
+def _label(sz: dict[str, Any], model: Any) -> str:
+    n = sum(p.numel() for p in model.parameters())
+    return f"{'Qwen2.5-0.5B' if sz['shape'] == '0.5b' else 'tiny Qwen2'}-shaped ({n / 1e6:.1f}M params)"
+
+
+def part_b(dev: str, sz: dict[str, Any], out_dir: str) -> None:
+    import tempfile
+
+    import numpy as np
+    import torch
+
+    from arl.inference.torch_engine import TorchEngine
+    from bench_engine import (long_tailed_lengths, make_prompts, measure_update_pause, qwen2_05b_model,
+                              run_continuous, run_hf_static, save_weights)
+
+    shape = _shape(sz)
+    model = qwen2_05b_model(shape, device=dev, dtype=torch.bfloat16)
+    label = _label(sz, model)
+    lengths = long_tailed_lengths(sz["requests"], 4, sz["max_len"], 1.2, seed=0)
+    prompts = make_prompts(sz["requests"], shape["vocab_size"], *sz["prompt_len"], seed=0)
+    print(f"{label}, bf16 on {dev}; {len(lengths)} requests, output lengths {min(lengths)}..{max(lengths)} (median "
+          f"{np.median(lengths):.0f}, {sum(lengths)} tokens), batch {sz['batch']}", flush=True)
+    run_hf_static(model, prompts[:4], [4] * 4, 4, 1.0, 0)  # warm-up: first kernels, allocator
+    engine = TorchEngine(model, pad_token_id=0, eos_token_id=None, max_batch_size=sz["batch"],
+                         max_context_len=sz["prompt_len"][1] + sz["max_len"] + 1, device=dev, name="gpu-check")
+
+    async def generate() -> tuple[float, int]:
+        await run_continuous(engine, prompts[:4], [4] * 4, 1.0)
+        return await run_continuous(engine, prompts, lengths, 1.0)
+
+    dt_e, tok = asyncio.run(generate())
+    dt_h, _ = run_hf_static(model, prompts, lengths, sz["batch"], 1.0, 0)
+    say(f"b. generation, {label} bf16 on {dev}, {len(lengths)} long-tailed requests ({tok} tokens), batch "
+        f"{sz['batch']}: torch engine {tok / dt_e:.0f} tok/s vs HF generate (static batches) {tok / dt_h:.0f} tok/s "
+        f"= {dt_h / dt_e:.2f}x")
+    with tempfile.TemporaryDirectory(prefix="arl-gpu-check-") as tmp:
+        path = os.path.join(tmp, "w.safetensors")
+        save_weights(model, path, scale=1.0)
+
+        async def pause() -> dict[str, Any]:
+            try:
+                max_new = 64 if dev == "cuda" else 16
+                return await measure_update_pause(engine, [path], prompts[:sz["in_flight"]], max_new, sz["updates"],
+                                                  settle_steps=2)
+            finally:
+                await engine.close()
+
+        u = asyncio.run(pause())
+        mib = os.path.getsize(path) / 2**20
+    say(f"b. in-flight weight update from disk ({mib:.1f} MiB safetensors, {u['updates']} updates, "
+        f"{u['rows_in_flight_at_update'][0]} rows in flight): decode pause median {u['pause_ms_median']:.1f} ms, max "
+        f"{u['pause_ms_max']:.1f} ms; update_weights latency median {u['caller_ms_median']:.0f} ms; "
+        f"{u['requests_lost_or_cut']} requests lost")
+
+
+def _learner(dev: str, sz: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
+    """The DeepSpeed learner (bf16, ZeRO-2) on the part's model, its actor, a long-tailed batch, and the model."""
+    import torch
+
+    from arl.config import DeepSpeedConfig, OptimizerConfig, PPOConfig
+    from arl.learner.actor import PPOActor
+    from arl.learner.deepspeed_engine import DeepSpeedEngine
+    from bench_engine import qwen2_05b_model
+    from bench_learner import long_tailed_batch
+
+    shape = _shape(sz)
+    model = qwen2_05b_model(shape, device=dev, dtype=torch.float32)  # DeepSpeed casts; fp32 master weights
+    engine = DeepSpeedEngine(model, OptimizerConfig(lr=1e-6),
+                             DeepSpeedConfig(zero_stage=2, bf16=True, max_tokens_per_mb=sz["mb_tokens"]), device=dev)
+    batch = long_tailed_batch(sz["seqs"], shape["vocab_size"], sz["seq_prompt"], sz["gen_median"], 1.0,
+                              sz["seq_max"], groups=max(1, sz["seqs"] // 8))
+    return engine, PPOActor(engine, PPOConfig()), batch, model
+
+
+def part_c(dev: str, sz: dict[str, Any], out_dir: str) -> None:
+    import torch
+
+    from bench_engine import sync
+
+    engine, actor, batch, model = _learner(dev, sz)
+    label = _label(sz, model)
+    lens = [len(t.input_ids) for t in batch]
+    actor.step(batch)  # warm-up
+    times = []
+    for _ in range(sz["learner_steps"]):
+        sync(engine.device)
+        t0 = time.perf_counter()
+        actor.step(batch)
+        sync(engine.device)
+        times.append(time.perf_counter() - t0)
+    s = statistics.median(times)
+    cfg = model.config
+    flops = ppo_step_flops(linear_params(model), cfg.num_hidden_layers, cfg.hidden_size, lens)
+    name = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu"
+    peak = peak_tflops(name)
+    mfu = f"MFU {flops / s / (peak * 1e12):.1%} of {peak:.0f} TFLOP/s" if peak else f"MFU n/a (no bf16 peak for {name})"
+    mem = (f", peak memory {torch.cuda.max_memory_allocated(engine.device) / 2**30:.1f} GiB"
+           if engine.device.type == "cuda" else "")
+    say(f"c. learner PPO step, {label}, bf16 DeepSpeed ZeRO-2 on {engine.device}, {len(lens)} sequences "
+        f"({sum(lens)} tokens, lengths {min(lens)}..{max(lens)}): {s:.3f} s = {sum(lens) / s:.0f} tokens/s, "
+        f"{flops / s / 1e12:.3g} TFLOP/s, {mfu}{mem}")
+
+
+def part_d(dev: str, sz: dict[str, Any], out_dir: str) -> None:
+    import tempfile
+
+    import numpy as np
+    import torch
+
+    from arl.api.types import GenerateRequest, GenerationConfig
+    from arl.inference.torch_engine import TorchEngine
+    from bench_engine import qwen2_05b_model
+
+    learner, actor, batch, _ = _learner(dev, sz)
+    shape = _shape(sz)
+    model = qwen2_05b_model(shape, device=dev, dtype=torch.bfloat16)
+    label = _label(sz, model)
+    engine = TorchEngine(model, pad_token_id=0, eos_token_id=None, max_batch_size=sz["in_flight"],
+                         max_context_len=sz["prompt_len"][1] + sz["max_len"] + 1, device=dev, name="gpu-check-d")
+    rng = np.random.default_rng(0)
+
+    async def go() -> list[dict[str, float]]:
+        async def keep_generating(k: int) -> None:
+            while True:
+                ids = rng.integers(5, shape["vocab_size"], size=sz["prompt_len"][0]).astype(np.int32)
+                await engine.agenerate(GenerateRequest(f"d{k}", ids, GenerationConfig(max_new_tokens=sz["max_len"])))
+
+        gen = [asyncio.create_task(keep_generating(k)) for k in range(sz["in_flight"])]
+        rows: list[dict[str, float]] = []
+        try:
+            with tempfile.TemporaryDirectory(prefix="arl-gpu-check-") as tmp:
+                for v in range(1, sz["updates"] + 1):
+                    tok0, t0 = engine.stats()["tokens_generated"], time.perf_counter()
+                    await asyncio.to_thread(actor.step, batch)
+                    t1 = time.perf_counter()
+                    tok1 = engine.stats()["tokens_generated"]
+                    path = os.path.join(tmp, f"v{v}.safetensors")
+                    await asyncio.to_thread(learner.export_weights, path)
+                    t2 = time.perf_counter()
+                    await engine.update_weights(path, v)
+                    t3 = time.perf_counter()
+                    rows.append({"step_s": t1 - t0, "gen_tok_s": (tok1 - tok0) / (t1 - t0), "export_s": t2 - t1,
+                                 "load_s": t3 - t2, "pause_ms": engine.stats()["last_update_s"] * 1e3,
+                                 "mib": os.path.getsize(path) / 2**20})
+                    os.unlink(path)
+        finally:
+            for t in gen:
+                t.cancel()
+            await asyncio.gather(*gen, return_exceptions=True)
+            await engine.close()
+        return rows
+
+    rows = asyncio.run(go())
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    mem = (f"; peak memory {torch.cuda.max_memory_allocated(learner.device) / 2**30:.1f} GiB for both"
+           if learner.device.type == "cuda" else "")
+    say(f"d. learner + engine on one {dev} (one process, weights by disk), {label}, {len(rows)} versions: learner "
+        f"step {med['step_s']:.2f} s while the engine decoded {med['gen_tok_s']:.0f} tok/s beside it; export "
+        f"{med['export_s']:.2f} s ({med['mib']:.1f} MiB), engine load {med['load_s']:.2f} s, decode pause "
+        f"{med['pause_ms']:.1f} ms (medians){mem}")
+
+
+# ------------------------------------------------------------------------------------------------ driver
+
+def run_part(part: str, dev: str, timeout_s: float, out_dir: str, script: str = __file__) -> dict[str, Any]:
+    """Run one part in a child process (its own session, so a timeout ends it and whatever it started), echoing
+    its output, and collect its figures."""
+    cmd = [sys.executable, os.path.abspath(script), "--device", dev, "--part", part, "--out-dir", out_dir]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    lines: list[str] = []
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            sys.stdout.write(line)
+            sys.stdout.flush()
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    timed_out = False
+    try:
+        rc = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=grace)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        rc = proc.returncode if proc.returncode is not None else -9
+    reader.join(timeout=10)
+    return {"part": part, "rc": rc if not timed_out else (rc or -1), "timed_out": timed_out,
+            "seconds": time.monotonic() - t0, "figures": figures("".join(lines))}
+
+
+def describe(dev: str) -> str:
+    import platform
+
+    import torch
+
+    where = torch.cuda.get_device_name(0) if dev == "cuda" and torch.cuda.is_available() else platform.machine()
+    return (f"device {dev} ({where}), torch {torch.__version__}, Python {platform.python_version()}, "
+            f"{os.cpu_count()} cores")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--part", default="", help="run only these parts in this process (e.g. b or bc)")
+    ap.add_argument("--parts", default=PARTS, help="the parts the driver runs, in order")
+    ap.add_argument("--budget-s", type=float, default=0.0, help="the whole check's time (default: 480 s on cuda, "
+                    "1500 on cpu); a part gets at most its own limit and what is left of this")
+    ap.add_argument("--out-dir", default="", help="where part a copies its metrics.jsonl")
+    a = ap.parse_args(argv)
+    sz = SIZES[a.device]
+    if a.part:
+        # A part past its time gets SIGTERM: exit through Python, so `finally` blocks run (torch's JIT-build lock in
+        # TORCH_EXTENSIONS_DIR, held while DeepSpeed builds an op, would otherwise stay and stall every later build).
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+        import torch
+
+        torch.manual_seed(0)
+        if a.device == "cpu":
+            torch.set_num_threads(1)  # the dry run: several threads on a shared 2-core machine only spin
+        elif not torch.cuda.is_available():
+            raise SystemExit("--device cuda, but torch sees no CUDA device")
+        for p in a.part:
+            globals()[f"part_{p}"](a.device, sz, a.out_dir)
+        return 0
+    header = describe(a.device)
+    print(f"GPU check: {header}; parts {a.parts}", flush=True)
+    deadline = time.monotonic() + (a.budget_s or sz["budget_s"])
+    results = []
+    for p in a.parts:
+        left = deadline - time.monotonic()
+        if left < 20:
+            results.append({"part": p, "rc": -1, "timed_out": True, "seconds": 0.0, "figures": ["(no time left)"]})
+            continue
+        print(f"---- part {p} ----", flush=True)
+        results.append(run_part(p, a.device, min(sz["timeout_s"][p], left), a.out_dir))
+    print("\n".join(summary(results, header)), flush=True)
+    return 0 if all(r["rc"] == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

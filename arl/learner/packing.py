@@ -57,45 +57,15 @@ def _varlen_attention(
     if int(cu[-1]) != q_len:
         raise ValueError(f"cu_seq_lens end at {int(cu[-1])} but the packed row has {q_len} tokens")
     kwargs.pop("is_causal", None)
+    # split (not slicing): its backward concatenates the pieces' gradients once, where each slice's backward
+    # would materialise a zero tensor of the whole row
     lens = cu.diff().tolist()
-    by_len: dict[int, list[int]] = {}
-    for start, n in zip(cu[:-1].tolist(), lens):
-        by_len.setdefault(n, []).append(start)
-    if len(by_len) * 4 > len(lens) * 3:  # mostly distinct lengths: one call per sequence
-        # split (not slicing): its backward concatenates the pieces' gradients once, where each slice's backward
-        # would materialise a zero tensor of the whole row
-        outs = []
-        for q, k, v in zip(query.split(lens, dim=2), key.split(lens, dim=2), value.split(lens, dim=2)):
-            o, _ = sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling, is_causal=True,
-                                          **kwargs)
-            outs.append(o)
-        return torch.cat(outs, dim=1), None
-    return _attention_by_length(module, query, key, value, by_len, dropout, scaling, kwargs), None
-
-
-def _attention_by_length(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                         by_len: dict[int, list[int]], dropout: float, scaling: Optional[float],
-                         kwargs: dict[str, Any]) -> torch.Tensor:
-    """Causal SDPA with the sequences of equal length stacked into one batched call each: the same per-sequence
-    attention (no padding, no mask), in a call per distinct length instead of one per sequence, which is what
-    short RL turns of a few lengths pay for most. Returns ``[1, T, H, D]`` in the row's token order."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    outs, order = [], []
-    for n, starts in by_len.items():
-        idx = (torch.tensor(starts)[:, None] + torch.arange(n)).flatten().to(query.device)
-        order.append(idx)
-
-        def rows(x: torch.Tensor) -> torch.Tensor:  # [1, H, T, D] -> [len(starts), H, n, D]
-            return x.index_select(2, idx)[0].unflatten(1, (len(starts), n)).transpose(0, 1)
-
-        o, _ = sdpa_attention_forward(module, rows(query), rows(key), rows(value), None, dropout=dropout,
-                                      scaling=scaling, is_causal=True, **kwargs)
-        outs.append(o.flatten(0, 1))  # [len(starts) * n, H, D]
-    perm = torch.cat(order)
-    inverse = torch.empty_like(perm)
-    inverse[perm] = torch.arange(len(perm), device=perm.device)
-    return torch.cat(outs).index_select(0, inverse).unsqueeze(0)
+    outs = []
+    for q, k, v in zip(query.split(lens, dim=2), key.split(lens, dim=2), value.split(lens, dim=2)):
+        o, _ = sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling, is_causal=True,
+                                      **kwargs)
+        outs.append(o)
+    return torch.cat(outs, dim=1), None
 
 
 def _varlen_mask(*args: Any, **kwargs: Any) -> Optional[torch.Tensor]:

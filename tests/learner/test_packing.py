@@ -202,31 +202,3 @@ def test_packing_with_bf16_and_zero3(kw):
     assert m_pk["loss"] == pytest.approx(m_pad["loss"], rel=tol, abs=tol)
     assert m_pk["grad_norm"] == pytest.approx(m_pad["grad_norm"], rel=tol * 5)
 
-
-def test_varlen_attention_stacks_equal_lengths_exactly(monkeypatch):
-    """Sequences of a few lengths (short RL turns) go through one SDPA call per distinct length: logprobs and
-    gradients equal those of the padded layout, and of the one-call-per-sequence path."""
-    import arl.learner.packing as packing
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2))
-    rng = np.random.default_rng(3)
-    trajs = [_traj(rng.integers(1, 32, size=3), rng.integers(1, 32, size=int(n)), gid=f"g{i}")
-             for i, n in enumerate(rng.choice([2, 4, 9], size=14))]  # 3 distinct lengths, 14 sequences
-    (pad,) = build_micro_batches(trajs, 10_000)
-    (pk,) = build_packed_micro_batches(trajs, 10_000)
-    ref_model = copy.deepcopy(model)
-    ref = token_logprobs(ref_model(input_ids=pad.input_ids, attention_mask=pad.attention_mask,
-                                   use_cache=False).logits, pad.input_ids)[pad.loss_mask]
-    ref.sum().backward()
-    enable_varlen_attention(model)
-    calls = []
-    grouped = packing._attention_by_length
-    monkeypatch.setattr(packing, "_attention_by_length", lambda *a: calls.append(len(a[4])) or grouped(*a))
-    got = token_logprobs(model(**packed_forward_kwargs(pk), use_cache=False).logits, pk.input_ids)[pk.loss_mask]
-    got.sum().backward()
-    assert calls == [3, 3]  # each layer: one call per distinct length
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)

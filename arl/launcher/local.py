@@ -68,10 +68,20 @@ def make_controller(cfg: ExperimentConfig, run_dir: str, **overrides: Any) -> Co
     bind_host = effective_bind_host(cfg.bind_host)
     secret = resolve_secret(cfg.secret, bind_host)
     trains_model = LEARNER_BACKENDS.get(cfg.learner.backend).trains_model  # only a real model runs on several ranks
+    resume = resume_state(cfg, run_dir)  # may refuse the run: before a launcher (Ray) is connected
     if cfg.launcher == LauncherKind.ray and "launcher" not in overrides:
         launcher, bind_host, secret = ray_launcher(cfg, run_dir, bind_host, secret,
                                                    cfg.learner.num_ranks if trains_model else 1)
         overrides = {**overrides, "launcher": launcher}
+    try:
+        return _controller(cfg, run_dir, bind_host, secret, resume, trains_model, overrides)
+    except BaseException:
+        close_launcher(overrides.get("launcher"))
+        raise
+
+
+def _controller(cfg: ExperimentConfig, run_dir: str, bind_host: str, secret: Optional[bytes],
+                resume: Optional[dict], trains_model: bool, overrides: dict[str, Any]) -> Controller:
     ic, rc = cfg.inference, cfg.rollout
     supervisor = Supervisor(
         num_inference=ic.num_workers,
@@ -96,7 +106,7 @@ def make_controller(cfg: ExperimentConfig, run_dir: str, **overrides: Any) -> Co
         eval_every=cfg.eval.every_n_steps,
         eval_max_prompts=cfg.eval.max_prompts,
         progress=cfg.progress,
-        resume=resume_state(cfg, run_dir),
+        resume=resume,
         learner_ranks=cfg.learner.num_ranks if trains_model else 1,
         secret=secret,
         bind_host=bind_host,
@@ -109,11 +119,7 @@ def make_controller(cfg: ExperimentConfig, run_dir: str, **overrides: Any) -> Co
                          cfg.experiment),
     )
     kwargs.update(overrides)
-    try:
-        ctl = Controller(**kwargs)
-    except BaseException:
-        close_launcher(kwargs.get("launcher"))
-        raise
+    ctl = Controller(**kwargs)
     if secret is not None:
         ctl.launcher.env[SECRET_ENV] = secret.decode("utf-8")  # type: ignore[attr-defined]  # Local/RayLauncher
     return ctl
@@ -129,10 +135,17 @@ def ray_launcher(cfg: ExperimentConfig, run_dir: str, bind_host: str, secret: Op
 
     from arl.launcher.ray_launcher import RayLauncher
 
+    k = max(1, cfg.inference.servers_per_process)
     launcher = RayLauncher(cfg.ray, startup_timeout=cfg.startup_timeout, learner_ranks=learner_ranks,
-                           servers_per_process=cfg.inference.servers_per_process, run_dir=run_dir)
+                           servers_per_process=k, run_dir=run_dir,
+                           processes={"inference": -(-cfg.inference.num_workers // k),
+                                      "rollout": cfg.rollout.num_workers})
     if is_loopback(bind_host):
-        bind_host = launcher.driver_address()
+        try:
+            bind_host = launcher.driver_address()
+        except BaseException:
+            close_launcher(launcher)
+            raise
     return launcher, bind_host, secret or _secrets.token_urlsafe(32).encode("utf-8")
 
 
@@ -157,7 +170,12 @@ async def _spawn_roles(ctl: Controller) -> None:
 
 async def _run(cfg: ExperimentConfig, run_dir: str) -> dict:
     ctl = make_controller(cfg, run_dir)
-    ctl.bind()
+    try:
+        ctl.bind()
+    except BaseException:
+        ctl.reporter.close()
+        await asyncio.to_thread(close_launcher, ctl.launcher)
+        raise
     loop = asyncio.get_running_loop()
     main_task = asyncio.current_task()
     interrupted = False

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import signal
 import sys
@@ -35,8 +36,15 @@ logger = logging.getLogger("arl.launcher")
 __all__ = ["RayLauncher", "RoleHost", "RolePlacementError", "bundle_for", "role_of"]
 
 _LOG_CHUNK = 1 << 20
+_COPY_ROUNDS = 8  # chunks one pump round copies per role: up to 8 MiB per role per round
+FINAL_LOG_MAX = 64 << 20  # a role's end: at most this much of what its node still holds is copied (the newest)
 PYTHON = "{python}"  # in a role's argv: the Python of its node's Ray workers (the driver's may live elsewhere)
 _NOT_CUSTOM = ("CPU", "GPU", "memory", "object_store_memory")
+
+
+_HOW_TO_FIT = ("Ray's CPUs are scheduling tokens, not cores: lower ray.cpus_per_inference, ray.cpus_per_rollout or "
+               "ray.cpus_per_learner_rank (fractions such as 0.5 work), raise ray.num_cpus (ray.address=local), "
+               "change ray.placement, or add nodes.")
 
 
 class RolePlacementError(RunFailed):
@@ -99,6 +107,12 @@ class RoleHost:
         except FileNotFoundError:
             return b""
 
+    def log_size(self) -> int:
+        try:
+            return os.path.getsize(self.log_path)
+        except OSError:
+            return 0
+
     def discard_log(self) -> None:
         """The driver has the whole log: remove the node-local copy (a role process must have ended)."""
         import shutil
@@ -152,6 +166,40 @@ def bundle_for(ray_cfg: Any, role: str, index: int, servers_per_process: int = 1
     return bundle
 
 
+def planned_bundles(ray_cfg: Any, processes: Optional[Mapping[str, int]], learner_ranks: int = 1,
+                    servers_per_process: int = 1) -> list[tuple[str, dict[str, float]]]:
+    """(process name, bundle) of every process a run with `processes` ({'inference': 2, 'rollout': 1}) starts: the
+    inference processes, the learner's ranks, the rollout workers. [] when `processes` is not known."""
+    if not processes:
+        return []
+    out = [(f"inference{i}", bundle_for(ray_cfg, "inference", i, servers_per_process))
+           for i in range(int(processes.get("inference", 0)))]
+    out += [("learner" if r == 0 else f"learner-rank{r}", bundle_for(ray_cfg, "learner", r))
+            for r in range(max(1, learner_ranks))]
+    out += [(f"rollout{i}", bundle_for(ray_cfg, "rollout", i)) for i in range(int(processes.get("rollout", 0)))]
+    return out
+
+
+def local_cpus(ray_cfg: Any, plan: Sequence[tuple[str, dict[str, float]]]) -> int:
+    """CPUs a Ray started for the run (`address=local`) declares: `ray.num_cpus`, else this machine's cores but at
+    least what the run's bundles ask for. Ray's CPUs are scheduling tokens, not cores: the roles set their own
+    thread counts, and on a 2-core machine the default run's three one-CPU bundles must still be placed."""
+    if ray_cfg.num_cpus:
+        return int(ray_cfg.num_cpus)
+    need = sum(b.get("CPU", 0.0) for _, b in plan)
+    return max(os.cpu_count() or 1, math.ceil(need - 1e-9))
+
+
+def plain_resources(resources: Mapping[str, float]) -> str:
+    """'2 CPU, 1 GPU, 1 node_a': what a user configures, without Ray's internal names (placement groups'
+    `CPU_group_<id>`, `node:<ip>`, memory)."""
+    keep = {k: v for k, v in resources.items()
+            if "_group_" not in k and not k.startswith(("node:", "accelerator_type:"))
+            and k not in ("memory", "object_store_memory")}
+    order = sorted(keep, key=lambda k: (k not in ("CPU", "GPU"), k != "CPU", k))
+    return ", ".join(f"{keep[k]:g} {k}" for k in order) or "nothing"
+
+
 @dataclasses.dataclass
 class _Host:
     """One process of a role: its actor, placement group and the driver-side copy of its log."""
@@ -165,8 +213,10 @@ class _Host:
     offset: int = 0
     code: Optional[int] = None
     finished: bool = False
+    copied: bool = False  # its log is copied whole (as far as its node still had it) after it ended
     reaped: bool = False
     where: Optional[dict] = None
+    copy_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
 @dataclasses.dataclass
@@ -176,6 +226,8 @@ class _Role:
     log_path: str
     hosts: list[_Host]
     expected_exit: bool = False
+    starting: Optional[threading.Thread] = None  # a restart being placed and started (off the caller's thread)
+    start_failed: str = ""  # why the last restart could not be started (reported by `dead` as an exit)
 
 
 class RayLauncher:
@@ -185,7 +237,10 @@ class RayLauncher:
     runs_ranks = True  # the controller does not wrap the learner in torchrun: each rank is a process of its own
 
     def __init__(self, ray_cfg: Any, *, startup_timeout: float, learner_ranks: int = 1, servers_per_process: int = 1,
-                 run_dir: str = "", log_poll_s: float = 0.5) -> None:
+                 run_dir: str = "", log_poll_s: float = 0.5, processes: Optional[Mapping[str, int]] = None) -> None:
+        """`processes`: how many processes of each role the run will spawn ({'inference': 1, 'rollout': 2}; the
+        learner is one, with `learner_ranks` ranks): what is checked against the cluster before the first one is
+        placed, and what a Ray started here (`address=local`) is sized for."""
         import ray
 
         self.cfg = ray_cfg
@@ -197,14 +252,15 @@ class RayLauncher:
         self.roles: dict[str, _Role] = {}
         self._lock = threading.RLock()
         self._deadline: Optional[float] = None
+        self.plan = planned_bundles(ray_cfg, processes, self.learner_ranks, servers_per_process)
+        self._checked = False
         self._connected_here = not ray.is_initialized()
         if self._connected_here:
             address = str(ray_cfg.address)
             kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
                                   "configure_logging": False}
             if address == "local":
-                if ray_cfg.num_cpus:
-                    kw["num_cpus"] = int(ray_cfg.num_cpus)
+                kw["num_cpus"] = local_cpus(ray_cfg, self.plan)
                 ray.init(**kw)
             else:
                 ray.init(address=address, **kw)
@@ -233,6 +289,9 @@ class RayLauncher:
             raise ValueError(f"a role process named {name!r} already exists")
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
         open(log_path, "ab").close()  # there from the start, like a local role's (copies append to it)
+        if not self._checked:
+            self.check_fits()
+            self._checked = True
         if self._deadline is None:
             self._deadline = time.monotonic() + self.startup_timeout
         role = _Role(name, list(argv), log_path, [])
@@ -246,9 +305,32 @@ class RayLauncher:
         resources that no live node has any more (its node was lost) are dropped: it restarts on a surviving
         node."""
         role = self.roles[name]
-        self._reap(role, force=True)
-        role.expected_exit = False
-        self._start(role, wait=False)
+        if role.starting is not None and role.starting.is_alive():
+            raise RuntimeError(f"{name} is already being restarted")
+        role.expected_exit, role.start_failed = False, ""
+        # copying the rest of the old process's log, ending its actor and placing the new group make several
+        # round trips to Ray (seconds when a node is gone): not on the caller's (the controller's event loop) thread
+        role.starting = threading.Thread(target=self._restart, args=(role,), name=f"arl-ray-restart-{name}",
+                                         daemon=True)
+        role.starting.start()
+
+    def _restart(self, role: _Role) -> None:
+        import ray
+
+        try:
+            self._reap(role, force=True)
+            if role.expected_exit:  # killed (or the run ended) while the old one was reaped
+                return
+            self._start(role, wait=False)
+            if role.expected_exit:
+                self.kill(role.name)
+                return
+            for r, h in enumerate(role.hosts):  # where it landed, for its role_placed record (or None if pending)
+                ray.wait([h.pg.ready()], timeout=min(30.0, self.startup_timeout))
+                h.where = self._node_of(h.pg, r) or h.where
+        except Exception as e:  # noqa: BLE001 - the controller hears of it as an exit (`dead`) and applies its policy
+            logger.exception("restarting %s failed", role.name)
+            role.start_failed = f"{type(e).__name__}: {e}"
 
     def _start(self, role: _Role, wait: bool) -> None:
         ranks = self.learner_ranks if role.name == "learner" else 1
@@ -291,6 +373,35 @@ class RayLauncher:
         with open(path, "rb") as f:
             return {path: f.read()}
 
+    def check_fits(self) -> None:
+        """Refuse at once, in plain words, a run that this cluster can never hold: a process whose CPUs or GPUs no
+        node has, the run's CPUs or GPUs beyond the cluster's total, and (with `address=local`, one node that no
+        other joins) a custom resource the node lacks. A custom resource no node has yet is only warned about
+        elsewhere: a node may still join (the wait is `startup_timeout`)."""
+        import ray
+
+        if not self.plan:
+            return
+        nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+        total = {k: float(v) for k, v in ray.cluster_resources().items()}
+        local = self._connected_here and str(self.cfg.address) == "local"
+        have = " | ".join(sorted(plain_resources(r) for r in nodes)) or "no live node"
+        for name, bundle in self.plan:
+            short = [k for k, v in bundle.items()
+                     if (k in ("CPU", "GPU") or local) and not any(r.get(k, 0.0) >= v for r in nodes)]
+            if short:
+                raise RolePlacementError(
+                    f"launcher=ray: role {name} needs {plain_resources(bundle)} on one node, and no node of this Ray "
+                    f"cluster has {' or '.join(f'{bundle[k]:g} {k}' for k in short)} (its nodes: {have}). "
+                    f"{_HOW_TO_FIT}")
+        for key in ("CPU", "GPU"):
+            need = sum(b.get(key, 0.0) for _, b in self.plan)
+            if need > total.get(key, 0.0) + 1e-9:
+                each = ", ".join(f"{n} {b[key]:g}" for n, b in self.plan if b.get(key))
+                raise RolePlacementError(
+                    f"launcher=ray: the run's {len(self.plan)} role processes need {need:g} {key} in all ({each}), "
+                    f"and this Ray cluster has {total.get(key, 0.0):g} {key} (its nodes: {have}). {_HOW_TO_FIT}")
+
     def _placement_group(self, name: str, bundles: list[dict[str, float]], wait: bool) -> Any:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
@@ -309,8 +420,10 @@ class RayLauncher:
                     raise RolePlacementError(f"role {name}: interrupted while waiting to be placed")
                 raise RolePlacementError(
                     f"role {name} could not be placed within startup_timeout={self.startup_timeout:g}s: it needs "
-                    f"{bundles} (strategy {strategy}); the cluster has {ray.cluster_resources()}, of which "
-                    f"{ray.available_resources()} are free. Check ray.placement and ray.*_per_* or add nodes.")
+                    f"{' and '.join(plain_resources(b) for b in bundles)}"
+                    f"{f' (strategy {strategy})' if len(bundles) > 1 else ''}; the cluster has "
+                    f"{plain_resources(ray.cluster_resources())}, of which {plain_resources(ray.available_resources())}"
+                    f" are free. Check ray.placement and ray.*_per_* or add nodes.")
         return pg
 
     def _placeable(self, bundle: dict[str, float], name: str) -> dict[str, float]:
@@ -388,15 +501,19 @@ class RayLauncher:
         return True
 
     def dead(self) -> list[tuple[str, Optional[int]]]:
-        out = []
+        """Roles that ended unasked, once the rest of their log is in the run directory (the controller shows its
+        last lines): the copy is the log thread's, so this never waits on Ray (it runs on the event loop)."""
+        out: list[tuple[str, Optional[int]]] = []
         with self._lock:
             roles = list(self.roles.values())
         for role in roles:
-            if role.expected_exit:
+            if role.expected_exit or (role.starting is not None and role.starting.is_alive()):
+                continue
+            if role.start_failed:
+                out.append((role.name, None))
                 continue
             for h in role.hosts:
-                if self._finished(h):
-                    self._copy_log(h, final=True)  # the controller shows its last lines
+                if not h.reaped and self._finished(h) and h.copied:
                     out.append((role.name, h.code))
                     break
         return out
@@ -406,7 +523,11 @@ class RayLauncher:
 
     def alive(self, name: str) -> bool:
         role = self.roles.get(name)
-        return role is not None and any(not self._finished(h) for h in role.hosts)
+        if role is None:
+            return False
+        if role.starting is not None and role.starting.is_alive():
+            return True
+        return any(not self._finished(h) for h in role.hosts)
 
     def log_path(self, name: str) -> str:
         role = self.roles.get(name)
@@ -469,6 +590,10 @@ class RayLauncher:
         (stopping it if this launcher started it)."""
         import ray
 
+        self.expect_exit()
+        for role in list(self.roles.values()):  # a restart in flight ends first (it kills what it started)
+            if role.starting is not None:
+                role.starting.join(timeout=self.startup_timeout)
         if any(not self._finished(h) for h in self._hosts()):
             self.terminate_all(1.0)
         for role in list(self.roles.values()):
@@ -508,25 +633,40 @@ class RayLauncher:
 
     # -- logs ------------------------------------------------------------------------------------------------
     def _copy_log(self, h: _Host, final: bool = False) -> None:
-        """Append what the role wrote on its node since the last copy to its log in the run directory."""
+        """Append what the role wrote on its node since the last copy to its log in the run directory. `final`
+        (the role ended): all of it, except that a copy more than FINAL_LOG_MAX behind skips to the newest
+        FINAL_LOG_MAX (a crash's last lines matter most) and says how much it skipped."""
         import ray
 
-        if h.reaped:
-            return
-        with self._lock:
-            for _ in range(64 if final else 1):
-                try:
+        with h.copy_lock:
+            if h.reaped or h.copied:
+                return
+            rounds = _COPY_ROUNDS
+            try:
+                if final:
+                    behind = int(ray.get(h.actor.log_size.remote(), timeout=5.0)) - h.offset
+                    rounds = -(-min(behind, FINAL_LOG_MAX) // _LOG_CHUNK) + 1
+                    if behind > FINAL_LOG_MAX:
+                        skip = behind - FINAL_LOG_MAX
+                        with open(h.log_path, "ab") as f:
+                            f.write(f"\n[arl: {skip} bytes of this log were not copied from its node; its last "
+                                    f"{FINAL_LOG_MAX} bytes follow]\n".encode())
+                        h.offset += skip
+                for _ in range(rounds):
                     data = ray.get(h.actor.read_log.remote(h.offset), timeout=5.0)
-                except Exception:  # noqa: BLE001 - its actor is gone (node lost): what we copied is what there is
-                    return
-                if not data:
-                    return
-                with open(h.log_path, "ab") as f:
-                    f.write(data)
-                h.offset += len(data)
+                    if not data:
+                        break
+                    with open(h.log_path, "ab") as f:
+                        f.write(data)
+                    h.offset += len(data)
+            except Exception:  # noqa: BLE001 - its actor is gone (node lost): what we copied is what there is
+                pass
+            if final:
+                h.copied = True
 
     def _pump_logs(self, every: float) -> None:
+        """Copy what every role adds to its log; once a role ended, the rest of it (then `dead` reports it)."""
         while not self._stop.wait(every):
             for h in self._hosts():
                 if not h.reaped and h.ref is not None:
-                    self._copy_log(h)
+                    self._copy_log(h, final=self._finished(h))

@@ -149,12 +149,15 @@ class Supervisor:
             return Decision("restart_rollout" if spawned else "fatal", restart=spawned)
         hosted = self.servers_of(name)
         remaining = set(range(self.num_inference)) - lost - set(hosted)
-        if hosted and self.tolerate_inference_loss and self.all_up and remaining:
+        if hosted and self.tolerate_inference_loss and self.all_up:
             # a restarted process that dies before it rejoined is lost again (and may be restarted again)
             servers = tuple(s for s in hosted if s not in lost or s in rejoining)
             restart = (self.restart_inference and self.inference_restarts < self.max_inference_restarts
                        and spawned and bool(servers))
-            return Decision("lose_inference", restart=restart, servers=servers)
+            # the last server(s) too, when restarted: generation waits (rollout clients hold their requests)
+            # until it is back; without a restart the run would have none left
+            if remaining or restart:
+                return Decision("lose_inference", restart=restart, servers=servers)
         return Decision("fatal")
 
     def restarting(self, name: str, now: float) -> int:

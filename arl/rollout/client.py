@@ -102,6 +102,7 @@ class InferenceClient:
         self._sweep_every = min(_SWEEP_MAX_S, request_timeout / 8)
         self._sweeper: Optional[asyncio.TimerHandle] = None
         self._sweep_loop: Optional[asyncio.AbstractEventLoop] = None  # None while no sweep is scheduled
+        self._back = asyncio.Event()  # set (and replaced) when a lost worker is back
         self.stats = collections.Counter()
 
     @property
@@ -237,7 +238,21 @@ class InferenceClient:
         self.stats["workers_back"] += 1
         self.stats[f"back_w{idx}"] += 1
         self.stats[f"sent_w{idx}"] = 0
+        self._back.set()
+        self._back = asyncio.Event()
         logger.warning("inference worker %d is back; routing to workers %s", idx, self.alive)
+
+    async def _wait_for_a_worker(self, session_id: Optional[str], timeout: float) -> int:
+        """The worker to send to once one is back (`worker_back`), or -1 after `timeout` seconds."""
+        self.stats["waited_for_worker"] += 1
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while (idx := self._choose(session_id)) < 0 and not self._closing:
+            try:
+                await asyncio.wait_for(self._back.wait(), max(0.0, end - loop.time()))
+            except asyncio.TimeoutError:
+                return -1
+        return idx
 
     async def generate(self, req: GenerateRequest, info: Optional[dict] = None) -> GenerateResponse:
         """The response to `req`; `info`, when given, gets the index of the worker that answered ("worker", -1
@@ -249,11 +264,14 @@ class InferenceClient:
         wire.__dict__.update(req.__dict__, qid=wire_id)
         g = req.gconfig
         p = _Pending(loop.create_future(), wire, g.n * g.max_new_tokens)
-        idx = self._choose(req.session_id)
-        if idx < 0:
-            return GenerateResponse(qid=req.qid, error="no inference worker left")
-        self._pending[wire_id] = p
         deadline = self._timeout + self._per_token * max(0, int(g.max_new_tokens))  # self.deadline(req), inlined
+        idx = self._choose(req.session_id)
+        if idx < 0:  # every worker is lost: one may be restarting (the controller's worker_back), wait that long
+            idx = await self._wait_for_a_worker(req.session_id, deadline)
+            if idx < 0:
+                return GenerateResponse(qid=req.qid, error=f"no inference worker left (none came back in "
+                                                           f"{deadline:.0f}s)")
+        self._pending[wire_id] = p
         try:
             await self._send(p, idx)
             while True:

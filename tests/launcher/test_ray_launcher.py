@@ -31,6 +31,77 @@ def test_bundles_carry_the_role_needs_and_its_placement() -> None:
                                                                           ("learner", 0)]
 
 
+class FakeRayLauncher:
+    """Stands in for RayLauncher (no Ray needed): records whether the run released it."""
+
+    made: list["FakeRayLauncher"] = []
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.env: dict[str, str] = {}
+        self.closed = False
+        self.kwargs = kwargs
+        FakeRayLauncher.made.append(self)
+
+    @staticmethod
+    def driver_address() -> str:
+        return "127.0.0.1"
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.fixture
+def fake_ray_launcher(monkeypatch):
+    import arl.launcher.ray_launcher as rl
+
+    FakeRayLauncher.made = []
+    monkeypatch.setattr(rl, "RayLauncher", FakeRayLauncher)
+    return FakeRayLauncher.made
+
+
+@pytest.mark.parametrize("fails", ["resume_state", "make_sinks", "bind"])
+def test_a_run_that_fails_before_it_starts_releases_the_ray_launcher(tmp_path, monkeypatch, fake_ray_launcher,
+                                                                     fails):
+    """A failure between connecting to Ray and the run's try (resuming, trackers, binding) closes the launcher
+    (its actors, placement groups and Ray connection)."""
+    import asyncio
+
+    from arl.config import ExperimentConfig, parse_overrides
+    from arl.launcher import local
+    from arl.launcher.controller import Controller, RunFailed
+
+    cfg = parse_overrides(ExperimentConfig, ["launcher=ray", "rollout.num_workers=2"])
+
+    def boom(*args, **kwargs):
+        raise RunFailed(f"{fails} failed")
+
+    if fails == "bind":
+        monkeypatch.setattr(Controller, "bind", boom)
+    else:
+        monkeypatch.setattr(local, fails, boom)
+    with pytest.raises(RunFailed, match=f"{fails} failed"):
+        asyncio.run(local._run(cfg, str(tmp_path)))
+    assert all(launcher.closed for launcher in fake_ray_launcher), fake_ray_launcher
+    if fake_ray_launcher:  # the launcher is told what the run will start (checked against the cluster)
+        assert fake_ray_launcher[0].kwargs["processes"] == {"inference": 1, "rollout": 2}
+
+
+def test_the_run_is_checked_against_the_cluster_and_a_local_ray_fits_it() -> None:
+    from arl.launcher.ray_launcher import local_cpus, plain_resources, planned_bundles
+
+    cfg = RayConfig(cpus_per_rollout=2.0, gpus_per_inference=1.0)
+    plan = planned_bundles(cfg, {"inference": 2, "rollout": 3}, learner_ranks=2)
+    assert [n for n, _ in plan] == ["inference0", "inference1", "learner", "learner-rank1", "rollout0", "rollout1",
+                                    "rollout2"]
+    assert plan[0][1] == {"CPU": 1.0, "GPU": 1.0} and plan[-1][1] == {"CPU": 2.0}
+    # a Ray started for the run declares at least the CPUs its bundles need (scheduling tokens, not cores)
+    assert local_cpus(cfg, plan) >= 2 + 2 + 6
+    assert local_cpus(RayConfig(), planned_bundles(RayConfig(), {"inference": 1, "rollout": 1})) >= 3
+    assert local_cpus(RayConfig(num_cpus=1), plan) == 1  # said explicitly: kept (and checked before placing)
+    assert plain_resources({"CPU": 4.0, "CPU_group_0_abc": 1.0, "node:10.0.0.1": 1.0, "memory": 1e9,
+                            "node_b": 1.0, "GPU": 1.0, "bundle_group_abc": 1000.0}) == "4 CPU, 1 GPU, 1 node_b"
+
+
 ray = pytest.importorskip("ray")
 
 
@@ -50,6 +121,8 @@ def cluster():
     try:
         yield c
     finally:
+        if ray.is_initialized():  # a test that failed while connected
+            ray.shutdown()
         c.shutdown()  # only the Ray this module started
 
 
@@ -288,5 +361,75 @@ def test_ray_launcher_supervises_role_processes_on_their_nodes(tmp_path, cluster
         wait_until(lambda: launcher.alive("inference0") and
                    (logs / "inference0.log").read_text().count("hello from") == 2, 60, "inference0 again")
     finally:
+        launcher.close()
+    wait_until(lambda: cluster_leftovers(cluster) == ([], []), 30, "no actor or placement group left")
+
+
+def test_a_run_the_cluster_can_never_hold_is_refused_at_once_in_plain_words(tmp_path, cluster):
+    """The cluster (two nodes of 2 CPUs) cannot hold a 3-CPU rollout worker, nor 6 CPUs in all: spawning the first
+    role says so at once (which role, what it needs, what the cluster has), before any group is placed."""
+    from arl.launcher.ray_launcher import RayLauncher, RolePlacementError
+
+    for cpus, rollouts, says in [(3.0, 1, "role rollout0 needs 3 CPU on one node, and no node of this Ray cluster "
+                                           "has 3 CPU"),
+                                 (2.0, 2, "the run's 4 role processes need 6 CPU in all (inference0 1, learner 1, "
+                                          "rollout0 2, rollout1 2), and this Ray cluster has 4 CPU")]:
+        cfg = RayConfig(address=cluster.address, cpus_per_rollout=cpus)
+        launcher = RayLauncher(cfg, startup_timeout=5, run_dir=str(tmp_path), processes={"inference": 1,
+                                                                                         "rollout": rollouts})
+        try:
+            with pytest.raises(RolePlacementError) as e:
+                launcher.spawn("inference0", SLEEPER, str(tmp_path / "logs" / "inference0.log"))
+            assert says in str(e.value), str(e.value)
+            assert "(its nodes: 2 CPU, 1 node_a | 2 CPU, 1 node_b)" in str(e.value) and "_group_" not in str(e.value), str(e.value)
+            assert "scheduling tokens" in str(e.value)
+            assert not launcher.roles
+        finally:
+            launcher.close()
+    wait_until(lambda: cluster_leftovers(cluster) == ([], []), 30, "no actor or placement group left")
+
+
+def test_dead_and_respawn_never_wait_on_ray_in_the_callers_thread(tmp_path, cluster, monkeypatch):
+    """`dead` and `respawn` run on the controller's event loop: no `ray.get` there may wait for an answer (a log
+    copy, an actor's end); they are the log thread's and the restart thread's. And a role that wrote more than
+    FINAL_LOG_MAX after the last copy keeps its last lines (its end), not its first ones."""
+    import threading
+
+    import arl.launcher.ray_launcher as rl
+
+    caller = threading.current_thread()
+    waited: list[str] = []
+    real_get = ray.get
+
+    def get(refs, *args, **kwargs):
+        if threading.current_thread() is caller:
+            listed = refs if isinstance(refs, list) else [refs]
+            ready, _ = ray.wait(listed, num_returns=len(listed), timeout=0)
+            if len(ready) < len(listed):
+                waited.append("".join(__import__("traceback").format_stack(limit=6)))
+        return real_get(refs, *args, **kwargs)
+
+    cfg = RayConfig(address=cluster.address, placement={"rollout": {"node_b": 0.01}})
+    launcher = rl.RayLauncher(cfg, startup_timeout=60, run_dir=str(tmp_path), log_poll_s=0.2)
+    logs = tmp_path / "logs"
+    big = (64 + 24) << 20  # more than the 64 MiB a final copy takes, written at once (far ahead of the copies)
+    writer = [sys.executable, "-c", f"import sys; sys.stdout.write('first line\\n' + 'x' * {big} + '\\nTHE END\\n');"
+                                    "sys.stdout.flush(); raise SystemExit(5)"]
+    try:
+        launcher.spawn("rollout0", writer, str(logs / "rollout0.log"))
+        monkeypatch.setattr(ray, "get", get)
+        wait_until(lambda: launcher.dead() == [("rollout0", 5)], 120, "rollout0's exit to be reported")
+        size = (logs / "rollout0.log").stat().st_size
+        with open(logs / "rollout0.log", "rb") as f:
+            f.seek(size - 100)
+            assert f.read().endswith(b"\nTHE END\n")  # the crash tail is there
+        assert size <= big + 4096, size
+        launcher.respawn("rollout0")  # copies, ends the old actor and places the new one in a thread
+        wait_until(lambda: launcher.dead() == [("rollout0", 5)] and
+                   (logs / "rollout0.log").read_bytes().count(b"THE END") == 2, 120, "the restarted rollout0")
+        monkeypatch.setattr(ray, "get", real_get)
+        assert waited == [], waited[0]
+    finally:
+        monkeypatch.setattr(ray, "get", real_get)
         launcher.close()
     wait_until(lambda: cluster_leftovers(cluster) == ([], []), 30, "no actor or placement group left")

@@ -63,6 +63,21 @@ def test_inference_loss_needs_tolerance_a_full_start_and_a_remaining_server():
     assert no_tolerance.decide("inference0", registered=True, lost=set()).action == "fatal"
 
 
+def test_a_lone_inference_server_is_restarted_when_restarts_are_on():
+    """One inference server: its loss is survivable only by restarting it (generation waits meanwhile)."""
+    s = make(num_inference=1, servers_per_process=1, tolerate_inference_loss=True, restart_inference=True,
+             max_inference_restarts=1)
+    register_all(s)
+    d = s.decide("inference0", registered=True, lost=set())
+    assert d.action == "lose_inference" and d.restart and d.servers == (0,)
+    s.restarting("inference0", 1.0)
+    # its restart dies before it rejoined: over the cap now, and no server would remain
+    assert s.decide("inference0", registered=True, lost={0}, rejoining={0}).action == "fatal"
+    no_restart = make(num_inference=1, servers_per_process=1, tolerate_inference_loss=True)
+    register_all(no_restart)
+    assert no_restart.decide("inference0", registered=True, lost=set()).action == "fatal"
+
+
 def test_heartbeat_timeouts_are_per_role():
     s = make()
     s.heard(("rollout", 0), 100.0)

@@ -120,8 +120,31 @@ async def test_lost_worker_requests_are_resent_and_answered(setup):
     assert (await t).error is None and len(d1.sent) == 3
     await client.worker_lost(1)  # idempotent
     await client.worker_lost(0)
-    r = await client.generate(gen("y"))
-    assert r.error == "no inference worker left"
+    r = await client.generate(gen("y"))  # none left: it waits one request deadline for one to come back
+    assert r.error == "no inference worker left (none came back in 5s)"
+    assert client.stats["waited_for_worker"] == 1 and len(d0.sent) == 7
+
+
+@pytest.mark.asyncio
+async def test_a_request_made_while_every_worker_is_lost_waits_for_one_to_come_back():
+    """The only inference server was lost and is restarting: new requests wait for it (`worker_back`) instead of
+    failing at once (every group of the run would be dropped while it restarts)."""
+    d0 = FakeDealer(0)
+    client = InferenceClient([d0], request_timeout=30.0)
+    client.start()
+    try:
+        await client.worker_lost(0)
+        t = asyncio.create_task(client.generate(gen("q", session="s")))
+        await until(lambda: client.stats["waited_for_worker"] == 1)
+        assert not t.done() and d0.sent == []
+        back = FakeDealer(0)
+        client.worker_back(0, back)
+        await until(lambda: len(back.sent) == 1)
+        back.answer(back.sent[0])
+        r = await t
+        assert r.error is None and r.qid == "q"
+    finally:
+        await client.close()
 
 
 @pytest.mark.asyncio

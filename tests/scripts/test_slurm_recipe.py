@@ -46,6 +46,7 @@ echo "$FAKE_HOST_IPS"
 ''',
     "ray": _LOG + r'''
 log "ray@${FAKE_SRUN_NODE:-}" "$@"
+log "ray-auth@${FAKE_SRUN_NODE:-}" "$1" "${RAY_AUTH_MODE:-}" "${RAY_AUTH_TOKEN:-}"
 cmd=$1
 case $cmd in
 start)
@@ -102,6 +103,7 @@ log "python@" "$@"
 workers=$(find "$FAKE_DIR" -name 'worker.*' | wc -l)
 up=0; [[ -e $FAKE_DIR/head_up && ! -e $FAKE_DIR/stopped ]] && up=$((1 + workers))
 log "python-env@" "$PWD" "${RAY_ADDRESS:-}" "$up"
+log "python-auth@" "${RAY_AUTH_MODE:-}" "${RAY_AUTH_TOKEN:-}"
 exit "${FAKE_PY_RC:-0}"
 ''',
 }
@@ -246,3 +248,41 @@ def test_workers_that_never_join_time_out(tmp_path: Path) -> None:
     assert len(ray_starts(calls)) == 3
     assert not index_of(calls, "python")
     assert index_of(calls, "ray", "stop")
+
+
+def auth_seen(calls: list[tuple[str, str, list[str]]]) -> list[tuple[str, str, list[str]]]:
+    """(program, node, [mode, token]) of every `ray` command and the driver, as each saw its environment."""
+    return [(prog, node, ((argv[1:] if prog == "ray-auth" else argv) + ["", ""])[:2])  # an empty last field is cut
+            for prog, node, argv in calls if prog in ("ray-auth", "python-auth")]
+
+
+def test_every_node_and_the_driver_share_one_ray_auth_token(tmp_path: Path) -> None:
+    """Ray's token authentication: a node or driver without the head's token is refused, so the recipe gives every
+    `ray start`, `ray status` and the driver RAY_AUTH_MODE=token and the same token, a fresh one per job."""
+    proc, calls, _ = run_recipe(tmp_path, [])
+    assert proc.returncode == 0, proc.stderr
+    seen = auth_seen(calls)
+    nodes = {node for prog, node, _ in seen if prog == "ray-auth"}
+    assert nodes >= set(NODES) and any(prog == "python-auth" for prog, _, _ in seen), seen
+    tokens = {tuple(auth) for _, _, auth in seen}
+    assert len(tokens) == 1, tokens
+    ((mode, token),) = tokens
+    assert mode == "token" and re.fullmatch(r"[0-9a-f]{64}", token), tokens
+    # it travels in the environment: no command line (visible to every user of a node) carries it
+    assert not [argv for prog, _, argv in calls if prog not in ("ray-auth", "python-auth") and token in "".join(argv)]
+    (tmp_path / "again").mkdir()
+    again = auth_seen(run_recipe(tmp_path / "again", [])[1])
+    assert {tuple(a) for _, _, a in again} != tokens  # a new token for each job
+
+
+def test_a_given_ray_auth_token_or_mode_is_kept(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    token_file = tmp_path / "token"
+    token_file.write_text("f" * 64)
+    proc, calls, _ = run_recipe(tmp_path / "a", [], RAY_AUTH_TOKEN_PATH=str(token_file))
+    assert proc.returncode == 0, proc.stderr
+    assert {tuple(a) for _, _, a in auth_seen(calls)} == {("token", "f" * 64)}
+    (tmp_path / "b").mkdir()
+    proc, calls, _ = run_recipe(tmp_path / "b", [], RAY_AUTH_MODE="disabled")
+    assert proc.returncode == 0, proc.stderr
+    assert {tuple(a) for _, _, a in auth_seen(calls)} == {("disabled", "")}

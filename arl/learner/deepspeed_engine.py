@@ -232,6 +232,8 @@ class DeepSpeedEngine:
         # bound noise. RL fine-tuning trains with dropout off.
         self.model_engine.module.eval()
         self.device = torch.device(self.model_engine.device)
+        logger.info("DeepSpeed %s engine: ZeRO stage %d, %d rank(s), bf16 %s, on %s", ds.__version__,
+                    deepspeed.zero_stage, self.world_size, bool(deepspeed.bf16), self.device)
         if device != "auto" and self.device.type != device:
             raise RuntimeError(f"learner.device={device}, but DeepSpeed placed the model on {self.device} (its "
                                "accelerator; CUDA_VISIBLE_DEVICES= or DS_ACCELERATOR=cpu picks the CPU)")

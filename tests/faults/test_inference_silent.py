@@ -1,6 +1,7 @@
 """An inference worker that stops answering (SIGSTOP) is found by its heartbeat timeout, not by a hang: it is named
 with what it was last doing, its stacks are dumped into its log, and then, as configured, the run goes on with the
-other worker (inference.tolerate_worker_loss) or stops cleanly."""
+other worker (inference.tolerate_worker_loss) or a restarted one, or, with no server left and no restart, stops
+cleanly."""
 
 from __future__ import annotations
 
@@ -45,7 +46,9 @@ def test_stopped_inference_worker_is_dropped_and_the_run_goes_on(tmp_path, model
 
 @pytest.mark.slow
 def test_stopped_only_inference_worker_stops_the_run_cleanly(tmp_path, model_cache):
-    proc, run_dir = start_run(str(tmp_path), model_cache, ["inference.heartbeat_timeout=5", "total_train_steps=1000"])
+    # without restarts (a lone server that is restarted is a restart like any other: test_supervision.py)
+    proc, run_dir = start_run(str(tmp_path), model_cache, ["inference.heartbeat_timeout=5", "total_train_steps=1000",
+                                                           "inference.restart_on_failure=false"])
     wait_for(lambda: len(train_steps(run_dir)) >= 1, proc, what="the first step")
     os.kill(role_pids(run_dir)["inference0"], signal.SIGSTOP)
     code, _, err = finish(proc, timeout=120)

@@ -200,10 +200,6 @@ def plain_resources(resources: Mapping[str, float]) -> str:
     return ", ".join(f"{keep[k]:g} {k}" for k in order) or "nothing"
 
 
-# How long a restart waits for Ray to mark the node of an unreachable role process dead (its health checks).
-_LOST_NODE_WAIT_S = 90.0
-
-
 @dataclasses.dataclass
 class _Host:
     """One process of a role: its actor, placement group and the driver-side copy of its log."""
@@ -232,7 +228,6 @@ class _Role:
     expected_exit: bool = False
     starting: Optional[threading.Thread] = None  # a restart being placed and started (off the caller's thread)
     start_failed: str = ""  # why the last restart could not be started (reported by `dead` as an exit)
-    unreachable_nodes: set = dataclasses.field(default_factory=set)  # nodes whose actor of this role did not answer
 
 
 class RayLauncher:
@@ -324,7 +319,6 @@ class RayLauncher:
 
         try:
             self._reap(role, force=True)
-            self._await_lost_nodes(role)
             if role.expected_exit:  # killed (or the run ended) while the old one was reaped
                 return
             self._start(role, wait=False)
@@ -337,23 +331,6 @@ class RayLauncher:
         except Exception as e:  # noqa: BLE001 - the controller hears of it as an exit (`dead`) and applies its policy
             logger.exception("restarting %s failed", role.name)
             role.start_failed = f"{type(e).__name__}: {e}"
-
-    def _await_lost_nodes(self, role: _Role) -> None:
-        """A node whose actor did not answer may be gone while Ray still lists it alive (its health checks take
-        tens of seconds): a restart placed now would keep that node's resources and could land on it, pending for
-        good. Wait (bounded) until Ray has marked each such node dead or it shows it is alive after all."""
-        import ray
-
-        nodes, role.unreachable_nodes = set(role.unreachable_nodes), set()
-        deadline = time.monotonic() + _LOST_NODE_WAIT_S
-        while nodes and time.monotonic() < deadline and not role.expected_exit:
-            alive = {n.get("NodeID") for n in ray.nodes() if n.get("Alive")}
-            nodes &= alive
-            if nodes:
-                time.sleep(1.0)
-        if nodes:
-            logger.warning("%s: Ray still lists node(s) %s alive after %.0fs; restarting anyway", role.name,
-                           sorted(nodes), _LOST_NODE_WAIT_S)
 
     def _start(self, role: _Role, wait: bool) -> None:
         ranks = self.learner_ranks if role.name == "learner" else 1
@@ -641,8 +618,7 @@ class RayLauncher:
             try:
                 ray.get(h.actor.discard_log.remote(), timeout=2.0)
             except Exception:  # noqa: BLE001 - gone with its node, or busy: nothing more to do
-                if h.where and h.where.get("node_id"):
-                    role.unreachable_nodes.add(h.where["node_id"])
+                pass
             try:
                 ray.kill(h.actor, no_restart=True)  # its role process dies with it (PR_SET_PDEATHSIG)
             except Exception:  # noqa: BLE001

@@ -47,8 +47,13 @@ def staleness_counts(batch: list[Trajectory], version: int) -> dict[int, int]:
     return {k: int(n) for k, n in enumerate(np.bincount(np.maximum(version - gen, 0))) if n}
 
 
+def _group_ids(trajs: list[Trajectory]) -> set[str]:
+    """The rollout workers' ids of the groups `trajs` come from (each trajectory's group_id before the ':')."""
+    return {str(t.group_id).split(":", 1)[0] for t in trajs}
+
+
 def _group_of(group: list[Trajectory]) -> str:
-    """The rollout worker's id of a group (its trajectories' group_id before the ':')."""
+    """The rollout worker's id of one group."""
     return str(group[0].group_id).split(":", 1)[0]
 
 
@@ -122,7 +127,7 @@ class LearnerWorker:
             msg_type, group = await self.pull.recv()
             if msg_type != "traj" or not group:
                 continue
-            ids = {t.group_id.split(":", 1)[0] for t in group}  # the rollout worker's group id prefix
+            ids = _group_ids(group)
             if ids & self._received_ids:  # a replay (or a sender's bug): never trained, no budget returned
                 self.stats["replayed_groups"] += 1
                 if time.monotonic() - self._last_replay_log >= 1.0:
@@ -248,7 +253,7 @@ class LearnerWorker:
             trajs, waited = await self.next_batch()  # B groups, FIFO; too stale groups were dropped (is_stale)
             t0, stale_tokens = time.monotonic(), staleness_counts(trajs, self.engine.version)
             self.waiting_on = f"train step {self.engine.version + 1} ({len(trajs)} trajectories)"
-            self._in_step = len(set(t.group_id.split(":", 1)[0] for t in trajs))
+            self._in_step = len(_group_ids(trajs))
             batch = await asyncio.to_thread(self.actor.prepare, trajs)  # per-token staleness, weights, minibatches
             await asyncio.to_thread(self.actor.compute_logp, batch)  # proximal logprobs, before any update
             await asyncio.to_thread(self.actor.compute_advantages, batch)  # group-normalised rewards
@@ -308,7 +313,7 @@ class LearnerWorker:
 
     def _count_trained(self, batch: list[Trajectory]) -> None:
         """Count what a finished step trained on; a group id seen in an earlier step counts as trained twice."""
-        ids = set(t.group_id.split(":", 1)[0] for t in batch)  # the rollout worker's group id prefix
+        ids = _group_ids(batch)
         twice = len(ids & self._trained_ids)
         if twice:
             logger.error("%d groups of this batch were trained on before", twice)

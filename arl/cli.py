@@ -65,7 +65,7 @@ def main(argv: Optional[Sequence[str]] = None, experiments: Sequence[str] = ()) 
 
     try:
         cfg = load_config(argv, experiments)
-        from arl.launcher.local import RunFailed, check_names, run_experiment
+        from arl.launch.run import RunFailed, check_names, run_experiment
 
         check_names(cfg)
     except (ConfigError, RegistryError, FileNotFoundError) as e:

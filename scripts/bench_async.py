@@ -22,7 +22,7 @@ made the token) and groups dropped as too stale; then the async/sync throughput 
 `--engine sim` uses the simulated inference backend (decode-time model fitted to published H100 figures for a
 7B model, see arl/inference/sim_engine.py) and the simulated learner (7B on 8 H100s, arl/learner/sim_learner.py),
 with every simulated duration multiplied by --time-scale so that minutes of cluster time run in seconds; one
-inference process hosts 16 simulated servers (see run_inference_servers in arl/launcher/worker.py).
+inference process hosts 16 simulated servers (see run_inference in arl/inference/entry.py).
 `--engine torch` runs the real embedded engine and the DeepSpeed learner on the tiny model, randomly initialised
 (the tokens and rewards are synthetic; lengths drawn by the agent, exact min=max new tokens).
 """

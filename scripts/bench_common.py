@@ -119,7 +119,7 @@ async def run_monitored(cfg: ExperimentConfig, run_dir: str, *, sample_every: fl
                         proc_every: float = 2.0, duration: Optional[float] = None,
                         timeout: float = 3600.0) -> RunRecord:
     """Run `cfg` through the Controller; with `duration`, stop that many seconds after the gate opened."""
-    from arl.launcher.local import close_launcher, make_controller
+    from arl.launch.run import close_launcher, make_controller
 
     os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
     with open(os.path.join(run_dir, "config.yaml"), "w") as f:

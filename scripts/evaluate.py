@@ -4,7 +4,7 @@ MODEL_DIR_OR_CHECKPOINT is a run's `final/` (or the run directory), any HF model
 (`<run>/checkpoints` or `<run>/checkpoints/v<N>`). Inside a run directory the run's own config.yaml is used (with
 the overrides on top); elsewhere give `experiment=NAME` (default: the built-in a+b experiment). Prints the line a
 run logs for an evaluation, then the full result as JSON (first_acc, solved_acc, n, mean_turns, ...). See
-`arl.launcher.evaluate`.
+`arl.evaluate`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from arl.api.registry import RegistryError
     from arl.config import ConfigError
-    from arl.launcher.evaluate import format_result, run
+    from arl.evaluate import format_result, run
 
     try:
         result = run(argv[0], argv[1:])

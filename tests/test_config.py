@@ -51,7 +51,7 @@ def test_library_does_not_import_experiments_and_roles_import_the_chosen_one():
     import subprocess
     import sys
 
-    code = ("import sys, arl.cli, arl.launcher.worker, arl.launcher.local; from arl.builtin import load_builtins; "
+    code = ("import sys, arl.cli, arl.launch.role, arl.launch.run; from arl.builtin import load_builtins; "
             "load_builtins(); print(sorted(m for m in sys.modules if m.split('.')[0] == 'experiments'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -1,5 +1,5 @@
 """Experiment trackers: the controller's metrics records sent, when chosen, to TensorBoard, Weights & Biases and
-MLflow (as metric sinks of `arl.launcher.reporting.Reporter`, beside metrics.jsonl).
+MLflow (as metric sinks of `arl.controller.reporting.Reporter`, beside metrics.jsonl).
 
 `metrics.jsonl` stays the run's record of truth (every record, nested, always written). The other trackers get the
 record's numbers flattened with "/" under its type (`train/reward_mean`, `train/rollout/turns`, `eval/first_acc`),
@@ -185,7 +185,7 @@ TRACKERS.register("mlflow", TrackerEntry(_mlflow, "mlflow-skinny"))
 
 
 class TrackerSink:
-    """A tracker as one of the controller's metric sinks (`arl.launcher.reporting.MetricsSink`): each record's
+    """A tracker as one of the controller's metric sinks (`arl.controller.reporting.MetricsSink`): each record's
     numbers go to it flattened; a tracker that fails while logging is reported once and left out for the rest of
     the run: a dashboard must not stop a run."""
 

@@ -1,6 +1,6 @@
 """`weights.transport=broadcast` in a run: the learner's publisher and the inference worker's loader.
 
-The controller keeps deciding who gets which version (`arl.launcher.weight_sync.WeightSync`, unchanged): a `Send`
+The controller keeps deciding who gets which version (`arl.controller.weight_sync.WeightSync`, unchanged): a `Send`
 becomes ``update_weights`` with an empty path to the inference worker and ``send_weights`` to the learner. Groups
 are one per inference server and incarnation (``open_weight_group`` to the learner, ``join_weight_group`` to the
 worker, a fresh name each time), so a restarted worker gets the newest weights through a group of its own while the

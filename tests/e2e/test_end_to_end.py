@@ -56,7 +56,7 @@ def leftover_processes(run_dir: str) -> list[str]:
                 cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if run_dir in cmd and "arl.launcher.worker" in cmd:
+        if run_dir in cmd and "arl.launch.role" in cmd:
             out.append(f"{pid}: {cmd}")
     return out
 

@@ -35,7 +35,7 @@ def role_pids(run_dir: str, role: str, index: int) -> list[int]:
                 argv = f.read().decode(errors="replace").split("\0")
         except OSError:
             continue
-        if ("arl.launcher.worker" in argv and run_dir in argv and f"--role" in argv
+        if ("arl.launch.role" in argv and run_dir in argv and f"--role" in argv
                 and argv[argv.index("--role") + 1] == role and argv[argv.index("--index") + 1] == str(index)):
             out.append(int(pid))
     return out

@@ -207,7 +207,7 @@ def role_pids(run_dir: str) -> dict[str, int]:
                 argv = f.read().decode(errors="replace").split("\0")
         except OSError:
             continue
-        if "arl.launcher.worker" in argv and run_dir in argv:
+        if "arl.launch.role" in argv and run_dir in argv:
             role = argv[argv.index("--role") + 1] + argv[argv.index("--index") + 1]
             pids[role] = int(pid)
     return pids

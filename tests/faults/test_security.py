@@ -13,7 +13,7 @@ import zmq
 
 from arl.api import GenerateRequest, GenerationConfig, Trajectory
 from arl.config import ConfigError
-from arl.launcher.security import advertised_address, effective_bind_host, is_loopback, resolve_secret
+from arl.transport.security import advertised_address, effective_bind_host, is_loopback, resolve_secret
 from arl.transport.codec import decode, encode
 
 from .harness import (MAIN, ROOT, Hold, addresses, assert_accounting, assert_no_leftovers, finish, launcher_log,

@@ -402,7 +402,7 @@ def test_launcher_with_sglang_backend_survives_kill_9_of_a_worker(setup, tmp_pat
                         argv = f.read().decode(errors="replace").split("\0")
                 except OSError:
                     continue
-                if "arl.launcher.worker" in argv and run_dir in argv and "inference" in argv and "1" in argv \
+                if "arl.launch.role" in argv and run_dir in argv and "inference" in argv and "1" in argv \
                         and argv[argv.index("--index") + 1] == "1":
                     victim = int(d)
         assert victim is not None

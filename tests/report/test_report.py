@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from arl.report.page import ReportBuilder, pick_traces, report_data, write_report
-from arl.launcher.reporting import JsonlSink
+from arl.controller.reporting import JsonlSink
 from arl.report.traces import TraceWriter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -10,7 +10,7 @@ import struct
 import pytest
 
 from arl.api.registry import RegistryError
-from arl.launcher.reporting import JsonlSink, Reporter
+from arl.controller.reporting import JsonlSink, Reporter
 from arl.report.trackers import TrackerSink, flatten_params, flatten_scalars, make_sinks
 
 CONFIG = {"experiment": "unit", "learner": {"lr": 1e-4, "batch_size": 4}, "loggers": ["jsonl", "tensorboard"]}

@@ -48,7 +48,7 @@ def test_an_nccl_sender_packs_its_buckets_on_its_gpu(monkeypatch):
 
 def test_the_learner_sender_packs_on_the_engines_device(monkeypatch):
     """run_learner built its WeightSender without a device: the learner's GPU must reach the sender."""
-    from arl.launcher import worker
+    from arl.learner import entry as worker
 
     seen: list = []
     monkeypatch.setattr(Packed, "allocate", recording_allocate(seen))

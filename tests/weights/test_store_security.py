@@ -167,8 +167,8 @@ def test_without_a_secret_groups_form_as_before():
 @pytest.mark.asyncio
 async def test_weight_group_names_cannot_be_guessed(tmp_path):
     """Group names were `arl-weights-s{i}-{n}`: anyone could name the next one and join it first."""
-    from tests.launcher.test_controller_broadcast import STORE, groups, sent
-    from tests.launcher.test_controller_faults import make_controller
+    from tests.controller.test_controller_broadcast import STORE, groups, sent
+    from tests.controller.test_controller_faults import make_controller
 
     names = []
     for _ in range(2):  # two runs with the same secret

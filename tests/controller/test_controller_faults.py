@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from arl.launcher.controller import Controller
-from arl.launcher.supervision import Supervisor
+from arl.controller.shell import Controller
+from arl.controller.supervision import Supervisor
 
 from .fakes import FakeLauncher, FakeRouter
 

@@ -1,7 +1,7 @@
 """Supervision of the role processes: who is alive, who went silent, which failure restarts what.
 
 Two halves. `RoleLauncher` is what the controller needs from whatever runs the processes (`LocalLauncher` here:
-OS processes, in arl.launcher.process; a Ray launcher would implement the same). `Supervisor` is the decision logic,
+OS processes, in arl.launch.local; a Ray launcher would implement the same). `Supervisor` is the decision logic,
 pure and clocked by the caller: heartbeats and registration deadlines, and for a failed role whether the run
 restarts it, goes on without it, or stops.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Protocol, Sequence
 
-from arl.launcher.messages import ROLES
+from arl.transport.messages import ROLES
 
 
 class RoleLauncher(Protocol):

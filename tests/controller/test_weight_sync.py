@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from arl.launcher.weight_sync import GiveUp, Rejoin, Send, WeightSync
+from arl.controller.weight_sync import GiveUp, Rejoin, Send, WeightSync
 
 
 def test_publish_sends_to_every_server_and_goes_live_once_all_acked():

@@ -69,7 +69,7 @@ def load_eval_config(target: Target, argv: Sequence[str]) -> ExperimentConfig:
     """The run's config (or ``experiment=NAME``'s defaults) with the ``key=value`` overrides of `argv`."""
     name, rest = split_experiment(argv)
     if name is None and target.run_dir:
-        from arl.launcher.worker import load_run_config
+        from arl.launch.role import load_run_config
 
         base = load_run_config(os.path.join(target.run_dir, "config.yaml"))
         cfg = parse_overrides(type(base), rest, base=base)
@@ -109,7 +109,7 @@ async def evaluate_model(cfg: ExperimentConfig, model_dir: str, version: int = -
     """`RolloutWorker.evaluate` of the model in `model_dir` under `cfg` (see the module docstring)."""
     from arl.inference.factory import build_engine
     from arl.inference.worker import InferenceWorker
-    from arl.launcher.worker import agent_parts, inference_client, rollout_worker
+    from arl.rollout.entry import agent_parts, inference_client, rollout_worker
     from arl.rollout.worker import PromptStream
     from arl.transport import sockets
 

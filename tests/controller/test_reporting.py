@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from arl.launcher.reporting import UNIFORM_TEXT, JsonlSink, ProgressWatch, Reporter, format_drops, stall_report
+from arl.controller.reporting import UNIFORM_TEXT, JsonlSink, ProgressWatch, Reporter, format_drops, stall_report
 
 
 class ListSink:

@@ -12,12 +12,13 @@ import time
 from typing import Any, Optional
 
 from arl.config import ExperimentConfig, LauncherKind, resolve_weights, to_yaml, weights_backend
-from arl.launcher.controller import Controller, RunFailed
-from arl.launcher.security import SECRET_ENV, effective_bind_host, is_loopback, resolve_secret
-from arl.launcher.supervision import Supervisor
+from arl.controller.shell import Controller, RunFailed
+from arl.launch.local import LocalLauncher
+from arl.transport.security import SECRET_ENV, effective_bind_host, is_loopback, resolve_secret
+from arl.controller.supervision import Supervisor
 from arl.report.trackers import make_sinks
 
-logger = logging.getLogger("arl.launcher")
+logger = logging.getLogger("arl.launch")
 
 
 def check_names(cfg: ExperimentConfig) -> None:
@@ -119,6 +120,7 @@ def _controller(cfg: ExperimentConfig, run_dir: str, bind_host: str, secret: Opt
                          cfg.experiment),
     )
     kwargs.update(overrides)
+    kwargs.setdefault("launcher", LocalLauncher())
     ctl = Controller(**kwargs)
     if secret is not None:
         ctl.launcher.env[SECRET_ENV] = secret.decode("utf-8")  # type: ignore[attr-defined]  # Local/RayLauncher
@@ -133,7 +135,7 @@ def ray_launcher(cfg: ExperimentConfig, run_dir: str, bind_host: str, secret: Op
     Ray, as their environment."""
     import secrets as _secrets
 
-    from arl.launcher.ray_launcher import RayLauncher
+    from arl.launch.ray import RayLauncher
 
     k = max(1, cfg.inference.servers_per_process)
     launcher = RayLauncher(cfg.ray, startup_timeout=cfg.startup_timeout, learner_ranks=learner_ranks,

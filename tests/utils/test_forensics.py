@@ -9,11 +9,11 @@ import sys
 import textwrap
 import time
 
-from arl.launcher.forensics import process_state, request_stack_dump
+from arl.utils.forensics import process_state, request_stack_dump
 
 CHILD = textwrap.dedent('''
     import time
-    from arl.launcher.forensics import install_stack_dump_handler
+    from arl.utils.forensics import install_stack_dump_handler
     install_stack_dump_handler()
     print("ready", flush=True)
 

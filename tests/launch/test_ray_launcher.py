@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from arl.config import RayConfig
-from arl.launcher.ray_launcher import bundle_for, role_of
+from arl.launch.ray import bundle_for, role_of
 from tests.e2e.test_end_to_end import MAIN, ROOT, SMALL, leftover_processes, read_metrics
 from tests.waiting import wait_until
 
@@ -52,7 +52,7 @@ class FakeRayLauncher:
 
 @pytest.fixture
 def fake_ray_launcher(monkeypatch):
-    import arl.launcher.ray_launcher as rl
+    import arl.launch.ray as rl
 
     FakeRayLauncher.made = []
     monkeypatch.setattr(rl, "RayLauncher", FakeRayLauncher)
@@ -67,8 +67,8 @@ def test_a_run_that_fails_before_it_starts_releases_the_ray_launcher(tmp_path, m
     import asyncio
 
     from arl.config import ExperimentConfig, parse_overrides
-    from arl.launcher import local
-    from arl.launcher.controller import Controller, RunFailed
+    from arl.launch import run as local
+    from arl.controller.shell import Controller, RunFailed
 
     cfg = parse_overrides(ExperimentConfig, ["launcher=ray", "rollout.num_workers=2"])
 
@@ -87,7 +87,7 @@ def test_a_run_that_fails_before_it_starts_releases_the_ray_launcher(tmp_path, m
 
 
 def test_the_run_is_checked_against_the_cluster_and_a_local_ray_fits_it() -> None:
-    from arl.launcher.ray_launcher import local_cpus, plain_resources, planned_bundles
+    from arl.launch.ray import local_cpus, plain_resources, planned_bundles
 
     cfg = RayConfig(cpus_per_rollout=2.0, gpus_per_inference=1.0)
     plan = planned_bundles(cfg, {"inference": 2, "rollout": 3}, learner_ranks=2)
@@ -338,7 +338,7 @@ FAILER = [sys.executable, "-c", "print('about to fail', flush=True); raise Syste
 def test_ray_launcher_supervises_role_processes_on_their_nodes(tmp_path, cluster):
     """The RoleLauncher contract over Ray: placement, logs in the run directory, the environment handed through
     Ray, an unexpected exit reported with its code, kill (expected, not reported), respawn, and close."""
-    from arl.launcher.ray_launcher import RayLauncher
+    from arl.launch.ray import RayLauncher
 
     cfg = RayConfig(address=cluster.address, placement={"inference": {"node_a": 0.01}, "rollout": {"node_b": 0.01}})
     launcher = RayLauncher(cfg, startup_timeout=60, run_dir=str(tmp_path), log_poll_s=0.1)
@@ -368,7 +368,7 @@ def test_ray_launcher_supervises_role_processes_on_their_nodes(tmp_path, cluster
 def test_a_run_the_cluster_can_never_hold_is_refused_at_once_in_plain_words(tmp_path, cluster):
     """The cluster (two nodes of 2 CPUs) cannot hold a 3-CPU rollout worker, nor 6 CPUs in all: spawning the first
     role says so at once (which role, what it needs, what the cluster has), before any group is placed."""
-    from arl.launcher.ray_launcher import RayLauncher, RolePlacementError
+    from arl.launch.ray import RayLauncher, RolePlacementError
 
     for cpus, rollouts, says in [(3.0, 1, "role rollout0 needs 3 CPU on one node, and no node of this Ray cluster "
                                            "has 3 CPU"),
@@ -395,7 +395,7 @@ def test_dead_and_respawn_never_wait_on_ray_in_the_callers_thread(tmp_path, clus
     FINAL_LOG_MAX after the last copy keeps its last lines (its end), not its first ones."""
     import threading
 
-    import arl.launcher.ray_launcher as rl
+    import arl.launch.ray as rl
 
     caller = threading.current_thread()
     waited: list[str] = []

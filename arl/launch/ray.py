@@ -2,7 +2,7 @@
 
 Each role (an inference process, a rollout worker, each learner rank) gets a placement group whose bundle says what
 it needs (CPUs, GPUs, and the custom resources that pick its nodes) and a small actor (`RoleHost`) placed in that
-bundle. The actor starts the role's usual entry point (`python -m arl.launcher.worker ...`) as a subprocess on its
+bundle. The actor starts the role's usual entry point (`python -m arl.launch.role ...`) as a subprocess on its
 node and waits for it, so the roles' code is the same as with the local launcher. Why a subprocess and not the role
 inside the actor: kill, restart, stack dumps and exit codes then work exactly as locally, and a role that dies takes
 nothing of Ray's with it. The subprocess dies with its actor (PR_SET_PDEATHSIG), so killing the actor (ray.kill,
@@ -29,9 +29,9 @@ import threading
 import time
 from typing import Any, Mapping, Optional, Sequence
 
-from arl.launcher.controller import RunFailed
+from arl.controller.shell import RunFailed
 
-logger = logging.getLogger("arl.launcher")
+logger = logging.getLogger("arl.launch")
 
 __all__ = ["RayLauncher", "RoleHost", "RolePlacementError", "bundle_for", "role_of"]
 
@@ -127,7 +127,7 @@ class RoleHost:
             signal_group(self.proc.pid, sig)
 
     def stack_dump(self, wait: float) -> tuple[str, str]:
-        from arl.launcher.forensics import request_stack_dump
+        from arl.utils.forensics import request_stack_dump
 
         if self.proc is None or self.proc.poll() is not None:
             return "?", ""
@@ -231,7 +231,7 @@ class _Role:
 
 
 class RayLauncher:
-    """`RoleLauncher` (arl.launcher.supervision) over Ray actors. `ray_cfg` is the config's `ray` section;
+    """`RoleLauncher` (arl.controller.supervision) over Ray actors. `ray_cfg` is the config's `ray` section;
     `learner_ranks` learner processes form the role 'learner' (rank 0 registers, the others follow it)."""
 
     runs_ranks = True  # the controller does not wrap the learner in torchrun: each rank is a process of its own

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from arl.launcher import messages as m
+from arl.transport import messages as m
 from arl.transport.codec import CONTROL_TYPES, decode, encode
 
 EXAMPLES = [

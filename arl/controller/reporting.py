@@ -10,7 +10,7 @@ import sys
 import time
 from typing import Any, Callable, Optional, Protocol
 
-from arl.launcher.evaluate import format_result
+from arl.evaluate import format_result
 from arl.report.page import ReportBuilder
 from arl.report.traces import TraceWriter
 

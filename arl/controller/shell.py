@@ -3,7 +3,7 @@
 It is a thin I/O shell over pure state machines: `Admission` (the staleness gate and its waiting rollout workers),
 `WeightSync` (which server has which policy version), `Supervisor` (heartbeats, deadlines, restart policy) and
 `Reporter` (metric records, accounting). Control traffic is request/response over one ROUTER socket (the roles
-hold DEALERs); each message is parsed into its typed form (`arl.launcher.messages`) and handled by the entry of
+hold DEALERs); each message is parsed into its typed form (`arl.transport.messages`) and handled by the entry of
 a dispatch table. Commands to a role are sent to its ROUTER identity, so they are never lost to a PUB/SUB slow
 joiner.
 """
@@ -22,13 +22,12 @@ import sys
 import time
 from typing import Any, Awaitable, Callable, Optional
 
-from arl.launcher import messages as m
-from arl.launcher.admission import Admission, Grant
-from arl.launcher.process import LocalLauncher
-from arl.launcher.reporting import JsonlSink, MetricsSink, ProgressWatch, Reporter, stall_report
-from arl.launcher.security import advertised_address
-from arl.launcher.supervision import RoleLauncher, Supervisor
-from arl.launcher.weight_sync import Action, GiveUp, Rejoin, Send, WeightSync
+from arl.transport import messages as m
+from arl.controller.admission import Admission, Grant
+from arl.controller.reporting import JsonlSink, MetricsSink, ProgressWatch, Reporter, stall_report
+from arl.transport.security import advertised_address
+from arl.controller.supervision import RoleLauncher, Supervisor
+from arl.controller.weight_sync import Action, GiveUp, Rejoin, Send, WeightSync
 from arl.learner.checkpoint import CHECKPOINT_SUBDIR, latest_checkpoint
 from arl.report.page import ReportBuilder
 from arl.report.traces import TraceWriter
@@ -37,7 +36,7 @@ from arl.transport.sockets import Router, bind_random
 from arl.utils.net import free_port
 from arl.utils.proc import tail
 
-logger = logging.getLogger("arl.launcher")
+logger = logging.getLogger("arl.controller")
 
 Key = tuple[str, int]  # (role, index)
 
@@ -52,6 +51,7 @@ class Controller:
         *,
         run_dir: str,
         supervisor: Supervisor,
+        launcher: RoleLauncher,
         batch_size: int,
         max_head_offpolicyness: int,
         max_concurrent_rollouts: int,
@@ -65,7 +65,6 @@ class Controller:
         bind_host: str = "127.0.0.1",
         max_bytes: Optional[int] = None,
         stack_dump_wait: float = 2.0,
-        launcher: Optional[RoleLauncher] = None,
         sinks: Optional[list[MetricsSink]] = None,
         max_no_progress_s: float = 0.0,
         max_consecutive_drops: int = 0,
@@ -92,7 +91,7 @@ class Controller:
         self._prompt_positions = {int(k): int(v) for k, v in dict(self.resume.get("data_position", {})).items()}
         self.admission = Admission(gate)
         self.weights = WeightSync(supervisor.num_inference)
-        self.launcher: RoleLauncher = launcher or LocalLauncher()
+        self.launcher = launcher
         self.reporter = Reporter([JsonlSink(os.path.join(run_dir, "metrics.jsonl")), *(sinks or [])],
                                  total_steps=total_train_steps, progress=progress,
                                  traces=TraceWriter(os.path.join(run_dir, "traces.jsonl")),
@@ -157,7 +156,7 @@ class Controller:
             logger.warning("could not write %s: %s", path, e)
 
     def spawn_roles(self, python: str = sys.executable) -> None:
-        base = [python, "-m", "arl.launcher.worker", "--run-dir", self.run_dir, "--controller", self.address]
+        base = [python, "-m", "arl.launch.role", "--run-dir", self.run_dir, "--controller", self.address]
         k = self.sup.servers_per_process
         for i in range(-(-self.sup.num_inference // k)):  # process i hosts servers i*k..i*k+k-1
             self._spawn(f"inference{i}", base + ["--role", "inference", "--index", str(i)])

@@ -15,7 +15,7 @@ from typing import Mapping, Optional
 
 from arl.config import ConfigError
 
-logger = logging.getLogger("arl.launcher")
+logger = logging.getLogger("arl.launch")
 
 __all__ = ["effective_bind_host", "is_loopback", "resolve_secret", "advertised_address", "SECRET_ENV"]
 

@@ -16,8 +16,8 @@ import pytest
 
 from arl.api.types import Trajectory
 from arl.config import PPOConfig, SimLearnerConfig
-from arl.launcher.controller import Controller
-from arl.launcher.supervision import Supervisor
+from arl.controller.shell import Controller
+from arl.controller.supervision import Supervisor
 from arl.learner.actor import PPOActor
 from arl.learner.sim_learner import SimLearner
 from arl.learner.worker import LearnerWorker

@@ -1,4 +1,4 @@
-"""launcher=ray on real `ray start` nodes started as README's cluster section says (tests/launcher/ray_nodes.py):
+"""launcher=ray on real `ray start` nodes started as README's cluster section says (tests/launch/ray_nodes.py):
 token authentication on, each node with a HOME of its own, all on this host with ports picked free. A machine
 without the head's token is refused; with it, the cluster forms; a run whose only inference server is on a node
 that dies (its processes SIGKILLed, raylet included) restarts that server on a node that is left and finishes."""
@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from tests.e2e.test_end_to_end import MAIN, ROOT, SMALL, leftover_processes, read_metrics
-from tests.launcher.ray_nodes import RayNodes
+from tests.launch.ray_nodes import RayNodes
 from tests.waiting import wait_until
 
 ray = pytest.importorskip("ray")

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from arl.launcher.process import LocalLauncher
-from arl.launcher.supervision import RoleLauncher, Supervisor
+from arl.launch.local import LocalLauncher
+from arl.controller.supervision import RoleLauncher, Supervisor
 
 
 def make(**kw) -> Supervisor:

@@ -15,10 +15,10 @@ import subprocess
 import time
 from typing import Optional, Sequence
 
-from arl.launcher.forensics import request_stack_dump
+from arl.utils.forensics import request_stack_dump
 from arl.utils.proc import die_with_parent_preexec, signal_group
 
-logger = logging.getLogger("arl.launcher")
+logger = logging.getLogger("arl.launch")
 
 
 @dataclasses.dataclass
@@ -30,7 +30,7 @@ class Child:
 
 
 class LocalLauncher:
-    """`RoleLauncher` (arl.launcher.supervision) over the local OS processes of one run."""
+    """`RoleLauncher` (arl.controller.supervision) over the local OS processes of one run."""
 
     def __init__(self) -> None:
         self.children: dict[str, Child] = {}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from arl.launcher.admission import Admission
+from arl.controller.admission import Admission
 from arl.rollout.staleness import StalenessGate
 
 

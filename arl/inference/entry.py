@@ -1,0 +1,62 @@
+"""The inference role's process: its servers, registered with the controller, updated on its command."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from arl.config import ExperimentConfig, WeightTransport
+from arl.transport.control import SOCKET_OPTIONS, ControlChannel, RoleParts, aclose, bind, host_address, make_socket
+from arl.transport.messages import JoinWeightGroup, UpdateWeights
+from arl.transport.sockets import Router
+
+async def run_inference(cfg: ExperimentConfig, ctl: ControlChannel, index: int, run_dir: str) -> RoleParts:
+    """The process's inference servers: `inference.servers_per_process` of them (indices index*k .. index*k+k-1).
+
+    Why several: 64 simulated servers as 64 Python processes would not fit a 2-core machine (each idles at tens of
+    MB and wakes for heartbeats), while the event-driven sim engine costs only per request. Each hosted server
+    is still a separate engine behind its own ROUTER socket and address, registers under its own index and
+    heartbeats for it, so the controller, routing and transport see N servers exactly as with N processes.
+    The controller sends `update_weights` once per server; the first message for a version updates all of
+    them (concurrently), later copies are ignored by the servers that have or load it (a retry after a failed
+    load reaches the one that failed), and each server acks with its own index.
+    """
+    from arl.inference.factory import build_engine
+    from arl.inference.worker import InferenceWorker
+
+    ic = cfg.inference
+    first = index * ic.servers_per_process
+    workers: list[Any] = []
+    addresses: list[str] = []
+    for i in range(first, min(ic.num_workers, first + ic.servers_per_process)):
+        engine = build_engine(cfg.model.path, ic, seed=cfg.seed, index=i, run_dir=run_dir)
+        router = make_socket(Router)
+        addresses.append(bind(router, cfg.bind_host))
+        loader = None
+        if cfg.weights.transport == WeightTransport.broadcast:
+            from arl.weights.channel import BroadcastLoader
+
+            loader = BroadcastLoader(engine, timeout_s=cfg.weights.timeout_s, gloo_host=host_address(cfg.bind_host),
+                                     secret=SOCKET_OPTIONS.get("secret"))
+        workers.append(InferenceWorker(index=i, engine=engine, router=router, send_control=ctl.dealer.send,
+                                       loader=loader))
+
+    async def on_update(msg: UpdateWeights) -> None:
+        await asyncio.gather(*(w.update_weights(msg.version, msg.path) for w in workers))
+
+    async def on_join(msg: JoinWeightGroup) -> None:  # broadcast: the group later updates come through
+        from arl.weights.broadcast import GroupSpec
+
+        for w in workers:
+            if w.index == msg.index and w.loader is not None:
+                await w.loader.join(GroupSpec.from_dict(msg.spec))
+
+    ctl.handlers["update_weights"] = on_update  # before registering: a restarted server is sent the newest at once
+    ctl.handlers["join_weight_group"] = on_join
+    for w, address in zip(workers, addresses):
+        await ctl.register(cfg.startup_timeout, index=w.index, address=address)
+    return ([*(w.serve() for w in workers), *(ctl.heartbeat(w.heartbeat_stats, w.index) for w in workers)],
+            [*(w.loader.close() for w in workers if w.loader is not None), *(w.engine.close() for w in workers),
+             *(aclose(w.router) for w in workers)])
+
+

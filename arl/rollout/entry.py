@@ -1,0 +1,155 @@
+"""The rollout role's process: its agents, env groups and inference client, and the pieces the offline
+evaluator (`arl.evaluate`) builds the same way."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+from typing import Any, Awaitable, Callable
+
+from arl.config import ExperimentConfig, rollout_deadlines
+from arl.transport.control import ControlChannel, RoleParts, aclose, make_socket
+from arl.transport.messages import Eval, Heartbeat, Lookup, WorkerBack, WorkerLost
+from arl.transport.sockets import Dealer, Push
+
+logger = logging.getLogger("arl.worker")
+
+@dataclasses.dataclass
+class AgentParts:
+    """What a rollout worker builds its agents from; `scripts/evaluate.py` builds the same for its evaluation."""
+
+    tokenizer: Any
+    train_rows: list[dict]
+    test_rows: list[dict]
+    group_size: int
+    make_agent: Callable[[], Any]
+    make_eval_agent: Callable[[], Any]
+
+
+def agent_parts(cfg: ExperimentConfig) -> AgentParts:
+    """The tokenizer of `model.path`, the data splits and the agent factories (training and greedy evaluation)."""
+    from arl.api.registry import AGENTS, make_env
+    from arl.api.types import GenerationConfig
+    from transformers import PreTrainedTokenizerFast
+
+    from arl.data.splits import load_splits
+
+    agent_cls = AGENTS.get(cfg.agent.name)  # fail fast, listing what is registered
+    make_env(cfg.env.name, **cfg.env.args)
+    tok = PreTrainedTokenizerFast.from_pretrained(cfg.model.path)
+    d = cfg.dataset
+    train_rows, test_rows = load_splits(name=d.name, train_path=d.train_path, test_path=d.test_path,
+                                        max_operand=d.max_operand, test_size=d.test_size, seed=0,
+                                        prompt_field=d.prompt_field, answer_field=d.answer_field)
+    gconfig = GenerationConfig(n=1, **dataclasses.asdict(cfg.gen))
+    gconfig.validate()
+    group_size = cfg.rollout.group_size or cfg.agent.group_size  # env group size = trajectories per prompt
+
+    def make_agent() -> Any:
+        return construct(agent_cls, tokenizer=tok, gconfig=gconfig, group_size=group_size, **cfg.agent.args)
+
+    def make_eval_agent() -> Any:
+        # agent.args may set filter_uniform_groups too: evaluation always keeps every prompt
+        return construct(agent_cls, tokenizer=tok, gconfig=gconfig.new(greedy=True), group_size=1,
+                          **{**cfg.agent.args, "filter_uniform_groups": False})
+
+    return AgentParts(tok, list(train_rows), list(test_rows), group_size, make_agent, make_eval_agent)
+
+
+def inference_client(cfg: ExperimentConfig, dealers: list[Any]) -> Any:
+    """A rollout worker's (started) client of the inference servers behind `dealers`."""
+    from arl.rollout.client import InferenceClient
+
+    base, per_token, _ = rollout_deadlines(cfg)  # 0 = auto: from the generation budget
+    client = InferenceClient(dealers, request_timeout=base, timeout_per_token=per_token)
+    client.start()
+    return client
+
+
+def rollout_worker(cfg: ExperimentConfig, parts: AgentParts, client: Any, *, index: int, prompts: Any,
+                   capacity: int, send_control: Callable[..., Awaitable[None]],
+                   push_group: Callable[[Any], Awaitable[None]]) -> Any:
+    """Rollout worker `index`, as the run and `arl.evaluate` build it."""
+    from arl.api.registry import make_env
+    from arl.rollout.env_groups import worker_spec
+    from arl.rollout.worker import RolloutWorker
+
+    rc = cfg.rollout
+    return RolloutWorker(
+        index=index,
+        make_agent=parts.make_agent,
+        make_eval_agent=parts.make_eval_agent,
+        make_env=lambda: make_env(cfg.env.name, **cfg.env.args),
+        prompts=prompts,
+        test_rows=parts.test_rows,
+        client=client,
+        send_control=send_control,
+        push_group=push_group,
+        capacity=capacity,
+        trajectory_timeout=rollout_deadlines(cfg)[2],
+        eval_concurrency=cfg.eval.concurrency,
+        seed=cfg.seed,
+        env_timeout=rc.env_timeout,
+        # this worker's env groups (tags, pooled group indices) from `rollout.*`
+        env_groups=worker_spec(make_env=make_env, env_name=cfg.env.name, env_args=dict(cfg.env.args),
+                               group_size=parts.group_size, num_env_groups=rc.num_env_groups, tags=list(rc.tags),
+                               num_groups_partition=list(rc.num_groups_partition),
+                               max_env_num_per_worker=rc.max_env_num_per_worker, env_configs=dict(rc.env_configs),
+                               num_workers=rc.num_workers, worker=index),
+        filter_void_turns=rc.filter_void_turns,
+        filter_uniform_groups=rc.filter_uniform_groups,
+        verify_token_ledger=rc.verify_token_ledger,
+        tokenizer=parts.tokenizer,  # trajectory traces decode with it
+        trace_rate=rc.trace_rate,
+    )
+
+
+async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, run_dir: str) -> RoleParts:
+    from arl.rollout.worker import PromptStream
+
+    parts = agent_parts(cfg)
+    addrs = await ctl.request(Lookup(role="rollout", index=index), "addresses", cfg.startup_timeout)
+    push = make_socket(Push).connect(addrs["learner"])
+    prompts = PromptStream(parts.train_rows, seed=cfg.seed, shard=index, num_shards=cfg.rollout.num_workers)
+    client = inference_client(cfg, [make_socket(Dealer).connect(a) for a in addrs["inference"]])
+    per_worker = max(1, cfg.rollout.max_concurrent_rollouts // cfg.rollout.num_workers)
+    worker = rollout_worker(cfg, parts, client, index=index, prompts=prompts, capacity=per_worker,
+                            send_control=ctl.dealer.send, push_group=lambda group: push.send("traj", group))
+
+    async def on_eval(msg: Eval) -> None:
+        result = await worker.evaluate(msg.version, msg.max_prompts)
+        # fresh counters first (same socket, so they arrive first): the eval record carries this worker's stats as
+        # of the evaluation, not a heartbeat up to a second old (a short run can finish within one heartbeat)
+        await ctl.post(Heartbeat(role="rollout", index=index, stats=worker.heartbeat_stats()))
+        await ctl.dealer.send("eval_done", result)
+
+    async def on_worker_lost(msg: WorkerLost) -> None:  # the controller dropped an inference server: re-route
+        if msg.role == "inference":
+            for i in msg.indices:
+                await client.worker_lost(i)
+
+    async def on_worker_back(msg: WorkerBack) -> None:  # the controller restarted an inference server: route to it
+        if msg.role == "inference":
+            client.worker_back(msg.index, make_socket(Dealer).connect(msg.address))
+
+    ctl.handlers.update(gate_grant=lambda msg: worker.on_grant(msg.n), eval=on_eval, worker_lost=on_worker_lost,
+                        worker_back=on_worker_back)
+    ack = await ctl.register(cfg.startup_timeout)
+    if ack.get("prompt_position"):  # resuming a run: continue this worker's prompt stream where it stood
+        prompts.seek(int(ack["prompt_position"]))
+        logger.info("rollout%d: prompt stream resumes at position %d", index, prompts.position)
+    return [worker.acquire_loop(), ctl.heartbeat(worker.heartbeat_stats)], [worker.close(), client.close(),
+                                                                              aclose(push)]
+
+
+
+
+def construct(cls: Any, **kwargs: Any) -> Any:
+    """Pass only the keyword arguments the agent's constructor accepts (user agents need not take them all)."""
+    sig = inspect.signature(cls)
+    if any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values()):
+        return cls(**kwargs)
+    return cls(**{k: v for k, v in kwargs.items() if k in sig.parameters})
+
+

@@ -17,11 +17,8 @@ from typing import Any, Optional, Sequence
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from arl.api.registry import AGENTS
-
-
-class ConfigError(ValueError):
-    """A user-facing configuration problem; the CLI prints it without a traceback."""
+from arl.api.registry import AGENTS, INFERENCE_BACKENDS, LEARNER_BACKENDS, TRACKERS
+from arl.utils.errors import ConfigError
 
 
 def _require(checks: Sequence[tuple[bool, str]]) -> None:
@@ -532,6 +529,48 @@ def parse_overrides(config_cls: type, overrides: Sequence[str], base: Any = None
     return obj
 
 
+# Env groups' layout (`arl.rollout.env_groups`): here because validate checks it before any process starts.
+
+def partition_groups(num_env_groups: int, tags: Sequence[str],
+                     num_groups_partition: Optional[Sequence[int]] = None) -> list[str]:
+    """The tag of each global group index. Default partition: as even as possible, earlier tags first."""
+    if num_env_groups < 1:
+        raise ValueError(f"num_env_groups must be >= 1, got {num_env_groups}")
+    tags = list(tags)
+    if not tags:
+        raise ValueError("env groups need at least one tag")
+    if len(set(tags)) != len(tags):
+        raise ValueError(f"tags must be unique, got {tags}")
+    if num_groups_partition:
+        parts = [int(n) for n in num_groups_partition]
+        if len(parts) != len(tags):
+            raise ValueError(f"num_groups_partition has {len(parts)} entries for {len(tags)} tags {tags}")
+        if any(n < 0 for n in parts) or sum(parts) != num_env_groups:
+            raise ValueError(f"num_groups_partition {parts} must be non-negative and sum to num_env_groups="
+                             f"{num_env_groups}")
+    else:
+        base, rest = divmod(num_env_groups, len(tags))
+        parts = [base + (i < rest) for i in range(len(tags))]
+    return [t for t, n in zip(tags, parts) for _ in range(n)]
+
+
+def worker_groups(num_env_groups: int, num_workers: int, worker: int) -> list[int]:
+    """Global group indices hosted by rollout worker `worker` (round robin)."""
+    return list(range(worker, num_env_groups, num_workers))
+
+
+def check_env_capacity(num_env_groups: int, num_workers: int, group_size: int, max_env_num_per_worker: int) -> None:
+    """Raise ValueError if some worker would hold more than `max_env_num_per_worker` env instances."""
+    if max_env_num_per_worker <= 0 or num_env_groups <= 0:
+        return
+    most = max(len(worker_groups(num_env_groups, num_workers, w)) for w in range(num_workers))
+    if most * group_size > max_env_num_per_worker:
+        raise ValueError(
+            f"env groups: a rollout worker would hold {most} groups x {group_size} envs = {most * group_size} > "
+            f"max_env_num_per_worker={max_env_num_per_worker}; raise rollout.num_workers or "
+            f"max_env_num_per_worker, or lower num_env_groups")
+
+
 def validate(cfg: Any) -> None:
     """Cross-field checks that types alone cannot express."""
     if not isinstance(cfg, ExperimentConfig):
@@ -583,18 +622,11 @@ def validate(cfg: Any) -> None:
         checks.append((why is None, f"weights.backend=nccl: {why}; NCCL cannot put two ranks of one group on one "
                                     "GPU ('Duplicate GPU detected'). Give them GPUs of their own, or use "
                                     "weights.backend=auto (weights then go by disk) or gloo"))
-    from arl.inference.factory import BACKENDS
-    from arl.learner.backends import LEARNER_BACKENDS
-
-    checks.append((ic.backend in BACKENDS, f"inference.backend: {BACKENDS.unknown(ic.backend)}"))
-    from arl.report.trackers import TRACKERS
-
+    checks.append((ic.backend in INFERENCE_BACKENDS, f"inference.backend: {INFERENCE_BACKENDS.unknown(ic.backend)}"))
     checks.append((lc.backend in LEARNER_BACKENDS, f"learner.backend: {LEARNER_BACKENDS.unknown(lc.backend)}"))
     checks += [(name == "jsonl" or name in TRACKERS, f"loggers: {TRACKERS.unknown(name)}") for name in cfg.loggers]
     _require(checks)
     if rc.num_env_groups > 0:  # env groups: partition and per-worker capacity, before any process starts
-        from arl.rollout.env_groups import check_env_capacity, partition_groups
-
         try:
             partition_groups(rc.num_env_groups, list(rc.tags) or [cfg.env.name], list(rc.num_groups_partition))
             check_env_capacity(rc.num_env_groups, rc.num_workers, rc.group_size or cfg.agent.group_size,
@@ -723,5 +755,5 @@ def resolve_threads(cfg: ExperimentConfig, role: str) -> int:
 __all__ = [
     "ExperimentConfig", "ConfigError", "parse_overrides", "split_experiment", "format_help", "import_user_modules",
     "to_yaml", "resolve_threads", "weights_backend", "shared_gpu", "resolve_weights", "rollout_deadlines",
-    "agent_turns", "DictConfig",
+    "agent_turns", "DictConfig", "partition_groups", "worker_groups", "check_env_capacity",
 ]

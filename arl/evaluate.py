@@ -23,6 +23,7 @@ from typing import Any, Optional, Sequence
 
 from arl.config import ConfigError, ExperimentConfig, import_user_modules, parse_overrides, resolve_threads, \
     split_experiment
+from arl.controller.reporting import format_result  # the controller's eval line, printed here too
 
 logger = logging.getLogger("arl.evaluate")
 
@@ -141,12 +142,6 @@ async def evaluate_model(cfg: ExperimentConfig, model_dir: str, version: int = -
         await engine.close()
         dealer.close()
         router.close()
-
-
-def format_result(p: dict) -> str:
-    """The line the controller logs for each evaluation of a run (and scripts/evaluate.py prints)."""
-    return (f"eval v{p['version']}: first-answer acc {p['first_acc']:.3f}, solved within all turns "
-            f"{p['solved_acc']:.3f} ({p['n']} prompts, {p.get('seconds', 0):.1f}s)")
 
 
 def run(path: str, argv: Sequence[str]) -> dict:

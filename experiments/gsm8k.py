@@ -13,6 +13,7 @@ rows in both formats for a smoke test. The model calls the calculator / sandboxe
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from arl.api.registry import register_experiment
 from arl.config import (
@@ -32,6 +33,15 @@ from arl.config import (
 
 SYSTEM_PROMPT = ("Solve the math problem. You may call the calculator or python tools. "
                  "Put the final answer in \\boxed{}.")
+
+
+def gsm8k_tool_demo(**kwargs: Any) -> Any:
+    """The tool conversation the tiny Qwen2 model is taught for this experiment's prompts (its SYSTEM_PROMPT;
+    `arl.recipes.tool_demo.tool_demo` takes the other arguments). Imported lazily: torch is not needed to register
+    the experiment."""
+    from arl.recipes.tool_demo import tool_demo
+
+    return tool_demo(SYSTEM_PROMPT, **kwargs)
 
 
 @dataclasses.dataclass

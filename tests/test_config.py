@@ -116,3 +116,23 @@ def test_auto_trajectory_deadline_counts_the_agents_default_turns():
     assert rollout_deadlines(cfg) == (45.0, 0.0, 90.0)  # set by hand: fixed
     with pytest.raises(ConfigError, match="request_timeout"):
         parse_overrides(ExperimentConfig, ["rollout.request_timeout=-1"])
+
+
+def test_unknown_backend_and_logger_names_list_the_registered_ones():
+    """The names are checked against arl.api.registry (config imports no role for it); the messages are the
+    registries' own."""
+    for override, message in [
+        ("inference.backend=bogus", "inference.backend: unknown inference backend 'bogus'; registered inference "
+                                    "backends: ['sglang', 'sim', 'torch'] (register one with "
+                                    "arl.inference.factory.BACKENDS.register(name, builder) in a module passed via "
+                                    "imports=[...])"),
+        ("learner.backend=bogus", "learner.backend: unknown learner_backend 'bogus'; registered learner_backends: "
+                                  "['deepspeed', 'sim'] (register one with LEARNER_BACKENDS.register(name, obj) in a "
+                                  "module passed via imports=[...])"),
+        ("loggers=[jsonl,neptune]", "loggers: unknown logger 'neptune'; registered loggers: ['mlflow', 'tensorboard', "
+                                    "'wandb'] (register one with TRACKERS.register(name, TrackerEntry(make, package)) "
+                                    "in a module passed via imports=[...])"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            parse_overrides(ExperimentConfig, [override])
+        assert str(e.value) == message

@@ -204,6 +204,11 @@ class Trajectory:
     def num_generated(self) -> int:
         return int(self.loss_mask.sum())
 
+    @property
+    def has_void_turn(self) -> bool:
+        """The agent reported a void turn (`metadata["void_turns"]`): the rollout filter drops it, traces say so."""
+        return int(self.metadata.get("void_turns", 0) or 0) > 0
+
 
 class TrajectoryBuilder:
     """Accumulates prompt, generated and inserted tokens with their masks, so agents never re-tokenise."""

@@ -10,9 +10,14 @@ import sys
 import time
 from typing import Any, Callable, Optional, Protocol
 
-from arl.evaluate import format_result
 from arl.report.page import ReportBuilder
 from arl.report.traces import TraceWriter
+
+
+def format_result(p: dict) -> str:
+    """The line the controller logs for each evaluation of a run (and scripts/evaluate.py prints)."""
+    return (f"eval v{p['version']}: first-answer acc {p['first_acc']:.3f}, solved within all turns "
+            f"{p['solved_acc']:.3f} ({p['n']} prompts, {p.get('seconds', 0):.1f}s)")
 
 
 class MetricsSink(Protocol):

@@ -2,7 +2,8 @@
 `inference` section and returns the engine one inference server serves with.
 
 A user backend registers a builder with the same signature (`BACKENDS.register(name, builder)`) in a module
-passed via `imports=[...]`; `arl.config.validate` checks the configured name against this registry.
+passed via `imports=[...]`; `arl.config.validate` checks the configured name against this registry. The registry
+itself is `arl.api.registry.INFERENCE_BACKENDS`, where the built-in names below are bound to these builders.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from arl.api.engine import InferenceEngine
-from arl.api.registry import Registry
+from arl.api.registry import INFERENCE_BACKENDS, Registry
 from arl.config import InferenceConfig
 
 
@@ -19,8 +20,7 @@ class BackendBuilder(Protocol):
                  run_dir: str) -> InferenceEngine: ...
 
 
-BACKENDS: Registry[BackendBuilder] = Registry("inference backend",
-                                              "arl.inference.factory.BACKENDS.register(name, builder)")
+BACKENDS: Registry[BackendBuilder] = INFERENCE_BACKENDS
 
 
 def server_seed(seed: int, index: int) -> int:
@@ -65,11 +65,6 @@ def _sglang_engine(model_path: str, inference: InferenceConfig, *, seed: int, in
                                 seed=server_seed(seed, index), name=f"inference{index}", index=index,
                                 run_dir=run_dir, max_batch_size=inference.max_batch_size,
                                 max_context_len=inference.max_context_len)
-
-
-BACKENDS.register("torch", _torch_engine)
-BACKENDS.register("sim", _sim_engine)
-BACKENDS.register("sglang", _sglang_engine)
 
 
 def build_engine(model_path: str, inference: InferenceConfig, *, seed: int, index: int = 0,

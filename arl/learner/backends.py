@@ -3,7 +3,8 @@
 Why a registry: the launcher builds any backend the same way, with no branch per name; a backend's entry says
 whether it trains a real model (then the run checkpoints and resumes, checks token ids against the vocabulary and
 may use several ranks) or only models the time (the simulated one). Builders import torch / DeepSpeed lazily, so
-the launcher can read the table without them.
+the launcher can read the table without them. The table is `arl.api.registry.LEARNER_BACKENDS` (config checks
+`learner.backend` against it without importing this module).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import dataclasses
 from typing import Any, Callable
 
 from arl.api.engine import TrainEngine
-from arl.api.registry import Registry
+from arl.api.registry import LEARNER_BACKENDS
 
 __all__ = ["LearnerBackend", "LEARNER_BACKENDS", "register_learner_backend"]
 
@@ -21,9 +22,6 @@ __all__ = ["LearnerBackend", "LEARNER_BACKENDS", "register_learner_backend"]
 class LearnerBackend:
     build: Callable[[Any], TrainEngine]  # (ExperimentConfig) -> this rank's engine
     trains_model: bool  # checkpoints, resume, vocabulary checks, several ranks
-
-
-LEARNER_BACKENDS: Registry[LearnerBackend] = Registry("learner_backend")
 
 
 def register_learner_backend(name: str, backend: LearnerBackend) -> LearnerBackend:
@@ -47,5 +45,6 @@ def _sim(cfg: Any) -> TrainEngine:
     return SimLearner(cfg.learner.sim)
 
 
-register_learner_backend("deepspeed", LearnerBackend(_deepspeed, trains_model=True))
-register_learner_backend("sim", LearnerBackend(_sim, trains_model=False))
+# the built-ins, bound by name in `arl.api.registry.LEARNER_BACKENDS` (config validation reads the names there)
+DEEPSPEED = LearnerBackend(_deepspeed, trains_model=True)
+SIM = LearnerBackend(_sim, trains_model=False)

@@ -11,9 +11,10 @@
   assistant `tool_calls` as `<tool_call>` blocks, consecutive `tool` messages folded into one user turn of
   `<tool_response>` blocks);
 - a `Qwen2ForCausalLM` (GQA, tied embeddings; ~1M parameters by default) and a generation config whose eos is
-  `<|im_end|>` and `<|endoftext|>`; random, or (with a `ToolDemo`) taught one fixed tool conversation in a few
-  seconds, so that it writes what a tool model writes: a `<tool_call>` block ended by <|im_end|>, then after the
-  observation an answer ended by <|endoftext|> (`gsm8k_tool_demo()`: for the gsm8k experiment's prompts).
+  `<|im_end|>` and `<|endoftext|>`; random, or (with a `demo=`, `arl.recipes.tool_demo.ToolDemo`) taught one fixed
+  tool conversation in a few seconds, so that it writes what a tool model writes: a `<tool_call>` block ended by
+  <|im_end|>, then after the observation an answer ended by <|endoftext|> (`experiments.gsm8k.gsm8k_tool_demo()`:
+  for the gsm8k experiment's prompts).
 
 The folder loads with `AutoTokenizer` / `AutoModelForCausalLM` and with `PreTrainedTokenizerFast` (ARL's roles) and
 both tokenize alike, because the tokenizer's pipeline is Qwen2's own and `tokenizer_config.json` names
@@ -25,15 +26,14 @@ tests/inference/test_sglang_real.py on a real SGLang server).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Protocol
 
 import torch
 
 __all__ = ["QWEN25_CHAT_TEMPLATE", "QWEN2_SPLIT_REGEX", "SPECIAL_TOKENS", "TOOL_TOKENS", "build_qwen2_tokenizer",
-           "build_qwen2_model", "build_qwen2_tiny_dir", "ToolDemo", "teach_demo", "gsm8k_tool_demo"]
+           "build_qwen2_model", "build_qwen2_tiny_dir", "Teacher"]
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -45,9 +45,6 @@ TOOL_TOKENS = ["<tool_call>", "</tool_call>"]  # added, not special (Qwen2.5)
 # punctuation runs, newlines, spaces.
 QWEN2_SPLIT_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                      r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-
-GSM8K_SAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "samples",
-                            "gsm8k_sample.jsonl")
 
 DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 
@@ -194,110 +191,29 @@ def build_qwen2_model(vocab_size: int, *, hidden_size: int = 128, num_layers: in
     return model
 
 
-@dataclasses.dataclass
-class ToolDemo:
-    """A fixed two-turn tool conversation the random model is taught, so the real-model path sees what a tool
-    model emits (tool-call blocks ended by <|im_end|>, an observation, a final answer ended by eos):
+class Teacher(Protocol):
+    """What `build_qwen2_tiny_dir` teaches the fresh model (`arl.recipes.tool_demo.ToolDemo`): the texts the BPE
+    merges are also trained on, and the steps that imprint it. A protocol, so the model layer imports no recipe."""
 
-        <tool_call>\n{"name": NAME, "arguments": ARGS}\n</tool_call><|im_end|>      (turn 1, after each prompt)
-        \n<|im_start|>user\n<tool_response>\nRESULT\n</tool_response><|im_end|>\n<|im_start|>assistant\n
-        ANSWER<|endoftext|>                                                        (turn 2)
+    def texts(self) -> list[str]: ...
 
-    Turn 2 ends on <|endoftext|>, the second eos of the generation config, so a backend that stops on the
-    tokenizer's eos only runs that turn to its token budget. `prompts` are the chat messages (system + user) the
-    run will render with `tools`; the model learns the same reply for all of them (it does not read them)."""
-
-    prompts: Sequence[list[dict[str, Any]]]
-    tools: Sequence[dict[str, Any]] = ()
-    call: dict[str, Any] = dataclasses.field(
-        default_factory=lambda: {"name": "calculator", "arguments": {"expression": "24 + 18 - 30"}})
-    result: str = "12"
-    answer: str = "The answer is \\boxed{12}."
-    steps: int = 80
-    lr: float = 3e-3
-    prefix_every: int = 8  # steps between re-encodings of the prompts (their KV is a few steps stale in between)
-
-
-def _demo_sequences(tok: Any, demo: ToolDemo) -> list[tuple[list[int], list[int]]]:
-    """(token ids, loss mask) of every demo conversation, cut exactly where the tool agent cuts its turns."""
-    from arl.agents.tool_agent import ObservationEncoder
-
-    obs = ObservationEncoder(tok).encode([{"role": "tool", "content": demo.result}])
-    call = tok.encode("<tool_call>\n" + json.dumps(demo.call) + "\n</tool_call>", add_special_tokens=False)
-    call += [tok.convert_tokens_to_ids(IM_END)]
-    answer = tok.encode(demo.answer, add_special_tokens=False) + [tok.convert_tokens_to_ids(PAD_TOKEN)]
-    out = []
-    for messages in demo.prompts:
-        text = tok.apply_chat_template(list(messages), tools=list(demo.tools) or None, add_generation_prompt=True,
-                                       tokenize=False)
-        prompt = tok.encode(text, add_special_tokens=False)
-        ids = prompt + call + obs + answer
-        mask = [0] * len(prompt) + [1] * len(call) + [0] * len(obs) + [1] * len(answer)
-        out.append((ids, mask))
-    return out
-
-
-def teach_demo(model: Any, tok: Any, demo: ToolDemo, seed: int = 0) -> float:
-    """AdamW steps on the demo turns (loss on the model's turns only); returns the last mean loss.
-
-    Why the prompt runs without grad: it is most of every sequence and the reply does not depend on it, so each
-    step reuses the prompt's KV cache (all but its last token, encoded under `no_grad` every `prefix_every` steps)
-    and back-propagates through the rest only: a fraction of the cost of full steps, for the same imprint."""
-    from arl.recipes.sft import torch_threads
-
-    seqs = _demo_sequences(tok, demo)
-    with torch_threads(1):  # small matrices: one thread is faster, and many times so when the cores are busy
-        return _teach(model, seqs, demo, seed)
-
-
-def _teach(model: Any, seqs: list[tuple[list[int], list[int]]], demo: ToolDemo, seed: int) -> float:
-    from transformers import DynamicCache
-
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=demo.lr, betas=(0.9, 0.98))
-    losses = [float("nan")]
-    caches: list[Any] = [None] * len(seqs)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        for step in range(demo.steps):
-            opt.zero_grad()
-            losses = []
-            for i, (ids, mask) in enumerate(seqs):
-                cut = mask.index(1) - 1  # the last prompt token predicts the first reply token: it needs grad
-                ids_t = torch.tensor([ids])
-                if step % demo.prefix_every == 0:
-                    prefix = DynamicCache(config=model.config)
-                    with torch.no_grad():
-                        model(input_ids=ids_t[:, :cut], past_key_values=prefix, use_cache=True)
-                    caches[i] = [(layer.keys, layer.values) for layer in prefix.layers]
-                cache = DynamicCache(config=model.config)
-                for layer, (k, v) in enumerate(caches[i]):
-                    cache.update(k, v, layer)
-                labels = torch.tensor([[t if m else -100 for t, m in zip(ids[cut:], mask[cut:])]])
-                loss = model(input_ids=ids_t[:, cut:], past_key_values=cache, use_cache=True,
-                             position_ids=torch.arange(cut, len(ids)).unsqueeze(0), labels=labels).loss
-                (loss / len(seqs)).backward()
-                losses.append(float(loss.detach()))
-            opt.step()
-    model.eval()
-    return sum(losses) / len(losses)
+    def teach(self, model: Any, tok: Any, seed: int) -> float: ...
 
 
 def build_qwen2_tiny_dir(path: str, *, vocab_size: int = 1024, hidden_size: int = 192, num_layers: int = 2,
-                         intermediate_size: int = 576, seed: int = 0, demo: Optional[ToolDemo] = None) -> str:
+                         intermediate_size: int = 576, seed: int = 0, demo: Optional[Teacher] = None) -> str:
     """Write a Qwen2.5-Instruct-shaped model folder (tokenizer + chat template + Qwen2 model) to `path`; with a
     `demo`, the model is first taught that tool conversation (a few seconds). Returns the absolute path.
     Deterministic for the same arguments (on one machine)."""
     # BPE merges from the demo's prompts too: shorter prompts, faster runs
-    extra = ([json.dumps(t) for t in demo.tools] + [m.get("content", "") for p in demo.prompts for m in p]
-             if demo is not None else [])
+    extra = demo.texts() if demo is not None else []
     tok = build_qwen2_tokenizer(vocab_size, extra)
     eos_ids = [tok.convert_tokens_to_ids(IM_END), tok.convert_tokens_to_ids(PAD_TOKEN)]
     model = build_qwen2_model(len(tok), hidden_size=hidden_size, num_layers=num_layers, seed=seed,
                               intermediate_size=intermediate_size, pad_token_id=tok.pad_token_id,
                               eos_token_ids=eos_ids)
     if demo is not None:
-        teach_demo(model, tok, demo, seed=seed)
+        demo.teach(model, tok, seed)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)
@@ -313,18 +229,3 @@ def _qwen2_tokenizer_class(path: str) -> None:
     cfg["tokenizer_class"] = "Qwen2Tokenizer"
     with open(cfg_path, "w") as f:
         json.dump(cfg, f, indent=2, ensure_ascii=False)
-
-
-def gsm8k_tool_demo(rows_path: str = GSM8K_SAMPLE, *, tools: Sequence[str] = ("calculator",), num_prompts: int = 3,
-                    system_prompt: Optional[str] = None, steps: int = 80) -> ToolDemo:
-    """The `ToolDemo` for the `gsm8k` experiment's prompts (its system prompt, the first `num_prompts` rows of
-    `rows_path`, the schemas of `tools` as the tool agent renders them). Its fixed reply computes 24 + 18 - 30 and
-    answers \\boxed{12}: right for the sample's first row, wrong for the others."""
-    from arl.tools.base import ToolSet
-
-    if system_prompt is None:
-        from experiments.gsm8k import SYSTEM_PROMPT as system_prompt  # type: ignore[no-redef]
-    with open(rows_path) as f:
-        rows = [json.loads(line) for line in f if line.strip()][:num_prompts]
-    prompts = [[{"role": "system", "content": system_prompt}, {"role": "user", "content": r["prompt"]}] for r in rows]
-    return ToolDemo(prompts=prompts, tools=ToolSet(list(tools)).schemas(), steps=steps)

@@ -30,7 +30,6 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import numpy as np
 
 from arl.api.types import GenerateRequest, GenerateResponse, Trajectory
-from arl.rollout.filters import has_void_turn
 
 # share of groups traced at random (on top of every group an error or a filter touched)
 DEFAULT_TRACE_RATE = 0.05
@@ -275,7 +274,7 @@ def group_traces(trajs: Sequence[Trajectory], tokenizer: Any, timeline: Optional
     group_filter = outcome.split(":", 1)[1] if outcome.startswith("filtered:") else None
     out = []
     for t in trajs:
-        filt = "void_turns" if void_filter and has_void_turn(t) else group_filter
+        filt = "void_turns" if void_filter and t.has_void_turn else group_filter
         out.append(trace_record(t, tokenizer, timeline, **fields, filtered=filt))
     return out
 

@@ -18,7 +18,7 @@ import re
 import time
 from typing import Any, Callable, Optional, Protocol, Sequence
 
-from arl.api.registry import Registry
+from arl.api.registry import TRACKERS
 
 logger = logging.getLogger("arl.report")
 
@@ -178,10 +178,10 @@ class TrackerEntry:
     package: str  # what to pip install when its library is missing
 
 
-TRACKERS: Registry[TrackerEntry] = Registry("logger", "TRACKERS.register(name, TrackerEntry(make, package))")
-TRACKERS.register("tensorboard", TrackerEntry(_tensorboard, "tensorboard"))
-TRACKERS.register("wandb", TrackerEntry(_wandb, "wandb"))
-TRACKERS.register("mlflow", TrackerEntry(_mlflow, "mlflow-skinny"))
+# the built-ins, bound by name in `arl.api.registry.TRACKERS` (config validation reads the names there)
+TENSORBOARD = TrackerEntry(_tensorboard, "tensorboard")
+WANDB = TrackerEntry(_wandb, "wandb")
+MLFLOW = TrackerEntry(_mlflow, "mlflow-skinny")
 
 
 class TrackerSink:

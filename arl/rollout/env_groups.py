@@ -23,6 +23,7 @@ import itertools
 from typing import Any, Callable, Optional, Sequence
 
 from arl.api.agent import EnvironmentService
+from arl.config import check_env_capacity, partition_groups, worker_groups  # config checks them before any start
 
 __all__ = ["partition_groups", "group_seed", "worker_groups", "check_env_capacity", "EnvGroup", "EnvGroupPool",
            "EnvGroupSpec", "worker_spec", "EnvSharedError"]
@@ -37,50 +38,10 @@ class EnvSharedError(RuntimeError):
     """Two chains of an agent called reset/step on the one env it was given."""
 
 
-def partition_groups(num_env_groups: int, tags: Sequence[str],
-                     num_groups_partition: Optional[Sequence[int]] = None) -> list[str]:
-    """The tag of each global group index. Default partition: as even as possible, earlier tags first."""
-    if num_env_groups < 1:
-        raise ValueError(f"num_env_groups must be >= 1, got {num_env_groups}")
-    tags = list(tags)
-    if not tags:
-        raise ValueError("env groups need at least one tag")
-    if len(set(tags)) != len(tags):
-        raise ValueError(f"tags must be unique, got {tags}")
-    if num_groups_partition:
-        parts = [int(n) for n in num_groups_partition]
-        if len(parts) != len(tags):
-            raise ValueError(f"num_groups_partition has {len(parts)} entries for {len(tags)} tags {tags}")
-        if any(n < 0 for n in parts) or sum(parts) != num_env_groups:
-            raise ValueError(f"num_groups_partition {parts} must be non-negative and sum to num_env_groups="
-                             f"{num_env_groups}")
-    else:
-        base, rest = divmod(num_env_groups, len(tags))
-        parts = [base + (i < rest) for i in range(len(tags))]
-    return [t for t, n in zip(tags, parts) for _ in range(n)]
-
-
 def group_seed(base_seed: int, group_index: int, episode: int) -> int:
     """A 31-bit seed, the same for every member of group `group_index` in its `episode`-th reset."""
     h = hashlib.sha256(f"{base_seed}:{group_index}:{episode}".encode()).digest()
     return int.from_bytes(h[:4], "little") & 0x7FFFFFFF
-
-
-def worker_groups(num_env_groups: int, num_workers: int, worker: int) -> list[int]:
-    """Global group indices hosted by rollout worker `worker` (round robin)."""
-    return list(range(worker, num_env_groups, num_workers))
-
-
-def check_env_capacity(num_env_groups: int, num_workers: int, group_size: int, max_env_num_per_worker: int) -> None:
-    """Raise ValueError if some worker would hold more than `max_env_num_per_worker` env instances."""
-    if max_env_num_per_worker <= 0 or num_env_groups <= 0:
-        return
-    most = max(len(worker_groups(num_env_groups, num_workers, w)) for w in range(num_workers))
-    if most * group_size > max_env_num_per_worker:
-        raise ValueError(
-            f"env groups: a rollout worker would hold {most} groups x {group_size} envs = {most * group_size} > "
-            f"max_env_num_per_worker={max_env_num_per_worker}; raise rollout.num_workers or "
-            f"max_env_num_per_worker, or lower num_env_groups")
 
 
 class EnvGroup(EnvironmentService):

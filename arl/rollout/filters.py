@@ -16,16 +16,12 @@ from typing import Optional, Sequence
 
 from arl.api.types import Trajectory
 
-__all__ = ["has_void_turn", "void_turn_filter", "uniform_rewards", "apply_filters"]
-
-
-def has_void_turn(t: Trajectory) -> bool:
-    return int(t.metadata.get("void_turns", 0) or 0) > 0
+__all__ = ["void_turn_filter", "uniform_rewards", "apply_filters"]
 
 
 def void_turn_filter(trajs: Sequence[Trajectory]) -> tuple[list[Trajectory], int]:
     """(trajectories without a void turn, how many were dropped)."""
-    kept = [t for t in trajs if not has_void_turn(t)]
+    kept = [t for t in trajs if not t.has_void_turn]
     return kept, len(trajs) - len(kept)
 
 

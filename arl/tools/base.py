@@ -222,6 +222,9 @@ def tool(fn: Optional[Callable[..., Any]] = None, *, name: Optional[str] = None,
 # ------------------------------------------------------------------------------------------------ registry
 
 TOOLS: Registry[Callable[..., Tool]] = Registry("tool", "register_tool(name, factory)")
+# the built-ins, imported on first use (their modules import this one)
+TOOLS.register_lazy("calculator", "arl.tools.calculator:calculator_tool")
+TOOLS.register_lazy("python", "arl.tools.sandbox:PythonTool")
 
 
 def register_tool(name: str, factory: Callable[..., Tool]) -> Callable[..., Tool]:
@@ -237,8 +240,6 @@ def get_tool(spec: Union[str, Tool, dict[str, Any]]) -> Tool:
     if isinstance(spec, dict):
         kwargs = dict(spec)
         spec = kwargs.pop("name", "")
-    if spec not in TOOLS:
-        import arl.tools  # noqa: F401 - the built-in tools register on import
     t = TOOLS.get(spec)(**kwargs)  # type: ignore[arg-type] - a non-string gets the registry's "unknown tool"
     if not isinstance(t, Tool):
         raise TypeError(f"tool factory {spec!r} returned {type(t).__name__}, not a Tool")

@@ -16,7 +16,7 @@ import re
 from fractions import Fraction
 from typing import Callable, Union
 
-from arl.tools.base import FunctionTool, register_tool
+from arl.tools.base import FunctionTool
 
 __all__ = ["calculate", "CalculatorError", "calculator_tool"]
 
@@ -181,6 +181,3 @@ def calculator(expression: str) -> str:
 
 def calculator_tool(timeout: float = 2.0, name: str = "calculator") -> FunctionTool:
     return FunctionTool(calculator, name=name, timeout=timeout)
-
-
-register_tool("calculator", calculator_tool)

@@ -46,7 +46,7 @@ import tempfile
 import time
 from typing import Optional
 
-from arl.tools.base import Tool, register_tool
+from arl.tools.base import Tool
 
 logger = logging.getLogger(__name__)
 
@@ -278,6 +278,3 @@ class PythonTool(Tool):
 
         r = await self.sandbox.run(code)
         return ToolResult(self.name, r.observation(self.max_output_chars), error=not r.ok)  # type: ignore[return-value]
-
-
-register_tool("python", PythonTool)

@@ -13,7 +13,7 @@ import os
 import socket
 from typing import Mapping, Optional
 
-from arl.config import ConfigError
+from arl.utils.errors import ConfigError
 
 logger = logging.getLogger("arl.launch")
 

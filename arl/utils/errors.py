@@ -7,6 +7,11 @@ from __future__ import annotations
 import traceback
 from typing import Optional
 
+class ConfigError(ValueError):
+    """A user-facing configuration problem; the CLI prints it without a traceback. (Here, below `arl.config` which
+    re-exports it, so the transport's security checks can raise it without importing config.)"""
+
+
 MAX_ERROR_CHARS = 1500  # what one dropped group's error may add to a control message
 
 

@@ -49,3 +49,11 @@ def test_registry_duplicate_and_unknown_list_names():
         r.register("a", str)
     with pytest.raises(RegistryError, match=r"unknown agent 'b'.*\['a'\]"):
         r.get("b")
+
+
+def test_trajectory_says_whether_its_agent_reported_a_void_turn():
+    def traj(**metadata):
+        return Trajectory([1], [1], [0.0], [0], 0.0, "g", metadata=metadata)
+
+    assert not traj().has_void_turn and not traj(void_turns=0).has_void_turn and not traj(void_turns=None).has_void_turn
+    assert traj(void_turns=2).has_void_turn

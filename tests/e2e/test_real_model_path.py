@@ -52,7 +52,8 @@ GSM8K_SMALL = [
 
 @pytest.fixture(scope="module")
 def qwen_dir(tmp_path_factory) -> str:
-    from arl.models.qwen2_tiny import build_qwen2_tiny_dir, gsm8k_tool_demo
+    from arl.models.qwen2_tiny import build_qwen2_tiny_dir
+    from experiments.gsm8k import gsm8k_tool_demo
 
     return build_qwen2_tiny_dir(str(tmp_path_factory.mktemp("qwen2-tiny") / "model"), demo=gsm8k_tool_demo())
 

@@ -435,7 +435,9 @@ def test_qwen2_tool_folder_turns_equal_the_embedded_engine(tmp_path):
     from arl.config import SGLangConfig
     from arl.inference.sglang_engine import launch_sglang_engine
     from arl.inference.torch_engine import TorchEngine
-    from arl.models.qwen2_tiny import _demo_sequences, build_qwen2_tiny_dir, gsm8k_tool_demo
+    from arl.models.qwen2_tiny import build_qwen2_tiny_dir
+    from arl.recipes.tool_demo import _demo_sequences
+    from experiments.gsm8k import gsm8k_tool_demo
     from arl.models.tiny import load_model_dir, stop_token_ids
 
     demo = gsm8k_tool_demo()

@@ -176,39 +176,6 @@ def format_drops(counts: Any, top: int = 3) -> str:
     return text + (f", +{len(items) - top} more" if len(items) > top else "")
 
 
-def stall_report(now: float, *, gate: Any, waiting: int, in_flight: dict[int, int],
-                 processes: dict[str, list[tuple[str, int]]], role_stats: dict[tuple[str, int], dict],
-                 last_messages: dict[str, dict[str, float]]) -> str:
-    """What each role is doing when nothing moves, one line each: the staleness gate; per rollout worker the groups
-    in flight by the controller's count and by its own (a gap: leaked slots); the learner's buffer and what it
-    waits on; each inference server's version; and when each process last sent each kind of message
-    (`last_messages`: process name -> message type -> monotonic time). `processes`: name -> role keys it hosts."""
-    lines = [f"  gate: version {gate.version}, {gate.accepted} groups accepted, {gate.running} in flight, room for "
-             f"{gate.capacity()} more, {waiting} asked for and waiting"]
-    for name, keys in processes.items():
-        parts = []
-        for role, index in keys:
-            st = role_stats.get((role, index), {})
-            if role == "rollout":
-                own = (f"its own count: {st.get('running')} running, {st.get('wanted', 0)} awaiting a grant"
-                       if "running" in st else "no heartbeat yet")
-                parts.append(f"{in_flight.get(index, 0)} groups in flight ({own})")
-            elif role == "learner":
-                parts.append(f"version {st.get('version', '?')}, {st.get('buffered_groups', '?')} groups buffered "
-                             f"({st.get('buffered_trajectories', '?')} trajectories), {st.get('in_step_groups', 0)} in "
-                             f"a step, {st.get('groups_received', '?')} received, {st.get('trained_groups', '?')} "
-                             f"trained")
-            else:
-                parts.append(f"server {index} at version {st.get('version', '?')}")
-            if st.get("waiting_on"):
-                parts[-1] += f", waiting on: {st['waiting_on']}"
-        heard = sorted((last_messages.get(name) or {}).items(), key=lambda kv: -kv[1])
-        ages = ", ".join(f"{t} {now - at:.0f}s ago" if now - at >= 10 else f"{t} {now - at:.1f}s ago"
-                         for t, at in heard)
-        lines.append(f"  {name}: {'; '.join(parts)}; last messages: {ages or 'none'}")
-    return "what each role is doing:\n" + "\n".join(lines)
-
-
 LEARNER_KEYS = ("groups_received", "trajectories_received", "trained_groups", "trained_trajectories",
               "stale_groups_dropped", "stale_trajectories_dropped", "invalid_groups", "buffered_groups",
               "buffered_trajectories", "in_step_groups", "trained_twice")
@@ -319,13 +286,6 @@ class Reporter:
                 fracs.append(1.0 - min(1.0, (busy - prev[0]) / (at - prev[1])))
         return sum(fracs) / len(fracs) if fracs else None
 
-    def eval_requested(self, version: int) -> None:
-        self.evals[version] = {}
-
-    def pending_evals(self) -> list[int]:
-        """Versions whose evaluation was requested and has no result yet."""
-        return sorted(v for v, e in self.evals.items() if not e)
-
     def eval_done(self, version: int, result: dict, role_stats: dict) -> str:
         """Record an evaluation's result (with every role's latest stats); returns the line to show."""
         self.evals[version] = result
@@ -405,6 +365,25 @@ class Reporter:
     def keep_env_counts(self, old_stats: dict) -> None:
         """A restarted rollout worker's counters start over: keep the dead incarnation's env counts."""
         self.env_of_restarted.update(_env_counts(old_stats))
+
+    def rollout_lost(self, orphans: Any, lost: int, old_stats: dict) -> None:
+        """A rollout worker died: groups the learner had (`orphans`, their n_traj) are accepted, `lost` in-flight
+        groups are lost; `old_stats`: its last heartbeat's."""
+        for n_traj in orphans:
+            self.group_done(True, "accepted", n_traj, None, None)
+        self.groups_lost(lost)
+        self.keep_env_counts(old_stats)
+
+    def summary(self, *, run_dir: str, steps: int, lost_inference: Any) -> dict:
+        """What `run_experiment` returns: steps, evaluation accuracies, groups by outcome."""
+        return {
+            "run_dir": run_dir,
+            "steps": steps,
+            "evals": {v: (e["first_acc"], e["solved_acc"]) for v, e in sorted(self.evals.items()) if e},
+            "groups": dict(self.group_reasons),
+            "lost_inference": sorted(lost_inference),
+            "seconds": self.elapsed(),
+        }
 
     def final_report(self) -> None:
         """The run is over: the report page (and curves.png) once more, with the summary."""

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from arl.controller.reporting import UNIFORM_TEXT, JsonlSink, ProgressWatch, Reporter, format_drops, stall_report
+from arl.controller.diagnosis import stall_report
+from arl.controller.reporting import UNIFORM_TEXT, JsonlSink, ProgressWatch, Reporter, format_drops
 
 
 class ListSink:
@@ -63,9 +64,8 @@ def test_inference_idle_fraction_from_busy_seconds():
 def test_eval_records_and_accounting():
     sink = ListSink()
     r = Reporter([sink], total_steps=2)
-    r.eval_requested(2)
-    assert r.evals == {2: {}}
     line = r.eval_done(2, {"version": 2, "n": 4, "first_acc": 0.5, "solved_acc": 0.75}, {("rollout", 0): {"x": 1}})
+    assert r.evals[2]["first_acc"] == 0.5
     assert line.startswith("eval v2: first-answer acc 0.500") and sink.logged[0][0]["roles"] == {"rollout0": {"x": 1}}
     r.group_done(True, "accepted", 3, None, None)
     r.groups_lost(2)

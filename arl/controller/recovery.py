@@ -8,11 +8,15 @@ Booked at once, before the shell awaits anything: the state machines must never 
 from __future__ import annotations
 
 import dataclasses
-from typing import Union
+import logging
+from typing import Any, Union
 
 from arl.controller.admission import Admission, Grant
 from arl.controller.supervision import Supervisor
 from arl.controller.weight_sync import WeightSync
+from arl.transport import messages as m
+
+logger = logging.getLogger("arl.controller")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +37,16 @@ class RolloutLost:
     lost_groups: int
     orphans: tuple[int, ...]
     grants: list[Grant]
+    tell: tuple[m.ControlMessage, ...] = ()  # what every rollout worker is told
+
+    def record(self, reason: str) -> tuple[str, dict[str, Any]]:
+        """(fault kind, fields) of the restart record."""
+        return "rollout_restart", {"reason": reason[:300], "lost_groups": self.lost_groups}
+
+    def log(self, name: str, reason: str, sup: Supervisor, log_tail: str) -> None:
+        logger.warning("%s %s; restarted it (restart %d of at most %d); %d in-flight groups lost, their budget "
+                       "returned; last lines of its log:\n%s", name, reason, self.restarts, sup.max_restarts,
+                       self.lost_groups, log_tail)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +57,21 @@ class InferenceLost:
     servers: list[int]
     remaining: list[int]
     restarts: int = 0
+    grants: tuple[Grant, ...] = ()
+
+    @property
+    def tell(self) -> tuple[m.ControlMessage, ...]:
+        return (m.WorkerLost(role="inference", indices=self.servers),)
+
+    def record(self, reason: str) -> tuple[str, dict[str, Any]]:
+        return "inference_restart", {"servers": self.servers}
+
+    def log(self, name: str, reason: str, sup: Supervisor, log_tail: str) -> None:
+        logger.warning("inference process %s %s; dropping servers %s, the run goes on with %s; last lines of its "
+                       "log:\n%s", name, reason, self.servers, self.remaining, log_tail)
+        if self.restarts:
+            logger.warning("restarted inference process %s (restart %d of at most %d); servers %s rejoin once they "
+                           "loaded the newest weights", name, self.restarts, sup.max_inference_restarts, self.servers)
 
 
 Plan = Union[Fatal, RolloutLost, InferenceLost]

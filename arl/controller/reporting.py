@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import sys
 import time
 from typing import Any, Callable, Optional, Protocol
@@ -14,6 +15,7 @@ from arl.evaluate import format_result
 from arl.report.page import ReportBuilder
 from arl.report.traces import TraceWriter
 
+logger = logging.getLogger("arl.controller")
 
 class MetricsSink(Protocol):
     """Where metric records go. `step` is the policy version the record belongs to (trackers plot against it)."""
@@ -214,6 +216,7 @@ class Reporter:
         self._bar: Any = None
         self._postfix: dict = {}
         self._drops_text = ""
+        self._drops_shown_at = -1e9
 
     def elapsed(self) -> float:
         return self.clock() - self.t_start
@@ -324,6 +327,28 @@ class Reporter:
             return
         self._drops_text = text
         self._ensure_bar().set_postfix(**self._postfix, dropped=text)
+
+    def watch(self, watch: ProgressWatch, now: float, describe_stall: Callable[[], str]) -> Optional[str]:
+        """Show `watch`'s drops by reason (at most once a second) and its verdict: a warning when no learner step
+        happened for a while; the reason to stop the run when no group gets through (with `describe_stall()`, what
+        each role is doing, when nothing finished at all), else None."""
+        if watch.drops and now - self._drops_shown_at >= 1.0:
+            self._drops_shown_at = now
+            self.show_drops(watch.drops)
+        verdict = watch.check(now)
+        if verdict is None:
+            return None
+        self.show_drops(watch.drops)
+        kind, text = verdict
+        if kind == "warn":
+            if not self.say(f"warning: {text}"):  # no progress bar to print above: the log (stderr)
+                logger.warning("%s", text)
+            self.event("no_progress_warning", text=text, drops=dict(watch.drops))
+            return None
+        if kind == "stall":
+            text += "\n" + describe_stall()
+        self.event("no_progress", reason=text, drops=dict(watch.drops))
+        return f"the run is making no progress: {text}"
 
     def say(self, text: str) -> bool:
         """A line for the console (stderr) above the progress bar; False (nothing written) without a bar."""

@@ -27,7 +27,7 @@ from arl.transport import messages as m
 from arl.controller.admission import Admission, Grant
 from arl.controller.diagnosis import describe_stall, investigate_silence, resume_hint
 from arl.controller.evaluation import EvalSchedule
-from arl.controller.recovery import Fatal, RolloutLost, give_up, plan_failure
+from arl.controller.recovery import Fatal, InferenceLost, RolloutLost, give_up, plan_failure
 from arl.controller.registry import Registry
 from arl.controller.reporting import JsonlSink, MetricsSink, ProgressWatch, Reporter
 from arl.transport.security import advertised_address
@@ -43,6 +43,8 @@ from arl.utils.proc import tail
 logger = logging.getLogger("arl.controller")
 
 Key = tuple[str, int]  # (role, index)
+# messages only one role may send (any other sender's are dropped and counted)
+SENDERS = {"gate_acquire": "rollout", "group_done": "rollout", "groups_dropped": "learner", "group_received": "learner"}
 
 
 class RunFailed(RuntimeError):
@@ -50,31 +52,13 @@ class RunFailed(RuntimeError):
 
 
 class Controller:
-    def __init__(
-        self,
-        *,
-        run_dir: str,
-        supervisor: Supervisor,
-        launcher: RoleLauncher,
-        batch_size: int,
-        max_head_offpolicyness: int,
-        max_concurrent_rollouts: int,
-        total_train_steps: int,
-        eval_every: int,
-        eval_max_prompts: int,
-        progress: bool = True,
-        resume: Optional[dict] = None,
-        learner_ranks: int = 1,
-        secret: Optional[bytes] = None,
-        bind_host: str = "127.0.0.1",
-        max_bytes: Optional[int] = None,
-        stack_dump_wait: float = 2.0,
-        sinks: Optional[list[MetricsSink]] = None,
-        max_no_progress_s: float = 0.0,
-        max_consecutive_drops: int = 0,
-        weights_transport: str = "disk",
-        weights_backend: str = "gloo",
-    ) -> None:
+    def __init__(self, *, run_dir: str, supervisor: Supervisor, launcher: RoleLauncher, batch_size: int,
+                 max_head_offpolicyness: int, max_concurrent_rollouts: int, total_train_steps: int, eval_every: int,
+                 eval_max_prompts: int, progress: bool = True, resume: Optional[dict] = None, learner_ranks: int = 1,
+                 secret: Optional[bytes] = None, bind_host: str = "127.0.0.1", max_bytes: Optional[int] = None,
+                 stack_dump_wait: float = 2.0, sinks: Optional[list[MetricsSink]] = None,
+                 max_no_progress_s: float = 0.0, max_consecutive_drops: int = 0, weights_transport: str = "disk",
+                 weights_backend: str = "gloo") -> None:
         """`supervisor` holds the run's shape (servers, rollout workers) and its restart and timeout policy.
         `weights_transport` 'broadcast': weights go from the learner to each inference server over a group of
         their own (`arl.weights.channel`), formed when both registered, a new one per incarnation of a server."""
@@ -82,21 +66,19 @@ class Controller:
         self.sup = supervisor
         self.eval_max_prompts = eval_max_prompts
         self.learner_ranks = max(1, int(learner_ranks))  # > 1: the learner role runs under torchrun
-        gate = StalenessGate(batch_size=batch_size, max_head_offpolicyness=max_head_offpolicyness,
-                             max_concurrent=max_concurrent_rollouts, max_groups=total_train_steps * batch_size)
         # Resuming from a learner checkpoint (its arl_state.json): the gate starts at that version with the
         # consumed groups accepted; each rollout worker's prompt stream seeks to its recorded position.
         resume = dict(resume or {})
-        self.start_version = int(resume.get("version", 0))
-        if self.start_version:
-            gate.version = self.start_version
-            gate.accepted = int(resume.get("groups_consumed", self.start_version * batch_size))
+        self.start_version = v = int(resume.get("version", 0))
+        self.admission = Admission(StalenessGate(
+            batch_size=batch_size, max_head_offpolicyness=max_head_offpolicyness, max_concurrent=max_concurrent_rollouts,
+            max_groups=total_train_steps * batch_size, version=v,
+            accepted=int(resume.get("groups_consumed", v * batch_size)) if v else 0))
         self.registry = Registry(num_inference=supervisor.num_inference, num_rollout=supervisor.num_rollout,
                                  process_of=supervisor.process_of, path=os.path.join(run_dir, "addresses.json"),
                                  prompt_positions={int(k): int(v) for k, v in
                                                    dict(resume.get("data_position", {})).items()})
-        self.schedule = EvalSchedule(total_steps=total_train_steps, every=eval_every, start_version=self.start_version)
-        self.admission = Admission(gate)
+        self.schedule = EvalSchedule(total_steps=total_train_steps, every=eval_every, start_version=v)
         self.weights = WeightSync(supervisor.num_inference)
         self.launcher = launcher
         self.reporter = Reporter([JsonlSink(os.path.join(run_dir, "metrics.jsonl")), *(sinks or [])],
@@ -108,7 +90,6 @@ class Controller:
         warn = min(60.0, max_no_progress_s / 5) if max_no_progress_s else 60.0
         self.progress_watch = ProgressWatch(max_no_progress_s=max_no_progress_s,
                                             max_consecutive_drops=max_consecutive_drops, warn_after_s=warn)
-        self._last_drops_shown = -1e9
         self._last_messages: dict[str, dict[str, float]] = {}  # process -> message type -> when last heard
         if weights_transport not in ("disk", "broadcast"):
             raise ValueError(f"weights_transport must be disk or broadcast, got {weights_transport!r}")
@@ -218,18 +199,12 @@ class Controller:
                           f"{tail(log, 25)}")
                 return False
         now = time.monotonic()
-        late = self.sup.late(now)
-        for name in [n for n in late if self.sup.servers_of(n)]:  # the run goes on without it
-            late.remove(name)
+        given_up, failure = self.sup.deadlines(now, self._names, self.registry.has_process)
+        for name in given_up:  # the run goes on without it
             self._give_up_inference(name, f"did not register within {self.sup.startup_timeout}s of its restart")
-        if late:
-            self.fail(f"restarted roles did not register within {self.sup.startup_timeout}s: {late}")
-            return False
-        if self.sup.startup_overdue(now):
-            missing = [n for n in self._names if not self.registry.has_process(n)]
-            self.fail(f"roles did not register within {self.sup.startup_timeout}s: {missing}")
-            return False
-        if not self._watch_progress(now):
+        if failure:
+            self.fail(failure)
+        if failure or not self._watch_progress(now):
             return False
         for key, seen in self.sup.silent(time.monotonic()):
             if self.sup.last_seen.get(key) != seen:
@@ -244,30 +219,14 @@ class Controller:
         return True
 
     def _watch_progress(self, now: float) -> bool:
-        """Drops by reason on the console; a warning when no learner step happened for a while; False (the run
-        failed, with the reason) when no group gets through. Evaluations and the time before admission opens do
-        not count as no progress."""
-        watch = self.progress_watch
-        watch.hold(not self.admission.is_open or bool(self.schedule.pending()), now)
-        if watch.drops and now - self._last_drops_shown >= 1.0:
-            self._last_drops_shown = now
-            self.reporter.show_drops(watch.drops)
-        verdict = watch.check(now)
-        if verdict is None:
-            return True
-        self.reporter.show_drops(watch.drops)
-        kind, text = verdict
-        if kind == "warn":
-            if not self.reporter.say(f"warning: {text}"):  # no progress bar to print above: the log (stderr)
-                logger.warning("%s", text)
-            self.reporter.event("no_progress_warning", text=text, drops=dict(watch.drops))
-            return True
-        if kind == "stall":  # nothing finished at all: say what each role is doing
-            text += "\n" + describe_stall(now, sup=self.sup, admission=self.admission, role_stats=self.role_stats,
-                                          last_messages=self._last_messages)
-        self.reporter.event("no_progress", reason=text, drops=dict(watch.drops))
-        self.fail(f"the run is making no progress: {text}")
-        return False
+        """False (the run failed, with the reason) when no group gets through (see `Reporter.watch`). Evaluations
+        and the time before admission opens do not count as no progress."""
+        self.progress_watch.hold(not self.admission.is_open or bool(self.schedule.pending()), now)
+        failure = self.reporter.watch(self.progress_watch, now, lambda: describe_stall(
+            now, sup=self.sup, admission=self.admission, role_stats=self.role_stats, last_messages=self._last_messages))
+        if failure is not None:
+            self.fail(failure)
+        return failure is None
 
     async def _on_failure(self, name: str, reason: str) -> bool:
         """Process `name` died, went silent or reported a fatal error: restart it or go on without it, as the
@@ -279,36 +238,26 @@ class Controller:
             if plan.note:
                 logger.error("%s failed (%s); %s", name, reason, plan.note)
             return False
-        log = tail(self.launcher.log_path(name), 10)
         if isinstance(plan, RolloutLost):  # the new process continues the prompt stream, gets its evaluations
-            key = ("rollout", plan.index)
-            self.registry.forget(key)
-            self.reporter.rollout_lost(plan.orphans, plan.lost_groups, self.role_stats.pop(key, {}))
-            logger.warning("%s %s; restarted it (restart %d of at most %d); %d in-flight groups lost, their budget "
-                           "returned; last lines of its log:\n%s", name, reason, plan.restarts, self.sup.max_restarts,
-                           plan.lost_groups, log)
-            await self._grant(plan.grants)
-            await self._respawn(name, "rollout_restart", plan.restarts, reason=reason[:300],
-                                lost_groups=plan.lost_groups)
-            return True
-        self.launcher.kill(name)  # an inference process: out of the routing and the weight acks
-        for s in plan.servers:
-            self.role_stats.pop(("inference", s), None)
-        logger.warning("inference process %s %s; dropping servers %s, the run goes on with %s; last lines of its "
-                       "log:\n%s", name, reason, plan.servers, plan.remaining, log)
-        self.reporter.event("worker_lost", role="inference", process=name, servers=plan.servers, reason=reason,
-                            remaining=plan.remaining)
-        await self._tell_rollouts(m.WorkerLost(role="inference", indices=plan.servers))
-        if plan.restarts:  # its servers rejoin once registered and caught up with the newest version
-            logger.warning("restarted inference process %s (restart %d of at most %d); servers %s rejoin once they "
-                           "loaded the newest weights", name, plan.restarts, self.sup.max_inference_restarts,
-                           plan.servers)
-            await self._respawn(name, "inference_restart", plan.restarts, servers=plan.servers)
-        # a version only the lost server had not acked is live now (last: the run may end with its evaluation)
-        await self._advance()
+            self.registry.forget(("rollout", plan.index))
+            self.reporter.rollout_lost(plan.orphans, plan.lost_groups, self.role_stats.pop(("rollout", plan.index), {}))
+        else:  # an inference process: out of the routing and the weight acks (killed if it still runs)
+            self.launcher.kill(name)
+            for s in plan.servers:
+                self.role_stats.pop(("inference", s), None)
+            self.reporter.event("worker_lost", role="inference", process=name, servers=plan.servers, reason=reason,
+                                remaining=plan.remaining)
+        plan.log(name, reason, self.sup, tail(self.launcher.log_path(name), 10))
+        await self._grant(list(plan.grants))
+        for msg in plan.tell:
+            await self._tell_rollouts(msg)
+        if plan.restarts:
+            await self._respawn(name, plan.restarts, *plan.record(reason))
+        if isinstance(plan, InferenceLost):  # a version only it had not acked is live now (the run may end)
+            await self._advance()
         return True
 
-    async def _respawn(self, name: str, kind: str, restarts: int, **fields: Any) -> None:
+    async def _respawn(self, name: str, restarts: int, kind: str, fields: dict[str, Any]) -> None:
         """Record restart number `restarts` of `name` (booked by the caller before this waits: the state machines
         must not see a lost role half restarted), then start it again, killed first if it still runs (a hung one).
         Nothing is started if the run ends (this task is cancelled) while the old process is still dying."""
@@ -356,7 +305,11 @@ class Controller:
         except ValueError as e:
             self._control_error("bad_register" if msg_type == "register" else "bad_payload", f"refused {msg_type}: {e}")
             return
-        await handler(ident, msg)
+        role, index = self.registry.who.get(ident, ("", -1))
+        if SENDERS.get(msg_type, role) != role:  # e.g. a group_done from the learner
+            self._control_error(f"unexpected_{msg_type}", f"dropped a {msg_type} from {role}{index}")
+        else:
+            await handler(ident, msg)
         key = self.registry.who.get(ident)
         if key is not None:  # for the stall report: when each process last sent each kind of message
             self._last_messages.setdefault(self.sup.process_of(*key), {})[msg_type] = time.monotonic()
@@ -420,24 +373,12 @@ class Controller:
         if msg.role == "rollout":
             self.registry.note_position(msg.index, msg.stats.get("prompt_position"))
 
-    def _rollout_index(self, ident: bytes, what: str) -> Optional[int]:
-        role, index = self.registry.who[ident]
-        if role != "rollout":
-            self._control_error(f"unexpected_{what}", f"dropped a {what} from {role}{index}")
-            return None
-        return index
-
     async def _on_gate_acquire(self, ident: bytes, msg: m.GateAcquire) -> None:
-        index = self._rollout_index(ident, "gate_acquire")
-        if index is not None:
-            await self._grant(self.admission.acquire(index, msg.want, msg.incarnation))
+        await self._grant(self.admission.acquire(self.registry.who[ident][1], msg.want, msg.incarnation))
 
     async def _on_group_done(self, ident: bytes, msg: m.GroupDone) -> None:
-        index = self._rollout_index(ident, "group_done")
-        if index is None:
-            return
         try:
-            grants = self.admission.group_done(index, msg.accepted, msg.group_id)
+            grants = self.admission.group_done(self.registry.who[ident][1], msg.accepted, msg.group_id)
         except ValueError:
             self._control_error("unexpected_group_done", "dropped a group_done for no running group")
             return
@@ -449,8 +390,6 @@ class Controller:
         await self._grant(grants)
 
     async def _on_groups_dropped(self, ident: bytes, msg: m.GroupsDropped) -> None:
-        if not self._from_learner(ident, "groups_dropped"):
-            return
         n = msg.n
         for gid in msg.group_ids or []:  # settled first: a drop must not overtake its group's acceptance
             if not self._settle(gid, 0):
@@ -462,14 +401,7 @@ class Controller:
         await self._grant(self.admission.groups_dropped(n))
 
     async def _on_group_received(self, ident: bytes, msg: m.GroupReceived) -> None:
-        if self._from_learner(ident, "group_received"):
-            self._settle(msg.group_id, msg.n_traj)
-
-    def _from_learner(self, ident: bytes, what: str) -> bool:
-        if self.registry.who[ident][0] != "learner":
-            self._control_error(f"unexpected_{what}", f"dropped a {what} from {self.registry.who[ident]}")
-            return False
-        return True
+        self._settle(msg.group_id, msg.n_traj)
 
     def _settle(self, group_id: str, n_traj: int) -> bool:
         """The learner has group `group_id`: it is accepted whatever its rollout worker does next (see

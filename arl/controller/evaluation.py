@@ -38,6 +38,7 @@ class EvalSchedule:
         return self.request(version) if due else []
 
     def finished(self, version: int) -> tuple[bool, bool]:
-        """The evaluation of `version` is in: (it was the start version's, so admission opens; the run is done)."""
+        """The evaluation of `version` is in: (it was the start version's, so admission opens; the run is done: the
+        last version's evaluation is in and no other is pending, in whatever order they came)."""
         self.done.add(version)
-        return version == self.start_version, version >= self.total_steps and not self.pending()
+        return version == self.start_version, max(self.done) >= self.total_steps and not self.pending()

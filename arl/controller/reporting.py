@@ -65,9 +65,12 @@ class ProgressWatch:
     """
 
     def __init__(self, *, max_no_progress_s: float = 0.0, max_consecutive_drops: int = 0,
-                 warn_after_s: float = 0.0) -> None:
+                 warn_after_s: Optional[float] = 0.0) -> None:
+        """`warn_after_s` None: a fifth of the stop budget, at most a minute (a minute without one)."""
         self.max_no_progress_s = float(max_no_progress_s)
         self.max_consecutive_drops = int(max_consecutive_drops)
+        if warn_after_s is None:
+            warn_after_s = min(60.0, max_no_progress_s / 5) if max_no_progress_s else 60.0
         self.warn_after_s = float(warn_after_s)
         self.drops: collections.Counter = collections.Counter()  # every drop of the run, by reason
         self._recent: collections.Counter = collections.Counter()  # drops since the last accepted group or step
@@ -386,6 +389,13 @@ class Reporter:
             out["learner_balance"] = received - sum(int(ls.get(k) or 0) for k in (
                 "trained_groups", "stale_groups_dropped", "buffered_groups", "in_step_groups"))  # invalid: not received
         return out
+
+    def learner_caught_up(self, learner_stats: dict, version: int) -> bool:
+        """The learner's latest heartbeat counts every group accepted so far and `version`, with no step under way
+        (so the final accounting compares counts taken at nearly the same time)."""
+        st = learner_stats
+        return (int(st.get("groups_received", -1)) >= self.accepted_groups and int(st.get("version", -1)) >= version
+                and not st.get("in_step_groups"))
 
     def keep_env_counts(self, old_stats: dict) -> None:
         """A restarted rollout worker's counters start over: keep the dead incarnation's env counts."""

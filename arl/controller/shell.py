@@ -28,7 +28,7 @@ from arl.controller.admission import Admission, Grant
 from arl.controller.diagnosis import describe_stall, investigate_silence, resume_hint
 from arl.controller.evaluation import EvalSchedule
 from arl.controller.recovery import Fatal, InferenceLost, RolloutLost, give_up, plan_failure
-from arl.controller.registry import Registry
+from arl.controller.registry import Refusals, Registry
 from arl.controller.reporting import JsonlSink, MetricsSink, ProgressWatch, Reporter
 from arl.transport.security import advertised_address
 from arl.controller.supervision import RoleLauncher, Supervisor
@@ -43,8 +43,6 @@ from arl.utils.proc import tail
 logger = logging.getLogger("arl.controller")
 
 Key = tuple[str, int]  # (role, index)
-# messages only one role may send (any other sender's are dropped and counted)
-SENDERS = {"gate_acquire": "rollout", "group_done": "rollout", "groups_dropped": "learner", "group_received": "learner"}
 
 
 class RunFailed(RuntimeError):
@@ -62,9 +60,7 @@ class Controller:
         """`supervisor` holds the run's shape (servers, rollout workers) and its restart and timeout policy.
         `weights_transport` 'broadcast': weights go from the learner to each inference server over a group of
         their own (`arl.weights.channel`), formed when both registered, a new one per incarnation of a server."""
-        self.run_dir = run_dir
-        self.sup = supervisor
-        self.eval_max_prompts = eval_max_prompts
+        self.run_dir, self.sup, self.launcher, self.eval_max_prompts = run_dir, supervisor, launcher, eval_max_prompts
         self.learner_ranks = max(1, int(learner_ranks))  # > 1: the learner role runs under torchrun
         # Resuming from a learner checkpoint (its arl_state.json): the gate starts at that version with the
         # consumed groups accepted; each rollout worker's prompt stream seeks to its recorded position.
@@ -76,21 +72,16 @@ class Controller:
             accepted=int(resume.get("groups_consumed", v * batch_size)) if v else 0))
         self.registry = Registry(num_inference=supervisor.num_inference, num_rollout=supervisor.num_rollout,
                                  process_of=supervisor.process_of, path=os.path.join(run_dir, "addresses.json"),
-                                 prompt_positions={int(k): int(v) for k, v in
-                                                   dict(resume.get("data_position", {})).items()})
+                                 prompt_positions={int(k): int(p) for k, p in resume.get("data_position", {}).items()})
         self.schedule = EvalSchedule(total_steps=total_train_steps, every=eval_every, start_version=v)
         self.weights = WeightSync(supervisor.num_inference)
-        self.launcher = launcher
         self.reporter = Reporter([JsonlSink(os.path.join(run_dir, "metrics.jsonl")), *(sinks or [])],
-                                 total_steps=total_train_steps, progress=progress,
-                                 traces=TraceWriter(os.path.join(run_dir, "traces.jsonl")),
-                                 page=ReportBuilder(run_dir))
+                                 total_steps=total_train_steps, progress=progress, page=ReportBuilder(run_dir),
+                                 traces=TraceWriter(os.path.join(run_dir, "traces.jsonl")))
         # no silent spinning: drops by reason on the console, a warning when no step happens, a stop when no
-        # group gets through (see ProgressWatch); warnings come at a fifth of the stop budget, at most a minute
-        warn = min(60.0, max_no_progress_s / 5) if max_no_progress_s else 60.0
+        # group gets through (see ProgressWatch)
         self.progress_watch = ProgressWatch(max_no_progress_s=max_no_progress_s,
-                                            max_consecutive_drops=max_consecutive_drops, warn_after_s=warn)
-        self._last_messages: dict[str, dict[str, float]] = {}  # process -> message type -> when last heard
+                                            max_consecutive_drops=max_consecutive_drops, warn_after_s=None)
         if weights_transport not in ("disk", "broadcast"):
             raise ValueError(f"weights_transport must be disk or broadcast, got {weights_transport!r}")
         self.broadcast = weights_transport == "broadcast"
@@ -102,13 +93,13 @@ class Controller:
         self.stack_dump_wait = stack_dump_wait
         self.router: Optional[Router] = None
         self.address = ""
-        self.role_stats: dict[Key, dict] = {}
+        self.role_stats: dict[Key, dict] = {}  # each role's latest heartbeat stats
         self._lookups: list[bytes] = []
         self._names: list[str] = []  # the processes spawn_roles started
         self._done = asyncio.Event()
         self._failure: Optional[str] = None
-        self.control_errors: dict[str, int] = {}
-        self._last_ctl_warn = -1e9
+        self.refuse = Refusals()
+        self.control_errors = self.refuse.counts
         self._handlers: dict[str, Callable[[bytes, Any], Awaitable[None]]] = {
             "register": self._on_register, "lookup": self._on_lookup, "heartbeat": self._on_heartbeat,
             "gate_acquire": self._on_gate_acquire, "group_done": self._on_group_done,
@@ -156,7 +147,12 @@ class Controller:
         tasks = [asyncio.create_task(self._serve()), asyncio.create_task(self._watch())]
         try:
             await self._done.wait()
-            await self._await_learner_accounting(3.5 if self._failure is None else 2.0)
+            # the learner's heartbeat (1 s) catches up with the groups accepted so far, for the final accounting
+            deadline = time.monotonic() + (3.5 if self._failure is None else 2.0)
+            while time.monotonic() < deadline and not (
+                    self.reporter.learner_caught_up(self.role_stats.get(("learner", 0), {}), self.gate.version)
+                    and (self._failure is not None or not self.gate.running)):
+                await asyncio.sleep(0.2)
         finally:
             for t in tasks:
                 t.cancel()
@@ -171,7 +167,7 @@ class Controller:
         """Ask every role to exit, then make sure it did."""
         self.launcher.expect_exit()
         if self.router is not None:
-            for ident in list(self.registry.peers.values()):
+            for ident in list(self.peers.values()):
                 with contextlib.suppress(Exception):
                     await self._send(ident, m.Shutdown(reason="run finished"))
         if not await asyncio.to_thread(self.launcher.wait_all, grace):
@@ -184,6 +180,14 @@ class Controller:
         if self._failure is None:
             self._failure = message
         self._done.set()
+
+    def accounting(self) -> dict:
+        transport = {"controller": dict(self.router.stats) if self.router is not None else {},
+                     "controller_refused": dict(self.control_errors)}
+        return self.reporter.accounting(role_stats=self.role_stats, steps=self.gate.version,
+                                        running_groups=self.gate.running, failure=self._failure,
+                                        rollout_restarts=self.sup.restarts,
+                                        inference_restarts=self.sup.inference_restarts, transport=transport)
 
     # -- watching ----------------------------------------------------------------------------------------------
     async def _watch(self) -> None:
@@ -200,8 +204,12 @@ class Controller:
                 return False
         now = time.monotonic()
         given_up, failure = self.sup.deadlines(now, self._names, self.registry.has_process)
-        for name in given_up:  # the run goes on without it
-            self._give_up_inference(name, f"did not register within {self.sup.startup_timeout}s of its restart")
+        for name in given_up:  # a restarted inference process that did not come back: the run goes on without it
+            reason = f"did not register within {self.sup.startup_timeout}s of its restart"
+            give_up(name, sup=self.sup, weights=self.weights)
+            self.launcher.kill(name)
+            logger.error("restarted inference process %s %s; the run goes on without it", name, reason)
+            self.reporter.event("fault", kind="inference_restart_failed", role=name, reason=reason)
         if failure:
             self.fail(failure)
         if failure or not self._watch_progress(now):
@@ -223,7 +231,8 @@ class Controller:
         and the time before admission opens do not count as no progress."""
         self.progress_watch.hold(not self.admission.is_open or bool(self.schedule.pending()), now)
         failure = self.reporter.watch(self.progress_watch, now, lambda: describe_stall(
-            now, sup=self.sup, admission=self.admission, role_stats=self.role_stats, last_messages=self._last_messages))
+            now, sup=self.sup, admission=self.admission, role_stats=self.role_stats,
+            last_messages=self.registry.last_messages))
         if failure is not None:
             self.fail(failure)
         return failure is None
@@ -251,30 +260,18 @@ class Controller:
         await self._grant(list(plan.grants))
         for msg in plan.tell:
             await self._tell_rollouts(msg)
-        if plan.restarts:
-            await self._respawn(name, plan.restarts, *plan.record(reason))
+        if plan.restarts:  # killed first if it still runs (a hung one); not started if the run ends meanwhile
+            kind, fields = plan.record(reason)
+            self.reporter.fault(kind, "worker_restarted", role=name, **fields, restarts=plan.restarts)
+            self.launcher.kill(name)
+            for _ in range(500):
+                if not self.launcher.alive(name):
+                    break
+                await asyncio.sleep(0.02)
+            self.launcher.respawn(name)
         if isinstance(plan, InferenceLost):  # a version only it had not acked is live now (the run may end)
             await self._advance()
         return True
-
-    async def _respawn(self, name: str, restarts: int, kind: str, fields: dict[str, Any]) -> None:
-        """Record restart number `restarts` of `name` (booked by the caller before this waits: the state machines
-        must not see a lost role half restarted), then start it again, killed first if it still runs (a hung one).
-        Nothing is started if the run ends (this task is cancelled) while the old process is still dying."""
-        self.reporter.fault(kind, "worker_restarted", role=name, **fields, restarts=restarts)
-        self.launcher.kill(name)
-        for _ in range(500):
-            if not self.launcher.alive(name):
-                break
-            await asyncio.sleep(0.02)
-        self.launcher.respawn(name)
-
-    def _give_up_inference(self, name: str, reason: str) -> None:
-        """A restarted inference process that did not come back: kill it and leave its servers lost."""
-        give_up(name, sup=self.sup, weights=self.weights)
-        self.launcher.kill(name)
-        logger.error("restarted inference process %s %s; the run goes on without it", name, reason)
-        self.reporter.event("fault", kind="inference_restart_failed", role=name, reason=reason)
 
     # -- message handling --------------------------------------------------------------------------------------
     async def _serve(self) -> None:
@@ -284,43 +281,28 @@ class Controller:
             try:
                 await self._dispatch(ident, msg_type, payload)
             except Exception as e:  # noqa: BLE001 - a bad control message must not kill the controller
-                self._control_error("bad_payload", f"error handling {msg_type}: {type(e).__name__}: {e}",
-                                    exc_info=not self.control_errors.get("bad_payload"))
+                self.refuse("bad_payload", f"error handling {msg_type}: {type(e).__name__}: {e}",
+                            exc_info=not self.control_errors.get("bad_payload"))
 
     async def _dispatch(self, ident: bytes, msg_type: str, payload: Any) -> None:
-        """Only registered roles may talk to the controller, except to `register`/`lookup`; a registration must
-        name a role and index this run has. Everything else is dropped and counted, never acted on."""
-        if msg_type not in ("register", "lookup") and ident not in self.registry.who:
-            what = f"dropped {msg_type} from an unregistered peer {ident[:16]!r}"
-            if msg_type == "error" and isinstance(payload, dict):  # e.g. a role that failed before registering
-                what += f": {str(payload.get('message'))[:500]}"  # (its exit itself is handled by _watch)
-            self._control_error("unknown_peer", what)  # rate-limited: a flood must not flood the log
-            return
+        """Only registered roles may talk to the controller, except to `register`/`lookup`, and some messages only
+        one role (`Registry`). Everything else is dropped and counted, never acted on."""
+        refused = self.registry.unknown_peer(ident, msg_type, payload)
+        if refused is not None:
+            return self.refuse(*refused)
         handler = self._handlers.get(msg_type)
         if handler is None:
-            logger.warning("controller: unexpected message type %s", msg_type)
-            return
+            return logger.warning("controller: unexpected message type %s", msg_type)
         try:
             msg = m.parse(msg_type, payload)
         except ValueError as e:
-            self._control_error("bad_register" if msg_type == "register" else "bad_payload", f"refused {msg_type}: {e}")
-            return
-        role, index = self.registry.who.get(ident, ("", -1))
-        if SENDERS.get(msg_type, role) != role:  # e.g. a group_done from the learner
-            self._control_error(f"unexpected_{msg_type}", f"dropped a {msg_type} from {role}{index}")
-        else:
+            return self.refuse("bad_register" if msg_type == "register" else "bad_payload", f"refused {msg_type}: {e}")
+        refused = self.registry.wrong_sender(ident, msg_type)
+        if refused is None:
             await handler(ident, msg)
-        key = self.registry.who.get(ident)
-        if key is not None:  # for the stall report: when each process last sent each kind of message
-            self._last_messages.setdefault(self.sup.process_of(*key), {})[msg_type] = time.monotonic()
-
-    def _control_error(self, kind: str, text: str, exc_info: bool = False) -> None:
-        """Count a refused control message; log at most one per second (a flood must not flood the log)."""
-        self.control_errors[kind] = self.control_errors.get(kind, 0) + 1
-        now = time.monotonic()
-        if exc_info or now - self._last_ctl_warn >= 1.0:
-            self._last_ctl_warn = now
-            logger.warning("controller: %s (refused so far: %s)", text, self.control_errors, exc_info=exc_info)
+        else:
+            self.refuse(*refused)
+        self.registry.heard_from(ident, msg_type, time.monotonic())
 
     async def _send(self, ident: bytes, msg: m.ControlMessage) -> None:
         assert self.router is not None
@@ -328,15 +310,14 @@ class Controller:
 
     async def _send_to(self, key: Key, msg: m.ControlMessage) -> None:
         """Send to role `key` if it is registered (else it is being restarted, or gone)."""
-        ident = self.registry.peers.get(key)
+        ident = self.peers.get(key)
         if ident is not None:
             await self._send(ident, msg)
 
     async def _on_register(self, ident: bytes, msg: m.Register) -> None:
         refused = self.registry.register(ident, msg.role, msg.index, msg.address, heard=self.sup.last_seen)
         if refused is not None:
-            self._control_error(*refused)
-            return
+            return self.refuse(*refused)
         key = (msg.role, msg.index)
         restarted = self.sup.registered(key, time.monotonic(), len(self.peers))
         if msg.role == "learner" and self.broadcast and msg.weights_store:
@@ -366,10 +347,14 @@ class Controller:
         self._lookups.append(ident)
         await self._answer_lookups()
 
+    async def _answer_lookups(self) -> None:
+        """Where the learner and every inference server listen, once all of them said."""
+        while self.registry.complete() and self._lookups:
+            await self._send(self._lookups.pop(), m.Addresses(**self.registry.addresses))
+
     async def _on_heartbeat(self, ident: bytes, msg: m.Heartbeat) -> None:
-        key = (msg.role, msg.index)
-        self.sup.heard(key, time.monotonic())
-        self.role_stats[key] = msg.stats
+        self.sup.heard((msg.role, msg.index), time.monotonic())
+        self.role_stats[(msg.role, msg.index)] = msg.stats
         if msg.role == "rollout":
             self.registry.note_position(msg.index, msg.stats.get("prompt_position"))
 
@@ -380,8 +365,7 @@ class Controller:
         try:
             grants = self.admission.group_done(self.registry.who[ident][1], msg.accepted, msg.group_id)
         except ValueError:
-            self._control_error("unexpected_group_done", "dropped a group_done for no running group")
-            return
+            return self.refuse("unexpected_group_done", "dropped a group_done for no running group")
         self.reporter.group_done(msg.accepted, msg.reason, msg.n_traj, msg.traj_stats, msg.n_traj_raw, msg.traces)
         if msg.accepted:
             self.progress_watch.accepted(time.monotonic())
@@ -390,15 +374,12 @@ class Controller:
         await self._grant(grants)
 
     async def _on_groups_dropped(self, ident: bytes, msg: m.GroupsDropped) -> None:
-        n = msg.n
-        for gid in msg.group_ids or []:  # settled first: a drop must not overtake its group's acceptance
-            if not self._settle(gid, 0):
-                n -= 1  # no group of this run: there is no budget to give back
-        if n <= 0:
-            return
-        self.reporter.group_reasons["dropped_" + msg.reason] += n
-        self.progress_watch.dropped("learner_" + msg.reason, time.monotonic(), n, streak=False)
-        await self._grant(self.admission.groups_dropped(n))
+        # settled first: a drop must not overtake its group's acceptance; one of no group of this run has no budget
+        n = msg.n - sum(not self._settle(gid, 0) for gid in msg.group_ids or [])
+        if n > 0:
+            self.reporter.group_reasons["dropped_" + msg.reason] += n
+            self.progress_watch.dropped("learner_" + msg.reason, time.monotonic(), n, streak=False)
+            await self._grant(self.admission.groups_dropped(n))
 
     async def _on_group_received(self, ident: bytes, msg: m.GroupReceived) -> None:
         self._settle(msg.group_id, msg.n_traj)
@@ -409,14 +390,12 @@ class Controller:
         who = parse_group_id(group_id)
         outcome = "unknown" if who is None else self.admission.received(who[0], who[1], group_id, n_traj)
         if outcome == "unknown":
-            self._control_error("unknown_group", f"the learner reports group {group_id[:60]!r}, which no rollout "
-                                                 "worker holds")
-            return False
-        if outcome == "reclaimed":  # its worker died after pushing it: counted lost, now accepted
+            self.refuse("unknown_group", f"the learner reports group {group_id[:60]!r}, which no rollout worker holds")
+        elif outcome == "reclaimed":  # its worker died after pushing it: counted lost, now accepted
             self.reporter.groups_lost(-1)
             self.reporter.group_done(True, "accepted", n_traj, None, None)
             self.progress_watch.accepted(time.monotonic())
-        return True
+        return outcome != "unknown"
 
     async def _on_published(self, ident: bytes, msg: m.WeightsPublished) -> None:
         self.progress_watch.stepped(time.monotonic())
@@ -507,10 +486,6 @@ class Controller:
         for r in range(self.sup.num_rollout):
             await self._send_to(("rollout", r), msg)
 
-    async def _answer_lookups(self) -> None:
-        while self.registry.complete() and self._lookups:
-            await self._send(self._lookups.pop(), m.Addresses(**self.registry.addresses))
-
     async def _maybe_start(self) -> None:
         """All roles registered: evaluate version 0, or (resumed) load the checkpoint's weights first; the
         evaluation follows in _advance."""
@@ -528,24 +503,3 @@ class Controller:
         """Rollout worker 0 evaluates (unless it is being restarted: it gets the pending ones when it registers)."""
         for v in versions:
             await self._send_to(("rollout", 0), m.Eval(version=v, max_prompts=self.eval_max_prompts))
-
-    # -- the end -------------------------------------------------------------------------------------------------
-    async def _await_learner_accounting(self, timeout: float) -> None:
-        """Give the learner's heartbeat (1 s) a moment to catch up with the groups accepted so far, so the final
-        accounting compares counts taken at (nearly) the same time."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            st = self.role_stats.get(("learner", 0), {})
-            caught_up = (int(st.get("groups_received", -1)) >= self.reporter.accepted_groups
-                         and int(st.get("version", -1)) >= self.gate.version and not st.get("in_step_groups"))
-            if caught_up and (self._failure is not None or not self.gate.running):
-                return
-            await asyncio.sleep(0.2)
-
-    def accounting(self) -> dict:
-        transport = {"controller": dict(self.router.stats) if self.router is not None else {},
-                     "controller_refused": dict(self.control_errors)}
-        return self.reporter.accounting(role_stats=self.role_stats, steps=self.gate.version,
-                                        running_groups=self.gate.running, failure=self._failure,
-                                        rollout_restarts=self.sup.restarts,
-                                        inference_restarts=self.sup.inference_restarts, transport=transport)

@@ -72,7 +72,7 @@ class Controller:
             accepted=int(resume.get("groups_consumed", v * batch_size)) if v else 0))
         self.registry = Registry(num_inference=supervisor.num_inference, num_rollout=supervisor.num_rollout,
                                  process_of=supervisor.process_of, path=os.path.join(run_dir, "addresses.json"),
-                                 prompt_positions={int(k): int(p) for k, p in resume.get("data_position", {}).items()})
+                                 prompt_positions={int(k): int(p) for k, p in dict(resume.get("data_position", {})).items()})
         self.schedule = EvalSchedule(total_steps=total_train_steps, every=eval_every, start_version=v)
         self.weights = WeightSync(supervisor.num_inference)
         self.reporter = Reporter([JsonlSink(os.path.join(run_dir, "metrics.jsonl")), *(sinks or [])],

@@ -59,3 +59,21 @@ def test_addresses_file(tmp_path):
     r.write("tcp://ctl:1")
     with open(tmp_path / "addresses.json") as f:
         assert json.load(f) == {"controller": "tcp://ctl:1", "inference": [None, None], "learner": "tcp://l:0"}
+
+
+def test_who_may_send_what():
+    r = registry()
+    r.register(b"L", "learner", 0, "tcp://l:0", heard=set())
+    r.register(b"r1", "rollout", 1, None, heard=set())
+    assert r.unknown_peer(b"x", "register", {}) is None and r.unknown_peer(b"x", "lookup", {}) is None
+    kind, text = r.unknown_peer(b"x", "error", {"message": "boom"})
+    assert kind == "unknown_peer" and text.endswith(": boom")
+    assert r.unknown_peer(b"L", "heartbeat", {}) is None
+    assert r.wrong_sender(b"L", "group_done") == ("unexpected_group_done", "dropped a group_done from learner0")
+    assert r.wrong_sender(b"r1", "group_received") == ("unexpected_group_received",
+                                                       "dropped a group_received from rollout1")
+    assert r.wrong_sender(b"r1", "group_done") is None and r.wrong_sender(b"L", "groups_dropped") is None
+    assert r.wrong_sender(b"L", "heartbeat") is None  # any role may
+    r.heard_from(b"r1", "heartbeat", 5.0)
+    r.heard_from(b"x", "heartbeat", 6.0)  # nobody's
+    assert r.last_messages == {"rollout1": {"heartbeat": 5.0}}

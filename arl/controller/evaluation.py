@@ -21,8 +21,8 @@ class EvalSchedule:
         return sorted(self.requested - self.done)
 
     def awaiting_start(self) -> bool:
-        """The start version's evaluation was not requested yet (admission is closed until it is done)."""
-        return self.start_version not in self.requested
+        """The start version's evaluation was neither requested nor reported yet (admission opens once it is in)."""
+        return self.start_version not in self.requested | self.done
 
     def request(self, version: int) -> list[int]:
         self.requested.add(version)

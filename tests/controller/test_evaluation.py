@@ -46,3 +46,9 @@ def test_resumed_run_evaluates_its_start_version_once_the_checkpoint_weights_are
     assert s.finished(3) == (True, False)
     assert s.live(3, 5, gate_version=3) == [5]
     assert EvalSchedule(total_steps=10, every=5, start_version=3).live(0, 2, gate_version=3) == []  # not the start
+
+
+def test_a_start_evaluation_already_reported_is_not_asked_for_again():
+    s = EvalSchedule(total_steps=4, every=0)
+    assert s.finished(0) == (True, False)
+    assert not s.awaiting_start() and s.pending() == []

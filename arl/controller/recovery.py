@@ -1,6 +1,6 @@
-"""What a lost role process means for the run's state, as a plan the controller shell carries out. Pure: the
-supervisor decides (restart, go on without it, or stop), this books the decision in the state machines (admission,
-weight sync, supervisor) and returns what is left to do: the records, the messages, the respawn.
+"""What a lost role process means for the run's state, as a plan the controller shell carries out. No I/O but the
+log: the supervisor decides (restart, go on without it, or stop), this books the decision in the state machines
+(admission, weight sync, supervisor) and returns what is left to do: the records, the messages, the respawn.
 
 Booked at once, before the shell awaits anything: the state machines must never see a lost role half restarted.
 """

@@ -67,12 +67,13 @@ class Controller:
         resume = dict(resume or {})
         self.start_version = v = int(resume.get("version", 0))
         self.admission = Admission(StalenessGate(
-            batch_size=batch_size, max_head_offpolicyness=max_head_offpolicyness, max_concurrent=max_concurrent_rollouts,
-            max_groups=total_train_steps * batch_size, version=v,
+            batch_size=batch_size, max_head_offpolicyness=max_head_offpolicyness,
+            max_concurrent=max_concurrent_rollouts, max_groups=total_train_steps * batch_size, version=v,
             accepted=int(resume.get("groups_consumed", v * batch_size)) if v else 0))
+        positions = {int(k): int(p) for k, p in dict(resume.get("data_position", {})).items()}
         self.registry = Registry(num_inference=supervisor.num_inference, num_rollout=supervisor.num_rollout,
                                  process_of=supervisor.process_of, path=os.path.join(run_dir, "addresses.json"),
-                                 prompt_positions={int(k): int(p) for k, p in dict(resume.get("data_position", {})).items()})
+                                 prompt_positions=positions)
         self.schedule = EvalSchedule(total_steps=total_train_steps, every=eval_every, start_version=v)
         self.weights = WeightSync(supervisor.num_inference)
         self.reporter = Reporter([JsonlSink(os.path.join(run_dir, "metrics.jsonl")), *(sinks or [])],
@@ -199,8 +200,8 @@ class Controller:
         for name, code in self.launcher.dead():
             if not await self._on_failure(name, f"exited with code {code}"):
                 log = self.launcher.log_path(name)
-                self.fail(f"role {name} exited with code {code}{resume_hint(name, self.run_dir)}; last lines of {log}:\n"
-                          f"{tail(log, 25)}")
+                self.fail(f"role {name} exited with code {code}{resume_hint(name, self.run_dir)}; last lines of "
+                          f"{log}:\n{tail(log, 25)}")
                 return False
         now = time.monotonic()
         given_up, failure = self.sup.deadlines(now, self._names, self.registry.has_process)
@@ -422,7 +423,8 @@ class Controller:
 
     async def _on_error(self, ident: bytes, msg: m.Error) -> None:
         text = str(msg.message)
-        if not await self._on_failure(self.sup.process_of(*self.registry.who[ident]), f"reported a fatal error: {text[:300]}"):
+        name = self.sup.process_of(*self.registry.who[ident])
+        if not await self._on_failure(name, f"reported a fatal error: {text[:300]}"):
             self.fail(f"role reported a fatal error: {text}")
 
     # -- actions -------------------------------------------------------------------------------------------------

@@ -128,7 +128,8 @@ class Supervisor:
         """Restarted processes that did not register within `startup_timeout`."""
         return [n for n, t in self.restarted_at.items() if now - t > self.startup_timeout]
 
-    def deadlines(self, now: float, processes: Sequence[str], registered: Callable[[str], bool]) -> tuple[list[str], str]:
+    def deadlines(self, now: float, processes: Sequence[str],
+                  registered: Callable[[str], bool]) -> tuple[list[str], str]:
         """Registration deadlines at `now`: (restarted inference processes that did not come back, to give up on:
         the run goes on without them; the reason to stop the run, or ''). `processes`: those the run started,
         `registered(name)`: a role it hosts registered."""

@@ -52,3 +52,29 @@ def test_a_start_evaluation_already_reported_is_not_asked_for_again():
     s = EvalSchedule(total_steps=4, every=0)
     assert s.finished(0) == (True, False)
     assert not s.awaiting_start() and s.pending() == []
+
+
+def test_the_controller_finishes_when_the_evaluations_come_back_out_of_order(tmp_path):
+    """Evaluations of v2 and v4 (the last) are out; v4's result comes first: the run is done once v2's is in too
+    (it used to wait for a result of the last version that had already come)."""
+    import asyncio
+
+    from .test_controller_faults import make_controller
+
+    async def go() -> None:
+        ctl = make_controller(tmp_path, num_rollout=1, eval_every=2, total_train_steps=4)
+        await ctl._dispatch(b"i0", "register", {"role": "inference", "index": 0, "address": "tcp://i:0"})
+        await ctl._dispatch(b"L", "register", {"role": "learner", "index": 0, "address": "tcp://l:0"})
+        await ctl._dispatch(b"r0", "register", {"role": "rollout", "index": 0})
+        await ctl._dispatch(b"r0", "eval_done", {"version": 0, "n": 1, "first_acc": 0.0, "solved_acc": 0.0})
+        for v in (2, 4):
+            await ctl._dispatch(b"L", "weights_published", {"version": v, "path": f"/w/v{v}"})
+            await ctl._dispatch(b"i0", "weights_loaded", {"version": v, "index": 0})
+        assert [p["version"] for _, t, p in ctl.router.sent if t == "eval"] == [0, 2, 4]
+        await ctl._dispatch(b"r0", "eval_done", {"version": 4, "n": 1, "first_acc": 0.0, "solved_acc": 0.0})
+        assert not ctl._done.is_set()
+        await ctl._dispatch(b"r0", "eval_done", {"version": 2, "n": 1, "first_acc": 0.0, "solved_acc": 0.0})
+        assert ctl._done.is_set()
+        ctl.reporter.close()
+
+    asyncio.run(go())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import sys
 import time
 from typing import Any, Callable, Optional, Protocol
@@ -13,6 +14,7 @@ from typing import Any, Callable, Optional, Protocol
 from arl.report.page import ReportBuilder
 from arl.report.traces import TraceWriter
 
+logger = logging.getLogger("arl.controller")
 
 def format_result(p: dict) -> str:
     """The line the controller logs for each evaluation of a run (and scripts/evaluate.py prints)."""
@@ -68,9 +70,12 @@ class ProgressWatch:
     """
 
     def __init__(self, *, max_no_progress_s: float = 0.0, max_consecutive_drops: int = 0,
-                 warn_after_s: float = 0.0) -> None:
+                 warn_after_s: Optional[float] = 0.0) -> None:
+        """`warn_after_s` None: a fifth of the stop budget, at most a minute (a minute without one)."""
         self.max_no_progress_s = float(max_no_progress_s)
         self.max_consecutive_drops = int(max_consecutive_drops)
+        if warn_after_s is None:
+            warn_after_s = min(60.0, max_no_progress_s / 5) if max_no_progress_s else 60.0
         self.warn_after_s = float(warn_after_s)
         self.drops: collections.Counter = collections.Counter()  # every drop of the run, by reason
         self._recent: collections.Counter = collections.Counter()  # drops since the last accepted group or step
@@ -181,39 +186,6 @@ def format_drops(counts: Any, top: int = 3) -> str:
     return text + (f", +{len(items) - top} more" if len(items) > top else "")
 
 
-def stall_report(now: float, *, gate: Any, waiting: int, in_flight: dict[int, int],
-                 processes: dict[str, list[tuple[str, int]]], role_stats: dict[tuple[str, int], dict],
-                 last_messages: dict[str, dict[str, float]]) -> str:
-    """What each role is doing when nothing moves, one line each: the staleness gate; per rollout worker the groups
-    in flight by the controller's count and by its own (a gap: leaked slots); the learner's buffer and what it
-    waits on; each inference server's version; and when each process last sent each kind of message
-    (`last_messages`: process name -> message type -> monotonic time). `processes`: name -> role keys it hosts."""
-    lines = [f"  gate: version {gate.version}, {gate.accepted} groups accepted, {gate.running} in flight, room for "
-             f"{gate.capacity()} more, {waiting} asked for and waiting"]
-    for name, keys in processes.items():
-        parts = []
-        for role, index in keys:
-            st = role_stats.get((role, index), {})
-            if role == "rollout":
-                own = (f"its own count: {st.get('running')} running, {st.get('wanted', 0)} awaiting a grant"
-                       if "running" in st else "no heartbeat yet")
-                parts.append(f"{in_flight.get(index, 0)} groups in flight ({own})")
-            elif role == "learner":
-                parts.append(f"version {st.get('version', '?')}, {st.get('buffered_groups', '?')} groups buffered "
-                             f"({st.get('buffered_trajectories', '?')} trajectories), {st.get('in_step_groups', 0)} in "
-                             f"a step, {st.get('groups_received', '?')} received, {st.get('trained_groups', '?')} "
-                             f"trained")
-            else:
-                parts.append(f"server {index} at version {st.get('version', '?')}")
-            if st.get("waiting_on"):
-                parts[-1] += f", waiting on: {st['waiting_on']}"
-        heard = sorted((last_messages.get(name) or {}).items(), key=lambda kv: -kv[1])
-        ages = ", ".join(f"{t} {now - at:.0f}s ago" if now - at >= 10 else f"{t} {now - at:.1f}s ago"
-                         for t, at in heard)
-        lines.append(f"  {name}: {'; '.join(parts)}; last messages: {ages or 'none'}")
-    return "what each role is doing:\n" + "\n".join(lines)
-
-
 LEARNER_KEYS = ("groups_received", "trajectories_received", "trained_groups", "trained_trajectories",
               "stale_groups_dropped", "stale_trajectories_dropped", "invalid_groups", "buffered_groups",
               "buffered_trajectories", "in_step_groups", "trained_twice")
@@ -252,6 +224,7 @@ class Reporter:
         self._bar: Any = None
         self._postfix: dict = {}
         self._drops_text = ""
+        self._drops_shown_at = -1e9
 
     def elapsed(self) -> float:
         return self.clock() - self.t_start
@@ -324,13 +297,6 @@ class Reporter:
                 fracs.append(1.0 - min(1.0, (busy - prev[0]) / (at - prev[1])))
         return sum(fracs) / len(fracs) if fracs else None
 
-    def eval_requested(self, version: int) -> None:
-        self.evals[version] = {}
-
-    def pending_evals(self) -> list[int]:
-        """Versions whose evaluation was requested and has no result yet."""
-        return sorted(v for v, e in self.evals.items() if not e)
-
     def eval_done(self, version: int, result: dict, role_stats: dict) -> str:
         """Record an evaluation's result (with every role's latest stats); returns the line to show."""
         self.evals[version] = result
@@ -370,6 +336,28 @@ class Reporter:
         self._drops_text = text
         self._ensure_bar().set_postfix(**self._postfix, dropped=text)
 
+    def watch(self, watch: ProgressWatch, now: float, describe_stall: Callable[[], str]) -> Optional[str]:
+        """Show `watch`'s drops by reason (at most once a second) and its verdict: a warning when no learner step
+        happened for a while; the reason to stop the run when no group gets through (with `describe_stall()`, what
+        each role is doing, when nothing finished at all), else None."""
+        if watch.drops and now - self._drops_shown_at >= 1.0:
+            self._drops_shown_at = now
+            self.show_drops(watch.drops)
+        verdict = watch.check(now)
+        if verdict is None:
+            return None
+        self.show_drops(watch.drops)
+        kind, text = verdict
+        if kind == "warn":
+            if not self.say(f"warning: {text}"):  # no progress bar to print above: the log (stderr)
+                logger.warning("%s", text)
+            self.event("no_progress_warning", text=text, drops=dict(watch.drops))
+            return None
+        if kind == "stall":
+            text += "\n" + describe_stall()
+        self.event("no_progress", reason=text, drops=dict(watch.drops))
+        return f"the run is making no progress: {text}"
+
     def say(self, text: str) -> bool:
         """A line for the console (stderr) above the progress bar; False (nothing written) without a bar."""
         if self._bar is None:
@@ -407,9 +395,35 @@ class Reporter:
                 "trained_groups", "stale_groups_dropped", "buffered_groups", "in_step_groups"))  # invalid: not received
         return out
 
+    def learner_caught_up(self, learner_stats: dict, version: int) -> bool:
+        """The learner's latest heartbeat counts every group accepted so far and `version`, with no step under way
+        (so the final accounting compares counts taken at nearly the same time)."""
+        st = learner_stats
+        return (int(st.get("groups_received", -1)) >= self.accepted_groups and int(st.get("version", -1)) >= version
+                and not st.get("in_step_groups"))
+
     def keep_env_counts(self, old_stats: dict) -> None:
         """A restarted rollout worker's counters start over: keep the dead incarnation's env counts."""
         self.env_of_restarted.update(_env_counts(old_stats))
+
+    def rollout_lost(self, orphans: Any, lost: int, old_stats: dict) -> None:
+        """A rollout worker died: groups the learner had (`orphans`, their n_traj) are accepted, `lost` in-flight
+        groups are lost; `old_stats`: its last heartbeat's."""
+        for n_traj in orphans:
+            self.group_done(True, "accepted", n_traj, None, None)
+        self.groups_lost(lost)
+        self.keep_env_counts(old_stats)
+
+    def summary(self, *, run_dir: str, steps: int, lost_inference: Any) -> dict:
+        """What `run_experiment` returns: steps, evaluation accuracies, groups by outcome."""
+        return {
+            "run_dir": run_dir,
+            "steps": steps,
+            "evals": {v: (e["first_acc"], e["solved_acc"]) for v, e in sorted(self.evals.items()) if e},
+            "groups": dict(self.group_reasons),
+            "lost_inference": sorted(lost_inference),
+            "seconds": self.elapsed(),
+        }
 
     def final_report(self) -> None:
         """The run is over: the report page (and curves.png) once more, with the summary."""

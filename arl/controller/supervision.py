@@ -9,7 +9,7 @@ restarts it, goes on without it, or stops.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Protocol, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 from arl.transport.messages import ROLES
 
@@ -127,6 +127,21 @@ class Supervisor:
     def late(self, now: float) -> list[str]:
         """Restarted processes that did not register within `startup_timeout`."""
         return [n for n, t in self.restarted_at.items() if now - t > self.startup_timeout]
+
+    def deadlines(self, now: float, processes: Sequence[str],
+                  registered: Callable[[str], bool]) -> tuple[list[str], str]:
+        """Registration deadlines at `now`: (restarted inference processes that did not come back, to give up on:
+        the run goes on without them; the reason to stop the run, or ''). `processes`: those the run started,
+        `registered(name)`: a role it hosts registered."""
+        late = self.late(now)
+        given_up = [n for n in late if self.servers_of(n)]
+        late = [n for n in late if n not in given_up]
+        if late:
+            return given_up, f"restarted roles did not register within {self.startup_timeout}s: {late}"
+        if self.startup_overdue(now):
+            missing = [n for n in processes if not registered(n)]
+            return given_up, f"roles did not register within {self.startup_timeout}s: {missing}"
+        return given_up, ""
 
     def startup_overdue(self, now: float) -> bool:
         """The run's roles did not all register within `startup_timeout` of the first check."""

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from arl.controller.reporting import UNIFORM_TEXT, JsonlSink, ProgressWatch, Reporter, format_drops, stall_report
+from arl.controller.diagnosis import stall_report
+from arl.controller.reporting import UNIFORM_TEXT, JsonlSink, ProgressWatch, Reporter, format_drops
 
 
 class ListSink:
@@ -63,9 +64,8 @@ def test_inference_idle_fraction_from_busy_seconds():
 def test_eval_records_and_accounting():
     sink = ListSink()
     r = Reporter([sink], total_steps=2)
-    r.eval_requested(2)
-    assert r.evals == {2: {}}
     line = r.eval_done(2, {"version": 2, "n": 4, "first_acc": 0.5, "solved_acc": 0.75}, {("rollout", 0): {"x": 1}})
+    assert r.evals[2]["first_acc"] == 0.5
     assert line.startswith("eval v2: first-answer acc 0.500") and sink.logged[0][0]["roles"] == {"rollout0": {"x": 1}}
     r.group_done(True, "accepted", 3, None, None)
     r.groups_lost(2)
@@ -254,3 +254,18 @@ def test_stall_report_says_what_each_role_is_doing():
                                "12 trained, waiting on: waiting for a batch (2/4 groups buffered); last messages: ")
     assert lines[4].endswith("heartbeat 1.0s ago, weights_published 350s ago")
     assert lines[5] == "  inference0: server 0 at version 3; server 1 at version ?; last messages: none"
+
+
+def test_a_lost_rollout_worker_the_learner_catching_up_and_the_summary():
+    r = Reporter([], total_steps=2)
+    r.rollout_lost([4, 2], 3, {"env": {"env_timeout": 1}})  # two groups the learner had, three lost
+    assert r.accepted_groups == 2 and r.accepted_trajectories == 6 and r.lost_groups == 3
+    assert r.group_reasons == {"accepted": 2, "lost_worker_died": 3} and r.env_of_restarted == {"env_timeout": 1}
+    assert r.learner_caught_up({"groups_received": 2, "version": 1}, 1)
+    assert not r.learner_caught_up({"groups_received": 1, "version": 1}, 1)
+    assert not r.learner_caught_up({"groups_received": 2, "version": 1, "in_step_groups": 1}, 1)
+    assert not r.learner_caught_up({}, 0)
+    r.eval_done(2, {"n": 4, "first_acc": 0.5, "solved_acc": 0.75}, {})
+    s = r.summary(run_dir="/r", steps=2, lost_inference={1})
+    assert s["evals"] == {2: (0.5, 0.75)} and s["lost_inference"] == [1] and s["steps"] == 2
+    assert s["groups"] == {"accepted": 2, "lost_worker_died": 3}

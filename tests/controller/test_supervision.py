@@ -105,6 +105,22 @@ def test_registration_deadlines():
     assert s.late(1000.0) == []
 
 
+def test_deadlines_give_up_on_restarted_inference_and_name_what_never_registered():
+    sup = Supervisor(num_inference=2, num_rollout=1, startup_timeout=10)
+    up = {"inference0", "learner"}
+    names = ["inference0", "inference1", "learner", "rollout0"]
+    assert sup.deadlines(0.0, names, up.__contains__) == ([], "")
+    assert sup.deadlines(11.0, names, up.__contains__) == (
+        [], "roles did not register within 10s: ['inference1', 'rollout0']")
+    sup = Supervisor(num_inference=2, num_rollout=1, startup_timeout=10)
+    sup.all_up = True
+    sup.restarting("inference1", 0.0)
+    sup.restarting("rollout0", 5.0)
+    assert sup.deadlines(11.0, names, up.__contains__) == (["inference1"], "")  # the run goes on without it
+    assert sup.deadlines(16.0, names, up.__contains__) == (
+        ["inference1"], "restarted roles did not register within 10s: ['rollout0']")
+
+
 def test_local_launcher_spawns_kills_and_reports_deaths(tmp_path):
     launcher: RoleLauncher = LocalLauncher()
     sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]

@@ -1,0 +1,124 @@
+"""Who is who among a run's roles: the router identity each registered with, where each listens, and where each
+rollout worker's prompt stream continues. No sockets; `write` keeps run_dir/addresses.json up to date.
+
+A role's identity is bound at registration: only a new incarnation (the old one died or was dropped, so it is no
+longer heard) may register under its key, never a second peer beside a live one (a replayed or forged
+`register`). A registration must name a role and index the run has, and an inference server its address. Only a
+registered role may send anything but `register` and `lookup`, and some messages only one role (`SENDERS`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any, Callable, Container, Optional
+
+logger = logging.getLogger("arl.controller")
+
+Key = tuple[str, int]  # (role, index)
+Refusal = tuple[str, str]  # (kind, text) of a refused control message
+# messages only one role may send (any other sender's are dropped and counted)
+SENDERS = {"gate_acquire": "rollout", "group_done": "rollout", "groups_dropped": "learner", "group_received": "learner"}
+
+
+class Refusals:
+    """Counts of refused control messages by kind; logs at most one a second (a flood must not flood the log)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self._logged_at = -1e9
+
+    def __call__(self, kind: str, text: str, exc_info: bool = False) -> None:
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+        now = time.monotonic()
+        if exc_info or now - self._logged_at >= 1.0:
+            self._logged_at = now
+            logger.warning("controller: %s (refused so far: %s)", text, self.counts, exc_info=exc_info)
+
+
+class Registry:
+    def __init__(self, *, num_inference: int, num_rollout: int, process_of: Callable[[str, int], str],
+                 path: str = "", prompt_positions: Optional[dict[int, int]] = None) -> None:
+        """`process_of(role, index)` names the process hosting a role; `path`: addresses.json ('' writes none);
+        `prompt_positions`: rollout worker -> prompt stream position (a resumed run's)."""
+        self.limits = {"inference": num_inference, "learner": 1, "rollout": num_rollout}
+        self.process_of, self.path = process_of, path
+        self.peers: dict[Key, bytes] = {}  # (role, index) -> router identity
+        self.who: dict[bytes, Key] = {}  # router identity of a registered role -> (role, index)
+        self.addresses: dict[str, Any] = {"inference": [None] * num_inference, "learner": None}
+        self.positions = dict(prompt_positions or {})
+        self.last_messages: dict[str, dict[str, float]] = {}  # process -> message type -> when last heard
+
+    def unknown_peer(self, ident: bytes, msg_type: str, payload: Any) -> Optional[Refusal]:
+        """A message from a peer that is not registered (other than `register`/`lookup`) is refused."""
+        if msg_type in ("register", "lookup") or ident in self.who:
+            return None
+        what = f"dropped {msg_type} from an unregistered peer {ident[:16]!r}"
+        if msg_type == "error" and isinstance(payload, dict):  # e.g. a role that failed before registering
+            what += f": {str(payload.get('message'))[:500]}"  # (its exit itself is handled by the watch)
+        return "unknown_peer", what
+
+    def wrong_sender(self, ident: bytes, msg_type: str) -> Optional[Refusal]:
+        """A message only another role may send (e.g. a group_done from the learner) is refused."""
+        role, index = self.who.get(ident, ("", -1))
+        if SENDERS.get(msg_type, role) == role:
+            return None
+        return f"unexpected_{msg_type}", f"dropped a {msg_type} from {role}{index}"
+
+    def heard_from(self, ident: bytes, msg_type: str, now: float) -> None:
+        """For the stall report: when each process last sent each kind of message."""
+        key = self.who.get(ident)
+        if key is not None:
+            self.last_messages.setdefault(self.process_of(*key), {})[msg_type] = now
+
+    def register(self, ident: bytes, role: str, index: int, address: Optional[str],
+                 heard: Container[Key]) -> Optional[Refusal]:
+        """Bind `ident` to (`role`, `index`) listening at `address`; `heard`: the roles alive now. Returns None, or
+        (kind, text) of the refusal to count."""
+        if not 0 <= index < self.limits.get(role, 0) or (role == "inference" and address is None):
+            return "bad_register", f"refused a registration as {role}/{index}"
+        key = (role, index)
+        old = self.peers.get(key)
+        if old is not None and old != ident and key in heard:
+            return "register_taken", (f"refused a registration as {role}{index} from peer {ident[:16]!r}: that role "
+                                      "is registered and alive")
+        self.forget(key)  # a new incarnation: the old one's identity is no longer heard
+        self.peers[key] = ident
+        self.who[ident] = key
+        if role == "inference":
+            self.addresses["inference"][index] = address
+        elif role == "learner":
+            self.addresses["learner"] = address
+        return None
+
+    def forget(self, key: Key) -> None:
+        self.who.pop(self.peers.pop(key, b""), None)
+
+    def has_process(self, name: str) -> bool:
+        """A role that process `name` hosts is registered."""
+        return any(self.process_of(*k) == name for k in self.peers)
+
+    def complete(self) -> bool:
+        """Every inference server and the learner said where they listen (lookups can be answered)."""
+        return None not in self.addresses["inference"] and self.addresses["learner"] is not None
+
+    def note_position(self, index: int, position: Any) -> None:
+        """Rollout worker `index` reported its prompt stream `position`: a restart continues from there."""
+        if isinstance(position, int):
+            self.positions[index] = max(self.positions.get(index, 0), position)
+
+    def prompt_position(self, role: str, index: int) -> Optional[int]:
+        return self.positions.get(index) if role == "rollout" else None
+
+    def write(self, controller: str) -> None:
+        """run_dir/addresses.json: where every role listens (for tools and the fault tests)."""
+        if not self.path:
+            return
+        try:
+            with open(self.path + ".tmp", "w") as f:
+                json.dump({"controller": controller, **self.addresses}, f)
+            os.replace(self.path + ".tmp", self.path)
+        except OSError as e:
+            logger.warning("could not write %s: %s", self.path, e)

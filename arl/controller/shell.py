@@ -31,6 +31,7 @@ from arl.controller.weight_sync import Action, GiveUp, Rejoin, Send, WeightSync
 from arl.learner.checkpoint import CHECKPOINT_SUBDIR, latest_checkpoint
 from arl.report.page import ReportBuilder
 from arl.report.traces import TraceWriter
+from arl.api.staleness import StalenessPolicy
 from arl.rollout.staleness import StalenessGate, parse_group_id
 from arl.transport.sockets import Router, bind_random
 from arl.utils.net import free_port
@@ -53,7 +54,7 @@ class Controller:
         supervisor: Supervisor,
         launcher: RoleLauncher,
         batch_size: int,
-        max_head_offpolicyness: int,
+        staleness: StalenessPolicy,
         max_concurrent_rollouts: int,
         total_train_steps: int,
         eval_every: int,
@@ -79,7 +80,7 @@ class Controller:
         self.total_steps = total_train_steps
         self.eval_every, self.eval_max_prompts = eval_every, eval_max_prompts
         self.learner_ranks = max(1, int(learner_ranks))  # > 1: the learner role runs under torchrun
-        gate = StalenessGate(batch_size=batch_size, max_head_offpolicyness=max_head_offpolicyness,
+        gate = StalenessGate(batch_size=batch_size, policy=staleness,
                              max_concurrent=max_concurrent_rollouts, max_groups=total_train_steps * batch_size)
         # Resuming from a learner checkpoint (its arl_state.json): the gate starts at that version with the
         # consumed groups accepted; each rollout worker's prompt stream seeks to its recorded position.

@@ -3,7 +3,7 @@
 One batch, in the order the learner loop calls the phases (every rank runs them on its own share of whole groups):
 
 1. `prepare`: staleness at consumption per token (tokens older than ``version - eta`` kept, dropped or
-   down-weighted) and the loss aggregation become loss masks / per-token weights; the batch is split into PPO
+   down-weighted, as the run's `StalenessPolicy` says) and the loss aggregation become loss masks / per-token weights; the batch is split into PPO
    minibatches of nearly equal tokens (AReaL's ``ppo_n_minibatches``);
 2. `compute_logp`: proximal logprobs with the current weights, before any update (and reference logprobs for a
    KL penalty), so every minibatch shares one proximal policy;
@@ -22,14 +22,15 @@ import dataclasses
 import functools
 import math
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 
 from arl.api.engine import TrainBatch, TrainEngine
+from arl.api.staleness import StalenessPolicy
 from arl.api.types import Trajectory
-from arl.config import LossAgg, PPOConfig, StaleTokens
+from arl.config import LossAgg, PPOConfig
 from arl.learner.batching import MicroBatch
 from arl.learner.ppo import (
     decoupled_ppo_loss,
@@ -38,7 +39,6 @@ from arl.learner.ppo import (
     group_advantages,
     sequence_level_weights,
     shift_right,
-    stale_token_weights,
     token_logprobs,
     turn_level_advantages,
     turn_segments,
@@ -92,18 +92,17 @@ class PPOActor:
         engine: any `TrainEngine` (DeepSpeed, simulated, a rank leader's view).
         ppo: the algorithm's settings (`arl.config.PPOConfig`).
         temperature: sampling temperature of the behaviour policy; logprobs are taken under logits / temperature.
-        eta: the staleness bound (``max_head_offpolicyness``); with it, ``stale_token_frac`` is reported and
-            ``ppo.stale_tokens`` drop/down-weight tokens older than ``version - eta``.
+        staleness: the run's `StalenessPolicy` (eta and ``stale_tokens``; the one the learner worker drops groups
+            by): tokens older than ``version - eta`` are counted in ``stale_token_frac`` and kept, dropped or
+            down-weighted. The default has no bound.
     """
 
     def __init__(self, engine: TrainEngine, ppo: PPOConfig, temperature: float = 1.0,
-                 eta: Optional[int] = None) -> None:
-        if ppo.stale_tokens != StaleTokens.keep and eta is None:  # the section checks its own fields
-            raise ValueError("stale_tokens='drop'/'downweight' needs max_head_offpolicyness (eta)")
+                 staleness: StalenessPolicy = StalenessPolicy()) -> None:
         self.engine = engine
         self.ppo = ppo
         self.temperature = float(temperature)
-        self.eta = eta
+        self.staleness = staleness
 
     @property
     def version(self) -> int:
@@ -136,13 +135,11 @@ class PPOActor:
             if len(m):
                 m[0] = False  # never scored (no prefix), see batching
             scored += int(m.sum())
-            w = np.ones(len(m), np.float32)
-            if self.eta is not None:
-                n_stale += int((m & (v - t.versions.astype(np.int64) > self.eta)).sum())
-                m2, w = stale_token_weights(t.versions, m, v, self.eta, ppo.stale_tokens, ppo.stale_token_decay)
-                if not np.array_equal(m2, m):
-                    m = m2
-                    t = dataclasses.replace(t, loss_mask=m.astype(np.int8))
+            n_stale += int(self.staleness.stale(t.versions, m, v).sum())
+            m2, w = self.staleness.token_weights(t.versions, m, v)
+            if not np.array_equal(m2, m):
+                m = m2
+                t = dataclasses.replace(t, loss_mask=m.astype(np.int8))
             if ppo.loss_agg == LossAgg.seq:
                 w = w * sequence_level_weights(m)
             out.append(t)
@@ -150,7 +147,7 @@ class PPOActor:
         stats.add("stale_token_frac", n_stale, "mean", weight=scored)
         stats.add("n_tokens", sum(int(t.loss_mask[1:].sum()) for t in out))  # loss tokens after the drops
         data = TrainBatch(out)
-        if ppo.loss_agg == LossAgg.seq or ppo.stale_tokens == StaleTokens.downweight:
+        if ppo.loss_agg == LossAgg.seq or self.staleness.weights_tokens:
             data.fields["token_weights"] = weights
         n_mini = ppo.minibatches
         if n_mini > 1:  # every rank splits into the same number, and no minibatch is empty on any rank

@@ -32,6 +32,7 @@ import time
 from typing import Any, Awaitable, Callable, Iterable, Optional
 
 from arl.api.engine import TrainEngine
+from arl.api.staleness import StalenessPolicy
 from arl.api.types import Trajectory
 from arl.learner.validation import group_problem
 
@@ -68,8 +69,7 @@ class LearnerWorker:
         total_steps: int,
         weights_dir: str,
         keep_versions: int = 3,
-        max_head_offpolicyness: int | None = None,
-        stale_tokens: str = "keep",
+        staleness: StalenessPolicy = StalenessPolicy(),
         checkpoint_dir: Optional[str] = None,
         checkpoint_every: int = 0,
         keep_checkpoints: int = 2,
@@ -79,7 +79,8 @@ class LearnerWorker:
         publisher: Optional[Any] = None,
         skip_names: Iterable[str] = (),
     ) -> None:
-        """`publisher` (weights.transport=broadcast): an `arl.weights.channel.WeightPublisher` that gets each
+        """`staleness`: the run's rule, the one the actor masks tokens by (the default has no bound): buffered
+        groups it calls stale are dropped before a batch is taken. `publisher` (weights.transport=broadcast): an `arl.weights.channel.WeightPublisher` that gets each
         version's state dict (without `skip_names`, the tied copies) instead of a file being written."""
         self.actor = actor  # prepare / compute_logp / compute_advantages / ppo_update (`PPOActor`, `RankLeader`)
         self.engine: Any = engine if engine is not None else actor.engine  # version, save / load / export_weights
@@ -89,10 +90,7 @@ class LearnerWorker:
         self.total_steps = total_steps
         self.weights_dir = weights_dir
         self.keep_versions = max(1, keep_versions)
-        self.eta = max_head_offpolicyness
-        if stale_tokens not in ("keep", "drop", "downweight"):
-            raise ValueError(f"stale_tokens must be 'keep', 'drop' or 'downweight', got {stale_tokens!r}")
-        self.stale_tokens = str(stale_tokens)  # the actor's `ppo.stale_tokens`: decides what a stale group is
+        self.staleness = staleness
         self.buffer: collections.deque[list[Trajectory]] = collections.deque()
         self._arrived = asyncio.Event()
         # exported weight files, oldest first: deleted once below what the controller says is still needed
@@ -152,36 +150,18 @@ class LearnerWorker:
             # the receipt settles the group at the controller, even if its rollout worker dies before group_done
             await self._send("group_received", {"group_id": _group_of(group), "n_traj": len(group)})
 
-    def is_stale(self, group: list[Trajectory]) -> bool:
-        """Whether `group` is too stale to train on at the current version (it is dropped, its budget returned).
-
-        Only generated tokens count (a trajectory without any, e.g. an answer cut to nothing, never makes its
-        group stale). With ``stale_tokens='keep'`` a group with any generated token older than ``version - eta``
-        is stale: the whole group goes, so no consumed token is more than eta behind. With ``'drop'`` and
-        ``'downweight'`` the actor handles old tokens one by one (out of the loss, or weighted down), so a group is
-        stale only when every generated token is older than ``version - eta`` (nothing in it is within the bound).
-        """
-        if self.eta is None:
-            return False
-        gen = [g for t in group if len(g := t.versions[t.loss_mask.astype(bool)])]
-        if not gen:
-            return False
-        oldest_ok = self.engine.version - self.eta
-        if self.stale_tokens == "keep":
-            return min(int(g.min()) for g in gen) < oldest_ok
-        return max(int(g.max()) for g in gen) < oldest_ok
-
     async def next_batch(self) -> tuple[list[Trajectory], float]:
         """Wait for B fresh-enough groups (FIFO); returns the flattened batch and the seconds spent waiting."""
         t0 = time.monotonic()
         while True:
-            keep = [g for g in self.buffer if not self.is_stale(g)]  # long-tailed stragglers go
+            keep = [g for g in self.buffer if not self.staleness.group_is_stale(g, self.engine.version)]
             if len(keep) < len(self.buffer):
                 dropped = len(self.buffer) - len(keep)
                 self.stats["stale_groups_dropped"] += dropped
                 self.stats["stale_trajectories_dropped"] += sum(map(len, self.buffer)) - sum(map(len, keep))
                 self.buffer = collections.deque(keep)
-                logger.info("dropped %d groups staler than eta=%s; their budget goes back", dropped, self.eta)
+                logger.info("dropped %d groups staler than eta=%s; their budget goes back", dropped,
+                            self.staleness.eta)
                 await self._send("groups_dropped", {"n": dropped, "reason": "stale"})
             if len(self.buffer) >= self.batch_size:
                 break
@@ -250,7 +230,7 @@ class LearnerWorker:
     async def train(self) -> None:
         """The learner loop: one policy version per batch of B prompt groups, until ``total_steps``."""
         while self.engine.version < self.total_steps:
-            trajs, waited = await self.next_batch()  # B groups, FIFO; too stale groups were dropped (is_stale)
+            trajs, waited = await self.next_batch()  # B groups, FIFO; too stale groups were dropped
             t0, stale_tokens = time.monotonic(), staleness_counts(trajs, self.engine.version)
             self.waiting_on = f"train step {self.engine.version + 1} ({len(trajs)} trajectories)"
             self._in_step = len(_group_ids(trajs))
@@ -297,12 +277,10 @@ class LearnerWorker:
         self.stats["train_seconds"] += train_s
         self.stats["idle_seconds"] += waited
         self.stats["steps"] += 1
-        head = metrics.get("head_offpolicyness")
-        # head is measured as received: with stale_tokens drop/downweight the actor took the old tokens out of the
-        # loss (or weighted them down, as configured), so only 'keep' can consume a token beyond eta
-        if self.eta is not None and head is not None and head > self.eta and self.stale_tokens == "keep":
+        head = metrics.get("head_offpolicyness")  # as received
+        if head is not None and self.staleness.exceeded(head):
             self.stats["staleness_violations"] += 1
-            logger.error("batch head off-policyness %s exceeds eta=%d", head, self.eta)
+            logger.error("batch head off-policyness %s exceeds eta=%d", head, self.staleness.eta)
         out = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
         out.update(learner_wait_seconds=waited, learner_step_seconds=train_s,
                    samples_per_s=len(batch) / max(train_s + waited, 1e-9), buffered_groups=len(self.buffer),

@@ -3,8 +3,8 @@
 One batch, in the order the learner loop calls the phases (every rank runs them on its own share of whole groups):
 
 1. `prepare`: staleness at consumption per token (tokens older than ``version - eta`` kept, dropped or
-   down-weighted, as the run's `StalenessPolicy` says) and the loss aggregation become loss masks / per-token weights; the batch is split into PPO
-   minibatches of nearly equal tokens (AReaL's ``ppo_n_minibatches``);
+   down-weighted, as the run's `StalenessPolicy` says) and the loss aggregation become loss masks / per-token
+   weights; the batch is split into PPO minibatches of nearly equal tokens (AReaL's ``ppo_n_minibatches``);
 2. `compute_logp`: proximal logprobs with the current weights, before any update (and reference logprobs for a
    KL penalty), so every minibatch shares one proximal policy;
 3. `compute_advantages`: GRPO advantages from ``traj.reward`` grouped by ``traj.group_id``, broadcast over each
@@ -44,6 +44,7 @@ from arl.learner.ppo import (
     turn_segments,
 )
 from arl.learner.stats import StatsTracker
+from arl.utils.timer import PhaseTimer
 
 __all__ = ["PPOActor", "PPOBatch", "METRIC_KEYS", "split_minibatches"]
 
@@ -82,7 +83,7 @@ class PPOBatch:
     minibatches: list[list[int]]
     version: int  # the policy version this batch updates
     stats: StatsTracker
-    t0: float
+    timer: PhaseTimer  # 'step': from `prepare` to the end of `ppo_update` (step_seconds)
 
 
 class PPOActor:
@@ -120,7 +121,8 @@ class PPOActor:
         """Per-token staleness and loss weights, the minibatch split and the batch's own statistics."""
         if len(trajs) == 0:
             raise ValueError("a training step needs a non-empty batch")
-        t0, v, ppo = time.perf_counter(), self.engine.version, self.ppo
+        timer, v, ppo = PhaseTimer(time.perf_counter), self.engine.version, self.ppo
+        timer.start("step")
         stats = StatsTracker()
         rewards = np.array([t.reward for t in trajs], np.float32).astype(np.float64)
         stats.add("n_seqs", len(trajs))
@@ -153,7 +155,7 @@ class PPOActor:
         if n_mini > 1:  # every rank splits into the same number, and no minibatch is empty on any rank
             n_mini = min(n_mini, int(-self.engine.all_reduce([-float(len(out))], op="max")[0]))
         parts = split_minibatches([len(t.input_ids) for t in out], n_mini)
-        return PPOBatch(list(trajs), data, parts, v, stats, t0)
+        return PPOBatch(list(trajs), data, parts, v, stats, timer)
 
     def compute_logp(self, batch: PPOBatch) -> None:
         """Proximal logprobs (and reference logprobs with a KL penalty) under the weights before this update."""
@@ -215,7 +217,7 @@ class PPOActor:
             for k, val in out.items():  # anything else the engine reports, summed
                 batch.stats.add(k, val)
         self.engine.version = batch.version + 1
-        return self._summary(batch, len(batch.minibatches), time.perf_counter() - batch.t0)
+        return self._summary(batch, len(batch.minibatches), batch.timer.pop()["step"])
 
     # ------------------------------------------------------------------ loss and statistics
     def _loss(self, logits: torch.Tensor, mb: MicroBatch, denominator: float, stats: StatsTracker) -> torch.Tensor:

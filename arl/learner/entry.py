@@ -68,7 +68,7 @@ async def run_learner(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
         actor=leader or actor,
         engine=leader or actor.engine,
         pull=pull,
-        send_control=ctl.dealer.send,
+        send_control=ctl.post,
         batch_size=lc.batch_size,
         total_steps=cfg.total_train_steps,
         weights_dir=os.path.join(run_dir, "weights"),

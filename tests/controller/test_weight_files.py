@@ -23,6 +23,7 @@ from arl.learner.actor import PPOActor
 from arl.learner.sim_learner import SimLearner
 from arl.learner.worker import LearnerWorker
 
+from ..typed_control import typed
 from ..waiting import await_until
 from .fakes import FakeLauncher
 
@@ -103,7 +104,7 @@ async def test_slow_loader_never_finds_its_file_deleted(tmp_path):
     ctl.spawn_roles()
     pull = Pull()
     actor = PPOActor(SimLearner(SimLearnerConfig(s_per_token=0.0, step_base_s=0.0)), PPOConfig(), staleness=StalenessPolicy(ETA))
-    learner = LearnerWorker(actor=actor, pull=pull, send_control=lambda t, p: ctl._dispatch(b"L", t, p),
+    learner = LearnerWorker(actor=actor, pull=pull, send_control=typed(lambda t, p: ctl._dispatch(b"L", t, p)),
                             batch_size=BATCH, total_steps=STEPS, weights_dir=str(tmp_path / "weights"),
                             keep_versions=1, staleness=actor.staleness)
     world = World(ctl, learner, pull)

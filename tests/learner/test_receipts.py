@@ -14,6 +14,7 @@ from arl.learner.actor import PPOActor
 from arl.learner.sim_learner import SimLearner
 from arl.learner.worker import LearnerWorker
 
+from ..typed_control import typed
 from .test_stale_groups import traj
 
 
@@ -38,7 +39,7 @@ async def test_received_groups_are_reported_by_id_and_refused_ones_dropped_by_id
         sent.append((msg_type, payload))
 
     actor = PPOActor(SimLearner(SimLearnerConfig(s_per_token=0.0, step_base_s=0.0), version=5), PPOConfig(), staleness=StalenessPolicy(2))
-    worker = LearnerWorker(actor=actor, pull=ListPull([good, bad]), send_control=send, batch_size=2, total_steps=9,
+    worker = LearnerWorker(actor=actor, pull=ListPull([good, bad]), send_control=typed(send), batch_size=2, total_steps=9,
                            weights_dir=tempfile.mkdtemp(), vocab_size=100)
     task = asyncio.create_task(worker.receive())
     for _ in range(200):

@@ -16,6 +16,8 @@ from arl.learner.actor import PPOActor
 from arl.learner.sim_learner import SimLearner
 from arl.learner.worker import LearnerWorker
 
+from ..typed_control import typed
+
 V, ETA = 5, 2  # the learner is at version 5: tokens older than v3 are more than eta behind
 
 
@@ -53,7 +55,7 @@ async def one_step(mode: str, kept: int) -> tuple[LearnerWorker, list, list]:
 
     import tempfile
 
-    worker = LearnerWorker(actor=actor, pull=None, send_control=send, batch_size=kept, total_steps=V + 1,
+    worker = LearnerWorker(actor=actor, pull=None, send_control=typed(send), batch_size=kept, total_steps=V + 1,
                            weights_dir=tempfile.mkdtemp(), staleness=actor.staleness)
     worker.buffer.extend(GROUPS.values())
     await asyncio.wait_for(worker.train(), 60)
@@ -120,7 +122,7 @@ async def test_idle_seconds_count_the_time_spent_waiting_for_a_batch(tmp_path):
         pass
 
     actor = PPOActor(SimLearner(SimLearnerConfig(s_per_token=0.0, step_base_s=0.0), version=V), PPOConfig(), staleness=StalenessPolicy(ETA))
-    worker = LearnerWorker(actor=actor, pull=SlowPull(), send_control=send, batch_size=1, total_steps=V + 1,
+    worker = LearnerWorker(actor=actor, pull=SlowPull(), send_control=typed(send), batch_size=1, total_steps=V + 1,
                            weights_dir=str(tmp_path), staleness=actor.staleness)
     receiver = asyncio.create_task(worker.receive())
     try:

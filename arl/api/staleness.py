@@ -48,7 +48,7 @@ class StalenessPolicy:
         if mode not in STALE_TOKEN_MODES:
             raise ValueError(f"stale_tokens must be 'keep', 'drop' or 'downweight', got {self.stale_tokens!r}")
         object.__setattr__(self, "stale_tokens", mode)
-        if self.eta is not None and (isinstance(self.eta, bool) or not isinstance(self.eta, int) or self.eta < 0):
+        if self.eta is not None and self.eta < 0:
             raise ValueError(f"max_head_offpolicyness must be >= 0, got {self.eta!r}")
         if mode != "keep" and self.eta is None:
             raise ValueError("stale_tokens='drop'/'downweight' needs max_head_offpolicyness (eta)")
@@ -89,11 +89,6 @@ class StalenessPolicy:
         return self.eta is not None and self.stale_tokens == "keep" and head_offpolicyness > self.eta
 
     # -- the actor: single tokens -----------------------------------------------------------------------------
-    @property
-    def weights_tokens(self) -> bool:
-        """Whether `token_weights` can return weights other than 1 (the loss then needs them)."""
-        return self.stale_tokens == "downweight"
-
     def stale(self, versions: np.ndarray, loss_mask: np.ndarray, version: int) -> np.ndarray:
         """The tokens of `loss_mask` older than ``version - eta`` (none without a bound)."""
         m = np.asarray(loss_mask).astype(bool)
@@ -107,11 +102,10 @@ class StalenessPolicy:
         takes stale tokens out of the mask (they count in neither the sum nor the token count), 'downweight'
         weights them ``decay ** (lag - eta)`` (they stay in the token count)."""
         m = np.asarray(loss_mask).astype(bool)
-        w = np.ones(m.shape, np.float32)
-        if self.stale_tokens == "keep" or self.eta is None:
-            return m, w
-        excess = np.where(m, version - np.asarray(versions, dtype=np.int64) - self.eta, 0)
-        stale = m & (excess > 0)
+        stale = self.stale(versions, m, version)
         if self.stale_tokens == "drop":
-            return m & ~stale, w
-        return m, np.where(stale, np.power(float(self.decay), np.maximum(excess, 0)), 1.0).astype(np.float32)
+            return m & ~stale, np.ones(m.shape, np.float32)
+        if self.stale_tokens == "keep":
+            return m, np.ones(m.shape, np.float32)
+        excess = np.maximum(version - np.asarray(versions, dtype=np.int64) - self.eta, 0)
+        return m, np.where(stale, np.power(float(self.decay), excess), 1.0).astype(np.float32)

@@ -149,7 +149,7 @@ class PPOActor:
         stats.add("stale_token_frac", n_stale, "mean", weight=scored)
         stats.add("n_tokens", sum(int(t.loss_mask[1:].sum()) for t in out))  # loss tokens after the drops
         data = TrainBatch(out)
-        if ppo.loss_agg == LossAgg.seq or self.staleness.weights_tokens:
+        if ppo.loss_agg == LossAgg.seq or self.staleness.stale_tokens == "downweight":
             data.fields["token_weights"] = weights
         n_mini = ppo.minibatches
         if n_mini > 1:  # every rank splits into the same number, and no minibatch is empty on any rank

@@ -19,6 +19,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 from arl.api.registry import AGENTS, INFERENCE_BACKENDS, LEARNER_BACKENDS, TRACKERS
 from arl.utils.errors import ConfigError
+from arl.api.staleness import StalenessPolicy
 
 
 def _require(checks: Sequence[tuple[bool, str]]) -> None:
@@ -266,7 +267,7 @@ class PPOConfig:
                                                  "(null: one advantage per trajectory from its reward).")
     stale_tokens: StaleTokens = field(StaleTokens.keep, "Tokens older than v - eta at consumption: 'keep', 'drop' "
                                                         "or 'downweight'.")
-    stale_token_decay: float = field(0.5, "downweight: weight decay ** (lag - eta) for stale tokens.")
+    stale_token_decay: float = field(0.5, "downweight: weight decay ** (lag - eta) for stale tokens (in [0, 1]).")
 
     def __post_init__(self) -> None:
         """Checked once, here: both the command line and code that builds the section directly come through."""
@@ -576,9 +577,12 @@ def validate(cfg: Any) -> None:
     if not isinstance(cfg, ExperimentConfig):
         return
     lc, ic, rc = cfg.learner, cfg.inference, cfg.rollout
+    try:  # eta, stale_tokens and their decay are checked where the rule lives
+        staleness_policy(cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     checks = [
         (cfg.total_train_steps >= 1, "total_train_steps must be >= 1"),
-        (cfg.max_head_offpolicyness >= 0, "max_head_offpolicyness must be >= 0"),
         (lc.batch_size >= 1, "learner.batch_size must be >= 1"),
         (cfg.agent.group_size >= 1, "agent.group_size must be >= 1"),
         (ic.num_workers >= 1, "inference.num_workers must be >= 1"),
@@ -687,6 +691,14 @@ def import_user_modules(modules: Sequence[str]) -> None:
 
 def to_yaml(cfg: Any) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def staleness_policy(cfg: ExperimentConfig) -> StalenessPolicy:
+    """The run's staleness rule: the controller's admission, the learner's group drop and the actor's token mask
+    all take this one object (built once per process, here)."""
+    ppo = cfg.learner.ppo
+    return StalenessPolicy(eta=cfg.max_head_offpolicyness, stale_tokens=str(ppo.stale_tokens),
+                           decay=ppo.stale_token_decay)
 
 
 def weights_backend(cfg: ExperimentConfig) -> str:

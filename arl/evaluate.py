@@ -24,6 +24,7 @@ from typing import Any, Optional, Sequence
 from arl.config import ConfigError, ExperimentConfig, import_user_modules, parse_overrides, resolve_threads, \
     split_experiment
 from arl.controller.reporting import format_result  # the controller's eval line, printed here too
+from arl.transport.messages import ControlMessage
 
 logger = logging.getLogger("arl.evaluate")
 
@@ -102,8 +103,12 @@ def checkpoint_state_dict(tag_dir: str) -> dict:
     return get_fp32_state_dict_from_zero_checkpoint(os.path.dirname(tag_dir), tag=os.path.basename(tag_dir))
 
 
-async def _noop_send(*_: Any) -> None:
-    """Control messages and trajectory pushes have no receiver here."""
+async def _no_controller(msg: ControlMessage) -> None:
+    """Control messages have no receiver here (they are typed all the same)."""
+
+
+async def _no_learner(group: Any) -> None:
+    """Trajectory pushes have no receiver here."""
 
 
 async def evaluate_model(cfg: ExperimentConfig, model_dir: str, version: int = -1) -> dict:
@@ -122,13 +127,13 @@ async def evaluate_model(cfg: ExperimentConfig, model_dir: str, version: int = -
     engine = build_engine(model_dir, ic, seed=cfg.seed, index=0, run_dir=scratch)  # server 0's seed, as in a run
     router = sockets.Router(max_bytes=cfg.max_message_bytes)
     address = sockets.bind_random(router, "127.0.0.1")
-    server = InferenceWorker(index=0, engine=engine, router=router, send_control=_noop_send)
+    server = InferenceWorker(index=0, engine=engine, router=router, send_control=_no_controller)
     serving = asyncio.create_task(server.serve())
     dealer = sockets.Dealer(max_bytes=cfg.max_message_bytes).connect(address)
     client = inference_client(cfg, [dealer])
     prompts = PromptStream(parts.train_rows or [{}], seed=cfg.seed)
-    worker = rollout_worker(cfg, parts, client, index=0, prompts=prompts, capacity=1, send_control=_noop_send,
-                            push_group=_noop_send)
+    worker = rollout_worker(cfg, parts, client, index=0, prompts=prompts, capacity=1, send_control=_no_controller,
+                            push_group=_no_learner)
     try:
         result = await worker.evaluate(version, cfg.eval.max_prompts)
         result["ledger_checked"] = int(worker.stats["ledger_checked"])

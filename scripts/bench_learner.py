@@ -293,6 +293,7 @@ def matmul_rate(rows: int, hidden: int, inner: int, repeats: int = 50) -> float:
 def default_step(repeats: int) -> dict[str, Any]:
     """The default run's learner step (its model shape, DeepSpeed and PPO settings: 4 minibatches) on
     `default_run_batch`: seconds per step against the FLOP time of its work at the measured matmul rate."""
+    from arl.api.staleness import StalenessPolicy
     from arl.config import DeepSpeedConfig, OptimizerConfig, PPOConfig
     from arl.learner.actor import PPOActor
     from arl.learner.deepspeed_engine import DeepSpeedEngine
@@ -302,7 +303,8 @@ def default_step(repeats: int) -> dict[str, Any]:
     batches = [default_run_batch(seed) for seed in range(4)]
     lens = [len(t.input_ids) for t in batches[0]]
     flops = 4 * forward_flops(model, lens)  # proximal recompute + update forward + backward (2x)
-    actor = PPOActor(DeepSpeedEngine(model, OptimizerConfig(), DeepSpeedConfig()), PPOConfig(), eta=2)
+    actor = PPOActor(DeepSpeedEngine(model, OptimizerConfig(), DeepSpeedConfig()), PPOConfig(),
+                     staleness=StalenessPolicy(2))
     steps = iter(range(1 << 30))
     times = alternate({"step": timed(lambda: actor.step(batches[next(steps) % len(batches)]))}, repeats)["step"]
     cfg = model.config

@@ -131,7 +131,7 @@ def serve(bind: str = "", busy_poll_us: float = 0.0) -> int:
     async def main() -> None:
         router = Router()
         address = router.bind(bind) if bind else router.bind_random()
-        async def no_control(msg_type: str, payload: dict) -> None:
+        async def no_control(msg: Any) -> None:  # a typed control message (weights_loaded): nobody listens
             return None
         worker = InferenceWorker(index=0, engine=NullEngine(), router=router, send_control=no_control)
         print(address, flush=True)

@@ -173,9 +173,9 @@ async def _worker(index: int, model_dir: str, conn: Any, timeout_s: float, gen_r
 
     window = [0.0, 0.0]  # the last update: its update_weights call .. its ack
 
-    async def ack(msg_type: str, payload: dict) -> None:
+    async def ack(msg: Any) -> None:  # the worker's typed weights_loaded
         window[1] = time.monotonic()
-        conn.send(("ack", payload))
+        conn.send(("ack", msg.to_payload()))
 
     loader = BroadcastLoader(engine, timeout_s=timeout_s, gloo_host=LOOPBACK)
     workers = {"disk": InferenceWorker(index=index, engine=engine, router=None, send_control=ack),

@@ -35,6 +35,7 @@ from arl.controller.supervision import RoleLauncher, Supervisor
 from arl.controller.weight_sync import Action, GiveUp, Rejoin, Send, WeightSync
 from arl.report.page import ReportBuilder
 from arl.report.traces import TraceWriter
+from arl.api.staleness import StalenessPolicy
 from arl.rollout.staleness import StalenessGate, parse_group_id
 from arl.transport.sockets import Router, bind_random
 from arl.utils.net import free_port
@@ -51,7 +52,7 @@ class RunFailed(RuntimeError):
 
 class Controller:
     def __init__(self, *, run_dir: str, supervisor: Supervisor, launcher: RoleLauncher, batch_size: int,
-                 max_head_offpolicyness: int, max_concurrent_rollouts: int, total_train_steps: int, eval_every: int,
+                 staleness: StalenessPolicy, max_concurrent_rollouts: int, total_train_steps: int, eval_every: int,
                  eval_max_prompts: int, progress: bool = True, resume: Optional[dict] = None, learner_ranks: int = 1,
                  secret: Optional[bytes] = None, bind_host: str = "127.0.0.1", max_bytes: Optional[int] = None,
                  stack_dump_wait: float = 2.0, sinks: Optional[list[MetricsSink]] = None,
@@ -67,7 +68,7 @@ class Controller:
         resume = dict(resume or {})
         self.start_version = v = int(resume.get("version", 0))
         self.admission = Admission(StalenessGate(
-            batch_size=batch_size, max_head_offpolicyness=max_head_offpolicyness,
+            batch_size=batch_size, policy=staleness,
             max_concurrent=max_concurrent_rollouts, max_groups=total_train_steps * batch_size, version=v,
             accepted=int(resume.get("groups_consumed", v * batch_size)) if v else 0))
         positions = {int(k): int(p) for k, p in dict(resume.get("data_position", {})).items()}

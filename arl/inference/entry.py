@@ -38,7 +38,7 @@ async def run_inference(cfg: ExperimentConfig, ctl: ControlChannel, index: int, 
 
             loader = BroadcastLoader(engine, timeout_s=cfg.weights.timeout_s, gloo_host=host_address(cfg.bind_host),
                                      secret=SOCKET_OPTIONS.get("secret"))
-        workers.append(InferenceWorker(index=i, engine=engine, router=router, send_control=ctl.dealer.send,
+        workers.append(InferenceWorker(index=i, engine=engine, router=router, send_control=ctl.post,
                                        loader=loader))
 
     async def on_update(msg: UpdateWeights) -> None:

@@ -5,17 +5,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any, Optional
 
 from arl.api.engine import InferenceEngine
 from arl.api.types import GenerateRequest, GenerateResponse
+from arl.transport.messages import SendControl, WeightsLoaded
 
 logger = logging.getLogger("arl.inference")
 
 
 class InferenceWorker:
     def __init__(self, *, index: int, engine: InferenceEngine, router: Any,
-                 send_control: Callable[[str, dict], Awaitable[None]], loader: Optional[Any] = None) -> None:
+                 send_control: SendControl, loader: Optional[Any] = None) -> None:
         """`loader` (weights.transport=broadcast): an `arl.weights.channel.BroadcastLoader`; updates come through
         it instead of from the path."""
         self.index = index
@@ -109,14 +110,13 @@ class InferenceWorker:
             self._target_version = int(self.engine.version)
             self.stats["update_failures"] += 1
             logger.exception("loading weights v%d from %s failed", version, path or "the learner's broadcast")
-            await self._send("weights_loaded", {"version": version, "index": self.index,
-                                                "error": f"{type(e).__name__}: {e}"[:1000]})
+            await self._send(WeightsLoaded(version=version, index=self.index, error=f"{type(e).__name__}: {e}"[:1000]))
             return
         ms = (time.perf_counter() - t0) * 1000
         self.stats["updates"] += 1
         self.stats["update_ms_last"] = ms
         logger.info("loaded weights v%d from %s in %.1f ms", version, path, ms)
-        await self._send("weights_loaded", {"version": version, "index": self.index, "ms": ms})
+        await self._send(WeightsLoaded(version=version, index=self.index, ms=ms))
 
     def heartbeat_stats(self) -> dict:
         engine_stats = getattr(self.engine, "stats", None)

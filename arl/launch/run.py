@@ -11,7 +11,8 @@ import sys
 import time
 from typing import Any, Optional
 
-from arl.config import ExperimentConfig, LauncherKind, resolve_weights, to_yaml, weights_backend
+from arl.config import (ExperimentConfig, LauncherKind, resolve_weights, staleness_policy, to_yaml,
+                        weights_backend)
 from arl.controller.shell import Controller, RunFailed
 from arl.launch.local import LocalLauncher
 from arl.transport.security import SECRET_ENV, effective_bind_host, is_loopback, resolve_secret
@@ -101,7 +102,7 @@ def _controller(cfg: ExperimentConfig, run_dir: str, bind_host: str, secret: Opt
         run_dir=run_dir,
         supervisor=supervisor,
         batch_size=cfg.learner.batch_size,
-        max_head_offpolicyness=cfg.max_head_offpolicyness,
+        staleness=staleness_policy(cfg),
         max_concurrent_rollouts=rc.max_concurrent_rollouts,
         total_train_steps=cfg.total_train_steps,
         eval_every=cfg.eval.every_n_steps,

@@ -3,8 +3,8 @@
 One batch, in the order the learner loop calls the phases (every rank runs them on its own share of whole groups):
 
 1. `prepare`: staleness at consumption per token (tokens older than ``version - eta`` kept, dropped or
-   down-weighted) and the loss aggregation become loss masks / per-token weights; the batch is split into PPO
-   minibatches of nearly equal tokens (AReaL's ``ppo_n_minibatches``);
+   down-weighted, as the run's `StalenessPolicy` says) and the loss aggregation become loss masks / per-token
+   weights; the batch is split into PPO minibatches of nearly equal tokens (AReaL's ``ppo_n_minibatches``);
 2. `compute_logp`: proximal logprobs with the current weights, before any update (and reference logprobs for a
    KL penalty), so every minibatch shares one proximal policy;
 3. `compute_advantages`: GRPO advantages from ``traj.reward`` grouped by ``traj.group_id``, broadcast over each
@@ -22,14 +22,15 @@ import dataclasses
 import functools
 import math
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 
 from arl.api.engine import TrainBatch, TrainEngine
+from arl.api.staleness import StalenessPolicy
 from arl.api.types import Trajectory
-from arl.config import LossAgg, PPOConfig, StaleTokens
+from arl.config import LossAgg, PPOConfig
 from arl.learner.batching import MicroBatch
 from arl.learner.ppo import (
     decoupled_ppo_loss,
@@ -38,12 +39,12 @@ from arl.learner.ppo import (
     group_advantages,
     sequence_level_weights,
     shift_right,
-    stale_token_weights,
     token_logprobs,
     turn_level_advantages,
     turn_segments,
 )
 from arl.learner.stats import StatsTracker
+from arl.utils.timer import PhaseTimer
 
 __all__ = ["PPOActor", "PPOBatch", "METRIC_KEYS", "split_minibatches"]
 
@@ -82,7 +83,7 @@ class PPOBatch:
     minibatches: list[list[int]]
     version: int  # the policy version this batch updates
     stats: StatsTracker
-    t0: float
+    timer: PhaseTimer  # 'step': from `prepare` to the end of `ppo_update` (step_seconds)
 
 
 class PPOActor:
@@ -92,18 +93,17 @@ class PPOActor:
         engine: any `TrainEngine` (DeepSpeed, simulated, a rank leader's view).
         ppo: the algorithm's settings (`arl.config.PPOConfig`).
         temperature: sampling temperature of the behaviour policy; logprobs are taken under logits / temperature.
-        eta: the staleness bound (``max_head_offpolicyness``); with it, ``stale_token_frac`` is reported and
-            ``ppo.stale_tokens`` drop/down-weight tokens older than ``version - eta``.
+        staleness: the run's `StalenessPolicy` (eta and ``stale_tokens``; the one the learner worker drops groups
+            by): tokens older than ``version - eta`` are counted in ``stale_token_frac`` and kept, dropped or
+            down-weighted. The default has no bound.
     """
 
     def __init__(self, engine: TrainEngine, ppo: PPOConfig, temperature: float = 1.0,
-                 eta: Optional[int] = None) -> None:
-        if ppo.stale_tokens != StaleTokens.keep and eta is None:  # the section checks its own fields
-            raise ValueError("stale_tokens='drop'/'downweight' needs max_head_offpolicyness (eta)")
+                 staleness: StalenessPolicy = StalenessPolicy()) -> None:
         self.engine = engine
         self.ppo = ppo
         self.temperature = float(temperature)
-        self.eta = eta
+        self.staleness = staleness
 
     @property
     def version(self) -> int:
@@ -121,7 +121,8 @@ class PPOActor:
         """Per-token staleness and loss weights, the minibatch split and the batch's own statistics."""
         if len(trajs) == 0:
             raise ValueError("a training step needs a non-empty batch")
-        t0, v, ppo = time.perf_counter(), self.engine.version, self.ppo
+        timer, v, ppo = PhaseTimer(time.perf_counter), self.engine.version, self.ppo
+        timer.start("step")
         stats = StatsTracker()
         rewards = np.array([t.reward for t in trajs], np.float32).astype(np.float64)
         stats.add("n_seqs", len(trajs))
@@ -136,13 +137,11 @@ class PPOActor:
             if len(m):
                 m[0] = False  # never scored (no prefix), see batching
             scored += int(m.sum())
-            w = np.ones(len(m), np.float32)
-            if self.eta is not None:
-                n_stale += int((m & (v - t.versions.astype(np.int64) > self.eta)).sum())
-                m2, w = stale_token_weights(t.versions, m, v, self.eta, ppo.stale_tokens, ppo.stale_token_decay)
-                if not np.array_equal(m2, m):
-                    m = m2
-                    t = dataclasses.replace(t, loss_mask=m.astype(np.int8))
+            n_stale += int(self.staleness.stale(t.versions, m, v).sum())
+            m2, w = self.staleness.token_weights(t.versions, m, v)
+            if not np.array_equal(m2, m):
+                m = m2
+                t = dataclasses.replace(t, loss_mask=m.astype(np.int8))
             if ppo.loss_agg == LossAgg.seq:
                 w = w * sequence_level_weights(m)
             out.append(t)
@@ -150,13 +149,13 @@ class PPOActor:
         stats.add("stale_token_frac", n_stale, "mean", weight=scored)
         stats.add("n_tokens", sum(int(t.loss_mask[1:].sum()) for t in out))  # loss tokens after the drops
         data = TrainBatch(out)
-        if ppo.loss_agg == LossAgg.seq or ppo.stale_tokens == StaleTokens.downweight:
+        if ppo.loss_agg == LossAgg.seq or self.staleness.stale_tokens == "downweight":
             data.fields["token_weights"] = weights
         n_mini = ppo.minibatches
         if n_mini > 1:  # every rank splits into the same number, and no minibatch is empty on any rank
             n_mini = min(n_mini, int(-self.engine.all_reduce([-float(len(out))], op="max")[0]))
         parts = split_minibatches([len(t.input_ids) for t in out], n_mini)
-        return PPOBatch(list(trajs), data, parts, v, stats, t0)
+        return PPOBatch(list(trajs), data, parts, v, stats, timer)
 
     def compute_logp(self, batch: PPOBatch) -> None:
         """Proximal logprobs (and reference logprobs with a KL penalty) under the weights before this update."""
@@ -218,7 +217,7 @@ class PPOActor:
             for k, val in out.items():  # anything else the engine reports, summed
                 batch.stats.add(k, val)
         self.engine.version = batch.version + 1
-        return self._summary(batch, len(batch.minibatches), time.perf_counter() - batch.t0)
+        return self._summary(batch, len(batch.minibatches), batch.timer.pop()["step"])
 
     # ------------------------------------------------------------------ loss and statistics
     def _loss(self, logits: torch.Tensor, mb: MicroBatch, denominator: float, stats: StatsTracker) -> torch.Tensor:

@@ -8,7 +8,7 @@ import logging
 import os
 from typing import Any, Optional
 
-from arl.config import ExperimentConfig, WeightTransport, weights_backend
+from arl.config import ExperimentConfig, WeightTransport, staleness_policy, weights_backend
 from arl.transport.control import SOCKET_OPTIONS, ControlChannel, RoleParts, aclose, bind, host_address, make_socket
 from arl.transport.sockets import Pull
 
@@ -21,7 +21,7 @@ def learner_actor(cfg: ExperimentConfig) -> tuple[Any, Any]:
 
     backend = LEARNER_BACKENDS.get(cfg.learner.backend)
     actor = PPOActor(backend.build(cfg), cfg.learner.ppo, temperature=cfg.gen.temperature,
-                     eta=cfg.max_head_offpolicyness)
+                     staleness=staleness_policy(cfg))
     return actor, backend
 
 
@@ -68,13 +68,12 @@ async def run_learner(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
         actor=leader or actor,
         engine=leader or actor.engine,
         pull=pull,
-        send_control=ctl.dealer.send,
+        send_control=ctl.post,
         batch_size=lc.batch_size,
         total_steps=cfg.total_train_steps,
         weights_dir=os.path.join(run_dir, "weights"),
         keep_versions=lc.keep_weight_versions,
-        max_head_offpolicyness=cfg.max_head_offpolicyness,
-        stale_tokens=str(lc.ppo.stale_tokens),
+        staleness=actor.staleness,  # the actor's own: one rule for the group drop and the token mask
         checkpoint_dir=os.path.join(run_dir, "checkpoints") if real else None,
         checkpoint_every=lc.checkpoint_every,
         keep_checkpoints=lc.keep_checkpoints,

@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from arl.api.staleness import StalenessPolicy
+
 __all__ = ["group_advantages", "decoupled_ppo_loss", "kl_penalty", "turn_segments", "discounted_turn_returns",
            "turn_level_advantages", "sequence_level_weights", "stale_token_weights", "token_logprobs",
            "entropy_from_logits", "shift_right"]
@@ -299,27 +301,13 @@ def sequence_level_weights(loss_mask: Sequence[int] | np.ndarray) -> np.ndarray:
 def stale_token_weights(
     versions: np.ndarray, loss_mask: np.ndarray, current_version: int, eta: int, mode: str, decay: float = 0.5
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Staleness at consumption, per token: tokens older than ``current_version - eta`` are dropped or down-weighted.
+    """Staleness at consumption, per token: `StalenessPolicy.token_weights` as a function (tests, ablations).
 
     Returns ``(loss_mask, weights)``. ``mode``: ``"keep"`` (unchanged, weights 1), ``"drop"`` (stale tokens leave
     the loss mask, so they count in neither the sum nor the token count), ``"downweight"`` (weight
     ``decay ** (lag - eta)`` where ``lag = current_version - version``; they stay in the token count).
     """
-    m = np.asarray(loss_mask).astype(bool)
-    w = np.ones(m.shape, np.float32)
-    if mode == "keep":
-        return m, w
-    lag = current_version - np.asarray(versions, dtype=np.int64)
-    excess = np.where(m, lag - eta, 0)
-    stale = m & (excess > 0)
-    if mode == "drop":
-        return m & ~stale, w
-    if mode == "downweight":
-        if not 0.0 <= decay <= 1.0:
-            raise ValueError(f"stale token decay must be in [0, 1], got {decay}")
-        w = np.where(stale, np.power(float(decay), np.maximum(excess, 0)), 1.0).astype(np.float32)
-        return m, w
-    raise ValueError(f"stale token mode must be 'keep', 'drop' or 'downweight', got {mode!r}")
+    return StalenessPolicy(eta, mode, decay).token_weights(versions, loss_mask, current_version)
 
 
 def shift_right(x: Tensor, fill: float = 0.0) -> Tensor:

@@ -29,11 +29,14 @@ import contextlib
 import logging
 import os
 import time
-from typing import Any, Awaitable, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from arl.api.engine import TrainEngine
+from arl.api.staleness import StalenessPolicy
 from arl.api.types import Trajectory
 from arl.learner.validation import group_problem
+from arl.transport.messages import Count, GroupReceived, GroupsDropped, SendControl, WeightsPublished
+from arl.utils.timer import PhaseTimer
 
 logger = logging.getLogger("arl.learner")
 
@@ -63,13 +66,12 @@ class LearnerWorker:
         *,
         actor: Any,
         pull: Any,
-        send_control: Callable[[str, dict], Awaitable[None]],
+        send_control: SendControl,
         batch_size: int,
         total_steps: int,
         weights_dir: str,
         keep_versions: int = 3,
-        max_head_offpolicyness: int | None = None,
-        stale_tokens: str = "keep",
+        staleness: StalenessPolicy = StalenessPolicy(),
         checkpoint_dir: Optional[str] = None,
         checkpoint_every: int = 0,
         keep_checkpoints: int = 2,
@@ -79,8 +81,10 @@ class LearnerWorker:
         publisher: Optional[Any] = None,
         skip_names: Iterable[str] = (),
     ) -> None:
-        """`publisher` (weights.transport=broadcast): an `arl.weights.channel.WeightPublisher` that gets each
-        version's state dict (without `skip_names`, the tied copies) instead of a file being written."""
+        """`staleness`: the run's rule, the one the actor masks tokens by (the default has no bound): buffered
+        groups it calls stale are dropped before a batch is taken. `publisher` (weights.transport=broadcast): an
+        `arl.weights.channel.WeightPublisher` that gets each version's state dict (without `skip_names`, the tied
+        copies) instead of a file being written."""
         self.actor = actor  # prepare / compute_logp / compute_advantages / ppo_update (`PPOActor`, `RankLeader`)
         self.engine: Any = engine if engine is not None else actor.engine  # version, save / load / export_weights
         self.pull = pull
@@ -89,10 +93,7 @@ class LearnerWorker:
         self.total_steps = total_steps
         self.weights_dir = weights_dir
         self.keep_versions = max(1, keep_versions)
-        self.eta = max_head_offpolicyness
-        if stale_tokens not in ("keep", "drop", "downweight"):
-            raise ValueError(f"stale_tokens must be 'keep', 'drop' or 'downweight', got {stale_tokens!r}")
-        self.stale_tokens = str(stale_tokens)  # the actor's `ppo.stale_tokens`: decides what a stale group is
+        self.staleness = staleness
         self.buffer: collections.deque[list[Trajectory]] = collections.deque()
         self._arrived = asyncio.Event()
         # exported weight files, oldest first: deleted once below what the controller says is still needed
@@ -116,6 +117,7 @@ class LearnerWorker:
         self._in_step = 0  # groups of the step being trained (taken from the buffer, not yet counted as trained)
         self._last_invalid_log = -1e9
         self.waiting_on = "starting"  # reported in heartbeats; the controller logs it if this role goes silent
+        self.timer = PhaseTimer()  # this step's 'wait' (for a batch) and 'step' (train and export) seconds
         self.export_final = export_final  # called with the last step's weights (file or state dict) and version
         self.publisher = publisher
         self.skip_names = set(skip_names)
@@ -143,46 +145,27 @@ class LearnerWorker:
                     self._last_invalid_log = time.monotonic()
                     logger.warning("dropped an invalid trajectory group (%s); %d so far", problem,
                                    self.stats["invalid_groups"])
-                await self._send("groups_dropped", {"n": 1, "reason": "invalid", "group_ids": [_group_of(group)]})
+                await self._send(GroupsDropped(n=Count(1), reason="invalid", group_ids=[_group_of(group)]))
                 continue
             self.buffer.append(group)
             self.stats["groups_received"] += 1
             self.stats["trajectories_received"] += len(group)
             self._arrived.set()
             # the receipt settles the group at the controller, even if its rollout worker dies before group_done
-            await self._send("group_received", {"group_id": _group_of(group), "n_traj": len(group)})
+            await self._send(GroupReceived(group_id=_group_of(group), n_traj=Count(len(group))))
 
-    def is_stale(self, group: list[Trajectory]) -> bool:
-        """Whether `group` is too stale to train on at the current version (it is dropped, its budget returned).
-
-        Only generated tokens count (a trajectory without any, e.g. an answer cut to nothing, never makes its
-        group stale). With ``stale_tokens='keep'`` a group with any generated token older than ``version - eta``
-        is stale: the whole group goes, so no consumed token is more than eta behind. With ``'drop'`` and
-        ``'downweight'`` the actor handles old tokens one by one (out of the loss, or weighted down), so a group is
-        stale only when every generated token is older than ``version - eta`` (nothing in it is within the bound).
-        """
-        if self.eta is None:
-            return False
-        gen = [g for t in group if len(g := t.versions[t.loss_mask.astype(bool)])]
-        if not gen:
-            return False
-        oldest_ok = self.engine.version - self.eta
-        if self.stale_tokens == "keep":
-            return min(int(g.min()) for g in gen) < oldest_ok
-        return max(int(g.max()) for g in gen) < oldest_ok
-
-    async def next_batch(self) -> tuple[list[Trajectory], float]:
-        """Wait for B fresh-enough groups (FIFO); returns the flattened batch and the seconds spent waiting."""
-        t0 = time.monotonic()
+    async def next_batch(self) -> list[Trajectory]:
+        """Wait for B fresh-enough groups (FIFO); returns the flattened batch."""
         while True:
-            keep = [g for g in self.buffer if not self.is_stale(g)]  # long-tailed stragglers go
+            keep = [g for g in self.buffer if not self.staleness.group_is_stale(g, self.engine.version)]
             if len(keep) < len(self.buffer):
                 dropped = len(self.buffer) - len(keep)
                 self.stats["stale_groups_dropped"] += dropped
                 self.stats["stale_trajectories_dropped"] += sum(map(len, self.buffer)) - sum(map(len, keep))
                 self.buffer = collections.deque(keep)
-                logger.info("dropped %d groups staler than eta=%s; their budget goes back", dropped, self.eta)
-                await self._send("groups_dropped", {"n": dropped, "reason": "stale"})
+                logger.info("dropped %d groups staler than eta=%s; their budget goes back", dropped,
+                            self.staleness.eta)
+                await self._send(GroupsDropped(n=Count(dropped), reason="stale"))
             if len(self.buffer) >= self.batch_size:
                 break
             self.waiting_on = f"waiting for a batch ({len(self.buffer)}/{self.batch_size} groups buffered)"
@@ -191,7 +174,7 @@ class LearnerWorker:
         groups = [self.buffer.popleft() for _ in range(self.batch_size)]
         for g in groups:
             self._note_consumed(g)
-        return [t for g in groups for t in g], time.monotonic() - t0
+        return [t for g in groups for t in g]
 
     def _note_consumed(self, group: list[Trajectory]) -> None:
         self.groups_consumed += 1
@@ -241,17 +224,20 @@ class LearnerWorker:
         v = self.engine.version
         if not self.checkpoint_dir or not self.checkpoint_every or (not force and v % self.checkpoint_every):
             return None
-        t0 = time.monotonic()
-        path = await asyncio.to_thread(self.engine.save, self.checkpoint_dir, self.checkpoint_state(),
-                                       self.keep_checkpoints)
-        logger.info("checkpoint v%d written to %s in %.2fs", v, path, time.monotonic() - t0)
+        timer = PhaseTimer()
+        with timer.phase("checkpoint"):
+            path = await asyncio.to_thread(self.engine.save, self.checkpoint_dir, self.checkpoint_state(),
+                                           self.keep_checkpoints)
+        logger.info("checkpoint v%d written to %s in %.2fs", v, path, timer.seconds["checkpoint"])
         return path
 
     async def train(self) -> None:
         """The learner loop: one policy version per batch of B prompt groups, until ``total_steps``."""
         while self.engine.version < self.total_steps:
-            trajs, waited = await self.next_batch()  # B groups, FIFO; too stale groups were dropped (is_stale)
-            t0, stale_tokens = time.monotonic(), staleness_counts(trajs, self.engine.version)
+            self.timer.start("wait")
+            trajs = await self.next_batch()  # B groups, FIFO; too stale groups were dropped
+            self.timer.start("step")  # until the weights are out: the step's metrics
+            stale_tokens = staleness_counts(trajs, self.engine.version)
             self.waiting_on = f"train step {self.engine.version + 1} ({len(trajs)} trajectories)"
             self._in_step = len(_group_ids(trajs))
             batch = await asyncio.to_thread(self.actor.prepare, trajs)  # per-token staleness, weights, minibatches
@@ -264,13 +250,12 @@ class LearnerWorker:
                 path = weights = await self._export()  # v{version}.safetensors, for the inference workers
             else:  # broadcast: a state dict for the publisher, no file
                 path, weights = "", await self._state_dict()
-            metrics = self._step_metrics(metrics, trajs, waited, time.monotonic() - t0, stale_tokens)
+            metrics = self._step_metrics(metrics, trajs, self.timer.pop(), stale_tokens)
             await self.maybe_checkpoint(force=self.engine.version >= self.total_steps)
             if self.export_final is not None and self.engine.version >= self.total_steps:  # before the run can end
                 await asyncio.to_thread(self.export_final, weights, self.engine.version)
             # publish: the controller sends the weights to inference, reopens the gate and schedules evaluation
-            await self._send("weights_published", {"version": self.engine.version, "path": path,
-                                                   "metrics": metrics})
+            await self._send(WeightsPublished(version=self.engine.version, path=path, metrics=metrics))
             if self.publisher is not None:  # only now: a send never carries a version the controller has not seen
                 await self.publisher.set_newest(self.engine.version, weights)  # packed before the next step
             else:
@@ -291,18 +276,18 @@ class LearnerWorker:
         sd = await asyncio.to_thread(self.engine.full_state_dict, False)
         return {k: v for k, v in sd.items() if k not in self.skip_names}
 
-    def _step_metrics(self, metrics: dict, batch: list[Trajectory], waited: float, train_s: float,
+    def _step_metrics(self, metrics: dict, batch: list[Trajectory], seconds: dict[str, float],
                       stale_tokens: dict[int, int]) -> dict[str, float]:
-        """The step's record: the actor's statistics plus the worker's timing and staleness counters."""
+        """The step's record: the actor's statistics plus the worker's timing (`seconds` of the phases 'wait' and
+        'step') and staleness counters."""
+        waited, train_s = seconds["wait"], seconds["step"]
         self.stats["train_seconds"] += train_s
         self.stats["idle_seconds"] += waited
         self.stats["steps"] += 1
-        head = metrics.get("head_offpolicyness")
-        # head is measured as received: with stale_tokens drop/downweight the actor took the old tokens out of the
-        # loss (or weighted them down, as configured), so only 'keep' can consume a token beyond eta
-        if self.eta is not None and head is not None and head > self.eta and self.stale_tokens == "keep":
+        head = metrics.get("head_offpolicyness")  # as received
+        if head is not None and self.staleness.exceeded(head):
             self.stats["staleness_violations"] += 1
-            logger.error("batch head off-policyness %s exceeds eta=%d", head, self.eta)
+            logger.error("batch head off-policyness %s exceeds eta=%d", head, self.staleness.eta)
         out = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
         out.update(learner_wait_seconds=waited, learner_step_seconds=train_s,
                    samples_per_s=len(batch) / max(train_s + waited, 1e-9), buffered_groups=len(self.buffer),

@@ -30,6 +30,7 @@ import time
 from typing import Any, Optional
 
 from arl.api.types import GenerateRequest, GenerateResponse, GenerationConfig
+from arl.transport.messages import GenAbort
 
 logger = logging.getLogger("arl.rollout")
 
@@ -146,7 +147,8 @@ class InferenceClient:
         """Tell worker `idx` to stop generating `wire_id` (best effort: a lost worker may not hear it)."""
         self.stats[f"aborted_{why}"] += 1
         try:
-            await self._dealers[idx].send("gen_abort", {"qid": wire_id})
+            abort = GenAbort(qid=wire_id)
+            await self._dealers[idx].send(abort.TYPE, abort.to_payload())
         except Exception as e:  # noqa: BLE001 - a closed socket: nothing left to stop
             logger.debug("could not abort request %s on worker %d: %s", wire_id, idx, e)
 

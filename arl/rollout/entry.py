@@ -10,7 +10,7 @@ from typing import Any, Awaitable, Callable
 
 from arl.config import ExperimentConfig, rollout_deadlines
 from arl.transport.control import ControlChannel, RoleParts, aclose, make_socket
-from arl.transport.messages import Eval, Heartbeat, Lookup, WorkerBack, WorkerLost
+from arl.transport.messages import Eval, EvalDone, Heartbeat, Lookup, SendControl, WorkerBack, WorkerLost
 from arl.transport.sockets import Dealer, Push
 
 logger = logging.getLogger("arl.worker")
@@ -68,7 +68,7 @@ def inference_client(cfg: ExperimentConfig, dealers: list[Any]) -> Any:
 
 
 def rollout_worker(cfg: ExperimentConfig, parts: AgentParts, client: Any, *, index: int, prompts: Any,
-                   capacity: int, send_control: Callable[..., Awaitable[None]],
+                   capacity: int, send_control: SendControl,
                    push_group: Callable[[Any], Awaitable[None]]) -> Any:
     """Rollout worker `index`, as the run and `arl.evaluate` build it."""
     from arl.api.registry import make_env
@@ -115,14 +115,14 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
     client = inference_client(cfg, [make_socket(Dealer).connect(a) for a in addrs["inference"]])
     per_worker = max(1, cfg.rollout.max_concurrent_rollouts // cfg.rollout.num_workers)
     worker = rollout_worker(cfg, parts, client, index=index, prompts=prompts, capacity=per_worker,
-                            send_control=ctl.dealer.send, push_group=lambda group: push.send("traj", group))
+                            send_control=ctl.post, push_group=lambda group: push.send("traj", group))
 
     async def on_eval(msg: Eval) -> None:
         result = await worker.evaluate(msg.version, msg.max_prompts)
         # fresh counters first (same socket, so they arrive first): the eval record carries this worker's stats as
         # of the evaluation, not a heartbeat up to a second old (a short run can finish within one heartbeat)
         await ctl.post(Heartbeat(role="rollout", index=index, stats=worker.heartbeat_stats()))
-        await ctl.dealer.send("eval_done", result)
+        await ctl.post(EvalDone.from_payload(result))
 
     async def on_worker_lost(msg: WorkerLost) -> None:  # the controller dropped an inference server: re-route
         if msg.role == "inference":

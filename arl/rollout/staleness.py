@@ -1,9 +1,10 @@
 """The bounded-staleness gate (AReaL's staleness manager), pure logic with no I/O.
 
-A prompt group may start only while `accepted + running < (version + eta + 1) * batch_size` and
-`running < max_concurrent`. With eta = 0 this alone is synchronous PPO; for eta > 0 the learner also drops groups
-that finished too late (see `drop_accepted`), which makes the bound hard. `version` is the policy version every inference worker has loaded, so a group that
-starts under version v makes tokens of version >= v and is consumed by a learner step <= v + eta.
+A prompt group may start only while `accepted + running` is below the run's `StalenessPolicy.admission_limit`,
+``(version + eta + 1) * batch_size``, and `running < max_concurrent`. With eta = 0 this alone is synchronous PPO;
+for eta > 0 the learner also drops groups that finished too late (see `drop_accepted`), which makes the bound hard.
+`version` is the policy version every inference worker has loaded, so a group that starts under version v makes
+tokens of version >= v and is consumed by a learner step <= v + eta.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import re
 from typing import Optional
+
+from arl.api.staleness import StalenessPolicy
 
 _GROUP_ID = re.compile(r"w(\d+)\.([0-9a-f]+)g(\d+)")
 
@@ -30,7 +33,7 @@ def parse_group_id(group_id: str) -> Optional[tuple[int, str]]:
 @dataclasses.dataclass
 class StalenessGate:
     batch_size: int
-    max_head_offpolicyness: int
+    policy: StalenessPolicy  # eta: the run's one staleness rule
     max_concurrent: int
     version: int = 0
     accepted: int = 0
@@ -42,7 +45,7 @@ class StalenessGate:
 
     def capacity(self) -> int:
         """How many more groups may start right now."""
-        by_staleness = (self.version + self.max_head_offpolicyness + 1) * self.batch_size - self.accepted
+        by_staleness = self.policy.admission_limit(self.version, self.batch_size) - self.accepted
         cap = min(by_staleness, self.max_concurrent) - self.running
         if self.max_groups is not None:
             cap = min(cap, self.max_groups - (self.accepted + self.running))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -27,13 +28,13 @@ from arl.rollout.filters import apply_filters
 from arl.rollout.ledger import EngineLog, TokenLedgerError, verify_trajectory
 from arl.rollout.guards import EnvCallError, GuardedEnv, call_with_deadline
 from arl.rollout.staleness import make_group_id
+from arl.transport.messages import Count, Error, GateAcquire, GroupDone, SendControl
 from arl.report.traces import GroupTimeline, TraceSampler, group_traces
 from arl.utils.errors import describe_error, exception_text
 from arl.utils.histogram import LogHistogram
+from arl.utils.timer import PhaseTimer
 
 logger = logging.getLogger("arl.rollout")
-
-SendFn = Callable[[str, dict], Awaitable[None]]
 
 
 class PromptStream:
@@ -202,7 +203,7 @@ def trajectory_stats(trajs: Sequence[Trajectory]) -> dict[str, float]:
 class RolloutWorker:
     def __init__(self, *, index: int, make_agent: Callable[[], Agent], make_eval_agent: Callable[[], Agent],
                  make_env: Callable[[], EnvironmentService], prompts: PromptStream, test_rows: Sequence[dict],
-                 client: InferenceClient, send_control: SendFn,
+                 client: InferenceClient, send_control: SendControl,
                  push_group: Callable[[list[Trajectory]], Awaitable[None]], capacity: int, trajectory_timeout: float,
                  eval_concurrency: int = 64, seed: int = 0, env_timeout: Optional[float] = None,
                  env_groups: Optional[EnvGroupSpec] = None, filter_void_turns: bool = False,
@@ -274,14 +275,15 @@ class RolloutWorker:
             if want > 0:
                 self._wanted += want
                 self._acquires.append([time.monotonic(), want])
-                await self._send("gate_acquire", {"want": want, "incarnation": self._incarnation})
+                await self._send(GateAcquire(want=Count(want), incarnation=self._incarnation))
             self._wake.clear()
             await self._wake.wait()
 
     # -- one prompt group ------------------------------------------------------------------------------------
     async def _run_group(self, prompt: dict, prompt_pos: int = -1, admission_s: Optional[float] = None) -> None:
         gid = make_group_id(self.index, self._incarnation, next(self._group_ids))
-        t0 = time.monotonic()
+        timer = PhaseTimer()
+        timer.start("group")  # env, agent, filters, push: the group's `seconds`
         reason, trajs = "accepted", []
         error: Optional[str] = None  # a dropped group's error: its message and where it was raised (bounded)
         raw: list[Trajectory] = []  # what the agent returned, before filters (for traces)
@@ -345,37 +347,26 @@ class RolloutWorker:
         if not accepted:
             self.drop_reasons[reason] += 1
         self.stats["groups_" + ("accepted" if accepted else "dropped")] += 1
-        done = {
-            "accepted": accepted,
-            "reason": reason,
-            "group_id": gid,
-            "n_traj": len(trajs),
-            "reward_sum": _reward_sum(trajs),
-            "seconds": time.monotonic() - t0,
-            "traj_stats": stats,  # sums of numeric trajectory metadata, before filters
-            "n_traj_raw": n_raw,
-        }
-        if error is not None and not accepted:
-            done["error"] = error
-        if size is not None:
-            done["size_bytes"] = size
-        traces = self._traces(raw, timeline, reason, admission_s, done["seconds"], len(raw) != len(trajs), gid,
+        done = GroupDone(accepted=accepted, reason=reason, group_id=gid, n_traj=len(trajs),
+                         reward_sum=_reward_sum(trajs), seconds=timer.pop()["group"],
+                         traj_stats=stats,  # sums of numeric trajectory metadata, before filters
+                         n_traj_raw=n_raw, error=error if not accepted else None, size_bytes=size)
+        traces = self._traces(raw, timeline, reason, admission_s, done.seconds, len(raw) != len(trajs), gid,
                               prompt.get("id"))
-        if traces:
-            done["traces"] = traces
+        done.traces = traces or None
         await self._report(done)
 
-    async def _report(self, done: dict) -> None:
+    async def _report(self, done: GroupDone) -> None:
         """Send a group's group_done; if it cannot go as it is (traces or stats the wire cannot carry, a frame over
         the limit), without them: every admitted group must end with exactly one, or it holds its gate slot."""
         try:
-            await self._send("group_done", done)
+            await self._send(done)
         except (TypeError, ValueError) as e:
             self.stats["group_done_trimmed"] += 1
-            logger.warning("group %s: group_done sent without its traces and stats (%s: %s)", done.get("group_id"),
+            logger.warning("group %s: group_done sent without its traces and stats (%s: %s)", done.group_id,
                            type(e).__name__, e)
-            keep = ("accepted", "reason", "group_id", "n_traj", "seconds", "size_bytes")
-            await self._send("group_done", {k: done[k] for k in keep if k in done})
+            await self._send(dataclasses.replace(done, reward_sum=0.0, traj_stats=None, n_traj_raw=None, traces=None,
+                                                 error=None))
 
     def _traces(self, raw: list[Trajectory], timeline: Optional[GroupTimeline], reason: str,
                 admission_s: Optional[float], seconds: float, some_dropped: bool, gid: str,
@@ -404,7 +395,7 @@ class RolloutWorker:
             except TokenLedgerError as e:
                 self.stats["ledger_failures"] += 1
                 logger.error("%s", e)
-                await self._send("error", {"message": f"rollout{self.index}: {e}"})
+                await self._send(Error(message=f"rollout{self.index}: {e}"))
                 raise
         self.stats["ledger_checked"] += len(trajs)
 
@@ -436,8 +427,9 @@ class RolloutWorker:
                 finally:
                     await env.close()
 
-        t0 = time.monotonic()
-        await asyncio.gather(*(one(r) for r in rows))
+        timer = PhaseTimer()
+        with timer.phase("eval"):
+            await asyncio.gather(*(one(r) for r in rows))
         n = len(rows)
         first = sum(bool(m.get("first_correct")) for m in results)
         solved = sum(bool(m.get("solved")) for m in results)
@@ -446,7 +438,7 @@ class RolloutWorker:
                 "solved_acc": solved / n if n else 0.0, "mean_turns": sum(turns) / len(turns) if turns else 0.0,
                 "traj_means": {k: v / len(results) for k, v in sorted(stats.items())} if results else {},
                 "errors": dict(errors), "token_versions": [min(versions), max(versions)] if versions else [],
-                "seconds": time.monotonic() - t0}
+                "seconds": timer.seconds["eval"]}
 
     def heartbeat_stats(self) -> dict:
         return {

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import typing
-from typing import Any, Callable, ClassVar, Literal, NewType, Optional, Union
+from typing import Any, Awaitable, Callable, ClassVar, Literal, NewType, Optional, Union
 
 Role = Literal["inference", "learner", "rollout"]
 ROLES: tuple[str, ...] = typing.get_args(Role)
@@ -245,6 +245,9 @@ class Shutdown(ControlMessage):
 
 class Metrics(ControlMessage):
     extra: dict = dataclasses.field(default_factory=dict)
+
+
+SendControl = Callable[[ControlMessage], Awaitable[None]]  # how a role sends: `ControlChannel.post`, typed only
 
 
 def parse(msg_type: str, payload: Any) -> ControlMessage:

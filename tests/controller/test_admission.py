@@ -6,10 +6,11 @@ import pytest
 
 from arl.controller.admission import Admission
 from arl.rollout.staleness import StalenessGate
+from arl.api.staleness import StalenessPolicy
 
 
 def make(batch_size: int = 2, eta: int = 0, max_concurrent: int = 8, max_groups=None) -> Admission:
-    return Admission(StalenessGate(batch_size=batch_size, max_head_offpolicyness=eta, max_concurrent=max_concurrent,
+    return Admission(StalenessGate(batch_size=batch_size, policy=StalenessPolicy(eta), max_concurrent=max_concurrent,
                                    max_groups=max_groups))
 
 

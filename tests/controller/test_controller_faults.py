@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from arl.api.staleness import StalenessPolicy
 from arl.controller.shell import Controller
 from arl.controller.supervision import Supervisor
 
@@ -20,7 +21,7 @@ def make_controller(tmp_path, **kw) -> Controller:
     """A controller with a small run's settings; `kw` replaces some (the supervisor's go to the Supervisor)."""
     supervision = dict(num_inference=1, num_rollout=2, startup_timeout=60)
     supervision.update({k: kw.pop(k) for k in list(kw) if k in inspect.signature(Supervisor).parameters})
-    args = dict(run_dir=str(tmp_path), supervisor=Supervisor(**supervision), batch_size=2, max_head_offpolicyness=3,
+    args = dict(run_dir=str(tmp_path), supervisor=Supervisor(**supervision), batch_size=2, staleness=StalenessPolicy(3),
                 max_concurrent_rollouts=8, total_train_steps=4, eval_every=0, eval_max_prompts=4, progress=False,
                 launcher=FakeLauncher())
     args.update(kw)
@@ -318,7 +319,7 @@ async def test_a_group_the_learner_has_is_accepted_though_its_worker_died_before
 
 @pytest.mark.asyncio
 async def test_a_learner_drop_that_overtakes_its_group_done_returns_the_budget(tmp_path):
-    ctl = make_controller(tmp_path, num_rollout=1, batch_size=1, max_head_offpolicyness=0)
+    ctl = make_controller(tmp_path, num_rollout=1, batch_size=1, staleness=StalenessPolicy(0))
     await ctl._dispatch(b"L", "register", {"role": "learner", "index": 0})
     await ctl._dispatch(b"r0", "register", {"role": "rollout", "index": 0})
     await ctl._grant(ctl.admission.open())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from arl.api.staleness import StalenessPolicy
 from arl.controller.shell import Controller
 from arl.controller.supervision import Supervisor
 
@@ -10,7 +11,7 @@ from .fakes import FakeLauncher
 
 def _controller(tmp_path, **kw):
     return Controller(run_dir=str(tmp_path), supervisor=Supervisor(num_inference=1, num_rollout=2, startup_timeout=30),
-                      batch_size=4, max_head_offpolicyness=2, max_concurrent_rollouts=8, total_train_steps=10,
+                      batch_size=4, staleness=StalenessPolicy(2), max_concurrent_rollouts=8, total_train_steps=10,
                       eval_every=0, eval_max_prompts=4, progress=False, launcher=FakeLauncher(), **kw)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from arl.api.staleness import StalenessPolicy
 from arl.controller.admission import Admission
 from arl.controller.recovery import Fatal, InferenceLost, RolloutLost, give_up, plan_failure
 from arl.controller.supervision import Supervisor
@@ -12,7 +13,7 @@ from arl.rollout.staleness import StalenessGate
 def parts(**kw):
     sup = Supervisor(**{"num_inference": 2, "num_rollout": 2, "startup_timeout": 30, **kw})
     sup.all_up = True
-    admission = Admission(StalenessGate(batch_size=2, max_head_offpolicyness=1, max_concurrent=8))
+    admission = Admission(StalenessGate(batch_size=2, policy=StalenessPolicy(1), max_concurrent=8))
     admission.open()
     return sup, admission, WeightSync(sup.num_inference)
 

@@ -14,6 +14,7 @@ import os
 import numpy as np
 import pytest
 
+from arl.api.staleness import StalenessPolicy
 from arl.api.types import Trajectory
 from arl.config import PPOConfig, SimLearnerConfig
 from arl.controller.shell import Controller
@@ -22,6 +23,7 @@ from arl.learner.actor import PPOActor
 from arl.learner.sim_learner import SimLearner
 from arl.learner.worker import LearnerWorker
 
+from ..typed_control import typed
 from ..waiting import await_until
 from .fakes import FakeLauncher
 
@@ -97,14 +99,14 @@ class World:
 @pytest.mark.asyncio
 async def test_slow_loader_never_finds_its_file_deleted(tmp_path):
     ctl = Controller(run_dir=str(tmp_path), supervisor=Supervisor(num_inference=2, num_rollout=1, startup_timeout=60),
-                     batch_size=BATCH, max_head_offpolicyness=ETA, max_concurrent_rollouts=8, total_train_steps=STEPS,
+                     batch_size=BATCH, staleness=StalenessPolicy(ETA), max_concurrent_rollouts=8, total_train_steps=STEPS,
                      eval_every=0, eval_max_prompts=1, progress=False, launcher=FakeLauncher())
     ctl.spawn_roles()
     pull = Pull()
-    actor = PPOActor(SimLearner(SimLearnerConfig(s_per_token=0.0, step_base_s=0.0)), PPOConfig(), eta=ETA)
-    learner = LearnerWorker(actor=actor, pull=pull, send_control=lambda t, p: ctl._dispatch(b"L", t, p),
+    actor = PPOActor(SimLearner(SimLearnerConfig(s_per_token=0.0, step_base_s=0.0)), PPOConfig(), staleness=StalenessPolicy(ETA))
+    learner = LearnerWorker(actor=actor, pull=pull, send_control=typed(lambda t, p: ctl._dispatch(b"L", t, p)),
                             batch_size=BATCH, total_steps=STEPS, weights_dir=str(tmp_path / "weights"),
-                            keep_versions=1, max_head_offpolicyness=ETA)
+                            keep_versions=1, staleness=actor.staleness)
     world = World(ctl, learner, pull)
     ctl.router = world  # type: ignore[assignment]
     roles = [asyncio.create_task(learner.receive()), asyncio.create_task(learner.train())]

@@ -8,6 +8,8 @@ import pytest
 
 from arl.inference.worker import InferenceWorker
 
+from ..typed_control import typed
+
 
 class SlowEngine:
     def __init__(self) -> None:
@@ -28,7 +30,7 @@ async def test_duplicate_and_older_updates_are_ignored():
     async def send(msg_type: str, payload: dict) -> None:
         acks.append((msg_type, payload["version"]))
 
-    w = InferenceWorker(index=0, engine=engine, router=None, send_control=send)  # type: ignore[arg-type]
+    w = InferenceWorker(index=0, engine=engine, router=None, send_control=typed(send))  # type: ignore[arg-type]
     first = asyncio.create_task(w.update_weights(2, "/v2"))
     await asyncio.sleep(0)
     await w.update_weights(2, "/v2")  # the same version while it loads
@@ -123,7 +125,7 @@ async def test_a_failed_load_is_acked_as_failed_and_the_same_version_loads_on_re
     async def send(msg_type: str, payload: dict) -> None:
         acks.append((msg_type, payload))
 
-    w = InferenceWorker(index=1, engine=engine, router=None, send_control=send)  # type: ignore[arg-type]
+    w = InferenceWorker(index=1, engine=engine, router=None, send_control=typed(send))  # type: ignore[arg-type]
     await w.update_weights(2, "/v2")  # no exception out of it: the failure is reported
     assert engine.version == 0 and w.stats["update_failures"] == 1
     assert acks == [("weights_loaded", {"version": 2, "index": 1, "error": "OSError: cannot read /v2"})]

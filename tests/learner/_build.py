@@ -9,6 +9,7 @@ from typing import Any, Optional
 import torch
 
 from arl.config import DeepSpeedConfig, OptimizerConfig, PPOConfig
+from arl.api.staleness import StalenessPolicy
 
 
 def make_actor(model: torch.nn.Module, *, version: int = 0, seed: int = 0, temperature: float = 1.0,
@@ -29,4 +30,5 @@ def make_actor(model: torch.nn.Module, *, version: int = 0, seed: int = 0, tempe
     engine = DeepSpeedEngine(model, OptimizerConfig(**sections[OptimizerConfig]),
                              DeepSpeedConfig(**sections[DeepSpeedConfig]), seed=seed, version=version,
                              total_optimizer_steps=total_steps, reference=bool(ppo.kl_coef))
-    return PPOActor(engine, ppo, temperature=temperature, eta=eta)
+    return PPOActor(engine, ppo, temperature=temperature,
+                    staleness=StalenessPolicy(eta, ppo.stale_tokens, ppo.stale_token_decay))

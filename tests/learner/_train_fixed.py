@@ -70,13 +70,14 @@ def save(lrn, path: str) -> None:
 
 async def run_worker(args: argparse.Namespace) -> None:
     from arl.learner.worker import LearnerWorker
+    from tests.typed_control import typed
 
     lrn = make_learner(args)
 
     async def send(msg_type: str, payload: dict) -> None:
         pass
 
-    worker = LearnerWorker(actor=lrn, pull=None, send_control=send, batch_size=BATCH, total_steps=args.steps,
+    worker = LearnerWorker(actor=lrn, pull=None, send_control=typed(send), batch_size=BATCH, total_steps=args.steps,
                            weights_dir=os.path.join(os.path.dirname(os.path.abspath(args.out)), "weights"),
                            checkpoint_dir=args.ckpt, checkpoint_every=args.checkpoint_every)
     groups = make_groups(BATCH * args.steps)

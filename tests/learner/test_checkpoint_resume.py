@@ -20,6 +20,8 @@ from safetensors.torch import load_file  # noqa: E402
 from arl.learner.checkpoint import CHECKPOINT_STATE_FILE, latest_checkpoint, read_checkpoint_state  # noqa: E402
 from arl.learner.worker import LearnerWorker  # noqa: E402
 
+from ..typed_control import typed  # noqa: E402
+
 torch.set_num_threads(1)
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -37,7 +39,7 @@ async def _noop(msg_type: str, payload: dict) -> None:
 
 
 def _worker(lrn, tmp, total, every=0, ckpt=None):
-    return LearnerWorker(actor=lrn, pull=None, send_control=_noop, batch_size=tf.BATCH, total_steps=total,
+    return LearnerWorker(actor=lrn, pull=None, send_control=typed(_noop), batch_size=tf.BATCH, total_steps=total,
                          weights_dir=str(tmp / "weights"), checkpoint_dir=ckpt, checkpoint_every=every)
 
 
@@ -95,7 +97,7 @@ def test_keep_last_prunes_and_state_file_is_written_before_latest(tmp_path):
     lrn = tf.make_learner(Args())
     ckpt = str(tmp_path / "ck")
     groups = tf.make_groups(3 * tf.BATCH)
-    w = LearnerWorker(actor=lrn, pull=None, send_control=_noop, batch_size=tf.BATCH, total_steps=3,
+    w = LearnerWorker(actor=lrn, pull=None, send_control=typed(_noop), batch_size=tf.BATCH, total_steps=3,
                       weights_dir=str(tmp_path / "w"), checkpoint_dir=ckpt, checkpoint_every=1, keep_checkpoints=2)
     w.buffer.extend(groups)
     asyncio.run(w.train())

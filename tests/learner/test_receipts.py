@@ -8,11 +8,13 @@ import tempfile
 
 import pytest
 
+from arl.api.staleness import StalenessPolicy
 from arl.config import PPOConfig, SimLearnerConfig
 from arl.learner.actor import PPOActor
 from arl.learner.sim_learner import SimLearner
 from arl.learner.worker import LearnerWorker
 
+from ..typed_control import typed
 from .test_stale_groups import traj
 
 
@@ -36,8 +38,8 @@ async def test_received_groups_are_reported_by_id_and_refused_ones_dropped_by_id
     async def send(msg_type: str, payload: dict) -> None:
         sent.append((msg_type, payload))
 
-    actor = PPOActor(SimLearner(SimLearnerConfig(s_per_token=0.0, step_base_s=0.0), version=5), PPOConfig(), eta=2)
-    worker = LearnerWorker(actor=actor, pull=ListPull([good, bad]), send_control=send, batch_size=2, total_steps=9,
+    actor = PPOActor(SimLearner(SimLearnerConfig(s_per_token=0.0, step_base_s=0.0), version=5), PPOConfig(), staleness=StalenessPolicy(2))
+    worker = LearnerWorker(actor=actor, pull=ListPull([good, bad]), send_control=typed(send), batch_size=2, total_steps=9,
                            weights_dir=tempfile.mkdtemp(), vocab_size=100)
     task = asyncio.create_task(worker.receive())
     for _ in range(200):

@@ -13,6 +13,8 @@ import pytest
 from arl.api.types import Trajectory
 from arl.learner.worker import LearnerWorker
 
+from ..typed_control import typed
+
 
 def group(gid: str) -> list[Trajectory]:
     return [Trajectory(input_ids=[1, 2, 3, 4], loss_mask=[0, 0, 1, 1], logprobs=[0, 0, -1.0, -1.0],
@@ -39,7 +41,7 @@ def learner(tmp_path, frames: list) -> tuple[LearnerWorker, list]:
         sent.append((t, p))
 
     engine = SimpleNamespace(version=0)
-    w = LearnerWorker(actor=SimpleNamespace(engine=engine), pull=FakePull(frames), send_control=send, batch_size=2,
+    w = LearnerWorker(actor=SimpleNamespace(engine=engine), pull=FakePull(frames), send_control=typed(send), batch_size=2,
                       total_steps=1, weights_dir=str(tmp_path / "weights"))
     return w, sent
 

@@ -3,6 +3,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from arl.api.engine import TrainBatch, TrainEngine
+from arl.api.staleness import StalenessPolicy
 from arl.api.types import Trajectory
 from arl.config import PPOConfig, SimLearnerConfig
 from arl.learner.actor import PPOActor
@@ -38,7 +39,7 @@ def test_engine_sleeps_per_token_and_saves_its_version(tmp_path):
 
 def test_actor_over_the_sim_engine_reports_offpolicyness():
     s = SimLearner(SimLearnerConfig(s_per_token=1e-6, step_base_s=0.0, time_scale=0.5), version=2)
-    actor = PPOActor(s, PPOConfig(), eta=1)
+    actor = PPOActor(s, PPOConfig(), staleness=StalenessPolicy(1))
     m = actor.step([traj([0, 1, 2], gid="a"), traj([2, 2], gid="a")])
     assert s.version == 3
     assert m["head_offpolicyness"] == 2 and m["tail_offpolicyness"] == 0 and m["n_seqs"] == 2

@@ -9,11 +9,14 @@ import asyncio
 import numpy as np
 import pytest
 
+from arl.api.staleness import StalenessPolicy
 from arl.api.types import Trajectory
 from arl.config import PPOConfig, SimLearnerConfig
 from arl.learner.actor import PPOActor
 from arl.learner.sim_learner import SimLearner
 from arl.learner.worker import LearnerWorker
+
+from ..typed_control import typed
 
 V, ETA = 5, 2  # the learner is at version 5: tokens older than v3 are more than eta behind
 
@@ -41,7 +44,7 @@ async def one_step(mode: str, kept: int) -> tuple[LearnerWorker, list, list]:
     """Buffer every group, train one step of `kept` groups; returns the worker, the prepared batches and what
     it sent to the controller."""
     actor = PPOActor(SimLearner(SimLearnerConfig(s_per_token=0.0, step_base_s=0.0), version=V),
-                     PPOConfig(stale_tokens=mode), eta=ETA)
+                     PPOConfig(), staleness=StalenessPolicy(ETA, mode))
     prepared: list = []
     prepare = actor.prepare
     actor.prepare = lambda trajs: prepared.append(prepare(trajs)) or prepared[-1]  # type: ignore[method-assign]
@@ -52,8 +55,8 @@ async def one_step(mode: str, kept: int) -> tuple[LearnerWorker, list, list]:
 
     import tempfile
 
-    worker = LearnerWorker(actor=actor, pull=None, send_control=send, batch_size=kept, total_steps=V + 1,
-                           weights_dir=tempfile.mkdtemp(), max_head_offpolicyness=ETA, stale_tokens=mode)
+    worker = LearnerWorker(actor=actor, pull=None, send_control=typed(send), batch_size=kept, total_steps=V + 1,
+                           weights_dir=tempfile.mkdtemp(), staleness=actor.staleness)
     worker.buffer.extend(GROUPS.values())
     await asyncio.wait_for(worker.train(), 60)
     return worker, prepared, sent
@@ -118,9 +121,9 @@ async def test_idle_seconds_count_the_time_spent_waiting_for_a_batch(tmp_path):
     async def send(msg_type: str, payload: dict) -> None:
         pass
 
-    actor = PPOActor(SimLearner(SimLearnerConfig(s_per_token=0.0, step_base_s=0.0), version=V), PPOConfig(), eta=ETA)
-    worker = LearnerWorker(actor=actor, pull=SlowPull(), send_control=send, batch_size=1, total_steps=V + 1,
-                           weights_dir=str(tmp_path), max_head_offpolicyness=ETA)
+    actor = PPOActor(SimLearner(SimLearnerConfig(s_per_token=0.0, step_base_s=0.0), version=V), PPOConfig(), staleness=StalenessPolicy(ETA))
+    worker = LearnerWorker(actor=actor, pull=SlowPull(), send_control=typed(send), batch_size=1, total_steps=V + 1,
+                           weights_dir=str(tmp_path), staleness=actor.staleness)
     receiver = asyncio.create_task(worker.receive())
     try:
         await asyncio.wait_for(worker.train(), 60)

@@ -11,6 +11,7 @@ from arl.api import TrajectoryBuilder
 from arl.transport.codec import decode, encode
 from arl.transport.sockets import FrameTooLarge, Push
 
+from ..typed_control import typed
 from .test_guards import OneShotAgent, make_worker, run_groups
 
 
@@ -94,7 +95,7 @@ async def test_a_group_done_that_cannot_go_as_it_is_goes_without_its_extras():
         sent.append((msg_type, payload))
 
     worker = make_worker([{"id": "p", "mode": "ok"}], [], [])
-    worker._send = send
+    worker._send = typed(send)
     await run_groups(worker, 1)
     (p,) = [p for t, p in sent if t == "group_done"]
     assert p["accepted"] and p["reason"] == "accepted" and p["group_id"].startswith("w0.")

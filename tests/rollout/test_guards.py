@@ -13,6 +13,8 @@ from arl.api import Agent, EnvironmentService, GenerateResponse, SampleOutput, T
 from arl.rollout.guards import DeadlineExceeded, EnvCallError, GuardedEnv, call_with_deadline
 from arl.rollout.worker import PromptStream, RolloutWorker, run_agent
 
+from ..typed_control import typed
+
 
 class FakeClient:
     """Answers every request with one 3-token sample per n."""
@@ -169,7 +171,7 @@ def make_worker(rows, sent, pushed, agent_factory=OneShotAgent, env_timeout=0.1,
         prompts=PromptStream(rows, seed=0),
         test_rows=rows,
         client=FakeClient(),
-        send_control=send,
+        send_control=typed(send),
         push_group=push,
         capacity=capacity,
         trajectory_timeout=5.0,

@@ -16,6 +16,7 @@ from arl.rollout.ledger import EngineLog, TokenLedgerError, verify_trajectory
 from arl.rollout.worker import PromptStream, RolloutWorker, run_agent
 from tests.agents.test_tool_agent import call, turns_script
 from tests.rollout.test_guards import FakeClient, run_groups
+from tests.typed_control import typed
 
 TOK = build_char_tokenizer(TOOL_CHARS)
 PROMPT = {"id": "p1", "prompt": "Tom has 12 apples and gets 7 more. How many?", "answer": "19"}
@@ -147,7 +148,7 @@ def make_worker(rows, sent, pushed, agent, **kw):
         pushed.append(group)
 
     return RolloutWorker(index=0, make_agent=agent, make_eval_agent=agent, make_env=SeedEnv,
-                         prompts=PromptStream(rows, seed=0), test_rows=rows, client=FakeClient(), send_control=send,
+                         prompts=PromptStream(rows, seed=0), test_rows=rows, client=FakeClient(), send_control=typed(send),
                          push_group=push, capacity=8, trajectory_timeout=5.0, env_timeout=1.0, **kw)
 
 

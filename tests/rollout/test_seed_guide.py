@@ -28,6 +28,8 @@ from arl.models.tiny import build_char_tokenizer
 from arl.rollout.guards import EnvCallError, GuardedEnv
 from arl.rollout.worker import PromptStream, RolloutWorker
 
+from ..typed_control import typed
+
 pytestmark = pytest.mark.timeout(60)
 
 BundledGenerationOutputs = GenerateResponse  # glue: AReaL's name for the engine's answer
@@ -150,7 +152,7 @@ async def test_seed_guide_agent_and_env_run_through_the_rollout_worker():
         prompts=PromptStream(rows, seed=0),
         test_rows=rows,
         client=TurnClient("41", "42"),
-        send_control=send,
+        send_control=typed(send),
         push_group=push,
         capacity=1,
         trajectory_timeout=30.0,

@@ -1,10 +1,11 @@
 import random
 
 from arl.rollout.staleness import StalenessGate
+from arl.api.staleness import StalenessPolicy
 
 
 def test_eta0_admits_one_batch_per_version():
-    g = StalenessGate(batch_size=4, max_head_offpolicyness=0, max_concurrent=100)
+    g = StalenessGate(batch_size=4, policy=StalenessPolicy(0), max_concurrent=100)
     assert g.try_start(10) == 4
     for _ in range(4):
         g.finish(True)
@@ -14,7 +15,7 @@ def test_eta0_admits_one_batch_per_version():
 
 
 def test_rejected_groups_return_budget():
-    g = StalenessGate(batch_size=2, max_head_offpolicyness=1, max_concurrent=100)
+    g = StalenessGate(batch_size=2, policy=StalenessPolicy(1), max_concurrent=100)
     assert g.try_start(10) == 4
     g.finish(False)
     assert g.try_start(10) == 1
@@ -23,7 +24,7 @@ def test_rejected_groups_return_budget():
 
 
 def test_concurrency_and_run_end_caps():
-    g = StalenessGate(batch_size=8, max_head_offpolicyness=4, max_concurrent=3, max_groups=5)
+    g = StalenessGate(batch_size=8, policy=StalenessPolicy(4), max_concurrent=3, max_groups=5)
     assert g.try_start(10) == 3
     for _ in range(3):
         g.finish(True)
@@ -37,7 +38,7 @@ def test_simulated_staleness_never_exceeds_eta():
     for eta in (0, 1, 2, 5):
         rng = random.Random(eta)
         B = 3
-        g = StalenessGate(batch_size=B, max_head_offpolicyness=eta, max_concurrent=7)
+        g = StalenessGate(batch_size=B, policy=StalenessPolicy(eta), max_concurrent=7)
         running: list[int] = []  # start versions
         buffer: list[int] = []
         version = 0
@@ -65,7 +66,7 @@ def test_simulated_staleness_never_exceeds_eta():
 def test_a_drop_before_its_groups_acceptance_is_not_lost():
     """The learner's drop of a group can reach the controller before the rollout worker's group_done (two
     connections): at the start of a run there is nothing accepted to take it from; it is taken on acceptance."""
-    g = StalenessGate(batch_size=1, max_head_offpolicyness=0, max_concurrent=100)
+    g = StalenessGate(batch_size=1, policy=StalenessPolicy(0), max_concurrent=100)
     assert g.try_start(5) == 1
     g.drop_accepted(1)  # invalid at the learner, reported before the group's group_done
     g.finish(True)

@@ -24,6 +24,8 @@ from arl.inference.worker import InferenceWorker
 from arl.rollout.client import InferenceClient
 from arl.transport.sockets import Dealer, Router
 
+from ..typed_control import typed
+
 ARL_DIR = os.path.dirname(arl.__file__)
 IN_FLIGHT, ROUND_TRIPS = 8, 100  # round trips per chain
 
@@ -44,7 +46,7 @@ async def calls_per_round_trip() -> collections.Counter:
     async def no_control(msg_type: str, payload: dict) -> None:
         return None
 
-    worker = InferenceWorker(index=0, engine=NullEngine(), router=router, send_control=no_control)
+    worker = InferenceWorker(index=0, engine=NullEngine(), router=router, send_control=typed(no_control))
     serving = asyncio.create_task(worker.serve())
     client = InferenceClient([Dealer().connect(address)], request_timeout=30.0)
     client.start()

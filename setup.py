@@ -29,7 +29,8 @@ setup(
         "dev": ["pytest>=8", "pytest-asyncio>=0.23", "pytest-timeout", "datasets>=2.16",
                 "tensorboard>=2.14", "wandb>=0.19", "mlflow-skinny>=2.14", "matplotlib>=3.7",
                 "ray>=2.40",  # the two-node launcher=ray tests
-                "import-linter>=2.17"],  # lint-imports: the layers contract in .importlinter (.ci/run)
+                "import-linter>=2.17",  # lint-imports: the layers contract in .importlinter (.ci/run)
+                "coverage>=7.10"],  # scripts/files_run.py (which files a run executes, docs/architecture.md)
         "data": ["datasets>=2.16"],
         "sglang": ["sglang>=0.5.23", "requests"],
         "ray": ["ray>=2.40"],  # launcher=ray; imported only then

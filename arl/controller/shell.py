@@ -618,7 +618,7 @@ class Controller:
         name = f"{base}-{tag.hexdigest()[:32]}"
         host, port = self._weights_store
         spec = {"master_address": host, "master_port": port, "group_name": name, "world_size": 2, "rank": 1,
-                "backend": self._weights_backend}  # arl.weights.broadcast.GroupSpec (no torch import here)
+                "backend": self._weights_backend}  # arl.weights.group.GroupSpec (no torch import here)
         await self._send_to(("learner", 0), m.OpenWeightGroup(name=name, server=server))
         await self._send_to(("inference", server), m.JoinWeightGroup(index=server, spec=spec))
 

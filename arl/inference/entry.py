@@ -45,7 +45,7 @@ async def run_inference(cfg: ExperimentConfig, ctl: ControlChannel, index: int, 
         await asyncio.gather(*(w.update_weights(msg.version, msg.path) for w in workers))
 
     async def on_join(msg: JoinWeightGroup) -> None:  # broadcast: the group later updates come through
-        from arl.weights.broadcast import GroupSpec
+        from arl.weights.group import GroupSpec
 
         for w in workers:
             if w.index == msg.index and w.loader is not None:

@@ -28,7 +28,7 @@ def learner_actor(cfg: ExperimentConfig) -> tuple[Any, Any]:
 def weight_publisher(cfg: ExperimentConfig, device: Any) -> Any:
     """Learner rank 0's `WeightPublisher` (weights.transport=broadcast). Over NCCL its buckets live on `device`,
     the GPU the engine trains on (NCCL takes CUDA tensors only); over gloo on the CPU."""
-    from arl.weights.broadcast import WeightSender
+    from arl.weights.sender import WeightSender
     from arl.weights.channel import WeightPublisher
 
     host, backend = host_address(cfg.bind_host), weights_backend(cfg)

@@ -173,7 +173,7 @@ class WeightsLoaded(ControlMessage):
 
 class JoinWeightGroup(ControlMessage):
     """Controller -> inference worker (weights.transport=broadcast): join this group of the learner's weight sender
-    (`arl.weights.broadcast.GroupSpec` as a map); later `update_weights` (empty path) arrive through it. A fresh
+    (`arl.weights.group.GroupSpec` as a map); later `update_weights` (empty path) arrive through it. A fresh
     group name per worker incarnation, so a restarted worker never meets its dead predecessor's group."""
 
     index: int

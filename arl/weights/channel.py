@@ -25,7 +25,10 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from arl.weights.broadcast import GroupSpec, Packed, WeightReceiver, WeightSender, WeightTransferError, make_plan
+from arl.weights.group import GroupSpec, WeightTransferError
+from arl.weights.plan import Packed, make_plan
+from arl.weights.receiver import WeightReceiver
+from arl.weights.sender import WeightSender
 
 logger = logging.getLogger("arl.weights")
 

@@ -13,8 +13,11 @@ import pytest
 import torch
 
 from arl.config import ConfigError, ExperimentConfig, WeightTransport, parse_overrides
-from arl.weights import broadcast as bc
-from arl.weights.broadcast import Group, Packed, WeightSender, WeightTransferError, make_plan
+from arl.weights import group as bc
+from arl.weights import sender as sender_mod
+from arl.weights.group import Group, WeightTransferError
+from arl.weights.plan import Packed, make_plan
+from arl.weights.sender import WeightSender
 from arl.weights.channel import BroadcastLoader, WeightPublisher
 
 BROADCAST = ["weights.transport=broadcast"]
@@ -169,7 +172,7 @@ def test_a_send_waits_for_its_packing_event_before_each_broadcast():
     sender = object.__new__(WeightSender)
     sender.secret, sender.timeout_s, sender.device = None, 1.0, torch.device("cpu")
     sender._lock, sender._groups = threading.Lock(), {}
-    sender._send(1, packed, plan, {"g": bc._SenderGroup(FakeGroup(), "arl")})  # type: ignore[arg-type]
+    sender._send(1, packed, plan, {"g": sender_mod._SenderGroup(FakeGroup(), "arl")})  # type: ignore[arg-type]
     assert order == [("after", "packed-event"), ("broadcast", 32), ("after", "packed-event"), ("broadcast", 32)]
 
 

@@ -14,8 +14,11 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from arl.weights import broadcast as bc
-from arl.weights.broadcast import Group, WeightReceiver, WeightSender, WeightTransferError, make_plan
+from arl.weights import group as bc
+from arl.weights.group import Group, WeightTransferError
+from arl.weights.plan import make_plan
+from arl.weights.receiver import WeightReceiver
+from arl.weights.sender import WeightSender
 
 SECRET = b"weights-secret-0123456789abcdef"
 T = 20.0
@@ -104,7 +107,7 @@ def test_a_forged_sglang_outcome_is_not_taken_for_the_servers():
         store = bc.arl_store(bc.store_client("127.0.0.1", sender.port, T), "g")
         store.set("arl/done/0", json.dumps({"success": True, "message": "forged"}))
         with pytest.raises(TimeoutError):
-            bc._get_signed(store, "g", "arl/done/0", 0.3, SECRET, sender._forged)
+            bc.get_signed(store, "g", "arl/done/0", 0.3, SECRET, sender._forged)
         assert sender.stats["forged_values"] >= 1
         good = bc.sign_value(SECRET, "g", "arl/done/0", '{"success": true}')
         assert bc.verify_value(SECRET, "g", "arl/done/0", good) == '{"success": true}'

@@ -19,6 +19,7 @@ from arl.weights.group import Group, WeightTransferError
 from arl.weights.plan import make_plan
 from arl.weights.receiver import WeightReceiver
 from arl.weights.sender import WeightSender
+from arl.weights.strategy import WeightsSettings
 
 SECRET = b"weights-secret-0123456789abcdef"
 T = 20.0
@@ -175,7 +176,7 @@ async def test_weight_group_names_cannot_be_guessed(tmp_path):
 
     names = []
     for _ in range(2):  # two runs with the same secret
-        ctl = make_controller(tmp_path, num_inference=1, weights_transport="broadcast", secret=SECRET)
+        ctl = make_controller(tmp_path, num_inference=1, weights_settings=WeightsSettings("broadcast"), secret=SECRET)
         await ctl._dispatch(b"i0", "register", {"role": "inference", "index": 0, "address": "tcp://i:0"})
         await ctl._dispatch(b"L", "register", {"role": "learner", "address": "tcp://l:1", "weights_store": STORE})
         names.append(groups(sent(ctl, "open_weight_group"))[0])

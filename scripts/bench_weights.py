@@ -179,7 +179,8 @@ async def _worker(index: int, model_dir: str, conn: Any, timeout_s: float, gen_r
 
     loader = BroadcastLoader(engine, timeout_s=timeout_s, gloo_host=LOOPBACK)
     workers = {"disk": InferenceWorker(index=index, engine=engine, router=None, send_control=ack),
-               "broadcast": InferenceWorker(index=index, engine=engine, router=None, send_control=ack, loader=loader)}
+               "broadcast": InferenceWorker(index=index, engine=engine, router=None, send_control=ack,
+                                            weights=loader)}
     gen: list[asyncio.Task] = []
     tasks: set[asyncio.Task] = set()
 

@@ -589,9 +589,10 @@ class Controller:
     def _registered(self, key: Key) -> bool:
         return key in self.peers
 
-    async def _send_all(self, messages: list[tuple[Key, m.ControlMessage]]) -> None:
-        for key, msg in messages:
-            await self._send_to(key, msg)
+    async def _send_all(self, messages: list[tuple[Key, str, dict]]) -> None:
+        """Send what the weight transport asks for, typed (a bad message of its own raises here)."""
+        for key, msg_type, payload in messages:
+            await self._send_to(key, m.parse(msg_type, payload))
 
     async def _rejoin(self, a: Rejoin) -> None:
         """Route to restarted server `a.server` again: the rollout workers connect to its new address."""

@@ -19,7 +19,6 @@ import itertools
 import os
 from typing import Any, Awaitable, Callable, Iterable, Optional, Sequence
 
-from arl.transport import messages as m
 from arl.weights.strategy import TRANSPORTS, Export, Key, Outgoing, RunFacts, SendLike, Transport
 
 __all__ = ["BroadcastLearner", "BroadcastLink", "BroadcastTransport"]
@@ -104,8 +103,8 @@ class BroadcastLink:
         host, port = self.store
         spec = {"master_address": host, "master_port": port, "group_name": name, "world_size": 2, "rank": 1,
                 "backend": self.backend}  # arl.weights.group.GroupSpec (no torch import here)
-        return [(("learner", 0), m.OpenWeightGroup(name=name, server=server)),
-                (("inference", server), m.JoinWeightGroup(index=server, spec=spec))]
+        return [(("learner", 0), "open_weight_group", {"name": name, "server": server}),
+                (("inference", server), "join_weight_group", {"index": server, "spec": spec})]
 
     def updates(self, sends: Sequence[SendLike], registered: Callable[[Key], bool]) -> Outgoing:
         """``update_weights`` (empty path) to each server, then per version one ``send_weights`` to the learner
@@ -115,8 +114,8 @@ class BroadcastLink:
         for s in sends:
             if registered(("inference", s.server)):
                 servers.setdefault(s.version, []).append(s.server)
-            out.append((("inference", s.server), m.UpdateWeights(version=s.version, path=s.path)))
-        out += [(("learner", 0), m.SendWeights(version=v, servers=ss)) for v, ss in servers.items()]
+            out.append((("inference", s.server), "update_weights", {"version": s.version, "path": s.path}))
+        out += [(("learner", 0), "send_weights", {"version": v, "servers": ss}) for v, ss in servers.items()]
         return out
 
     def resume_path(self, version: int) -> str:

@@ -12,7 +12,6 @@ import contextlib
 import os
 from typing import Any, Awaitable, Callable, Iterable, Optional, Sequence
 
-from arl.transport import messages as m
 from arl.weights.strategy import TRANSPORTS, Export, Key, Outgoing, SendLike, Transport
 
 __all__ = ["DiskLearner", "DiskLink", "DiskLoader", "DiskTransport", "weights_path"]
@@ -103,7 +102,7 @@ class DiskLink:
         return []
 
     def updates(self, sends: Sequence[SendLike], registered: Callable[[Key], bool]) -> Outgoing:
-        return [(("inference", s.server), m.UpdateWeights(version=s.version, path=s.path)) for s in sends]
+        return [(("inference", s.server), "update_weights", {"version": s.version, "path": s.path}) for s in sends]
 
     def resume_path(self, version: int) -> str:
         return weights_path(self.weights_dir, version)

@@ -10,8 +10,8 @@ way, in a module passed via ``imports=[...]``). It has three sides, each built f
   (``arl.controller.weight_sync``, which decides who gets which version whatever the transport) as messages.
 
 The entries and the controller pick the transport by name (`make_transport`) and call it; nothing outside
-`arl/weights/` branches on which one it is. This module imports neither torch nor the control protocol: the
-config validates through it.
+`arl/weights/` branches on which one it is. No module here imports the control protocol (`arl.transport`);
+this one imports no torch either: the config validates through it.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ __all__ = ["ControllerSide", "Export", "InferenceSide", "LearnerSide", "RunFacts
            "WeightsSettings", "make_transport", "weights_problems"]
 
 Key = tuple[str, int]  # (role, index) of the role a message goes to
-Outgoing = list[tuple[Key, Any]]  # typed control messages (`arl.transport.messages`) to send, in order
+# control messages to send, in order: (role, index), type, payload (`arl.transport.messages`; the controller sends
+# them typed, so this package needs no control protocol of its own)
+Outgoing = list[tuple[Key, str, dict[str, Any]]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,8 +159,8 @@ TRANSPORTS: Registry[type[Transport]] = Registry("weights transport",
 
 
 def _builtins() -> None:
-    """Register the built-in transports. Their modules import this one (and the control protocol), so they are
-    imported by name, when first needed: no import cycle."""
+    """Register the built-in transports. Their modules import this one, so they are imported by name, when first
+    needed: no import cycle."""
     for name in BUILTINS:
         importlib.import_module(f"arl.weights.{name}")
 

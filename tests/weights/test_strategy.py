@@ -83,12 +83,14 @@ class PigeonLink:
     def on_register(self, msg: Any, registered: Callable[[Key], bool]) -> Outgoing:
         if msg.role != "inference":
             return []
-        return [(("inference", msg.index), m.JoinWeightGroup(index=msg.index, spec={"loft": "north"}))]
+        return [(("inference", msg.index), "join_weight_group", {"index": msg.index, "spec": {"loft": "north"}})]
 
     def updates(self, sends: Sequence[Any], registered: Callable[[Key], bool]) -> Outgoing:
-        out: Outgoing = [(("inference", s.server), m.UpdateWeights(version=s.version, path=s.path)) for s in sends]
+        out: Outgoing = [(("inference", s.server), "update_weights", {"version": s.version, "path": s.path})
+                         for s in sends]
         if sends:
-            out.append((("learner", 0), m.SendWeights(version=sends[0].version, servers=[s.server for s in sends])))
+            out.append((("learner", 0), "send_weights", {"version": sends[0].version,
+                                                         "servers": [s.server for s in sends]}))
         return out
 
     def resume_path(self, version: int) -> str:

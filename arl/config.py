@@ -12,7 +12,7 @@ import enum
 import importlib
 import inspect
 import os
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
@@ -20,6 +20,9 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from arl.api.registry import AGENTS, INFERENCE_BACKENDS, LEARNER_BACKENDS, TRACKERS
 from arl.utils.errors import ConfigError
 from arl.api.staleness import StalenessPolicy
+
+if TYPE_CHECKING:
+    from arl.weights.strategy import RunFacts, WeightsSettings
 
 
 def _require(checks: Sequence[tuple[bool, str]]) -> None:
@@ -359,19 +362,14 @@ class LearnerConfig:
     sim: SimLearnerConfig = field(factory=SimLearnerConfig)
 
 
-class WeightTransport(enum.StrEnum):
-    disk = "disk"
-    broadcast = "broadcast"
-
-
 @dataclasses.dataclass
 class WeightsConfig:
     """How new weights travel from the learner to the inference workers."""
 
-    transport: WeightTransport = field(WeightTransport.disk, "'disk': the learner writes weights/v<N>.safetensors and "
-                                                             "every worker reads it (a shared filesystem across "
-                                                             "hosts); 'broadcast': learner rank 0 sends them over a "
-                                                             "torch.distributed group per inference worker (no file).")
+    transport: str = field("disk", "'disk': the learner writes weights/v<N>.safetensors and every worker reads it (a "
+                                   "shared filesystem across hosts); 'broadcast': learner rank 0 sends them over a "
+                                   "torch.distributed group per inference worker (no file); or a transport registered "
+                                   "in arl.weights.strategy.TRANSPORTS.")
     backend: str = field("auto", "broadcast: 'gloo', 'nccl', or 'auto' (nccl when inference runs on CUDA, else gloo; "
                                  "disk instead when learner rank 0 and an inference server share a GPU).")
     bucket_mb: int = field(64, "broadcast: tensors travel in buckets of at most this many MiB.")
@@ -616,16 +614,10 @@ def validate(cfg: Any) -> None:
         (cfg.weights.backend in ("auto", "gloo", "nccl"), "weights.backend must be 'auto', 'gloo' or 'nccl'"),
         (cfg.weights.bucket_mb >= 1 and cfg.weights.timeout_s > 0,
          "weights.bucket_mb must be >= 1 and weights.timeout_s > 0"),
-        (cfg.weights.transport == WeightTransport.disk or (ic.backend in ("torch", "sglang")
-                                                           and lc.backend != "sim" and ic.servers_per_process == 1),
-         "weights.transport=broadcast needs inference.backend torch or sglang, a learner that trains a model "
-         "(not sim) and inference.servers_per_process=1"),
     ]
-    if cfg.weights.transport == WeightTransport.broadcast and cfg.weights.backend == "nccl":
-        why = shared_gpu(cfg)
-        checks.append((why is None, f"weights.backend=nccl: {why}; NCCL cannot put two ranks of one group on one "
-                                    "GPU ('Duplicate GPU detected'). Give them GPUs of their own, or use "
-                                    "weights.backend=auto (weights then go by disk) or gloo"))
+    from arl.weights.strategy import weights_problems
+
+    checks += [(False, p) for p in weights_problems(weights_settings(cfg), _weights_facts(cfg))]
     checks.append((ic.backend in INFERENCE_BACKENDS, f"inference.backend: {INFERENCE_BACKENDS.unknown(ic.backend)}"))
     checks.append((lc.backend in LEARNER_BACKENDS, f"learner.backend: {LEARNER_BACKENDS.unknown(lc.backend)}"))
     checks += [(name == "jsonl" or name in TRACKERS, f"loggers: {TRACKERS.unknown(name)}") for name in cfg.loggers]
@@ -745,17 +737,35 @@ def shared_gpu(cfg: ExperimentConfig) -> Optional[str]:
     return None
 
 
-def resolve_weights(cfg: ExperimentConfig) -> tuple[ExperimentConfig, Optional[str]]:
-    """The config a run uses for weights, and a note when it differs: with `weights.backend=auto`, broadcast
-    weights between a learner and inference that share a GPU go by disk (NCCL cannot, see `shared_gpu`)."""
+def weights_settings(cfg: ExperimentConfig) -> WeightsSettings:
+    """The `arl.weights.strategy.WeightsSettings` of a run: the transport's name and knobs, resolved."""
+    from arl.weights.strategy import WeightsSettings
+
     w = cfg.weights
-    if w.transport != WeightTransport.broadcast or w.backend != "auto" or weights_backend(cfg) != "nccl":
+    return WeightsSettings(transport=str(w.transport), backend=weights_backend(cfg), bucket_bytes=w.bucket_mb << 20,
+                           timeout_s=w.timeout_s, receivers="sglang" if cfg.inference.backend == "sglang" else "arl")
+
+
+def _weights_facts(cfg: ExperimentConfig) -> RunFacts:
+    """What the transport's checks may ask of the run (`arl.weights.strategy.RunFacts`)."""
+    from arl.weights.strategy import RunFacts
+
+    return RunFacts(inference_backend=cfg.inference.backend, learner_trains=cfg.learner.backend != "sim",
+                    servers_per_process=cfg.inference.servers_per_process, backend_setting=cfg.weights.backend,
+                    shared_gpu=shared_gpu(cfg))
+
+
+def resolve_weights(cfg: ExperimentConfig) -> tuple[ExperimentConfig, Optional[str]]:
+    """The config a run uses for weights, and a note when it differs: the transport may hand over to another
+    (broadcast with `weights.backend=auto` goes by disk between a learner and inference that share a GPU, which
+    NCCL cannot: `shared_gpu`)."""
+    from arl.weights.strategy import make_transport
+
+    other = make_transport(weights_settings(cfg)).fallback(_weights_facts(cfg))
+    if other is None:
         return cfg, None
-    why = shared_gpu(cfg)
-    if why is None:
-        return cfg, None
-    note = f"weights.transport=broadcast with weights.backend=auto: {why}; NCCL cannot, so weights go by disk"
-    return dataclasses.replace(cfg, weights=dataclasses.replace(w, transport=WeightTransport.disk)), note
+    name, note = other
+    return dataclasses.replace(cfg, weights=dataclasses.replace(cfg.weights, transport=name)), note
 
 
 def resolve_threads(cfg: ExperimentConfig, role: str) -> int:
@@ -766,6 +776,6 @@ def resolve_threads(cfg: ExperimentConfig, role: str) -> int:
 
 __all__ = [
     "ExperimentConfig", "ConfigError", "parse_overrides", "split_experiment", "format_help", "import_user_modules",
-    "to_yaml", "resolve_threads", "weights_backend", "shared_gpu", "resolve_weights", "rollout_deadlines",
-    "agent_turns", "DictConfig", "partition_groups", "worker_groups", "check_env_capacity",
+    "to_yaml", "resolve_threads", "weights_backend", "weights_settings", "shared_gpu", "resolve_weights",
+    "rollout_deadlines", "agent_turns", "DictConfig", "partition_groups", "worker_groups", "check_env_capacity",
 ]

@@ -155,7 +155,7 @@ async def _worker(index: int, model_dir: str, conn: Any, timeout_s: float, gen_r
     from arl.api.types import GenerateRequest, GenerationConfig
     from arl.inference.torch_engine import TorchEngine
     from arl.inference.worker import InferenceWorker
-    from arl.weights.broadcast import GroupSpec
+    from arl.weights.group import GroupSpec
     from arl.weights.channel import BroadcastLoader
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -179,7 +179,8 @@ async def _worker(index: int, model_dir: str, conn: Any, timeout_s: float, gen_r
 
     loader = BroadcastLoader(engine, timeout_s=timeout_s, gloo_host=LOOPBACK)
     workers = {"disk": InferenceWorker(index=index, engine=engine, router=None, send_control=ack),
-               "broadcast": InferenceWorker(index=index, engine=engine, router=None, send_control=ack, loader=loader)}
+               "broadcast": InferenceWorker(index=index, engine=engine, router=None, send_control=ack,
+                                            weights=loader)}
     gen: list[asyncio.Task] = []
     tasks: set[asyncio.Task] = set()
 
@@ -305,7 +306,7 @@ async def bench_transports(a: argparse.Namespace, learner: Learner, model_dir: s
                            n: int) -> dict[str, Any]:
     """disk and broadcast to `n` worker processes: idle timings, then the in-flight pause while they generate."""
     from arl.learner.export import tied_aliases
-    from arl.weights.broadcast import WeightSender
+    from arl.weights.sender import WeightSender
     from arl.weights.channel import WeightPublisher
 
     fleet = Fleet(n, model_dir, a)

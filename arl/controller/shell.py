@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import hmac
-import itertools
 import logging
 import os
 import sys
@@ -40,6 +37,7 @@ from arl.rollout.staleness import StalenessGate, parse_group_id
 from arl.transport.sockets import Router, bind_random
 from arl.utils.net import free_port
 from arl.utils.proc import tail
+from arl.weights.strategy import WeightsSettings, make_transport
 
 logger = logging.getLogger("arl.controller")
 
@@ -56,11 +54,11 @@ class Controller:
                  eval_max_prompts: int, progress: bool = True, resume: Optional[dict] = None, learner_ranks: int = 1,
                  secret: Optional[bytes] = None, bind_host: str = "127.0.0.1", max_bytes: Optional[int] = None,
                  stack_dump_wait: float = 2.0, sinks: Optional[list[MetricsSink]] = None,
-                 max_no_progress_s: float = 0.0, max_consecutive_drops: int = 0, weights_transport: str = "disk",
-                 weights_backend: str = "gloo") -> None:
+                 max_no_progress_s: float = 0.0, max_consecutive_drops: int = 0,
+                 weights_settings: Optional[WeightsSettings] = None) -> None:
         """`supervisor` holds the run's shape (servers, rollout workers) and its restart and timeout policy.
-        `weights_transport` 'broadcast': weights go from the learner to each inference server over a group of
-        their own (`arl.weights.channel`), formed when both registered, a new one per incarnation of a server."""
+        `weights_settings` name the transport of weights (default: disk); its controller side says what to send when
+        a role registers and turns `WeightSync`'s sends into messages (`arl.weights.strategy`)."""
         self.run_dir, self.sup, self.launcher, self.eval_max_prompts = run_dir, supervisor, launcher, eval_max_prompts
         self.learner_ranks = max(1, int(learner_ranks))  # > 1: the learner role runs under torchrun
         # Resuming from a learner checkpoint (its arl_state.json): the gate starts at that version with the
@@ -84,13 +82,8 @@ class Controller:
         # group gets through (see ProgressWatch)
         self.progress_watch = ProgressWatch(max_no_progress_s=max_no_progress_s,
                                             max_consecutive_drops=max_consecutive_drops, warn_after_s=None)
-        if weights_transport not in ("disk", "broadcast"):
-            raise ValueError(f"weights_transport must be disk or broadcast, got {weights_transport!r}")
-        self.broadcast = weights_transport == "broadcast"
-        self._weights_backend = weights_backend
-        self._weights_store: Optional[tuple[str, int]] = None  # the learner's sender (broadcast)
-        self._group_numbers = itertools.count(1)  # names a fresh weight group per server incarnation (broadcast)
-        self._group_nonce = os.urandom(16)
+        self.weights_link = make_transport(weights_settings or WeightsSettings()).controller(
+            weights_dir=os.path.join(run_dir, "weights"), num_servers=supervisor.num_inference, secret=secret)
         self._secret, self._bind_host, self._max_bytes = secret, bind_host, max_bytes
         self.stack_dump_wait = stack_dump_wait
         self.router: Optional[Router] = None
@@ -322,9 +315,6 @@ class Controller:
             return self.refuse(*refused)
         key = (msg.role, msg.index)
         restarted = self.sup.registered(key, time.monotonic(), len(self.peers))
-        if msg.role == "learner" and self.broadcast and msg.weights_store:
-            host, _, port = msg.weights_store.rpartition(":")
-            self._weights_store = (host, int(port))
         logger.info("registered %s%d (pid %s)", msg.role, msg.index, msg.pid)
         where = getattr(self.launcher, "where", None)  # a launcher that places roles on nodes says where
         placed = where(self.sup.process_of(*key)) if where is not None else None
@@ -333,11 +323,7 @@ class Controller:
                                 **placed)
         self.registry.write(self.address)
         await self._send(ident, m.Ack(ok=True, prompt_position=self.registry.prompt_position(msg.role, msg.index)))
-        # broadcast: a weight group for each inference server once it and the learner registered (a server's is
-        # formed before it is sent anything to load)
-        if self.broadcast and msg.role != "rollout":
-            for server in range(self.sup.num_inference) if msg.role == "learner" else [msg.index]:
-                await self._form_weight_group(server)
+        await self._send_all(self.weights_link.on_register(msg, self._registered))  # e.g. a weight group
         if msg.role == "inference":
             await self._apply(self.weights.registered(msg.index))  # a restarted server catches up, then rejoins
         await self._answer_lookups()
@@ -434,36 +420,23 @@ class Controller:
             await self._send_to(("rollout", index), m.GateGrant(n=n))  # type: ignore[arg-type]
 
     async def _apply(self, actions: list[Action]) -> None:
-        sends: dict[int, list[int]] = {}  # broadcast: version -> servers the learner sends it to
+        # the weight transport's messages for the sends (an action list never mixes sends with the others)
+        await self._send_all(self.weights_link.updates([a for a in actions if isinstance(a, Send)], self._registered))
         for a in actions:
-            if isinstance(a, Send):
-                if self.broadcast and ("inference", a.server) in self.peers:
-                    sends.setdefault(a.version, []).append(a.server)
-                await self._send_to(("inference", a.server), m.UpdateWeights(version=a.version, path=a.path))
-            elif isinstance(a, Rejoin):
+            if isinstance(a, Rejoin):
                 await self._rejoin(a)
             elif isinstance(a, GiveUp):  # handled as the failure of its process: restarted, dropped or fatal
                 why = f"could not load weights v{a.version} ({a.attempts} tries in a row): {a.error}"
                 if not await self._on_failure(self.sup.process_of("inference", a.server), why):
                     self.fail(f"inference server {a.server} {why}")
-        for version, servers in sends.items():
-            await self._send_to(("learner", 0), m.SendWeights(version=version, servers=servers))
 
-    async def _form_weight_group(self, server: int) -> None:
-        """Broadcast: a new weight group between the learner and inference server `server` (its new incarnation),
-        once both registered; the learner closes the server's previous group."""
-        if self._weights_store is None or ("inference", server) not in self.peers:
-            return
-        # unguessable (the store has no access control): a tag derived from the run's secret and a nonce of this
-        # controller, so a peer that reaches the store cannot name a group it was not told (docs/reliability.md)
-        base = f"arl-weights-s{server}-{next(self._group_numbers)}"
-        tag = hmac.new(self._secret or self._group_nonce, self._group_nonce + base.encode(), hashlib.sha256)
-        name = f"{base}-{tag.hexdigest()[:32]}"
-        host, port = self._weights_store
-        spec = {"master_address": host, "master_port": port, "group_name": name, "world_size": 2, "rank": 1,
-                "backend": self._weights_backend}  # arl.weights.broadcast.GroupSpec (no torch import here)
-        await self._send_to(("learner", 0), m.OpenWeightGroup(name=name, server=server))
-        await self._send_to(("inference", server), m.JoinWeightGroup(index=server, spec=spec))
+    def _registered(self, key: Key) -> bool:
+        return key in self.peers
+
+    async def _send_all(self, messages: list[tuple[Key, str, dict]]) -> None:
+        """Send what the weight transport asks for, typed (a bad message of its own raises here)."""
+        for key, msg_type, payload in messages:
+            await self._send_to(key, m.parse(msg_type, payload))
 
     async def _rejoin(self, a: Rejoin) -> None:
         """Route to restarted server `a.server` again: the rollout workers connect to its new address."""
@@ -499,7 +472,7 @@ class Controller:
             await self._evaluate(self.schedule.request(0))
         elif self.start_version not in self.weights.published:
             logger.info("all roles registered; resuming at version %d", self.start_version)
-            path = "" if self.broadcast else os.path.join(self.run_dir, "weights", f"v{self.start_version}.safetensors")
+            path = self.weights_link.resume_path(self.start_version)  # the checkpoint's, published by the learner
             await self._apply(self.weights.publish(self.start_version, path))
 
     async def _evaluate(self, versions: list[int]) -> None:

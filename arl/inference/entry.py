@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Awaitable, Callable
 
-from arl.config import ExperimentConfig, WeightTransport
+from arl.config import ExperimentConfig, weights_settings
 from arl.transport.control import SOCKET_OPTIONS, ControlChannel, RoleParts, aclose, bind, host_address, make_socket
-from arl.transport.messages import JoinWeightGroup, UpdateWeights
+from arl.transport.messages import UpdateWeights
 from arl.transport.sockets import Router
 
 async def run_inference(cfg: ExperimentConfig, ctl: ControlChannel, index: int, run_dir: str) -> RoleParts:
@@ -23,8 +23,10 @@ async def run_inference(cfg: ExperimentConfig, ctl: ControlChannel, index: int, 
     """
     from arl.inference.factory import build_engine
     from arl.inference.worker import InferenceWorker
+    from arl.weights.strategy import make_transport
 
     ic = cfg.inference
+    transport, host = make_transport(weights_settings(cfg)), host_address(cfg.bind_host)
     first = index * ic.servers_per_process
     workers: list[Any] = []
     addresses: list[str] = []
@@ -32,31 +34,28 @@ async def run_inference(cfg: ExperimentConfig, ctl: ControlChannel, index: int, 
         engine = build_engine(cfg.model.path, ic, seed=cfg.seed, index=i, run_dir=run_dir)
         router = make_socket(Router)
         addresses.append(bind(router, cfg.bind_host))
-        loader = None
-        if cfg.weights.transport == WeightTransport.broadcast:
-            from arl.weights.channel import BroadcastLoader
-
-            loader = BroadcastLoader(engine, timeout_s=cfg.weights.timeout_s, gloo_host=host_address(cfg.bind_host),
-                                     secret=SOCKET_OPTIONS.get("secret"))
+        weights = transport.inference(engine, host=host, secret=SOCKET_OPTIONS.get("secret"))
         workers.append(InferenceWorker(index=i, engine=engine, router=router, send_control=ctl.post,
-                                       loader=loader))
+                                       weights=weights))
 
     async def on_update(msg: UpdateWeights) -> None:
         await asyncio.gather(*(w.update_weights(msg.version, msg.path) for w in workers))
 
-    async def on_join(msg: JoinWeightGroup) -> None:  # broadcast: the group later updates come through
-        from arl.weights.broadcast import GroupSpec
-
-        for w in workers:
-            if w.index == msg.index and w.loader is not None:
-                await w.loader.join(GroupSpec.from_dict(msg.spec))
+    def to_server(msg_type: str) -> Callable[[Any], Awaitable[None]]:
+        """The transport's command `msg_type`, for the hosted server it names (``index``)."""
+        async def handle(msg: Any) -> None:
+            for w in workers:
+                if w.index == msg.index and msg_type in w.weights.handlers:
+                    await w.weights.handlers[msg_type](msg)
+        return handle
 
     ctl.handlers["update_weights"] = on_update  # before registering: a restarted server is sent the newest at once
-    ctl.handlers["join_weight_group"] = on_join
+    for msg_type in sorted({t for w in workers for t in w.weights.handlers} - {"update_weights"}):
+        ctl.handlers[msg_type] = to_server(msg_type)  # the weight transport's own commands
     for w, address in zip(workers, addresses):
         await ctl.register(cfg.startup_timeout, index=w.index, address=address)
     return ([*(w.serve() for w in workers), *(ctl.heartbeat(w.heartbeat_stats, w.index) for w in workers)],
-            [*(w.loader.close() for w in workers if w.loader is not None), *(w.engine.close() for w in workers),
+            [*(w.weights.close() for w in workers), *(w.engine.close() for w in workers),
              *(aclose(w.router) for w in workers)])
 
 

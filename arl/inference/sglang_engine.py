@@ -292,7 +292,7 @@ class SGLangEngine:
                 shutil.rmtree(self._built_dirs.pop(0), ignore_errors=True)
 
     async def update_weights_from_distributed(self, client: Any, wait_s: Optional[float] = None) -> int:
-        """Load the next transfer of the learner's weight broadcast (`weights.transport=broadcast`) through
+        """Load the next transfer of the learner's weight broadcast (the `broadcast` weight transport) through
         `client`, an `arl.weights.sglang.SGLangWeightClient` whose group this server joined: wait for the learner
         to announce it (generation goes on), then pause (per `pause_mode`), have the server receive it, resume.
         Returns the version loaded (the newest the learner held, which may be newer than the one asked for)."""

@@ -259,7 +259,7 @@ class TorchEngine:
 
     async def update_weights_from_tensors(self, tensors: dict[str, torch.Tensor], version: int,
                                           source: str = "tensors") -> None:
-        """`update_weights` from tensors already in memory (received by broadcast, `weights.transport=broadcast`):
+        """`update_weights` from tensors already in memory (received by the `broadcast` transport):
         checked and cast off the decode thread, swapped in at the next step boundary. `tensors` is consumed."""
         self.start()
         prepared = await asyncio.to_thread(self._prepare_tensors, tensors, source)

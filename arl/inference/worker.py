@@ -10,18 +10,20 @@ from typing import Any, Optional
 from arl.api.engine import InferenceEngine
 from arl.api.types import GenerateRequest, GenerateResponse
 from arl.transport.messages import SendControl, WeightsLoaded
+from arl.weights.disk import DiskLoader
+from arl.weights.strategy import InferenceSide
 
 logger = logging.getLogger("arl.inference")
 
 
 class InferenceWorker:
     def __init__(self, *, index: int, engine: InferenceEngine, router: Any,
-                 send_control: SendControl, loader: Optional[Any] = None) -> None:
-        """`loader` (weights.transport=broadcast): an `arl.weights.channel.BroadcastLoader`; updates come through
-        it instead of from the path."""
+                 send_control: SendControl, weights: Optional[InferenceSide] = None) -> None:
+        """`weights`: how updates reach the engine, a server's side of a weight transport
+        (`arl.weights.strategy.InferenceSide`); default: the engine reads the file each update names (disk)."""
         self.index = index
         self.engine = engine
-        self.loader = loader
+        self.weights = weights if weights is not None else DiskLoader(engine)
         self.router = router
         self._send = send_control
         self._inflight: dict[tuple[bytes, str], asyncio.Task] = {}  # (peer, wire id) -> the task answering it
@@ -98,24 +100,20 @@ class InferenceWorker:
             return
         self._target_version = version
         t0 = time.perf_counter()
-        try:
-            if self.loader is not None:  # the learner sends the newest it holds: at least `version`
-                version = await self.loader.load()
-                self._target_version = max(self._target_version, version)
-                path = "the learner's broadcast"
-            else:
-                await self.engine.update_weights(path, version)
+        try:  # a broadcast sends the newest the learner holds: at least `version`
+            version = await self.weights.load(version, path)
+            self._target_version = max(self._target_version, version)
         except Exception as e:  # noqa: BLE001 - acked as failed: the controller retries it or fails this server
             # the weights are those it had: the same version may be sent again and must then load
             self._target_version = int(self.engine.version)
             self.stats["update_failures"] += 1
-            logger.exception("loading weights v%d from %s failed", version, path or "the learner's broadcast")
+            logger.exception("loading weights v%d from %s failed", version, self.weights.source(path))
             await self._send(WeightsLoaded(version=version, index=self.index, error=f"{type(e).__name__}: {e}"[:1000]))
             return
         ms = (time.perf_counter() - t0) * 1000
         self.stats["updates"] += 1
         self.stats["update_ms_last"] = ms
-        logger.info("loaded weights v%d from %s in %.1f ms", version, path, ms)
+        logger.info("loaded weights v%d from %s in %.1f ms", version, self.weights.source(path), ms)
         await self._send(WeightsLoaded(version=version, index=self.index, ms=ms))
 
     def heartbeat_stats(self) -> dict:

@@ -12,7 +12,7 @@ import time
 from typing import Any, Optional
 
 from arl.config import (ExperimentConfig, LauncherKind, resolve_weights, staleness_policy, to_yaml,
-                        weights_backend)
+                        weights_settings)
 from arl.controller.shell import Controller, RunFailed
 from arl.launch.local import LocalLauncher
 from arl.transport.security import SECRET_ENV, effective_bind_host, is_loopback, resolve_secret
@@ -115,8 +115,7 @@ def _controller(cfg: ExperimentConfig, run_dir: str, bind_host: str, secret: Opt
         max_bytes=cfg.max_message_bytes,
         max_no_progress_s=rc.max_no_progress_s,
         max_consecutive_drops=rc.max_consecutive_drops,
-        weights_transport=str(cfg.weights.transport),
-        weights_backend=weights_backend(cfg),
+        weights_settings=weights_settings(cfg),
         sinks=make_sinks(cfg.loggers, run_dir, dataclasses.asdict(dataclasses.replace(cfg, secret="")),
                          cfg.experiment),
     )

@@ -8,7 +8,7 @@ import logging
 import os
 from typing import Any, Optional
 
-from arl.config import ExperimentConfig, WeightTransport, staleness_policy, weights_backend
+from arl.config import ExperimentConfig, staleness_policy, weights_settings
 from arl.transport.control import SOCKET_OPTIONS, ControlChannel, RoleParts, aclose, bind, host_address, make_socket
 from arl.transport.sockets import Pull
 
@@ -25,17 +25,16 @@ def learner_actor(cfg: ExperimentConfig) -> tuple[Any, Any]:
     return actor, backend
 
 
-def weight_publisher(cfg: ExperimentConfig, device: Any) -> Any:
-    """Learner rank 0's `WeightPublisher` (weights.transport=broadcast). Over NCCL its buckets live on `device`,
-    the GPU the engine trains on (NCCL takes CUDA tensors only); over gloo on the CPU."""
-    from arl.weights.broadcast import WeightSender
-    from arl.weights.channel import WeightPublisher
+def learner_weights(cfg: ExperimentConfig, run_dir: str, device: Any) -> Any:
+    """Learner rank 0's side of the configured weight transport (`arl.weights.strategy`); `device`: the
+    engine's."""
+    from arl.learner.export import tied_aliases
+    from arl.weights.strategy import make_transport
 
-    host, backend = host_address(cfg.bind_host), weights_backend(cfg)
-    sender = WeightSender(host, 0, backend=backend, timeout_s=cfg.weights.timeout_s, gloo_host=host,
-                          device=device if backend == "nccl" else None, secret=SOCKET_OPTIONS.get("secret"))
-    return WeightPublisher(sender, protocol="sglang" if cfg.inference.backend == "sglang" else "arl",
-                           bucket_bytes=cfg.weights.bucket_mb << 20)
+    return make_transport(weights_settings(cfg)).learner(
+        weights_dir=os.path.join(run_dir, "weights"), keep_versions=cfg.learner.keep_weight_versions,
+        host=host_address(cfg.bind_host), secret=SOCKET_OPTIONS.get("secret"), device=device,
+        skip_names=lambda: tied_aliases(cfg.model.path))
 
 
 async def run_learner(cfg: ExperimentConfig, ctl: ControlChannel, index: int, run_dir: str) -> RoleParts:
@@ -49,12 +48,7 @@ async def run_learner(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
     pull = make_socket(Pull)
     address = bind(pull, cfg.bind_host)
     real = backend.trains_model  # the simulated backend neither checkpoints nor checks token ids
-    publisher, skip = None, set()
-    if cfg.weights.transport == WeightTransport.broadcast:  # rank 0 sends the weights; no file is written
-        from arl.learner.export import tied_aliases
-
-        publisher = weight_publisher(cfg, getattr(actor.engine, "device", None))
-        skip = tied_aliases(cfg.model.path)
+    weights_side = learner_weights(cfg, run_dir, getattr(actor.engine, "device", None))  # rank 0 sends them
 
     def write_final(weights: Any, version: int) -> None:
         """Writes ``<run>/final/`` (see `arl.learner.export`) from the last step's weights (file or state dict)."""
@@ -71,37 +65,27 @@ async def run_learner(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
         send_control=ctl.post,
         batch_size=lc.batch_size,
         total_steps=cfg.total_train_steps,
-        weights_dir=os.path.join(run_dir, "weights"),
-        keep_versions=lc.keep_weight_versions,
+        weights=weights_side,
         staleness=actor.staleness,  # the actor's own: one rule for the group drop and the token mask
         checkpoint_dir=os.path.join(run_dir, "checkpoints") if real else None,
         checkpoint_every=lc.checkpoint_every,
         keep_checkpoints=lc.keep_checkpoints,
         vocab_size=vocab_size(cfg) if real else None,
         export_final=write_final if real else None,
-        publisher=publisher,
-        skip_names=skip,
     )
 
     # the controller's prune_weights: no server reads versions below msg.below again
-    ctl.handlers["prune_weights"] = lambda msg: worker.prune_below(msg.below)
-    if publisher is not None:
-        ctl.handlers.update(open_weight_group=lambda msg: publisher.open_group(msg.name, msg.server),
-                            send_weights=lambda msg: publisher.request(msg.version, msg.servers))
+    ctl.handlers["prune_weights"] = lambda msg: weights_side.prune(msg.below)
+    ctl.handlers.update(weights_side.handlers)  # the transport's own commands
     if cfg.recover == "auto":
         await worker.resume()  # before registering: the controller sends the exported weights to inference
-    store = f"{publisher.sender.address}:{publisher.sender.port}" if publisher is not None else None
-    await ctl.register(cfg.startup_timeout, address=address, weights_store=store)
-    coros = [worker.receive(), worker.train(), ctl.heartbeat(worker.heartbeat_stats)]
-    cleanups = [aclose(pull)]
-    if publisher is not None:
-        coros.append(publisher.run())
-        cleanups.append(asyncio.to_thread(publisher.close))
+    await ctl.register(cfg.startup_timeout, address=address, **weights_side.registration)
+    coros = [worker.receive(), worker.train(), ctl.heartbeat(worker.heartbeat_stats),
+             *weights_side.coroutines()]
+    cleanups = [aclose(pull), weights_side.close()]
     if leader is not None:
         cleanups.append(asyncio.to_thread(leader.stop))  # release the follower ranks
     return coros, cleanups
-
-
 
 
 def vocab_size(cfg: ExperimentConfig) -> Optional[int]:

@@ -104,7 +104,7 @@ class RankLeader:
         self._run("export_weights", [path] * self.world_size, self.actor.engine.export_weights)
 
     def full_state_dict(self, copy: bool = True) -> Optional[dict]:
-        """Rank 0's full state dict (collective under ZeRO-3), for weights.transport=broadcast."""
+        """Rank 0's full state dict (collective under ZeRO-3), for the `broadcast` weight transport."""
         return self._run("full_state_dict", [()] * self.world_size,
                          lambda _: self.actor.engine.full_state_dict(copy=copy))
 

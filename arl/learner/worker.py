@@ -25,11 +25,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
-import os
 import time
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Optional
 
 from arl.api.engine import TrainEngine
 from arl.api.staleness import StalenessPolicy
@@ -37,6 +35,8 @@ from arl.api.types import Trajectory
 from arl.learner.validation import group_problem
 from arl.transport.messages import Count, GroupReceived, GroupsDropped, SendControl, WeightsPublished
 from arl.utils.timer import PhaseTimer
+from arl.weights.disk import DiskLearner
+from arl.weights.strategy import Export, LearnerSide
 
 logger = logging.getLogger("arl.learner")
 
@@ -69,7 +69,8 @@ class LearnerWorker:
         send_control: SendControl,
         batch_size: int,
         total_steps: int,
-        weights_dir: str,
+        weights: Optional[LearnerSide] = None,
+        weights_dir: str = "",
         keep_versions: int = 3,
         staleness: StalenessPolicy = StalenessPolicy(),
         checkpoint_dir: Optional[str] = None,
@@ -78,27 +79,21 @@ class LearnerWorker:
         vocab_size: Optional[int] = None,
         engine: Optional[TrainEngine] = None,
         export_final: Optional[Callable[[Any, int], Any]] = None,
-        publisher: Optional[Any] = None,
-        skip_names: Iterable[str] = (),
     ) -> None:
         """`staleness`: the run's rule, the one the actor masks tokens by (the default has no bound): buffered
-        groups it calls stale are dropped before a batch is taken. `publisher` (weights.transport=broadcast): an
-        `arl.weights.channel.WeightPublisher` that gets each version's state dict (without `skip_names`, the tied
-        copies) instead of a file being written."""
+        groups it calls stale are dropped before a batch is taken. `weights`: how each version reaches inference, the
+        learner's side of a transport (`arl.weights.strategy.LearnerSide`); without one, files under `weights_dir`
+        (`arl.weights.disk`), the newest `keep_versions` always kept."""
         self.actor = actor  # prepare / compute_logp / compute_advantages / ppo_update (`PPOActor`, `RankLeader`)
         self.engine: Any = engine if engine is not None else actor.engine  # version, save / load / export_weights
         self.pull = pull
         self._send = send_control
         self.batch_size = batch_size
         self.total_steps = total_steps
-        self.weights_dir = weights_dir
-        self.keep_versions = max(1, keep_versions)
+        self.weights = weights if weights is not None else DiskLearner(weights_dir, keep_versions)
         self.staleness = staleness
         self.buffer: collections.deque[list[Trajectory]] = collections.deque()
         self._arrived = asyncio.Event()
-        # exported weight files, oldest first: deleted once below what the controller says is still needed
-        self._exported: collections.deque[tuple[int, str]] = collections.deque()
-        self.needed_from = 0  # versions below this are read by no inference server again (`prune_below`)
         # accounting: every received group ends up trained, dropped as stale or invalid, or still buffered
         self.stats = {"groups_received": 0, "trajectories_received": 0, "steps": 0, "idle_seconds": 0.0,
                       "train_seconds": 0.0, "staleness_violations": 0, "stale_groups_dropped": 0,
@@ -119,10 +114,6 @@ class LearnerWorker:
         self.waiting_on = "starting"  # reported in heartbeats; the controller logs it if this role goes silent
         self.timer = PhaseTimer()  # this step's 'wait' (for a batch) and 'step' (train and export) seconds
         self.export_final = export_final  # called with the last step's weights (file or state dict) and version
-        self.publisher = publisher
-        self.skip_names = set(skip_names)
-        if publisher is None:
-            os.makedirs(weights_dir, exist_ok=True)
 
     async def receive(self) -> None:
         while True:
@@ -202,9 +193,9 @@ class LearnerWorker:
         self._received_ids = {str(i) for i in state.get("received_group_ids", [])}
 
     async def resume(self) -> Optional[int]:
-        """Load the latest checkpoint under ``checkpoint_dir`` (engine state, then `restore`) and export its
-        weights as ``v{version}.safetensors`` for the inference workers; returns the version, or None (and
-        changes nothing) when there is no checkpoint."""
+        """Load the latest checkpoint under ``checkpoint_dir`` (engine state, then `restore`) and publish its
+        weights for the inference workers; returns the version, or None (and changes nothing) when there is no
+        checkpoint."""
         from arl.learner.checkpoint import latest_checkpoint
 
         if not self.checkpoint_dir or latest_checkpoint(self.checkpoint_dir) is None:
@@ -212,10 +203,7 @@ class LearnerWorker:
         state = await asyncio.to_thread(self.engine.load, self.checkpoint_dir)
         self.restore(state or {})
         v = self.engine.version
-        if self.publisher is not None:  # a restarted run's inference workers get these weights by broadcast
-            await self.publisher.set_newest(v, await self._state_dict())
-        else:
-            self._exported.append((v, await self._export()))
+        await self.weights.publish(v, await self._export())  # a restarted run's inference workers get these
         logger.info("resumed from checkpoint v%d (%d groups consumed, data position %s)", v, self.groups_consumed,
                     self.data_position)
         return v
@@ -245,36 +233,18 @@ class LearnerWorker:
             await asyncio.to_thread(self.actor.compute_advantages, batch)  # group-normalised rewards
             metrics = await asyncio.to_thread(self.actor.ppo_update, batch)  # a step per minibatch; version + 1
             self._count_trained(trajs)
-            weights: Any
-            if self.publisher is None:
-                path = weights = await self._export()  # v{version}.safetensors, for the inference workers
-            else:  # broadcast: a state dict for the publisher, no file
-                path, weights = "", await self._state_dict()
+            export = await self._export()  # the new weights, for the inference workers
             metrics = self._step_metrics(metrics, trajs, self.timer.pop(), stale_tokens)
             await self.maybe_checkpoint(force=self.engine.version >= self.total_steps)
             if self.export_final is not None and self.engine.version >= self.total_steps:  # before the run can end
-                await asyncio.to_thread(self.export_final, weights, self.engine.version)
+                await asyncio.to_thread(self.export_final, export.weights, self.engine.version)
             # publish: the controller sends the weights to inference, reopens the gate and schedules evaluation
-            await self._send(WeightsPublished(version=self.engine.version, path=path, metrics=metrics))
-            if self.publisher is not None:  # only now: a send never carries a version the controller has not seen
-                await self.publisher.set_newest(self.engine.version, weights)  # packed before the next step
-            else:
-                self._exported.append((self.engine.version, path))
-                self._prune()
+            await self._send(WeightsPublished(version=self.engine.version, path=export.path, metrics=metrics))
+            await self.weights.publish(self.engine.version, export)  # only now: the controller has seen it
 
-    async def _export(self) -> str:
-        path = os.path.join(self.weights_dir, f"v{self.engine.version}.safetensors")
-        self.waiting_on = f"exporting weights v{self.engine.version}"
-        await asyncio.to_thread(self.engine.export_weights, path)
-        return path
-
-    async def _state_dict(self) -> dict:
-        """The full state dict (collective over the ranks), without the tied copies: what a broadcast sends. Live
-        parameters where the engine can give them (no copy): valid until the next step, the publisher packs them
-        before it."""
-        self.waiting_on = f"gathering weights v{self.engine.version}"
-        sd = await asyncio.to_thread(self.engine.full_state_dict, False)
-        return {k: v for k, v in sd.items() if k not in self.skip_names}
+    async def _export(self) -> Export:
+        self.waiting_on = f"{self.weights.activity} v{self.engine.version}"
+        return await self.weights.export(self.engine.version, self.engine)
 
     def _step_metrics(self, metrics: dict, batch: list[Trajectory], seconds: dict[str, float],
                       stale_tokens: dict[int, int]) -> dict[str, float]:
@@ -308,24 +278,10 @@ class LearnerWorker:
         self.stats["trained_groups"] += len(ids)
         self.stats["trained_trajectories"] += len(batch)
 
-    def prune_below(self, version: int) -> None:
-        """The controller says no inference server will read a weights file older than `version` again (every
-        live one acked a newer one): those may go (`_prune`)."""
-        self.needed_from = max(self.needed_from, int(version))
-        self._prune()
-
-    def _prune(self) -> None:
-        """Delete exported weight files the inference servers no longer need: only versions below
-        `needed_from`, and never the newest `keep_versions` (a floor: at least the newest is always kept)."""
-        while len(self._exported) > self.keep_versions and self._exported[0][0] < self.needed_from:
-            _, old = self._exported.popleft()
-            with contextlib.suppress(OSError):
-                os.remove(old)
-
     def heartbeat_stats(self) -> dict:
         waiting = self.waiting_on if self.engine.version < self.total_steps else (
             f"nothing: all {self.total_steps} steps done")
         return {**self.stats, "buffered_groups": len(self.buffer), "version": self.engine.version,
                 "buffered_trajectories": sum(len(g) for g in self.buffer), "waiting_on": waiting,
-                "in_step_groups": self._in_step, **(self.publisher.stats if self.publisher is not None else {}),
+                "in_step_groups": self._in_step, **self.weights.stats,
                 "transport": dict(getattr(self.pull, "stats", {}))}

@@ -92,7 +92,7 @@ class Register(ControlMessage):
     index: int = 0
     address: Optional[str] = None
     pid: Optional[int] = None
-    weights_store: Optional[str] = None  # learner with weights.transport=broadcast: its sender's store, "host:port"
+    weights_store: Optional[str] = None  # learner, `broadcast` weight transport: its sender's store, "host:port"
 
 
 class Ack(ControlMessage):
@@ -172,8 +172,8 @@ class WeightsLoaded(ControlMessage):
 
 
 class JoinWeightGroup(ControlMessage):
-    """Controller -> inference worker (weights.transport=broadcast): join this group of the learner's weight sender
-    (`arl.weights.broadcast.GroupSpec` as a map); later `update_weights` (empty path) arrive through it. A fresh
+    """Controller -> inference worker (the `broadcast` weight transport): join this group of the learner's weight sender
+    (`arl.weights.group.GroupSpec` as a map); later `update_weights` (empty path) arrive through it. A fresh
     group name per worker incarnation, so a restarted worker never meets its dead predecessor's group."""
 
     index: int

@@ -21,11 +21,14 @@ import asyncio
 import logging
 import threading
 import time
-from typing import Any, Mapping, Optional
+from typing import Any, Awaitable, Callable, Mapping, Optional
 
 import torch
 
-from arl.weights.broadcast import GroupSpec, Packed, WeightReceiver, WeightSender, WeightTransferError, make_plan
+from arl.weights.group import GroupSpec, WeightTransferError
+from arl.weights.plan import Packed, make_plan
+from arl.weights.receiver import WeightReceiver
+from arl.weights.sender import WeightSender
 
 logger = logging.getLogger("arl.weights")
 
@@ -175,9 +178,18 @@ class BroadcastLoader:
         await self._joined
         logger.info("joined weight group %s as rank %d", spec.group_name, spec.rank)
 
-    async def load(self) -> int:
+    @property
+    def handlers(self) -> dict[str, Callable[[Any], Awaitable[None]]]:
+        """``join_weight_group``: the group later updates come through."""
+        return {"join_weight_group": lambda msg: self.join(GroupSpec.from_dict(msg.spec))}
+
+    def source(self, path: str) -> str:
+        return "the learner's broadcast"
+
+    async def load(self, version: int = -1, path: str = "") -> int:
         """Receive the learner's next transfer into the engine; returns its version (the newest the learner held
-        when it sent, at least the one asked for). Raises when no group was joined or the transfer failed."""
+        when it sent, at least `version`; there is no `path`). Raises when no group was joined or the transfer
+        failed."""
         if self._joined is None:
             raise WeightTransferError("no weight group joined yet (join_weight_group never came)")
         await self._joined

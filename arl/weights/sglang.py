@@ -15,8 +15,8 @@ import urllib.error
 import urllib.request
 from typing import Any, Optional
 
-from arl.weights.broadcast import GroupSpec, TransferPlan, WeightTransferError, arl_store, sign_value, \
-    store_client, wait_announced
+from arl.weights.group import GroupSpec, WeightTransferError, arl_store, sign_value, store_client, wait_announced
+from arl.weights.plan import TransferPlan
 
 __all__ = ["SGLangWeightClient"]
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from arl.weights.strategy import WeightsSettings
+
 from .fakes import FakeRouter
 from .test_controller_faults import make_controller
 
@@ -24,7 +26,7 @@ def groups(messages) -> dict[int, str]:
 
 @pytest.mark.asyncio
 async def test_groups_form_once_both_ends_registered_and_updates_go_to_both(tmp_path):
-    ctl = make_controller(tmp_path, num_inference=2, weights_transport="broadcast")
+    ctl = make_controller(tmp_path, num_inference=2, weights_settings=WeightsSettings("broadcast"))
     await ctl._dispatch(b"i0", "register", {"role": "inference", "index": 0, "address": "tcp://i:0"})
     assert sent(ctl, "open_weight_group", "join_weight_group") == []  # no learner yet
     await ctl._dispatch(b"L", "register", {"role": "learner", "address": "tcp://l:1", "weights_store": STORE})
@@ -56,7 +58,7 @@ async def test_groups_form_once_both_ends_registered_and_updates_go_to_both(tmp_
 @pytest.mark.asyncio
 async def test_a_restarted_server_gets_a_new_group_before_the_newest_weights(tmp_path):
     ctl = make_controller(tmp_path, num_inference=2, num_rollout=1, total_train_steps=10,
-                          weights_transport="broadcast", tolerate_inference_loss=True, restart_inference=True,
+                          weights_settings=WeightsSettings("broadcast"), tolerate_inference_loss=True, restart_inference=True,
                           max_inference_restarts=2)
     await ctl._dispatch(b"r0", "register", {"role": "rollout", "index": 0})
     await ctl._dispatch(b"L", "register", {"role": "learner", "address": "tcp://l:1", "weights_store": STORE})

@@ -61,7 +61,7 @@ class World:
         if ident in (b"i0", b"i1") and msg_type == "update_weights":
             self.spawn(self._load(int(ident[1:]), payload["version"], payload["path"]))
         elif ident == b"L" and msg_type == "prune_weights":
-            self.learner.prune_below(payload["below"])
+            self.learner.weights.prune(payload["below"])
         elif ident == b"r0" and msg_type == "gate_grant":
             for _ in range(payload["n"]):
                 self.spawn(self._group())

@@ -222,7 +222,7 @@ def _broadcast_two_versions(engine, run, base: str, ref: torch.nn.Module, prompt
     lm_head must follow them (a stale one is what an untied local copy computes, and that is told apart)."""
     from arl.api.types import GenerateRequest, GenerationConfig
     from arl.learner.export import tied_aliases
-    from arl.weights.broadcast import WeightSender
+    from arl.weights.sender import WeightSender
     from arl.weights.channel import BroadcastLoader, WeightPublisher
 
     n_new = 16

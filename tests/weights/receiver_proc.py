@@ -15,7 +15,8 @@ import sys
 
 import torch
 
-from arl.weights.broadcast import GroupSpec, WeightReceiver, WeightTransferError
+from arl.weights.group import GroupSpec, WeightTransferError
+from arl.weights.receiver import WeightReceiver
 
 
 class TinyNet(torch.nn.Module):

@@ -14,8 +14,10 @@ from typing import Optional
 import pytest
 import torch
 
-from arl.weights.broadcast import (GroupSpec, TransferPlan, WeightReceiver, WeightSender, WeightTransferError,
-                                   check_plan, dedup_tied, make_plan, pack_bucket, unpack_bucket)
+from arl.weights.group import GroupSpec, WeightTransferError
+from arl.weights.plan import TransferPlan, dedup_tied, make_plan, pack_bucket, unpack_bucket
+from arl.weights.receiver import WeightReceiver, check_plan
+from arl.weights.sender import WeightSender
 from tests.weights.receiver_proc import TinyNet
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -159,7 +161,8 @@ def test_default_process_group_is_untouched(tmp_path: Path) -> None:
 import threading, torch, torch.distributed as dist
 from torch.distributed.distributed_c10d import _world
 from arl.utils.net import free_port
-from arl.weights.broadcast import WeightReceiver, WeightSender
+from arl.weights.receiver import WeightReceiver
+from arl.weights.sender import WeightSender
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
 before = dict(_world.pg_names)
 s = WeightSender(timeout_s=30, gloo_host="127.0.0.1")

@@ -12,7 +12,7 @@ from typing import Any, AsyncIterator
 import pytest
 import torch
 
-from arl.weights.broadcast import WeightSender
+from arl.weights.sender import WeightSender
 from arl.weights.channel import BroadcastLoader, WeightPublisher
 from tests.inference.test_torch_engine import greedy_reference, make_engine, make_model, prompt
 from tests.waiting import await_until
@@ -121,7 +121,7 @@ def test_packing_never_writes_the_buffers_a_send_reads():
     """At most two packed buffers: the one being sent is never packed over; a newest not being sent is."""
     from types import SimpleNamespace
 
-    from arl.weights.broadcast import unpack_bucket
+    from arl.weights.plan import unpack_bucket
 
     pub = WeightPublisher(SimpleNamespace(device=None), bucket_bytes=1 << 10)  # type: ignore[arg-type]
     sds = [{"a": torch.full((300,), float(i)), "b": torch.arange(7) + i} for i in range(4)]

@@ -12,9 +12,12 @@ from typing import Any
 import pytest
 import torch
 
-from arl.config import ConfigError, ExperimentConfig, WeightTransport, parse_overrides
-from arl.weights import broadcast as bc
-from arl.weights.broadcast import Group, Packed, WeightSender, WeightTransferError, make_plan
+from arl.config import ConfigError, ExperimentConfig, parse_overrides, weights_settings
+from arl.weights import group as bc
+from arl.weights import sender as sender_mod
+from arl.weights.group import Group, WeightTransferError
+from arl.weights.plan import Packed, make_plan
+from arl.weights.sender import WeightSender
 from arl.weights.channel import BroadcastLoader, WeightPublisher
 
 BROADCAST = ["weights.transport=broadcast"]
@@ -48,18 +51,23 @@ def test_an_nccl_sender_packs_its_buckets_on_its_gpu(monkeypatch):
 
 def test_the_learner_sender_packs_on_the_engines_device(monkeypatch):
     """run_learner built its WeightSender without a device: the learner's GPU must reach the sender."""
-    from arl.learner import entry as worker
+    from arl.weights.strategy import make_transport
+
+    def publisher(c: ExperimentConfig, device: torch.device) -> WeightPublisher:
+        side = make_transport(weights_settings(c)).learner(weights_dir="", keep_versions=1, host="127.0.0.1",
+                                                           secret=None, device=device, skip_names=set)
+        return side.publisher  # type: ignore[attr-defined]
 
     seen: list = []
     monkeypatch.setattr(Packed, "allocate", recording_allocate(seen))
-    pub = worker.weight_publisher(cfg("weights.backend=nccl", "inference.device=cuda:1"), torch.device("cuda:0"))
+    pub = publisher(cfg("weights.backend=nccl", "inference.device=cuda:1"), torch.device("cuda:0"))
     try:
         assert pub.sender.backend == "nccl" and pub.sender.device == torch.device("cuda:0")
         pub._pack({"a": torch.ones(3)})
         assert seen == [torch.device("cuda:0")]
     finally:
         pub.close()
-    pub = worker.weight_publisher(cfg("weights.backend=gloo"), torch.device("cuda:0"))
+    pub = publisher(cfg("weights.backend=gloo"), torch.device("cuda:0"))
     try:  # gloo: CPU buckets whatever the engine's device
         assert pub.sender.device == torch.device("cpu")
     finally:
@@ -169,7 +177,7 @@ def test_a_send_waits_for_its_packing_event_before_each_broadcast():
     sender = object.__new__(WeightSender)
     sender.secret, sender.timeout_s, sender.device = None, 1.0, torch.device("cpu")
     sender._lock, sender._groups = threading.Lock(), {}
-    sender._send(1, packed, plan, {"g": bc._SenderGroup(FakeGroup(), "arl")})  # type: ignore[arg-type]
+    sender._send(1, packed, plan, {"g": sender_mod._SenderGroup(FakeGroup(), "arl")})  # type: ignore[arg-type]
     assert order == [("after", "packed-event"), ("broadcast", 32), ("after", "packed-event"), ("broadcast", 32)]
 
 
@@ -193,11 +201,11 @@ def test_auto_sends_weights_by_disk_when_learner_and_inference_share_a_gpu_and_f
     from arl.config import resolve_weights
 
     c, note = resolve_weights(cfg("inference.device=cuda"))
-    assert c.weights.transport == WeightTransport.disk and "NCCL cannot" in note and "GPU 0" in note
+    assert c.weights.transport == "disk" and "NCCL cannot" in note and "GPU 0" in note
     c, note = resolve_weights(cfg("inference.device=cuda:1"))  # GPUs of their own: NCCL broadcast
-    assert c.weights.transport == WeightTransport.broadcast and note is None
+    assert c.weights.transport == "broadcast" and note is None
     c, note = resolve_weights(cfg("inference.device=cpu"))
-    assert c.weights.transport == WeightTransport.broadcast and note is None
+    assert c.weights.transport == "broadcast" and note is None
     with pytest.raises(ConfigError, match="Duplicate GPU detected"):
         cfg("inference.device=cuda", "weights.backend=nccl")
     assert cfg("inference.device=cuda", "weights.backend=gloo").weights.backend == "gloo"

@@ -14,7 +14,9 @@ import pytest_asyncio
 import torch
 from safetensors.numpy import save_file
 
-from arl.weights.broadcast import WeightSender, WeightTransferError, make_plan
+from arl.weights.group import WeightTransferError
+from arl.weights.plan import make_plan
+from arl.weights.sender import WeightSender
 from arl.weights.sglang import SGLangWeightClient
 from tests.inference.fake_sglang import FakeSGLang, toy_greedy
 

@@ -14,8 +14,12 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from arl.weights import broadcast as bc
-from arl.weights.broadcast import Group, WeightReceiver, WeightSender, WeightTransferError, make_plan
+from arl.weights import group as bc
+from arl.weights.group import Group, WeightTransferError
+from arl.weights.plan import make_plan
+from arl.weights.receiver import WeightReceiver
+from arl.weights.sender import WeightSender
+from arl.weights.strategy import WeightsSettings
 
 SECRET = b"weights-secret-0123456789abcdef"
 T = 20.0
@@ -104,7 +108,7 @@ def test_a_forged_sglang_outcome_is_not_taken_for_the_servers():
         store = bc.arl_store(bc.store_client("127.0.0.1", sender.port, T), "g")
         store.set("arl/done/0", json.dumps({"success": True, "message": "forged"}))
         with pytest.raises(TimeoutError):
-            bc._get_signed(store, "g", "arl/done/0", 0.3, SECRET, sender._forged)
+            bc.get_signed(store, "g", "arl/done/0", 0.3, SECRET, sender._forged)
         assert sender.stats["forged_values"] >= 1
         good = bc.sign_value(SECRET, "g", "arl/done/0", '{"success": true}')
         assert bc.verify_value(SECRET, "g", "arl/done/0", good) == '{"success": true}'
@@ -172,7 +176,7 @@ async def test_weight_group_names_cannot_be_guessed(tmp_path):
 
     names = []
     for _ in range(2):  # two runs with the same secret
-        ctl = make_controller(tmp_path, num_inference=1, weights_transport="broadcast", secret=SECRET)
+        ctl = make_controller(tmp_path, num_inference=1, weights_settings=WeightsSettings("broadcast"), secret=SECRET)
         await ctl._dispatch(b"i0", "register", {"role": "inference", "index": 0, "address": "tcp://i:0"})
         await ctl._dispatch(b"L", "register", {"role": "learner", "address": "tcp://l:1", "weights_store": STORE})
         names.append(groups(sent(ctl, "open_weight_group"))[0])

@@ -42,6 +42,7 @@ _COPY_ROUNDS = 8  # chunks one pump round copies per role: up to 8 MiB per role 
 FINAL_LOG_MAX = 64 << 20  # a role's end: at most this much of what its node still holds is copied (the newest)
 PYTHON = "{python}"  # in a role's argv: the Python of its node's Ray workers (the driver's may live elsewhere)
 _NOT_CUSTOM = ("CPU", "GPU", "memory", "object_store_memory")
+_NODE_ID_LABEL = "ray.io/node-id"  # the label Ray gives every node: its id
 
 
 _HOW_TO_FIT = ("Ray's CPUs are scheduling tokens, not cores: lower ray.cpus_per_inference, ray.cpus_per_rollout or "
@@ -117,9 +118,11 @@ class RoleHost:
             shutil.rmtree(os.path.dirname(self.log_path), ignore_errors=True)
 
     def kill(self) -> None:
+        self._started.wait(30.0)  # a kill sent right after the start may overtake `run` (another actor thread)
         self.procs.kill(self.name)
 
     def terminate(self, grace: float) -> None:
+        self._started.wait(30.0)
         self.procs.terminate_all(grace)
 
     def stack_dump(self, wait: float) -> tuple[str, str]:
@@ -196,6 +199,7 @@ class _Host:
     offset: int = 0
     code: Optional[int] = None
     finished: bool = False
+    unreachable: bool = False  # its actor stopped answering while Ray still had it alive: its node may be lost
     copied: bool = False  # its log is copied whole (as far as its node still had it) after it ended
     reaped: bool = False
     where: Optional[dict] = None
@@ -303,10 +307,13 @@ class RayLauncher:
         import ray
 
         try:
+            # a node whose actor stopped answering may be gone while Ray still lists it (its health checks take tens
+            # of seconds): the new process goes elsewhere at once, without waiting for Ray to decide
+            avoid = {str(h.where["node_id"]) for h in role.hosts if h.unreachable and (h.where or {}).get("node_id")}
             self._reap(role, force=True)
             if role.expected_exit:  # killed (or the run ended) while the old one was reaped
                 return
-            self._start(role, wait=False)
+            self._start(role, wait=False, avoid=avoid)
             if role.expected_exit:
                 self.kill(role.name)
                 return
@@ -317,13 +324,15 @@ class RayLauncher:
             logger.exception("restarting %s failed", role.name)
             role.start_failed = f"{type(e).__name__}: {e}"
 
-    def _start(self, role: _Role, wait: bool) -> None:
+    def _start(self, role: _Role, wait: bool, avoid: frozenset[str] | set[str] = frozenset()) -> None:
+        """Place and start `role`'s processes; `wait`: block until placed (the first start), else a restart: drop
+        the custom resources no live node outside `avoid` (node ids) has, and keep off the nodes in `avoid`."""
         ranks = self.learner_ranks if role.name == "learner" else 1
         kind, index = process_role(role.name) or ("", 0)  # a process name: `spawn` checked it
         bundles = [bundle_for(self.cfg, kind, index + r, self.servers_per_process) for r in range(ranks)]
         if not wait:
-            bundles = [self._placeable(b, role.name) for b in bundles]
-        pg = self._placement_group(role.name, bundles, wait)
+            bundles = [self._placeable(b, role.name, avoid) for b in bundles]
+        pg = self._placement_group(role.name, bundles, wait, avoid)
         files = self._files()
         hosts: list[_Host] = []
         for r, bundle in enumerate(bundles):
@@ -387,12 +396,20 @@ class RayLauncher:
                     f"launcher=ray: the run's {len(self.plan)} role processes need {need:g} {key} in all ({each}), "
                     f"and this Ray cluster has {total.get(key, 0.0):g} {key} (its nodes: {have}). {_HOW_TO_FIT}")
 
-    def _placement_group(self, name: str, bundles: list[dict[str, float]], wait: bool) -> Any:
+    def _placement_group(self, name: str, bundles: list[dict[str, float]], wait: bool,
+                         avoid: frozenset[str] | set[str] = frozenset()) -> Any:
+        """A placement group for `bundles`, on no node in `avoid` (node ids)."""
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
 
         strategy = str(self.cfg.strategy) if len(bundles) > 1 else "PACK"
-        pg = placement_group(bundles, strategy=strategy, name=f"arl-{name}-{os.getpid()}-{time.monotonic_ns()}")
+        kw: dict[str, Any] = {}
+        if avoid:
+            off = f"!{next(iter(avoid))}" if len(avoid) == 1 else f"!in({', '.join(sorted(avoid))})"
+            kw["bundle_label_selector"] = [{_NODE_ID_LABEL: off} for _ in bundles]
+            logger.warning("%s: placing it on no node of %s (they did not answer)", name,
+                           sorted(n[:12] for n in avoid))
+        pg = placement_group(bundles, strategy=strategy, name=f"arl-{name}-{os.getpid()}-{time.monotonic_ns()}", **kw)
         if wait:  # in slices: `abort` (Ctrl-C) ends the wait within one
             deadline, ready_ref = self._deadline or 0.0, pg.ready()
             while True:  # at least one look, even past the deadline (a group placed at once is placed)
@@ -411,12 +428,14 @@ class RayLauncher:
                     f" are free. Check ray.placement and ray.*_per_* or add nodes.")
         return pg
 
-    def _placeable(self, bundle: dict[str, float], name: str) -> dict[str, float]:
-        """`bundle` without the custom resources no live node has (a restart after its node was lost)."""
+    def _placeable(self, bundle: dict[str, float], name: str,
+                   avoid: frozenset[str] | set[str] = frozenset()) -> dict[str, float]:
+        """`bundle` without the custom resources that no live node outside `avoid` has (a restart after its node
+        was lost)."""
         import ray
 
-        have = ray.cluster_resources()
-        gone = [k for k in bundle if k not in _NOT_CUSTOM and have.get(k, 0.0) < bundle[k]]
+        nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive") and n.get("NodeID") not in avoid]
+        gone = [k for k in bundle if k not in _NOT_CUSTOM and not any(r.get(k, 0.0) >= bundle[k] for r in nodes)]
         if gone:
             logger.warning("%s: no live node has %s any more; restarting it without that placement", name, gone)
         return {k: v for k, v in bundle.items() if k not in gone}
@@ -468,7 +487,7 @@ class RayLauncher:
 
     def _finished(self, h: _Host) -> bool:
         import ray
-        from ray.exceptions import RayError
+        from ray.exceptions import ActorUnavailableError, RayError
 
         if h.finished:
             return True
@@ -482,6 +501,7 @@ class RayLauncher:
         except RayError as e:  # its actor died: the node was lost, or the actor was killed
             logger.warning("%s: its Ray actor is gone (%s)", h.name, type(e).__name__)
             h.code = None
+            h.unreachable = isinstance(e, ActorUnavailableError)
         h.finished = True
         return True
 

@@ -112,3 +112,22 @@ def test_a_ray_host_terminates_as_the_local_launcher_does() -> None:
         assert run.code == [-signal.SIGKILL]
     finally:
         run.host.procs.terminate_all(0.1)
+
+
+def test_a_kill_that_overtakes_the_start_still_kills() -> None:
+    """Ray runs the host's methods in threads: a kill sent right after the start may run before `run` has started
+    the process; it waits for the start instead of finding nothing to kill."""
+    pytest.importorskip("ray")
+    from arl.launch.ray import RoleHost
+
+    host = RoleHost("rollout0")
+    killer = threading.Thread(target=host.kill, daemon=True)
+    killer.start()
+    code: list[int] = []
+    runner = threading.Thread(target=lambda: code.append(host.run(SLEEPER, {}, {})), daemon=True)
+    runner.start()
+    try:
+        runner.join(60)
+        assert code == [-signal.SIGKILL]
+    finally:
+        host.procs.terminate_all(0.1)

@@ -101,6 +101,7 @@ def test_a_ray_host_runs_its_role_with_the_local_launchers_code() -> None:
         assert not os.path.exists(run.host.log_path)
     finally:
         run.host.terminate(0.5)
+        run.host.discard_log()
 
 
 def test_a_ray_host_terminates_as_the_local_launcher_does() -> None:
@@ -112,6 +113,7 @@ def test_a_ray_host_terminates_as_the_local_launcher_does() -> None:
         assert run.code == [-signal.SIGKILL]
     finally:
         run.host.procs.terminate_all(0.1)
+        run.host.discard_log()
 
 
 def test_a_kill_that_overtakes_the_start_still_kills() -> None:
@@ -131,3 +133,4 @@ def test_a_kill_that_overtakes_the_start_still_kills() -> None:
         assert code == [-signal.SIGKILL]
     finally:
         host.procs.terminate_all(0.1)
+        host.discard_log()

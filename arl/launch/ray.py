@@ -27,7 +27,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Collection, Mapping, Optional, Sequence
 
 from arl.controller.shell import RunFailed
 from arl.controller.supervision import process_role
@@ -324,7 +324,7 @@ class RayLauncher:
             logger.exception("restarting %s failed", role.name)
             role.start_failed = f"{type(e).__name__}: {e}"
 
-    def _start(self, role: _Role, wait: bool, avoid: frozenset[str] | set[str] = frozenset()) -> None:
+    def _start(self, role: _Role, wait: bool, avoid: Collection[str] = ()) -> None:
         """Place and start `role`'s processes; `wait`: block until placed (the first start), else a restart: drop
         the custom resources no live node outside `avoid` (node ids) has, and keep off the nodes in `avoid`."""
         ranks = self.learner_ranks if role.name == "learner" else 1
@@ -397,7 +397,7 @@ class RayLauncher:
                     f"and this Ray cluster has {total.get(key, 0.0):g} {key} (its nodes: {have}). {_HOW_TO_FIT}")
 
     def _placement_group(self, name: str, bundles: list[dict[str, float]], wait: bool,
-                         avoid: frozenset[str] | set[str] = frozenset()) -> Any:
+                         avoid: Collection[str] = ()) -> Any:
         """A placement group for `bundles`, on no node in `avoid` (node ids)."""
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
@@ -429,7 +429,7 @@ class RayLauncher:
         return pg
 
     def _placeable(self, bundle: dict[str, float], name: str,
-                   avoid: frozenset[str] | set[str] = frozenset()) -> dict[str, float]:
+                   avoid: Collection[str] = ()) -> dict[str, float]:
         """`bundle` without the custom resources that no live node outside `avoid` has (a restart after its node
         was lost)."""
         import ray

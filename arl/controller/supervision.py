@@ -1,9 +1,9 @@
 """Supervision of the role processes: who is alive, who went silent, which failure restarts what.
 
 Two halves. `RoleLauncher` is what the controller needs from whatever runs the processes (`LocalLauncher`: OS
-processes, in arl.launch.local; `RayLauncher`: processes on Ray nodes, in arl.launch.ray). `Supervisor` is the decision logic,
-pure and clocked by the caller: heartbeats and registration deadlines, and for a failed role whether the run
-restarts it, goes on without it, or stops.
+processes, in arl.launch.local; `RayLauncher`: processes on Ray nodes, in arl.launch.ray). `Supervisor` is the
+decision logic, pure and clocked by the caller: heartbeats and registration deadlines, and for a failed role
+whether the run restarts it, goes on without it, or stops.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ Ray is imported only here, and this module only when `launcher=ray`.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import math
 import os
@@ -404,11 +405,15 @@ class RayLauncher:
 
         strategy = str(self.cfg.strategy) if len(bundles) > 1 else "PACK"
         kw: dict[str, Any] = {}
-        if avoid:
+        # bundle label selectors: Ray 2.47 has them, placement honours them since 2.50 (ray-project/ray#55599)
+        if avoid and "bundle_label_selector" in inspect.signature(placement_group).parameters:
             off = f"!{next(iter(avoid))}" if len(avoid) == 1 else f"!in({', '.join(sorted(avoid))})"
             kw["bundle_label_selector"] = [{_NODE_ID_LABEL: off} for _ in bundles]
             logger.warning("%s: placing it on no node of %s (they did not answer)", name,
                            sorted(n[:12] for n in avoid))
+        elif avoid:  # an older Ray: only the lost node's own resources are dropped (see `_placeable`)
+            logger.warning("%s: this Ray cannot keep a placement group off a node (no bundle_label_selector); it may "
+                           "wait until Ray marks node(s) %s dead", name, sorted(n[:12] for n in avoid))
         pg = placement_group(bundles, strategy=strategy, name=f"arl-{name}-{os.getpid()}-{time.monotonic_ns()}", **kw)
         if wait:  # in slices: `abort` (Ctrl-C) ends the wait within one
             deadline, ready_ref = self._deadline or 0.0, pg.ready()

@@ -126,7 +126,7 @@ class Controller:
         for i in range(-(-self.sup.num_inference // k)):  # process i hosts servers i*k..i*k+k-1
             self._spawn(f"inference{i}", base + ["--role", "inference", "--index", str(i)])
         learner_argv = base + ["--role", "learner", "--index", "0"]
-        if self.learner_ranks > 1 and not getattr(self.launcher, "runs_ranks", False):  # rank 0 registers and talks to us; the others follow it (arl.learner.ranks)
+        if self.learner_ranks > 1 and not self.launcher.runs_ranks:  # rank 0 registers and talks to us; the others follow it (arl.learner.ranks)
             learner_argv = [python, "-m", "torch.distributed.run", "--nproc_per_node", str(self.learner_ranks),
                             "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", *learner_argv[2:]]
         self._spawn("learner", learner_argv)
@@ -316,8 +316,7 @@ class Controller:
         key = (msg.role, msg.index)
         restarted = self.sup.registered(key, time.monotonic(), len(self.peers))
         logger.info("registered %s%d (pid %s)", msg.role, msg.index, msg.pid)
-        where = getattr(self.launcher, "where", None)  # a launcher that places roles on nodes says where
-        placed = where(self.sup.process_of(*key)) if where is not None else None
+        placed = self.launcher.where(self.sup.process_of(*key))  # {} where there is nothing to say (one host)
         if placed:
             self.reporter.event("role_placed", role=f"{msg.role}{msg.index}", process=self.sup.process_of(*key),
                                 **placed)

@@ -1,21 +1,39 @@
 """Supervision of the role processes: who is alive, who went silent, which failure restarts what.
 
-Two halves. `RoleLauncher` is what the controller needs from whatever runs the processes (`LocalLauncher` here:
-OS processes, in arl.launch.local; a Ray launcher would implement the same). `Supervisor` is the decision logic,
-pure and clocked by the caller: heartbeats and registration deadlines, and for a failed role whether the run
-restarts it, goes on without it, or stops.
+Two halves. `RoleLauncher` is what the controller needs from whatever runs the processes (`LocalLauncher`: OS
+processes, in arl.launch.local; `RayLauncher`: processes on Ray nodes, in arl.launch.ray). `Supervisor` is the
+decision logic, pure and clocked by the caller: heartbeats and registration deadlines, and for a failed role
+whether the run restarts it, goes on without it, or stops.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 from arl.transport.messages import ROLES
 
 
+def process_role(name: str) -> Optional[tuple[str, int]]:
+    """('inference', 3) for process 'inference3', ('learner', 0) for 'learner'; None for a name that is not a role
+    process's. The one parser of the names `Supervisor.process_of` makes (the launchers' hosts use it too)."""
+    if name == "learner":
+        return "learner", 0
+    for role in ("inference", "rollout"):
+        tail = name[len(role):]
+        if name.startswith(role) and tail.isdigit():
+            return role, int(tail)
+    return None
+
+
 class RoleLauncher(Protocol):
     """Starts and stops role processes by name (e.g. 'rollout1'); everything blocking may run in a thread."""
+
+    #: True: every learner rank is a process the launcher places itself (Ray); False: the controller starts the
+    #: learner under torchrun, which starts the ranks
+    runs_ranks: bool
+    #: extra environment of every role process (the run's shared secret), set before the first spawn
+    env: dict[str, str]
 
     def spawn(self, name: str, argv: Sequence[str], log_path: str) -> None: ...
 
@@ -45,6 +63,13 @@ class RoleLauncher(Protocol):
     def wait_all(self, timeout: float) -> bool: ...
 
     def terminate_all(self, grace: float) -> None: ...
+
+    def where(self, name: str) -> dict[str, Any]:
+        """Where process `name` runs, for its `role_placed` record ({} when there is nothing to say: one host)."""
+
+    def close(self) -> None:
+        """The run is over: release what the launcher holds beyond its processes (Ray: actors, placement groups,
+        the connection). Called once, after `terminate_all`."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,15 +122,16 @@ class Supervisor:
 
     def servers_of(self, name: str) -> list[int]:
         """Server indices hosted by process `name` ('inference<p>'); [] for other roles."""
-        if not name.startswith("inference") or not name[len("inference"):].isdigit():
+        parsed = process_role(name)
+        if parsed is None or parsed[0] != "inference":
             return []
-        first = int(name[len("inference"):]) * self.servers_per_process
+        first = parsed[1] * self.servers_per_process
         return list(range(first, min(self.num_inference, first + self.servers_per_process)))
 
     @staticmethod
     def rollout_index(name: str) -> Optional[int]:
-        tail = name[len("rollout"):]
-        return int(tail) if name.startswith("rollout") and tail.isdigit() else None
+        parsed = process_role(name)
+        return parsed[1] if parsed is not None and parsed[0] == "rollout" else None
 
     # -- liveness --------------------------------------------------------------------------------------------
     def heard(self, key: tuple[str, int], now: float) -> None:
@@ -178,7 +204,7 @@ class Supervisor:
     def restarting(self, name: str, now: float) -> int:
         """Count a restart of `name` (its registration is timed from `now`); returns the new count for its kind."""
         self.restarted_at[name] = now
-        if name.startswith("inference"):
+        if self.servers_of(name):
             self.inference_restarts += 1
             return self.inference_restarts
         self.restarts += 1

@@ -13,7 +13,7 @@ import os
 import signal
 import subprocess
 import time
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from arl.utils.forensics import request_stack_dump
 from arl.utils.proc import die_with_parent_preexec, signal_group
@@ -30,7 +30,10 @@ class Child:
 
 
 class LocalLauncher:
-    """`RoleLauncher` (arl.controller.supervision) over the local OS processes of one run."""
+    """`RoleLauncher` (arl.controller.supervision) over the local OS processes of one run. Ray's `RoleHost`
+    (arl.launch.ray) runs its one role process on its node with one of these too."""
+
+    runs_ranks = False  # a learner on several ranks is one process: torchrun, which starts the ranks
 
     def __init__(self) -> None:
         self.children: dict[str, Child] = {}
@@ -85,6 +88,12 @@ class LocalLauncher:
     def log_path(self, name: str) -> str:
         child = self.children.get(name)
         return child.log_path if child is not None else ""
+
+    def where(self, name: str) -> dict[str, Any]:
+        return {}  # every role runs on this host: nothing to record
+
+    def close(self) -> None:
+        """Nothing is held beyond the processes (`terminate_all` ended them; PR_SET_PDEATHSIG backs it up)."""
 
     def stack_dump(self, name: str, wait: float) -> tuple[str, str]:
         if not self.alive(name):

@@ -3,10 +3,11 @@
 Each role (an inference process, a rollout worker, each learner rank) gets a placement group whose bundle says what
 it needs (CPUs, GPUs, and the custom resources that pick its nodes) and a small actor (`RoleHost`) placed in that
 bundle. The actor starts the role's usual entry point (`python -m arl.launch.role ...`) as a subprocess on its
-node and waits for it, so the roles' code is the same as with the local launcher. Why a subprocess and not the role
-inside the actor: kill, restart, stack dumps and exit codes then work exactly as locally, and a role that dies takes
-nothing of Ray's with it. The subprocess dies with its actor (PR_SET_PDEATHSIG), so killing the actor (ray.kill,
-the driver's job ending, the node going away) leaves no role process behind.
+node with the local launcher's code (`LocalLauncher`: spawn, kill, terminate, stack dump) and waits for it, so
+the roles' code is the same as with the local launcher. Why a subprocess and not the role inside the actor: kill,
+restart, stack dumps and exit codes then work exactly as locally, and a role that dies takes nothing of Ray's with
+it. The subprocess dies with its actor (PR_SET_PDEATHSIG), so killing the actor (ray.kill, the driver's job ending,
+the node going away) leaves no role process behind.
 
 What travels through Ray and nowhere else: the run's shared secret and each role's bind address (environment of
 the subprocess, as a method argument of its actor), the learner ranks' rendezvous (rank 0's node address and a port
@@ -19,27 +20,30 @@ Ray is imported only here, and this module only when `launcher=ray`.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import math
 import os
-import signal
 import sys
 import tempfile
 import threading
 import time
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Collection, Mapping, Optional, Sequence
 
 from arl.controller.shell import RunFailed
+from arl.controller.supervision import process_role
+from arl.launch.local import LocalLauncher
 
 logger = logging.getLogger("arl.launch")
 
-__all__ = ["RayLauncher", "RoleHost", "RolePlacementError", "bundle_for", "role_of"]
+__all__ = ["RayLauncher", "RoleHost", "RolePlacementError", "bundle_for"]
 
 _LOG_CHUNK = 1 << 20
 _COPY_ROUNDS = 8  # chunks one pump round copies per role: up to 8 MiB per role per round
 FINAL_LOG_MAX = 64 << 20  # a role's end: at most this much of what its node still holds is copied (the newest)
 PYTHON = "{python}"  # in a role's argv: the Python of its node's Ray workers (the driver's may live elsewhere)
 _NOT_CUSTOM = ("CPU", "GPU", "memory", "object_store_memory")
+_NODE_ID_LABEL = "ray.io/node-id"  # the label Ray gives every node: its id
 
 
 _HOW_TO_FIT = ("Ray's CPUs are scheduling tokens, not cores: lower ray.cpus_per_inference, ray.cpus_per_rollout or "
@@ -52,12 +56,12 @@ class RolePlacementError(RunFailed):
 
 
 class RoleHost:
-    """Ray actor (threaded) that runs one role process on its node: `run` starts it and returns its exit code;
-    `read_log`, `signal`, `stack_dump` work while `run` waits."""
+    """Ray actor (threaded) that runs one role process on its node with the local launcher's code (spawn, kill,
+    terminate, stack dump): `run` starts it and returns its exit code; the other methods work while `run` waits."""
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.proc: Any = None
+        self.procs = LocalLauncher()
         self.log_path = os.path.join(tempfile.gettempdir(), f"arl-ray-{os.getpid()}", f"{name}.log")
         self._started = threading.Event()
 
@@ -74,30 +78,24 @@ class RoleHost:
     def run(self, argv: Sequence[str], env: Mapping[str, str], files: Mapping[str, bytes]) -> int:
         """Start the role (`files`: absolute path -> content, written where missing: the run's config.yaml on a node
         without the run directory) and return its exit code when it exits."""
-        import subprocess
-
         import ray
 
-        from arl.utils.proc import die_with_parent_preexec
-
-        for path, data in files.items():
-            if not os.path.exists(path):
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                with open(path, "wb") as f:
-                    f.write(data)
-        os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
-        full_env = {"PYTHONUNBUFFERED": "1", **os.environ, "ARL_BIND_HOST": ray.util.get_node_ip_address(), **env}
-        with open(self.log_path, "ab", buffering=0) as log:
-            argv = [sys.executable if a == PYTHON else a for a in argv]
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=full_env, start_new_session=True,
-                                         preexec_fn=die_with_parent_preexec())
-        self._started.set()
-        return self.proc.wait()
+        try:
+            for path, data in files.items():
+                if not os.path.exists(path):
+                    os.makedirs(os.path.dirname(path), exist_ok=True)
+                    with open(path, "wb") as f:
+                        f.write(data)
+            self.procs.env = {"ARL_BIND_HOST": ray.util.get_node_ip_address(), **env}
+            self.procs.spawn(self.name, [sys.executable if a == PYTHON else a for a in argv], self.log_path)
+        finally:
+            self._started.set()
+        return self.procs.children[self.name].proc.wait()
 
     def pid(self) -> int:
         self._started.wait(30.0)
-        return self.proc.pid if self.proc is not None else -1
+        child = self.procs.children.get(self.name)
+        return child.proc.pid if child is not None else -1
 
     def read_log(self, offset: int) -> bytes:
         try:
@@ -117,30 +115,19 @@ class RoleHost:
         """The driver has the whole log: remove the node-local copy (a role process must have ended)."""
         import shutil
 
-        if self.proc is None or self.proc.poll() is not None:
+        if not self.procs.alive(self.name):
             shutil.rmtree(os.path.dirname(self.log_path), ignore_errors=True)
 
-    def signal(self, sig: int) -> None:
-        from arl.utils.proc import signal_group
+    def kill(self) -> None:
+        self._started.wait(30.0)  # a kill sent right after the start may overtake `run` (another actor thread)
+        self.procs.kill(self.name)
 
-        if self.proc is not None and self.proc.poll() is None:
-            signal_group(self.proc.pid, sig)
+    def terminate(self, grace: float) -> None:
+        self._started.wait(30.0)
+        self.procs.terminate_all(grace)
 
     def stack_dump(self, wait: float) -> tuple[str, str]:
-        from arl.utils.forensics import request_stack_dump
-
-        if self.proc is None or self.proc.poll() is not None:
-            return "?", ""
-        return request_stack_dump(self.proc.pid, self.log_path, wait)
-
-
-def role_of(name: str) -> tuple[str, int]:
-    """('inference', 3) for 'inference3', ('learner', 0) for 'learner'."""
-    for role in ("inference", "rollout", "learner"):
-        if name.startswith(role):
-            tail = name[len(role):]
-            return role, int(tail) if tail.isdigit() else 0
-    raise ValueError(f"not a role process name: {name!r}")
+        return self.procs.stack_dump(self.name, wait)
 
 
 def bundle_for(ray_cfg: Any, role: str, index: int, servers_per_process: int = 1) -> dict[str, float]:
@@ -213,6 +200,7 @@ class _Host:
     offset: int = 0
     code: Optional[int] = None
     finished: bool = False
+    unreachable: bool = False  # its actor stopped answering while Ray still had it alive: its node may be lost
     copied: bool = False  # its log is copied whole (as far as its node still had it) after it ended
     reaped: bool = False
     where: Optional[dict] = None
@@ -287,6 +275,8 @@ class RayLauncher:
             raise RolePlacementError(f"not starting {name}: the run was interrupted")
         if name in self.roles:
             raise ValueError(f"a role process named {name!r} already exists")
+        if process_role(name) is None:  # its name says which bundle it gets
+            raise ValueError(f"not a role process name: {name!r}")
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
         open(log_path, "ab").close()  # there from the start, like a local role's (copies append to it)
         if not self._checked:
@@ -318,10 +308,13 @@ class RayLauncher:
         import ray
 
         try:
+            # a node whose actor stopped answering may be gone while Ray still lists it (its health checks take tens
+            # of seconds): the new process goes elsewhere at once, without waiting for Ray to decide
+            avoid = {str(h.where["node_id"]) for h in role.hosts if h.unreachable and (h.where or {}).get("node_id")}
             self._reap(role, force=True)
             if role.expected_exit:  # killed (or the run ended) while the old one was reaped
                 return
-            self._start(role, wait=False)
+            self._start(role, wait=False, avoid=avoid)
             if role.expected_exit:
                 self.kill(role.name)
                 return
@@ -332,13 +325,15 @@ class RayLauncher:
             logger.exception("restarting %s failed", role.name)
             role.start_failed = f"{type(e).__name__}: {e}"
 
-    def _start(self, role: _Role, wait: bool) -> None:
+    def _start(self, role: _Role, wait: bool, avoid: Collection[str] = ()) -> None:
+        """Place and start `role`'s processes; `wait`: block until placed (the first start), else a restart: drop
+        the custom resources no live node outside `avoid` (node ids) has, and keep off the nodes in `avoid`."""
         ranks = self.learner_ranks if role.name == "learner" else 1
-        kind, index = role_of(role.name)
+        kind, index = process_role(role.name) or ("", 0)  # a process name: `spawn` checked it
         bundles = [bundle_for(self.cfg, kind, index + r, self.servers_per_process) for r in range(ranks)]
         if not wait:
-            bundles = [self._placeable(b, role.name) for b in bundles]
-        pg = self._placement_group(role.name, bundles, wait)
+            bundles = [self._placeable(b, role.name, avoid) for b in bundles]
+        pg = self._placement_group(role.name, bundles, wait, avoid)
         files = self._files()
         hosts: list[_Host] = []
         for r, bundle in enumerate(bundles):
@@ -402,12 +397,24 @@ class RayLauncher:
                     f"launcher=ray: the run's {len(self.plan)} role processes need {need:g} {key} in all ({each}), "
                     f"and this Ray cluster has {total.get(key, 0.0):g} {key} (its nodes: {have}). {_HOW_TO_FIT}")
 
-    def _placement_group(self, name: str, bundles: list[dict[str, float]], wait: bool) -> Any:
+    def _placement_group(self, name: str, bundles: list[dict[str, float]], wait: bool,
+                         avoid: Collection[str] = ()) -> Any:
+        """A placement group for `bundles`, on no node in `avoid` (node ids)."""
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
 
         strategy = str(self.cfg.strategy) if len(bundles) > 1 else "PACK"
-        pg = placement_group(bundles, strategy=strategy, name=f"arl-{name}-{os.getpid()}-{time.monotonic_ns()}")
+        kw: dict[str, Any] = {}
+        # bundle label selectors: Ray 2.47 has them, placement honours them since 2.50 (ray-project/ray#55599)
+        if avoid and "bundle_label_selector" in inspect.signature(placement_group).parameters:
+            off = f"!{next(iter(avoid))}" if len(avoid) == 1 else f"!in({', '.join(sorted(avoid))})"
+            kw["bundle_label_selector"] = [{_NODE_ID_LABEL: off} for _ in bundles]
+            logger.warning("%s: placing it on no node of %s (they did not answer)", name,
+                           sorted(n[:12] for n in avoid))
+        elif avoid:  # an older Ray: only the lost node's own resources are dropped (see `_placeable`)
+            logger.warning("%s: this Ray cannot keep a placement group off a node (no bundle_label_selector); it may "
+                           "wait until Ray marks node(s) %s dead", name, sorted(n[:12] for n in avoid))
+        pg = placement_group(bundles, strategy=strategy, name=f"arl-{name}-{os.getpid()}-{time.monotonic_ns()}", **kw)
         if wait:  # in slices: `abort` (Ctrl-C) ends the wait within one
             deadline, ready_ref = self._deadline or 0.0, pg.ready()
             while True:  # at least one look, even past the deadline (a group placed at once is placed)
@@ -426,12 +433,14 @@ class RayLauncher:
                     f" are free. Check ray.placement and ray.*_per_* or add nodes.")
         return pg
 
-    def _placeable(self, bundle: dict[str, float], name: str) -> dict[str, float]:
-        """`bundle` without the custom resources no live node has (a restart after its node was lost)."""
+    def _placeable(self, bundle: dict[str, float], name: str,
+                   avoid: Collection[str] = ()) -> dict[str, float]:
+        """`bundle` without the custom resources that no live node outside `avoid` has (a restart after its node
+        was lost)."""
         import ray
 
-        have = ray.cluster_resources()
-        gone = [k for k in bundle if k not in _NOT_CUSTOM and have.get(k, 0.0) < bundle[k]]
+        nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive") and n.get("NodeID") not in avoid]
+        gone = [k for k in bundle if k not in _NOT_CUSTOM and not any(r.get(k, 0.0) >= bundle[k] for r in nodes)]
         if gone:
             logger.warning("%s: no live node has %s any more; restarting it without that placement", name, gone)
         return {k: v for k, v in bundle.items() if k not in gone}
@@ -483,7 +492,7 @@ class RayLauncher:
 
     def _finished(self, h: _Host) -> bool:
         import ray
-        from ray.exceptions import RayError
+        from ray.exceptions import ActorUnavailableError, RayError
 
         if h.finished:
             return True
@@ -497,6 +506,7 @@ class RayLauncher:
         except RayError as e:  # its actor died: the node was lost, or the actor was killed
             logger.warning("%s: its Ray actor is gone (%s)", h.name, type(e).__name__)
             h.code = None
+            h.unreachable = isinstance(e, ActorUnavailableError)
         h.finished = True
         return True
 
@@ -554,7 +564,7 @@ class RayLauncher:
         role.expected_exit = True
         for h in role.hosts:
             if not h.finished:
-                h.actor.signal.remote(int(signal.SIGKILL))
+                h.actor.kill.remote()
 
     def expect_exit(self) -> None:
         for role in list(self.roles.values()):
@@ -571,17 +581,15 @@ class RayLauncher:
         return all(self._finished(h) for h in self._hosts())
 
     def terminate_all(self, grace: float = 3.0) -> None:
-        """SIGTERM every role process, SIGKILL what is left after `grace` seconds, then end every actor."""
+        """Every host ends its role process as `LocalLauncher.terminate_all` does (SIGTERM, SIGKILL after `grace`
+        seconds), all at once; then every actor is ended."""
         self.expect_exit()
         for h in self._hosts():
             if not self._finished(h):
-                h.actor.signal.remote(int(signal.SIGTERM))
-        if not self.wait_all(grace):
-            for h in self._hosts():
-                if not self._finished(h):
-                    logger.warning("%s ignored SIGTERM; killing it", h.name)
-                    h.actor.signal.remote(int(signal.SIGKILL))
-            self.wait_all(2.0)
+                h.actor.terminate.remote(grace)
+        if not self.wait_all(grace + 3.0):
+            logger.warning("role processes still running %.0fs after SIGTERM: %s", grace + 3.0,
+                           [h.name for h in self._hosts() if not self._finished(h)])
         for role in list(self.roles.values()):
             self._reap(role, force=True)
 

@@ -16,7 +16,7 @@ from arl.config import (ExperimentConfig, LauncherKind, resolve_weights, stalene
 from arl.controller.shell import Controller, RunFailed
 from arl.launch.local import LocalLauncher
 from arl.transport.security import SECRET_ENV, effective_bind_host, is_loopback, resolve_secret
-from arl.controller.supervision import Supervisor
+from arl.controller.supervision import RoleLauncher, Supervisor
 from arl.report.trackers import make_sinks
 
 logger = logging.getLogger("arl.launch")
@@ -123,7 +123,7 @@ def _controller(cfg: ExperimentConfig, run_dir: str, bind_host: str, secret: Opt
     kwargs.setdefault("launcher", LocalLauncher())
     ctl = Controller(**kwargs)
     if secret is not None:
-        ctl.launcher.env[SECRET_ENV] = secret.decode("utf-8")  # type: ignore[attr-defined]  # Local/RayLauncher
+        ctl.launcher.env[SECRET_ENV] = secret.decode("utf-8")
     return ctl
 
 
@@ -151,11 +151,10 @@ def ray_launcher(cfg: ExperimentConfig, run_dir: str, bind_host: str, secret: Op
     return launcher, bind_host, secret or _secrets.token_urlsafe(32).encode("utf-8")
 
 
-def close_launcher(launcher: Any) -> None:
+def close_launcher(launcher: Optional[RoleLauncher]) -> None:
     """Release what a launcher holds beyond its processes (the Ray launcher: actors, placement groups, Ray)."""
-    close = getattr(launcher, "close", None)
-    if close is not None:
-        close()
+    if launcher is not None:
+        launcher.close()
 
 
 async def _spawn_roles(ctl: Controller) -> None:

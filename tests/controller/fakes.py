@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 
 class FakeRouter:
@@ -21,12 +21,19 @@ class FakeRouter:
 class FakeLauncher:
     """A `RoleLauncher` whose processes are names: `exit(name, code)` makes one die."""
 
+    runs_ranks = False
+
     def __init__(self) -> None:
+        self.env: dict[str, str] = {}
+        self.aborted = self.closed = False
         self.running: dict[str, bool] = {}
         self.codes: dict[str, int] = {}
         self.expected: set[str] = set()
         self.spawns: list[str] = []
         self.killed: list[str] = []
+
+    def abort(self) -> None:
+        self.aborted = True
 
     def spawn(self, name: str, argv: Sequence[str], log_path: str) -> None:
         self.running[name] = True
@@ -70,3 +77,9 @@ class FakeLauncher:
     def terminate_all(self, grace: float) -> None:
         for n in self.running:
             self.running[n] = False
+
+    def where(self, name: str) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        self.closed = True

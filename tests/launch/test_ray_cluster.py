@@ -72,8 +72,6 @@ def train_steps(run_dir: str) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.skip(reason="issue 23 item 14, open: the restart is placed while Ray still lists the dead node, keeps "
-                         "its resource and stays pending (docs/reliability.md, On Ray)")
 def test_a_lost_node_with_the_only_inference_server_restarts_it_on_a_node_left(tmp_path, nodes, model_cache):
     nodes.add_node("c", '{"node_c": 1}')
     nodes.wait_nodes(3)

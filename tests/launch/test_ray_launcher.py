@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from arl.config import RayConfig
-from arl.launch.ray import bundle_for, role_of
+from arl.launch.ray import bundle_for
 from tests.e2e.test_end_to_end import MAIN, ROOT, SMALL, leftover_processes, read_metrics
 from tests.waiting import wait_until
 
@@ -27,8 +27,6 @@ def test_bundles_carry_the_role_needs_and_its_placement() -> None:
     assert bundle_for(cfg, "learner", 0) == {"CPU": 1.0, "node_b": 0.01}
     assert bundle_for(cfg, "learner", 1) == {"CPU": 1.0, "node_a": 0.01}
     assert bundle_for(cfg, "learner", 5) == {"CPU": 1.0, "node_a": 0.01}  # the last one repeats
-    assert [role_of(n) for n in ("inference2", "rollout0", "learner")] == [("inference", 2), ("rollout", 0),
-                                                                          ("learner", 0)]
 
 
 class FakeRayLauncher:
@@ -360,6 +358,35 @@ def test_ray_launcher_supervises_role_processes_on_their_nodes(tmp_path, cluster
         launcher.respawn("inference0")
         wait_until(lambda: launcher.alive("inference0") and
                    (logs / "inference0.log").read_text().count("hello from") == 2, 60, "inference0 again")
+    finally:
+        launcher.close()
+    wait_until(lambda: cluster_leftovers(cluster) == ([], []), 30, "no actor or placement group left")
+
+
+def test_a_restart_keeps_off_a_node_that_stopped_answering(tmp_path, cluster):
+    """A role whose actor stopped answering (Ray's ActorUnavailableError: its node may be lost while Ray still lists
+    it alive, for the tens of seconds its health checks take) restarts at once on another node, without the custom
+    resource only that node has, instead of pending on the lost node's resource (issue 23 item 14). The node is not
+    really lost here: the mark `_finished` sets on that error is set by hand."""
+    from arl.launch.ray import RayLauncher
+
+    cfg = RayConfig(address=cluster.address, placement={"inference": {"node_b": 0.01}})
+    launcher = RayLauncher(cfg, startup_timeout=60, run_dir=str(tmp_path), log_poll_s=0.1)
+    log = tmp_path / "logs" / "inference0.log"
+    try:
+        launcher.spawn("inference0", SLEEPER, str(log))
+        first = launcher.where("inference0")
+        assert first["node_resources"] == ["node_b"], first
+        wait_until(lambda: "hello from" in log.read_text(), 60, "inference0's log to reach the run directory")
+        launcher.kill("inference0")
+        wait_until(lambda: not launcher.alive("inference0"), 30, "inference0 to die")
+        launcher.roles["inference0"].hosts[0].unreachable = True
+        launcher.respawn("inference0")
+        wait_until(lambda: log.read_text().count("hello from") == 2, 60, "inference0 again")
+        wait_until(lambda: "node_id" in launcher.where("inference0"), 30, "where inference0 runs")
+        again = launcher.where("inference0")
+        assert again["node_id"] != first["node_id"] and again["node_resources"] == ["node_a"], again
+        assert "node_b" not in launcher.roles["inference0"].hosts[0].bundle
     finally:
         launcher.close()
     wait_until(lambda: cluster_leftovers(cluster) == ([], []), 30, "no actor or placement group left")

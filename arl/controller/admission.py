@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 from typing import Hashable, Optional
 
+from arl.api.staleness import StalenessPolicy
 from arl.rollout.staleness import StalenessGate
 
 Grant = tuple[Hashable, int]  # (worker, number of groups it may start)
@@ -141,3 +142,13 @@ class Admission:
             if entry[1] == 0:
                 self._wants.popleft()
         return out
+
+
+def resumed_admission(resume: dict, *, batch_size: int, policy: StalenessPolicy, max_concurrent: int,
+                      total_steps: int) -> Admission:
+    """The run's admission; resuming from a learner checkpoint (its arl_state.json), the gate starts at that
+    version with the consumed groups accepted."""
+    v = int(resume.get("version", 0))
+    return Admission(StalenessGate(batch_size=batch_size, policy=policy, max_concurrent=max_concurrent,
+                                   max_groups=total_steps * batch_size, version=v,
+                                   accepted=int(resume.get("groups_consumed", v * batch_size)) if v else 0))

@@ -1,13 +1,15 @@
 """The controller: starts every role as a process, owns the policy version and the staleness gate, watches health.
 
-It is a thin I/O shell over pure state machines: `Admission` (the staleness gate and its waiting rollout workers),
-`WeightSync` (which server has which policy version), `Supervisor` (heartbeats, deadlines, restart policy, carried
-out through `recovery.plan_failure`), `EvalSchedule` (which versions are evaluated, when the run is done) and
-`Reporter` (metric records, accounting); `Registry` binds router identities to roles, `diagnosis` says what a
-silent or stalled role was doing. Control traffic is request/response over one ROUTER socket (the roles
-hold DEALERs); each message is parsed into its typed form (`arl.transport.messages`) and handled by the entry of
-a dispatch table. Commands to a role are sent to its ROUTER identity, so they are never lost to a PUB/SUB slow
-joiner.
+It is a thin I/O shell: it maps each control message to calls on pure state machines (`Admission`: the staleness
+gate and its waiting rollout workers; `WeightSync`: which server has which policy version; `Supervisor`:
+heartbeats, deadlines, restart policy; `EvalSchedule`: which versions are evaluated, when the run is done;
+`Reporter`: records and accounting), helped by `Registry` (router identities, addresses) and `GroupOutcomes`
+(where a group's end is booked), and maps their actions to sends. The weight transport's controller side
+(`arl.weights.strategy`) says which messages move weights; `Health` (`health.py`) is the watch loop that finds
+lost, late or silent processes and a run without progress, and carries out what the supervisor decides. Control
+traffic is request/response over one ROUTER socket (the roles hold DEALERs); each message is parsed into its
+typed form (`arl.transport.messages`). Commands to a role are sent to its ROUTER identity, so they are never lost
+to a PUB/SUB slow joiner.
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ import time
 from typing import Any, Awaitable, Callable, Optional
 
 from arl.transport import messages as m
-from arl.controller.admission import Admission, Grant
-from arl.controller.diagnosis import describe_stall, investigate_silence, resume_hint
+from arl.controller.admission import Grant, resumed_admission
 from arl.controller.evaluation import EvalSchedule
-from arl.controller.recovery import Fatal, InferenceLost, RolloutLost, give_up, plan_failure
+from arl.controller.health import Health
+from arl.controller.outcomes import GroupOutcomes
 from arl.controller.registry import Refusals, Registry
 from arl.controller.reporting import JsonlSink, MetricsSink, ProgressWatch, Reporter
 from arl.transport.security import advertised_address
@@ -33,10 +35,8 @@ from arl.controller.weight_sync import Action, GiveUp, Rejoin, Send, WeightSync
 from arl.report.page import ReportBuilder
 from arl.report.traces import TraceWriter
 from arl.api.staleness import StalenessPolicy
-from arl.rollout.staleness import StalenessGate, parse_group_id
+from arl.rollout.staleness import StalenessGate
 from arl.transport.sockets import Router, bind_random
-from arl.utils.net import free_port
-from arl.utils.proc import tail
 from arl.weights.strategy import WeightsSettings, make_transport
 
 logger = logging.getLogger("arl.controller")
@@ -61,14 +61,11 @@ class Controller:
         a role registers and turns `WeightSync`'s sends into messages (`arl.weights.strategy`)."""
         self.run_dir, self.sup, self.launcher, self.eval_max_prompts = run_dir, supervisor, launcher, eval_max_prompts
         self.learner_ranks = max(1, int(learner_ranks))  # > 1: the learner role runs under torchrun
-        # Resuming from a learner checkpoint (its arl_state.json): the gate starts at that version with the
-        # consumed groups accepted; each rollout worker's prompt stream seeks to its recorded position.
+        # resuming from a learner checkpoint: its version, and each rollout worker's prompt stream position
         resume = dict(resume or {})
         self.start_version = v = int(resume.get("version", 0))
-        self.admission = Admission(StalenessGate(
-            batch_size=batch_size, policy=staleness,
-            max_concurrent=max_concurrent_rollouts, max_groups=total_train_steps * batch_size, version=v,
-            accepted=int(resume.get("groups_consumed", v * batch_size)) if v else 0))
+        self.admission = resumed_admission(resume, batch_size=batch_size, policy=staleness,
+                                           max_concurrent=max_concurrent_rollouts, total_steps=total_train_steps)
         positions = {int(k): int(p) for k, p in dict(resume.get("data_position", {})).items()}
         self.registry = Registry(num_inference=supervisor.num_inference, num_rollout=supervisor.num_rollout,
                                  process_of=supervisor.process_of, path=os.path.join(run_dir, "addresses.json"),
@@ -85,23 +82,22 @@ class Controller:
         self.weights_link = make_transport(weights_settings or WeightsSettings()).controller(
             weights_dir=os.path.join(run_dir, "weights"), num_servers=supervisor.num_inference, secret=secret)
         self._secret, self._bind_host, self._max_bytes = secret, bind_host, max_bytes
-        self.stack_dump_wait = stack_dump_wait
         self.router: Optional[Router] = None
         self.address = ""
         self.role_stats: dict[Key, dict] = {}  # each role's latest heartbeat stats
         self._lookups: list[bytes] = []
-        self._names: list[str] = []  # the processes spawn_roles started
         self._done = asyncio.Event()
         self._failure: Optional[str] = None
         self.refuse = Refusals()
         self.control_errors = self.refuse.counts
-        self._handlers: dict[str, Callable[[bytes, Any], Awaitable[None]]] = {
-            "register": self._on_register, "lookup": self._on_lookup, "heartbeat": self._on_heartbeat,
-            "gate_acquire": self._on_gate_acquire, "group_done": self._on_group_done,
-            "groups_dropped": self._on_groups_dropped, "group_received": self._on_group_received,
-            "weights_published": self._on_published,
-            "weights_loaded": self._on_loaded, "eval_done": self._on_eval_done, "error": self._on_error,
-        }
+        self.outcomes = GroupOutcomes(self.admission, self.reporter, self.progress_watch, self.refuse)
+        self.health = Health(run_dir=run_dir, sup=supervisor, launcher=launcher, registry=self.registry,
+                             admission=self.admission, weights=self.weights, schedule=self.schedule,
+                             reporter=self.reporter, progress=self.progress_watch, role_stats=self.role_stats,
+                             stack_dump_wait=stack_dump_wait, sends=self, fail=self.fail)
+        self._handlers: dict[str, Callable[[bytes, Any], Awaitable[None]]] = {t: getattr(self, f"_on_{t}") for t in (
+            "register", "lookup", "heartbeat", "gate_acquire", "group_done", "groups_dropped", "group_received",
+            "weights_published", "weights_loaded", "eval_done", "error")}
 
     # -- views for the launcher, scripts and tests --------------------------------------------------------------
     @property
@@ -121,33 +117,17 @@ class Controller:
         return self.address
 
     def spawn_roles(self, python: str = sys.executable) -> None:
-        base = [python, "-m", "arl.launch.role", "--run-dir", self.run_dir, "--controller", self.address]
-        k = self.sup.servers_per_process
-        for i in range(-(-self.sup.num_inference // k)):  # process i hosts servers i*k..i*k+k-1
-            self._spawn(f"inference{i}", base + ["--role", "inference", "--index", str(i)])
-        learner_argv = base + ["--role", "learner", "--index", "0"]
-        if self.learner_ranks > 1 and not self.launcher.runs_ranks:  # rank 0 registers and talks to us; the others follow it (arl.learner.ranks)
-            learner_argv = [python, "-m", "torch.distributed.run", "--nproc_per_node", str(self.learner_ranks),
-                            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", *learner_argv[2:]]
-        self._spawn("learner", learner_argv)
-        for i in range(self.sup.num_rollout):
-            self._spawn(f"rollout{i}", base + ["--role", "rollout", "--index", str(i)])
-
-    def _spawn(self, name: str, argv: list[str]) -> None:
-        self.launcher.spawn(name, argv, os.path.join(self.run_dir, "logs", f"{name}.log"))
-        self._names.append(name)
+        for name, argv in self.sup.commands(python, self.run_dir, self.address, self.learner_ranks,
+                                            torchrun=not self.launcher.runs_ranks):
+            self.launcher.spawn(name, argv, os.path.join(self.run_dir, "logs", f"{name}.log"))
+            self.health.names.append(name)
 
     async def run(self) -> dict:
         """Run until the learner finished `total_train_steps` and the final evaluation is in."""
-        tasks = [asyncio.create_task(self._serve()), asyncio.create_task(self._watch())]
+        tasks = [asyncio.create_task(self._serve()), asyncio.create_task(self.health.watch())]
         try:
             await self._done.wait()
-            # the learner's heartbeat (1 s) catches up with the groups accepted so far, for the final accounting
-            deadline = time.monotonic() + (3.5 if self._failure is None else 2.0)
-            while time.monotonic() < deadline and not (
-                    self.reporter.learner_caught_up(self.role_stats.get(("learner", 0), {}), self.gate.version)
-                    and (self._failure is not None or not self.gate.running)):
-                await asyncio.sleep(0.2)
+            await self.health.learner_settled(self._failure is not None, 3.5 if self._failure is None else 2.0)
         finally:
             for t in tasks:
                 t.cancel()
@@ -183,90 +163,6 @@ class Controller:
                                         running_groups=self.gate.running, failure=self._failure,
                                         rollout_restarts=self.sup.restarts,
                                         inference_restarts=self.sup.inference_restarts, transport=transport)
-
-    # -- watching ----------------------------------------------------------------------------------------------
-    async def _watch(self) -> None:
-        while await self._check():
-            await asyncio.sleep(0.2)
-
-    async def _check(self) -> bool:
-        """One round of health checks; False once the run failed."""
-        for name, code in self.launcher.dead():
-            if not await self._on_failure(name, f"exited with code {code}"):
-                log = self.launcher.log_path(name)
-                self.fail(f"role {name} exited with code {code}{resume_hint(name, self.run_dir)}; last lines of "
-                          f"{log}:\n{tail(log, 25)}")
-                return False
-        now = time.monotonic()
-        given_up, failure = self.sup.deadlines(now, self._names, self.registry.has_process)
-        for name in given_up:  # a restarted inference process that did not come back: the run goes on without it
-            reason = f"did not register within {self.sup.startup_timeout}s of its restart"
-            give_up(name, sup=self.sup, weights=self.weights)
-            self.launcher.kill(name)
-            logger.error("restarted inference process %s %s; the run goes on without it", name, reason)
-            self.reporter.event("fault", kind="inference_restart_failed", role=name, reason=reason)
-        if failure:
-            self.fail(failure)
-        if failure or not self._watch_progress(now):
-            return False
-        for key, seen in self.sup.silent(time.monotonic()):
-            if self.sup.last_seen.get(key) != seen:
-                continue  # handled (or heard from again) while an earlier one was investigated
-            # name it with what it was waiting on and dump its stacks before it is restarted or the run stops
-            why = await investigate_silence(key, time.monotonic() - seen, sup=self.sup, launcher=self.launcher,
-                                            role_stats=self.role_stats, reporter=self.reporter,
-                                            stack_dump_wait=self.stack_dump_wait)
-            if not await self._on_failure(self.sup.process_of(*key), why):
-                self.fail(why)
-                return False
-        return True
-
-    def _watch_progress(self, now: float) -> bool:
-        """False (the run failed, with the reason) when no group gets through (see `Reporter.watch`). Evaluations
-        and the time before admission opens do not count as no progress."""
-        self.progress_watch.hold(not self.admission.is_open or bool(self.schedule.pending()), now)
-        failure = self.reporter.watch(self.progress_watch, now, lambda: describe_stall(
-            now, sup=self.sup, admission=self.admission, role_stats=self.role_stats,
-            last_messages=self.registry.last_messages))
-        if failure is not None:
-            self.fail(failure)
-        return failure is None
-
-    async def _on_failure(self, name: str, reason: str) -> bool:
-        """Process `name` died, went silent or reported a fatal error: restart it or go on without it, as the
-        supervisor decides (`plan_failure` books it); False: the failure is fatal (the caller stops the run)."""
-        plan = plan_failure(name, sup=self.sup, admission=self.admission, weights=self.weights,
-                            registered=self.registry.has_process(name), spawned=self.launcher.has(name),
-                            now=time.monotonic())
-        if isinstance(plan, Fatal):
-            if plan.note:
-                logger.error("%s failed (%s); %s", name, reason, plan.note)
-            return False
-        if isinstance(plan, RolloutLost):  # the new process continues the prompt stream, gets its evaluations
-            self.registry.forget(("rollout", plan.index))
-            self.reporter.rollout_lost(plan.orphans, plan.lost_groups, self.role_stats.pop(("rollout", plan.index), {}))
-        else:  # an inference process: out of the routing and the weight acks (killed if it still runs)
-            self.launcher.kill(name)
-            for s in plan.servers:
-                self.role_stats.pop(("inference", s), None)
-            self.reporter.event("worker_lost", role="inference", process=name, servers=plan.servers, reason=reason,
-                                remaining=plan.remaining)
-        plan.log(name, reason, self.sup, tail(self.launcher.log_path(name), 10))
-        await self._grant(list(plan.grants))
-        for msg in plan.tell:
-            await self._tell_rollouts(msg)
-        if plan.restarts:  # killed first if it still runs (a hung one); not started if the run ends meanwhile
-            kind, fields = plan.record(reason)
-            self.reporter.fault(kind, "worker_restarted", role=name, **fields, restarts=plan.restarts)
-            self.launcher.kill(name)
-            for _ in range(500):
-                if not self.launcher.alive(name):
-                    break
-                await asyncio.sleep(0.02)
-            self.launcher.respawn(name)
-        if isinstance(plan, InferenceLost):  # a version only it had not acked is live now (the run may end)
-            await self._advance()
-        return True
 
     # -- message handling --------------------------------------------------------------------------------------
     async def _serve(self) -> None:
@@ -322,7 +218,7 @@ class Controller:
                                 **placed)
         self.registry.write(self.address)
         await self._send(ident, m.Ack(ok=True, prompt_position=self.registry.prompt_position(msg.role, msg.index)))
-        await self._send_all(self.weights_link.on_register(msg, self._registered))  # e.g. a weight group
+        await self._send_all(self.weights_link.on_register(msg, self.peers.__contains__))  # e.g. a weight group
         if msg.role == "inference":
             await self._apply(self.weights.registered(msg.index))  # a restarted server catches up, then rejoins
         await self._answer_lookups()
@@ -346,50 +242,23 @@ class Controller:
             self.registry.note_position(msg.index, msg.stats.get("prompt_position"))
 
     async def _on_gate_acquire(self, ident: bytes, msg: m.GateAcquire) -> None:
-        await self._grant(self.admission.acquire(self.registry.who[ident][1], msg.want, msg.incarnation))
+        await self.grant(self.admission.acquire(self.registry.who[ident][1], msg.want, msg.incarnation))
 
     async def _on_group_done(self, ident: bytes, msg: m.GroupDone) -> None:
-        try:
-            grants = self.admission.group_done(self.registry.who[ident][1], msg.accepted, msg.group_id)
-        except ValueError:
-            return self.refuse("unexpected_group_done", "dropped a group_done for no running group")
-        self.reporter.group_done(msg.accepted, msg.reason, msg.n_traj, msg.traj_stats, msg.n_traj_raw, msg.traces)
-        if msg.accepted:
-            self.progress_watch.accepted(time.monotonic())
-        else:
-            self.progress_watch.dropped(str(msg.reason), time.monotonic(), error=msg.error)
-        await self._grant(grants)
+        await self.grant(self.outcomes.done(self.registry.who[ident][1], msg) or [])
 
     async def _on_groups_dropped(self, ident: bytes, msg: m.GroupsDropped) -> None:
-        # settled first: a drop must not overtake its group's acceptance; one of no group of this run has no budget
-        n = msg.n - sum(not self._settle(gid, 0) for gid in msg.group_ids or [])
-        if n > 0:
-            self.reporter.group_reasons["dropped_" + msg.reason] += n
-            self.progress_watch.dropped("learner_" + msg.reason, time.monotonic(), n, streak=False)
-            await self._grant(self.admission.groups_dropped(n))
+        await self.grant(self.outcomes.dropped(msg))
 
     async def _on_group_received(self, ident: bytes, msg: m.GroupReceived) -> None:
-        self._settle(msg.group_id, msg.n_traj)
+        self.outcomes.received(msg.group_id, msg.n_traj)
 
-    def _settle(self, group_id: str, n_traj: int) -> bool:
-        """The learner has group `group_id`: it is accepted whatever its rollout worker does next (see
-        `Admission.received`); False if no rollout worker of this run holds or held it."""
-        who = parse_group_id(group_id)
-        outcome = "unknown" if who is None else self.admission.received(who[0], who[1], group_id, n_traj)
-        if outcome == "unknown":
-            self.refuse("unknown_group", f"the learner reports group {group_id[:60]!r}, which no rollout worker holds")
-        elif outcome == "reclaimed":  # its worker died after pushing it: counted lost, now accepted
-            self.reporter.groups_lost(-1)
-            self.reporter.group_done(True, "accepted", n_traj, None, None)
-            self.progress_watch.accepted(time.monotonic())
-        return outcome != "unknown"
-
-    async def _on_published(self, ident: bytes, msg: m.WeightsPublished) -> None:
+    async def _on_weights_published(self, ident: bytes, msg: m.WeightsPublished) -> None:
         self.progress_watch.stepped(time.monotonic())
         await self._apply(self.weights.publish(msg.version, msg.path))
         self.reporter.train(msg.version, msg.metrics, self.role_stats)
 
-    async def _on_loaded(self, ident: bytes, msg: m.WeightsLoaded) -> None:
+    async def _on_weights_loaded(self, ident: bytes, msg: m.WeightsLoaded) -> None:
         if msg.error is not None:  # it keeps the weights it had: sent the newest again, or given up on
             error = msg.error[:1000]
             logger.warning("inference server %d could not load weights v%d: %s", msg.index, msg.version, error)
@@ -397,40 +266,37 @@ class Controller:
             await self._apply(self.weights.load_failed(msg.index, msg.version, error))
             return
         await self._apply(self.weights.loaded(msg.index, msg.version))
-        await self._advance()
+        await self.advance()
 
     async def _on_eval_done(self, ident: bytes, msg: m.EvalDone) -> None:
         logger.info("%s", self.reporter.eval_done(msg.version, msg.to_payload(), self.role_stats))
         opens, finished = self.schedule.finished(msg.version)
         if opens and not self.admission.is_open:
-            await self._grant(self.admission.open())
+            await self.grant(self.admission.open())
         if finished:
             self._done.set()
 
     async def _on_error(self, ident: bytes, msg: m.Error) -> None:
         text = str(msg.message)
         name = self.sup.process_of(*self.registry.who[ident])
-        if not await self._on_failure(name, f"reported a fatal error: {text[:300]}"):
+        if not await self.health.on_failure(name, f"reported a fatal error: {text[:300]}"):
             self.fail(f"role reported a fatal error: {text}")
 
     # -- actions -------------------------------------------------------------------------------------------------
-    async def _grant(self, grants: list[Grant]) -> None:
+    async def grant(self, grants: list[Grant]) -> None:
         for index, n in grants:
             await self._send_to(("rollout", index), m.GateGrant(n=n))  # type: ignore[arg-type]
 
     async def _apply(self, actions: list[Action]) -> None:
         # the weight transport's messages for the sends (an action list never mixes sends with the others)
-        await self._send_all(self.weights_link.updates([a for a in actions if isinstance(a, Send)], self._registered))
+        await self._send_all(self.weights_link.updates([a for a in actions if isinstance(a, Send)], self.peers.__contains__))
         for a in actions:
             if isinstance(a, Rejoin):
                 await self._rejoin(a)
             elif isinstance(a, GiveUp):  # handled as the failure of its process: restarted, dropped or fatal
                 why = f"could not load weights v{a.version} ({a.attempts} tries in a row): {a.error}"
-                if not await self._on_failure(self.sup.process_of("inference", a.server), why):
+                if not await self.health.on_failure(self.sup.process_of("inference", a.server), why):
                     self.fail(f"inference server {a.server} {why}")
-
-    def _registered(self, key: Key) -> bool:
-        return key in self.peers
 
     async def _send_all(self, messages: list[tuple[Key, str, dict]]) -> None:
         """Send what the weight transport asks for, typed (a bad message of its own raises here)."""
@@ -443,9 +309,9 @@ class Controller:
         address = self.registry.addresses["inference"][a.server]
         logger.warning("inference server %d is back (at %s) with version %s", a.server, address, a.version)
         self.reporter.event("worker_back", role="inference", server=a.server, address=address)
-        await self._tell_rollouts(m.WorkerBack(role="inference", index=a.server, address=address))
+        await self.tell_rollouts(m.WorkerBack(role="inference", index=a.server, address=address))
 
-    async def _advance(self) -> None:
+    async def advance(self) -> None:
         """A newer version is live on every server in the ack set: the gate moves on; evaluate if due."""
         step = self.weights.advance()
         if step is None:
@@ -454,16 +320,16 @@ class Controller:
         await self._send_to(("learner", 0), m.PruneWeights(below=self.weights.lowest_needed()))
         due = self.schedule.live(*step, self.gate.version)
         if step[1] > self.gate.version:  # else a resumed run's checkpoint weights, live everywhere
-            await self._grant(self.admission.set_version(step[1]))
+            await self.grant(self.admission.set_version(step[1]))
         await self._evaluate(due)
 
-    async def _tell_rollouts(self, msg: m.ControlMessage) -> None:
+    async def tell_rollouts(self, msg: m.ControlMessage) -> None:
         for r in range(self.sup.num_rollout):
             await self._send_to(("rollout", r), msg)
 
     async def _maybe_start(self) -> None:
         """All roles registered: evaluate version 0, or (resumed) load the checkpoint's weights first; the
-        evaluation follows in _advance."""
+        evaluation follows in advance."""
         if len(self.peers) < self.sup.expected or not self.schedule.awaiting_start():
             return
         if not self.start_version:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Optional, Protocol, Sequence
 
+from arl.utils.net import free_port
+
 from arl.transport.messages import ROLES
 
 
@@ -119,6 +121,22 @@ class Supervisor:
         if role == "inference":
             return f"inference{index // self.servers_per_process}"
         return "learner" if role == "learner" else f"{role}{index}"
+
+    def commands(self, python: str, run_dir: str, controller: str, learner_ranks: int = 1,
+                 torchrun: bool = True) -> list[tuple[str, list[str]]]:
+        """(process name, argv) of every role process of the run (`arl.launch.role`). Learner ranks > 1 run under
+        torchrun unless the launcher starts each rank itself (`torchrun=False`): rank 0 registers and talks to the
+        controller, the others follow it (`arl.learner.ranks`)."""
+        base = [python, "-m", "arl.launch.role", "--run-dir", run_dir, "--controller", controller]
+        k = self.servers_per_process
+        out = [(f"inference{i}", base + ["--role", "inference", "--index", str(i)])
+               for i in range(-(-self.num_inference // k))]  # process i hosts servers i*k..i*k+k-1
+        learner = base + ["--role", "learner", "--index", "0"]
+        if learner_ranks > 1 and torchrun:
+            learner = [python, "-m", "torch.distributed.run", "--nproc_per_node", str(learner_ranks),
+                       "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", *learner[2:]]
+        out.append(("learner", learner))
+        return out + [(f"rollout{i}", base + ["--role", "rollout", "--index", str(i)]) for i in range(self.num_rollout)]
 
     def servers_of(self, name: str) -> list[int]:
         """Server indices hosted by process `name` ('inference<p>'); [] for other roles."""

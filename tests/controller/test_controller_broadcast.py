@@ -70,7 +70,7 @@ async def test_a_restarted_server_gets_a_new_group_before_the_newest_weights(tmp
         await ctl._dispatch(b"i%d" % i, "weights_loaded", {"version": 1, "index": i})
     sent(ctl)
     ctl.launcher.exit("inference1", -9)
-    assert await ctl._check()
+    assert await ctl.health.check()
     await ctl._dispatch(b"L", "weights_published", {"version": 2, "path": ""})
     msgs = sent(ctl, "update_weights", "send_weights", "open_weight_group", "join_weight_group")
     assert [(i, t) for i, t, _ in msgs] == [(b"i0", "update_weights"), (b"L", "send_weights")]  # not the dead one

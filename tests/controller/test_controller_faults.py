@@ -62,7 +62,7 @@ async def test_dead_rollout_worker_is_restarted_and_its_groups_released(tmp_path
     ctl = make_controller(tmp_path, max_restarts=1)
     await ctl._dispatch(b"r0", "register", {"role": "rollout", "index": 0})
     await ctl._dispatch(b"r1", "register", {"role": "rollout", "index": 1})
-    await ctl._grant(ctl.admission.open())
+    await ctl.grant(ctl.admission.open())
     await ctl._dispatch(b"r0", "gate_acquire", {"want": 3})
     await ctl._dispatch(b"r1", "gate_acquire", {"want": 3})
     assert ctl.gate.running == 6 and ctl.admission.held == {0: 3, 1: 3}
@@ -76,7 +76,7 @@ async def test_dead_rollout_worker_is_restarted_and_its_groups_released(tmp_path
     await ctl._dispatch(b"r1", "heartbeat", {"role": "rollout", "index": 1,
                                              "stats": {"prompt_position": 7, "env": {"env_timeout": 2}}})
     ctl.launcher.exit("rollout1", -9)
-    assert await ctl._check()
+    assert await ctl.health.check()
     assert ctl.gate.running == 3 and ctl.reporter.lost_groups == 1
     assert ctl.reporter.group_reasons["lost_worker_died"] == 1
     assert ("rollout", 1) not in ctl.peers and 1 not in ctl.admission.held and ctl.sup.restarts == 1
@@ -85,12 +85,12 @@ async def test_dead_rollout_worker_is_restarted_and_its_groups_released(tmp_path
     await ctl._dispatch(b"r1", "group_done", {"accepted": True, "reason": "accepted", "n_traj": 4})
     assert ctl.gate.running == 3 and ctl.control_errors["unknown_peer"] == 1
     # a process that fails before registering is not restarted (a restart would fail the same way) ...
-    assert not await ctl._on_failure("rollout1", "died while starting")
+    assert not await ctl.health.on_failure("rollout1", "died while starting")
     # ... and once it registered, one more failure is over the cap: not restarted (the caller stops the run)
     await ctl._dispatch(b"r1b", "register", {"role": "rollout", "index": 1})
     assert ctl.router.sent[-1] == (b"r1b", "ack", {"ok": True, "prompt_position": 7})
     assert ctl.accounting()["env"] == {"env_timeout": 2}  # the dead incarnation's counts are kept
-    assert not await ctl._on_failure("rollout1", "again") and ctl.sup.restarts == 1
+    assert not await ctl.health.on_failure("rollout1", "again") and ctl.sup.restarts == 1
     recs = records(tmp_path)
     assert [r["type"] for r in recs] == ["worker_restarted"] and recs[0]["lost_groups"] == 1
     assert recs[0]["reason"] == "exited with code -9"
@@ -98,7 +98,7 @@ async def test_dead_rollout_worker_is_restarted_and_its_groups_released(tmp_path
     assert acct["lost_in_flight_groups"] == 1 and acct["rollout_restarts"] == 1
     # the learner exiting is fatal
     ctl.launcher.exit("learner", 1)
-    assert not await ctl._check() and ctl._failure.startswith("role learner exited with code 1")
+    assert not await ctl.health.check() and ctl._failure.startswith("role learner exited with code 1")
     ctl.reporter.close()
 
 
@@ -108,7 +108,7 @@ async def test_silent_rollout_worker_is_investigated_then_restarted(tmp_path):
     await ctl._dispatch(b"r0", "register", {"role": "rollout", "index": 0})
     await ctl._dispatch(b"r0", "heartbeat", {"role": "rollout", "index": 0, "stats": {"waiting_on": "env step"}})
     ctl.sup.last_seen[("rollout", 0)] = time.monotonic() - 10
-    assert await ctl._check()
+    assert await ctl.health.check()
     assert ctl.launcher.spawns.count("rollout0") == 2 and ctl.sup.restarts == 1
     fault, restart = records(tmp_path)
     assert fault["type"] == "fault" and fault["kind"] == "heartbeat_timeout" and fault["waiting_on"] == "env step"
@@ -135,7 +135,7 @@ async def test_inference_restart_rejoins_only_with_the_newest_weights(tmp_path):
     assert sent[-2:] == [(b"i0", "update_weights", {"version": 3, "path": "/w/v3"}),
                          (b"i1", "update_weights", {"version": 3, "path": "/w/v3"})]
     ctl.launcher.exit("inference1", -9)
-    assert await ctl._check()
+    assert await ctl.health.check()
     assert ctl.weights.lost == {1} and ctl.weights.rejoining == {1} and ctl.sup.inference_restarts == 1
     assert ctl.launcher.alive("inference1")  # respawned
     assert (b"r0", "worker_lost", {"role": "inference", "indices": [1]}) in sent
@@ -161,9 +161,9 @@ async def test_inference_restart_rejoins_only_with_the_newest_weights(tmp_path):
     assert ctl.gate.version == 4
     # it dies again after rejoining: lost and restarted again (cap 2); then the cap holds
     ctl.launcher.exit("inference1", -9)
-    assert await ctl._check() and ctl.sup.inference_restarts == 2
+    assert await ctl.health.check() and ctl.sup.inference_restarts == 2
     ctl.launcher.exit("inference1", -9)  # the restart dies before it registered: lost again, over the cap
-    assert await ctl._check()
+    assert await ctl.health.check()
     assert ctl.sup.inference_restarts == 2 and not ctl.launcher.alive("inference1") and ctl.weights.lost == {1}
     kinds = [r["type"] for r in records(tmp_path) if r["type"] != "train"]
     assert kinds == ["worker_lost", "worker_restarted", "worker_back", "worker_lost", "worker_restarted",
@@ -171,7 +171,7 @@ async def test_inference_restart_rejoins_only_with_the_newest_weights(tmp_path):
     assert ctl.accounting()["inference_restarts"] == 2
     # the last server going is fatal
     ctl.launcher.exit("inference0", -9)
-    assert not await ctl._check() and "inference0 exited" in ctl._failure
+    assert not await ctl.health.check() and "inference0 exited" in ctl._failure
     ctl.reporter.close()
 
 
@@ -186,7 +186,7 @@ async def test_restarted_inference_that_never_registers_is_given_up(tmp_path):
     await ctl._dispatch(b"i1", "error", {"message": "update_weights failed: disk full"})
     assert ctl.weights.lost == {1} and ctl.weights.rejoining == {1} and ctl._failure is None
     ctl.sup.restarted_at["inference1"] -= 31
-    assert await ctl._check()
+    assert await ctl.health.check()
     assert ctl.weights.rejoining == set() and ctl.weights.lost == {1} and ctl.launcher.killed[-1] == "inference1"
     assert records(tmp_path)[-1]["kind"] == "inference_restart_failed"
     # a role that reports a fatal error it cannot be restarted for stops the run
@@ -200,14 +200,14 @@ async def test_every_group_dropped_for_one_reason_stops_the_run(tmp_path, capsys
     ctl = make_controller(tmp_path, max_consecutive_drops=3, progress=True)
     for r in (0, 1):
         await ctl._dispatch(f"r{r}".encode(), "register", {"role": "rollout", "index": r})
-    await ctl._grant(ctl.admission.open())
+    await ctl.grant(ctl.admission.open())
     await ctl._dispatch(b"r0", "gate_acquire", {"want": 4})
     for _ in range(2):
         await ctl._dispatch(b"r0", "group_done", {"accepted": False, "reason": "reward_error"})
-    assert await ctl._check()
+    assert await ctl.health.check()
     assert "reward_error 2" in capsys.readouterr().err  # the progress line shows the drops by reason
     await ctl._dispatch(b"r0", "group_done", {"accepted": False, "reason": "reward_error"})
-    assert not await ctl._check()
+    assert not await ctl.health.check()
     assert "no progress" in ctl._failure and "dropped for 'reward_error'" in ctl._failure
     assert [r for r in records(tmp_path) if r["type"] == "no_progress"][0]["drops"] == {"reward_error": 3}
     ctl.reporter.close()
@@ -257,8 +257,8 @@ async def test_a_stall_with_no_drops_stops_the_run_and_says_what_is_stuck(tmp_pa
         "version": 0, "buffered_groups": 1, "buffered_trajectories": 4, "in_step_groups": 0, "groups_received": 1,
         "trained_groups": 0, "waiting_on": "waiting for a batch (1/2 groups buffered)"}})
     now = time.monotonic()
-    assert ctl._watch_progress(now) and ctl._watch_progress(now + 299)
-    assert not ctl._watch_progress(now + 301)
+    assert ctl.health.progressing(now) and ctl.health.progressing(now + 299)
+    assert not ctl.health.progressing(now + 301)
     failure = ctl._failure
     assert "no prompt group accepted and no learner step for 301s, and no group dropped either" in failure
     assert "rollout0: 3 groups in flight (its own count: 0 running, 0 awaiting a grant)" in failure
@@ -276,14 +276,14 @@ async def test_a_stall_with_no_drops_stops_the_run_and_says_what_is_stuck(tmp_pa
 async def test_a_drop_streak_stop_says_the_newest_error(tmp_path):
     ctl = make_controller(tmp_path, max_consecutive_drops=2)
     await ctl._dispatch(b"r0", "register", {"role": "rollout", "index": 0})
-    await ctl._grant(ctl.admission.open())
+    await ctl.grant(ctl.admission.open())
     await ctl._dispatch(b"r0", "gate_acquire", {"want": 4})
     for msg in ("first", "the reward service is down"):
         await ctl._dispatch(b"r0", "group_done", {
             "accepted": False, "reason": "env_error:step:ValueError",
             "error": f"RaisingEnv.step raised ValueError: {msg}\nraised at (innermost last):\n"
                      f'  File "bad_env.py", line 9, in step\n    raise ValueError("{msg}")'})
-    assert not await ctl._check()
+    assert not await ctl.health.check()
     assert ctl._failure.endswith("its newest error:\nRaisingEnv.step raised ValueError: the reward service is down\n"
                                  'raised at (innermost last):\n  File "bad_env.py", line 9, in step\n'
                                  '    raise ValueError("the reward service is down")')
@@ -296,13 +296,13 @@ async def test_a_group_the_learner_has_is_accepted_though_its_worker_died_before
     ctl = make_controller(tmp_path, num_rollout=1, max_restarts=1)
     await ctl._dispatch(b"L", "register", {"role": "learner", "index": 0})
     await ctl._dispatch(b"r0", "register", {"role": "rollout", "index": 0})
-    await ctl._grant(ctl.admission.open())
+    await ctl.grant(ctl.admission.open())
     await ctl._dispatch(b"r0", "gate_acquire", {"want": 3, "incarnation": "aa"})
     assert ctl.gate.running == 3
     await ctl._dispatch(b"L", "group_received", {"group_id": "w0.aag0", "n_traj": 4})
     assert ctl.gate.accepted == 1 and ctl.gate.running == 2
     ctl.launcher.exit("rollout0", -9)
-    assert await ctl._check()
+    assert await ctl.health.check()
     assert ctl.reporter.accepted_groups == 1 and ctl.reporter.accepted_trajectories == 4
     assert ctl.reporter.lost_groups == 2 and ctl.gate.accepted == 1 and ctl.gate.running == 0
     await ctl._dispatch(b"L", "group_received", {"group_id": "w0.aag1", "n_traj": 4})  # after the death
@@ -322,7 +322,7 @@ async def test_a_learner_drop_that_overtakes_its_group_done_returns_the_budget(t
     ctl = make_controller(tmp_path, num_rollout=1, batch_size=1, staleness=StalenessPolicy(0))
     await ctl._dispatch(b"L", "register", {"role": "learner", "index": 0})
     await ctl._dispatch(b"r0", "register", {"role": "rollout", "index": 0})
-    await ctl._grant(ctl.admission.open())
+    await ctl.grant(ctl.admission.open())
     await ctl._dispatch(b"r0", "gate_acquire", {"want": 2, "incarnation": "aa"})
     assert ctl.gate.running == 1  # batch 1, eta 0: one group at version 0
     # the learner refuses the group (invalid) before the rollout worker's group_done reaches the controller

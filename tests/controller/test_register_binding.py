@@ -29,7 +29,7 @@ async def test_a_second_registration_of_a_live_role_is_refused_and_counted(tmp_p
     assert ctl.peers[("rollout", 0)] == b"r0" and ctl.control_errors.get("register_taken") == 2
     # a new incarnation after a death registers under the key
     ctl.launcher.exit("inference1", -9)
-    assert await ctl._check()
+    assert await ctl.health.check()
     await ctl._dispatch(b"i1b", "register", {"role": "inference", "index": 1, "address": "tcp://b:1"})
     assert ctl.peers[("inference", 1)] == b"i1b" and ctl.control_errors.get("register_taken") == 2
     ctl.reporter.close()

@@ -142,3 +142,13 @@ def test_local_launcher_spawns_kills_and_reports_deaths(tmp_path):
         assert launcher.stack_dump("a", 0.1) == ("?", "")
     finally:
         launcher.terminate_all(1.0)
+
+
+def test_the_run_s_role_commands_come_from_the_supervisor():
+    sup = Supervisor(num_inference=3, num_rollout=2, servers_per_process=2, startup_timeout=10)
+    cmds = dict(sup.commands("py", "/run", "tcp://c:1", learner_ranks=2))
+    assert list(cmds) == ["inference0", "inference1", "learner", "rollout0", "rollout1"]
+    assert cmds["inference1"][-4:] == ["--role", "inference", "--index", "1"]
+    assert cmds["learner"][:3] == ["py", "-m", "torch.distributed.run"]  # ranks under torchrun
+    assert dict(sup.commands("py", "/run", "tcp://c:1", 2, torchrun=False))["learner"][:3] == ["py", "-m",
+                                                                                             "arl.launch.role"]

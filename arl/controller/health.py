@@ -1,0 +1,144 @@
+"""The controller's health loop, apart from its message handling: every 0.2 s it looks for role processes that
+exited, missed a registration deadline or went silent, and for a run that makes no progress; it carries out what
+the supervisor decides about a lost process (`recovery.plan_failure`) or stops the run with the reason.
+
+It holds no socket: what it must send (grants, `worker_lost`, a version that became live) goes through the
+`Sends` the controller shell gives it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable, Protocol
+
+from arl.controller.admission import Admission, Grant
+from arl.controller.diagnosis import describe_stall, investigate_silence, resume_hint
+from arl.controller.evaluation import EvalSchedule
+from arl.controller.recovery import Fatal, InferenceLost, RolloutLost, give_up, plan_failure
+from arl.controller.registry import Registry
+from arl.controller.reporting import ProgressWatch, Reporter
+from arl.controller.supervision import RoleLauncher, Supervisor
+from arl.controller.weight_sync import WeightSync
+from arl.transport import messages as m
+from arl.utils.proc import tail
+
+logger = logging.getLogger("arl.controller")
+
+Key = tuple[str, int]  # (role, index)
+
+
+class Sends(Protocol):
+    """What the health loop needs the controller shell to send."""
+
+    async def grant(self, grants: list[Grant]) -> None: ...
+    async def tell_rollouts(self, msg: m.ControlMessage) -> None: ...
+    async def advance(self) -> None: ...
+
+
+class Health:
+    def __init__(self, *, run_dir: str, sup: Supervisor, launcher: RoleLauncher, registry: Registry,
+                 admission: Admission, weights: WeightSync, schedule: EvalSchedule, reporter: Reporter,
+                 progress: ProgressWatch, role_stats: dict[Key, dict], stack_dump_wait: float, sends: Sends,
+                 fail: Callable[[str], None]) -> None:
+        """`role_stats`: the shell's table of each role's newest heartbeat stats (read, and cleared for a lost
+        role); `sends`: the shell; `fail(reason)` stops the run."""
+        self.run_dir, self.sup, self.launcher, self.registry = run_dir, sup, launcher, registry
+        self.admission, self.weights, self.schedule, self.reporter = admission, weights, schedule, reporter
+        self.progress, self.role_stats, self.stack_dump_wait = progress, role_stats, stack_dump_wait
+        self.sends, self.fail = sends, fail
+        self.names: list[str] = []  # the processes started for the run
+
+    async def watch(self) -> None:
+        while await self.check():
+            await asyncio.sleep(0.2)
+
+    async def check(self) -> bool:
+        """One round of health checks; False once the run failed."""
+        for name, code in self.launcher.dead():
+            if not await self.on_failure(name, f"exited with code {code}"):
+                log = self.launcher.log_path(name)
+                self.fail(f"role {name} exited with code {code}{resume_hint(name, self.run_dir)}; last lines of "
+                          f"{log}:\n{tail(log, 25)}")
+                return False
+        now = time.monotonic()
+        given_up, failure = self.sup.deadlines(now, self.names, self.registry.has_process)
+        for name in given_up:  # a restarted inference process that did not come back: the run goes on without it
+            reason = f"did not register within {self.sup.startup_timeout}s of its restart"
+            give_up(name, sup=self.sup, weights=self.weights)
+            self.launcher.kill(name)
+            logger.error("restarted inference process %s %s; the run goes on without it", name, reason)
+            self.reporter.event("fault", kind="inference_restart_failed", role=name, reason=reason)
+        if failure:
+            self.fail(failure)
+        if failure or not self.progressing(now):
+            return False
+        for key, seen in self.sup.silent(time.monotonic()):
+            if self.sup.last_seen.get(key) != seen:
+                continue  # handled (or heard from again) while an earlier one was investigated
+            # name it with what it was waiting on and dump its stacks before it is restarted or the run stops
+            why = await investigate_silence(key, time.monotonic() - seen, sup=self.sup, launcher=self.launcher,
+                                            role_stats=self.role_stats, reporter=self.reporter,
+                                            stack_dump_wait=self.stack_dump_wait)
+            if not await self.on_failure(self.sup.process_of(*key), why):
+                self.fail(why)
+                return False
+        return True
+
+    async def learner_settled(self, failed: bool, timeout: float) -> None:
+        """Give the learner's heartbeat (1 s) a moment to catch up with the groups accepted so far, so the final
+        accounting compares counts taken at (nearly) the same time."""
+        deadline = time.monotonic() + timeout
+        gate = self.admission.gate
+        while time.monotonic() < deadline and not (
+                self.reporter.learner_caught_up(self.role_stats.get(("learner", 0), {}), gate.version)
+                and (failed or not gate.running)):
+            await asyncio.sleep(0.2)
+
+    def progressing(self, now: float) -> bool:
+        """False (the run failed, with the reason) when no group gets through (see `Reporter.watch`). Evaluations
+        and the time before admission opens do not count as no progress."""
+        self.progress.hold(not self.admission.is_open or bool(self.schedule.pending()), now)
+        failure = self.reporter.watch(self.progress, now, lambda: describe_stall(
+            now, sup=self.sup, admission=self.admission, role_stats=self.role_stats,
+            last_messages=self.registry.last_messages))
+        if failure is not None:
+            self.fail(failure)
+        return failure is None
+
+    async def on_failure(self, name: str, reason: str) -> bool:
+        """Process `name` died, went silent or reported a fatal error: restart it or go on without it, as the
+        supervisor decides (`plan_failure` books it); False: the failure is fatal (the caller stops the run)."""
+        plan = plan_failure(name, sup=self.sup, admission=self.admission, weights=self.weights,
+                            registered=self.registry.has_process(name), spawned=self.launcher.has(name),
+                            now=time.monotonic())
+        if isinstance(plan, Fatal):
+            if plan.note:
+                logger.error("%s failed (%s); %s", name, reason, plan.note)
+            return False
+        if isinstance(plan, RolloutLost):  # the new process continues the prompt stream, gets its evaluations
+            self.registry.forget(("rollout", plan.index))
+            self.reporter.rollout_lost(plan.orphans, plan.lost_groups, self.role_stats.pop(("rollout", plan.index), {}))
+        else:  # an inference process: out of the routing and the weight acks (killed if it still runs)
+            self.launcher.kill(name)
+            for s in plan.servers:
+                self.role_stats.pop(("inference", s), None)
+            self.reporter.event("worker_lost", role="inference", process=name, servers=plan.servers, reason=reason,
+                                remaining=plan.remaining)
+        plan.log(name, reason, self.sup, tail(self.launcher.log_path(name), 10))
+        await self.sends.grant(list(plan.grants))
+        for msg in plan.tell:
+            await self.sends.tell_rollouts(msg)
+        if plan.restarts:  # killed first if it still runs (a hung one); not started if the run ends meanwhile
+            kind, fields = plan.record(reason)
+            self.reporter.fault(kind, "worker_restarted", role=name, **fields, restarts=plan.restarts)
+            self.launcher.kill(name)
+            for _ in range(500):
+                if not self.launcher.alive(name):
+                    break
+                await asyncio.sleep(0.02)
+            self.launcher.respawn(name)
+        if isinstance(plan, InferenceLost):  # a version only it had not acked is live now (the run may end)
+            await self.sends.advance()
+        return True

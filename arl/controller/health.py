@@ -17,7 +17,7 @@ from arl.controller.admission import Admission, Grant
 from arl.controller.diagnosis import describe_stall, investigate_silence, resume_hint
 from arl.controller.evaluation import EvalSchedule
 from arl.controller.recovery import Fatal, InferenceLost, RolloutLost, give_up, plan_failure
-from arl.controller.registry import Registry
+from arl.controller.peers import Peers
 from arl.controller.reporting import ProgressWatch, Reporter
 from arl.controller.supervision import RoleLauncher, Supervisor
 from arl.controller.weight_sync import WeightSync
@@ -38,13 +38,13 @@ class Sends(Protocol):
 
 
 class Health:
-    def __init__(self, *, run_dir: str, sup: Supervisor, launcher: RoleLauncher, registry: Registry,
+    def __init__(self, *, run_dir: str, sup: Supervisor, launcher: RoleLauncher, roster: Peers,
                  admission: Admission, weights: WeightSync, schedule: EvalSchedule, reporter: Reporter,
                  progress: ProgressWatch, role_stats: dict[Key, dict], stack_dump_wait: float, sends: Sends,
                  fail: Callable[[str], None]) -> None:
         """`role_stats`: the shell's table of each role's newest heartbeat stats (read, and cleared for a lost
         role); `sends`: the shell; `fail(reason)` stops the run."""
-        self.run_dir, self.sup, self.launcher, self.registry = run_dir, sup, launcher, registry
+        self.run_dir, self.sup, self.launcher, self.roster = run_dir, sup, launcher, roster
         self.admission, self.weights, self.schedule, self.reporter = admission, weights, schedule, reporter
         self.progress, self.role_stats, self.stack_dump_wait = progress, role_stats, stack_dump_wait
         self.sends, self.fail = sends, fail
@@ -63,7 +63,7 @@ class Health:
                           f"{log}:\n{tail(log, 25)}")
                 return False
         now = time.monotonic()
-        given_up, failure = self.sup.deadlines(now, self.names, self.registry.has_process)
+        given_up, failure = self.sup.deadlines(now, self.names, self.roster.has_process)
         for name in given_up:  # a restarted inference process that did not come back: the run goes on without it
             reason = f"did not register within {self.sup.startup_timeout}s of its restart"
             give_up(name, sup=self.sup, weights=self.weights)
@@ -102,7 +102,7 @@ class Health:
         self.progress.hold(not self.admission.is_open or bool(self.schedule.pending()), now)
         failure = self.reporter.watch(self.progress, now, lambda: describe_stall(
             now, sup=self.sup, admission=self.admission, role_stats=self.role_stats,
-            last_messages=self.registry.last_messages))
+            last_messages=self.roster.last_messages))
         if failure is not None:
             self.fail(failure)
         return failure is None
@@ -111,14 +111,14 @@ class Health:
         """Process `name` died, went silent or reported a fatal error: restart it or go on without it, as the
         supervisor decides (`plan_failure` books it); False: the failure is fatal (the caller stops the run)."""
         plan = plan_failure(name, sup=self.sup, admission=self.admission, weights=self.weights,
-                            registered=self.registry.has_process(name), spawned=self.launcher.has(name),
+                            registered=self.roster.has_process(name), spawned=self.launcher.has(name),
                             now=time.monotonic())
         if isinstance(plan, Fatal):
             if plan.note:
                 logger.error("%s failed (%s); %s", name, reason, plan.note)
             return False
         if isinstance(plan, RolloutLost):  # the new process continues the prompt stream, gets its evaluations
-            self.registry.forget(("rollout", plan.index))
+            self.roster.forget(("rollout", plan.index))
             self.reporter.rollout_lost(plan.orphans, plan.lost_groups, self.role_stats.pop(("rollout", plan.index), {}))
         else:  # an inference process: out of the routing and the weight acks (killed if it still runs)
             self.launcher.kill(name)

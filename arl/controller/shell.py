@@ -3,7 +3,7 @@
 It is a thin I/O shell: it maps each control message to calls on pure state machines (`Admission`: the staleness
 gate and its waiting rollout workers; `WeightSync`: which server has which policy version; `Supervisor`:
 heartbeats, deadlines, restart policy; `EvalSchedule`: which versions are evaluated, when the run is done;
-`Reporter`: records and accounting), helped by `Registry` (router identities, addresses) and `GroupOutcomes`
+`Reporter`: records and accounting), helped by `Peers` (router identities, addresses) and `GroupOutcomes`
 (where a group's end is booked), and maps their actions to sends. The weight transport's controller side
 (`arl.weights.strategy`) says which messages move weights; `Health` (`health.py`) is the watch loop that finds
 lost, late or silent processes and a run without progress, and carries out what the supervisor decides. Control
@@ -27,7 +27,7 @@ from arl.controller.admission import Grant, resumed_admission
 from arl.controller.evaluation import EvalSchedule
 from arl.controller.health import Health
 from arl.controller.outcomes import GroupOutcomes
-from arl.controller.registry import Refusals, Registry
+from arl.controller.peers import Peers, Refusals
 from arl.controller.reporting import JsonlSink, MetricsSink, ProgressWatch, Reporter
 from arl.transport.security import advertised_address
 from arl.controller.supervision import RoleLauncher, Supervisor
@@ -67,7 +67,7 @@ class Controller:
         self.admission = resumed_admission(resume, batch_size=batch_size, policy=staleness,
                                            max_concurrent=max_concurrent_rollouts, total_steps=total_train_steps)
         positions = {int(k): int(p) for k, p in dict(resume.get("data_position", {})).items()}
-        self.registry = Registry(num_inference=supervisor.num_inference, num_rollout=supervisor.num_rollout,
+        self.roster = Peers(num_inference=supervisor.num_inference, num_rollout=supervisor.num_rollout,
                                  process_of=supervisor.process_of, path=os.path.join(run_dir, "addresses.json"),
                                  prompt_positions=positions)
         self.schedule = EvalSchedule(total_steps=total_train_steps, every=eval_every, start_version=v)
@@ -91,7 +91,7 @@ class Controller:
         self.refuse = Refusals()
         self.control_errors = self.refuse.counts
         self.outcomes = GroupOutcomes(self.admission, self.reporter, self.progress_watch, self.refuse)
-        self.health = Health(run_dir=run_dir, sup=supervisor, launcher=launcher, registry=self.registry,
+        self.health = Health(run_dir=run_dir, sup=supervisor, launcher=launcher, roster=self.roster,
                              admission=self.admission, weights=self.weights, schedule=self.schedule,
                              reporter=self.reporter, progress=self.progress_watch, role_stats=self.role_stats,
                              stack_dump_wait=stack_dump_wait, sends=self, fail=self.fail)
@@ -106,14 +106,14 @@ class Controller:
 
     @property
     def peers(self) -> dict[Key, bytes]:
-        return self.registry.peers
+        return self.roster.peers
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
     def bind(self) -> str:
         kw = {"max_bytes": self._max_bytes} if self._max_bytes else {}
         self.router = Router(secret=self._secret, **kw)
         self.address = advertised_address(bind_random(self.router, self._bind_host))
-        self.registry.write(self.address)
+        self.roster.write(self.address)
         return self.address
 
     def spawn_roles(self, python: str = sys.executable) -> None:
@@ -177,8 +177,8 @@ class Controller:
 
     async def _dispatch(self, ident: bytes, msg_type: str, payload: Any) -> None:
         """Only registered roles may talk to the controller, except to `register`/`lookup`, and some messages only
-        one role (`Registry`). Everything else is dropped and counted, never acted on."""
-        refused = self.registry.unknown_peer(ident, msg_type, payload)
+        one role (`Peers`). Everything else is dropped and counted, never acted on."""
+        refused = self.roster.unknown_peer(ident, msg_type, payload)
         if refused is not None:
             return self.refuse(*refused)
         handler = self._handlers.get(msg_type)
@@ -188,12 +188,12 @@ class Controller:
             msg = m.parse(msg_type, payload)
         except ValueError as e:
             return self.refuse("bad_register" if msg_type == "register" else "bad_payload", f"refused {msg_type}: {e}")
-        refused = self.registry.wrong_sender(ident, msg_type)
+        refused = self.roster.wrong_sender(ident, msg_type)
         if refused is None:
             await handler(ident, msg)
         else:
             self.refuse(*refused)
-        self.registry.heard_from(ident, msg_type, time.monotonic())
+        self.roster.heard_from(ident, msg_type, time.monotonic())
 
     async def _send(self, ident: bytes, msg: m.ControlMessage) -> None:
         assert self.router is not None
@@ -206,7 +206,7 @@ class Controller:
             await self._send(ident, msg)
 
     async def _on_register(self, ident: bytes, msg: m.Register) -> None:
-        refused = self.registry.register(ident, msg.role, msg.index, msg.address, heard=self.sup.last_seen)
+        refused = self.roster.register(ident, msg.role, msg.index, msg.address, heard=self.sup.last_seen)
         if refused is not None:
             return self.refuse(*refused)
         key = (msg.role, msg.index)
@@ -216,8 +216,8 @@ class Controller:
         if placed:
             self.reporter.event("role_placed", role=f"{msg.role}{msg.index}", process=self.sup.process_of(*key),
                                 **placed)
-        self.registry.write(self.address)
-        await self._send(ident, m.Ack(ok=True, prompt_position=self.registry.prompt_position(msg.role, msg.index)))
+        self.roster.write(self.address)
+        await self._send(ident, m.Ack(ok=True, prompt_position=self.roster.prompt_position(msg.role, msg.index)))
         await self._send_all(self.weights_link.on_register(msg, self.peers.__contains__))  # e.g. a weight group
         if msg.role == "inference":
             await self._apply(self.weights.registered(msg.index))  # a restarted server catches up, then rejoins
@@ -232,20 +232,20 @@ class Controller:
 
     async def _answer_lookups(self) -> None:
         """Where the learner and every inference server listen, once all of them said."""
-        while self.registry.complete() and self._lookups:
-            await self._send(self._lookups.pop(), m.Addresses(**self.registry.addresses))
+        while self.roster.complete() and self._lookups:
+            await self._send(self._lookups.pop(), m.Addresses(**self.roster.addresses))
 
     async def _on_heartbeat(self, ident: bytes, msg: m.Heartbeat) -> None:
         self.sup.heard((msg.role, msg.index), time.monotonic())
         self.role_stats[(msg.role, msg.index)] = msg.stats
         if msg.role == "rollout":
-            self.registry.note_position(msg.index, msg.stats.get("prompt_position"))
+            self.roster.note_position(msg.index, msg.stats.get("prompt_position"))
 
     async def _on_gate_acquire(self, ident: bytes, msg: m.GateAcquire) -> None:
-        await self.grant(self.admission.acquire(self.registry.who[ident][1], msg.want, msg.incarnation))
+        await self.grant(self.admission.acquire(self.roster.who[ident][1], msg.want, msg.incarnation))
 
     async def _on_group_done(self, ident: bytes, msg: m.GroupDone) -> None:
-        await self.grant(self.outcomes.done(self.registry.who[ident][1], msg) or [])
+        await self.grant(self.outcomes.done(self.roster.who[ident][1], msg) or [])
 
     async def _on_groups_dropped(self, ident: bytes, msg: m.GroupsDropped) -> None:
         await self.grant(self.outcomes.dropped(msg))
@@ -278,7 +278,7 @@ class Controller:
 
     async def _on_error(self, ident: bytes, msg: m.Error) -> None:
         text = str(msg.message)
-        name = self.sup.process_of(*self.registry.who[ident])
+        name = self.sup.process_of(*self.roster.who[ident])
         if not await self.health.on_failure(name, f"reported a fatal error: {text[:300]}"):
             self.fail(f"role reported a fatal error: {text}")
 
@@ -306,7 +306,7 @@ class Controller:
     async def _rejoin(self, a: Rejoin) -> None:
         """Route to restarted server `a.server` again: the rollout workers connect to its new address."""
         self.sup.heard(("inference", a.server), time.monotonic())
-        address = self.registry.addresses["inference"][a.server]
+        address = self.roster.addresses["inference"][a.server]
         logger.warning("inference server %d is back (at %s) with version %s", a.server, address, a.version)
         self.reporter.event("worker_back", role="inference", server=a.server, address=address)
         await self.tell_rollouts(m.WorkerBack(role="inference", index=a.server, address=address))

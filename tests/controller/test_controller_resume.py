@@ -27,7 +27,7 @@ def test_resume_sets_gate_and_prompt_positions(tmp_path):
     assert c.start_version == 3 and c.gate.version == 3 and c.gate.accepted == 12
     # (3 + 2 + 1) * 4 - 12 = 12 by staleness, 8 by concurrency; the run ends after 10 * 4 groups
     assert c.gate.capacity() == 8 and c.gate.max_groups == 40
-    assert c.registry.positions == {0: 17, 1: 9}
+    assert c.roster.positions == {0: 17, 1: 9}
     c.reporter.close()
 
 

@@ -21,7 +21,7 @@ async def test_a_second_registration_of_a_live_role_is_refused_and_counted(tmp_p
         await ctl._dispatch(b"evil", "register", key)
     assert ctl.control_errors == {"register_taken": 2}
     assert ctl.peers[("rollout", 0)] == b"r0" and ctl.peers[("inference", 0)] == b"i0"
-    assert ctl.registry.addresses["inference"][0] == "tcp://a:0" and b"evil" not in ctl.registry.who
+    assert ctl.roster.addresses["inference"][0] == "tcp://a:0" and b"evil" not in ctl.roster.who
     await ctl._dispatch(b"evil", "gate_acquire", {"want": 3})  # still nobody
     assert ctl.control_errors == {"register_taken": 2, "unknown_peer": 1}
     # the same peer registering again (a lost ack) is fine

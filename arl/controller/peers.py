@@ -38,7 +38,7 @@ class Refusals:
             logger.warning("controller: %s (refused so far: %s)", text, self.counts, exc_info=exc_info)
 
 
-class Registry:
+class Peers:
     def __init__(self, *, num_inference: int, num_rollout: int, process_of: Callable[[str, int], str],
                  path: str = "", prompt_positions: Optional[dict[int, int]] = None) -> None:
         """`process_of(role, index)` names the process hosting a role; `path`: addresses.json ('' writes none);

@@ -1,17 +1,17 @@
-"""Registry: the binding rules of registration (who may register as which role) and what it keeps."""
+"""Peers: the binding rules of registration (who may register as which role) and what it keeps."""
 
 from __future__ import annotations
 
 import json
 
-from arl.controller.registry import Registry
+from arl.controller.peers import Peers
 from arl.controller.supervision import Supervisor
 
 
-def registry(tmp_path=None, **kw) -> Registry:
+def registry(tmp_path=None, **kw) -> Peers:
     sup = Supervisor(num_inference=2, num_rollout=2, startup_timeout=60, servers_per_process=2)
     path = str(tmp_path / "addresses.json") if tmp_path is not None else ""
-    return Registry(num_inference=2, num_rollout=2, process_of=sup.process_of, path=path, **kw)
+    return Peers(num_inference=2, num_rollout=2, process_of=sup.process_of, path=path, **kw)
 
 
 def test_a_registration_must_name_a_role_and_index_of_the_run():

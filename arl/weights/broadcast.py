@@ -19,7 +19,7 @@ import itertools
 import os
 from typing import Any, Awaitable, Callable, Iterable, Optional, Sequence
 
-from arl.weights.strategy import TRANSPORTS, Export, Key, Outgoing, RunFacts, SendLike, Transport
+from arl.weights.strategy import Export, Key, Outgoing, RunFacts, SendLike, Transport
 
 __all__ = ["BroadcastLearner", "BroadcastLink", "BroadcastTransport"]
 
@@ -164,5 +164,3 @@ class BroadcastTransport(Transport):
     def controller(self, *, weights_dir: str, num_servers: int, secret: Optional[bytes]) -> BroadcastLink:
         return BroadcastLink(num_servers=num_servers, backend=self.settings.backend, secret=secret)
 
-
-TRANSPORTS.register(BroadcastTransport.name, BroadcastTransport)

@@ -12,7 +12,7 @@ import contextlib
 import os
 from typing import Any, Awaitable, Callable, Iterable, Optional, Sequence
 
-from arl.weights.strategy import TRANSPORTS, Export, Key, Outgoing, SendLike, Transport
+from arl.weights.strategy import Export, Key, Outgoing, SendLike, Transport
 
 __all__ = ["DiskLearner", "DiskLink", "DiskLoader", "DiskTransport", "weights_path"]
 
@@ -121,5 +121,3 @@ class DiskTransport(Transport):
     def controller(self, *, weights_dir: str, num_servers: int, secret: Optional[bytes]) -> DiskLink:
         return DiskLink(weights_dir)
 
-
-TRANSPORTS.register(DiskTransport.name, DiskTransport)

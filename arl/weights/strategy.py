@@ -17,7 +17,6 @@ this one imports no torch either: the config validates through it.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from typing import Any, Awaitable, Callable, Iterable, Optional, Protocol, Sequence
 
 from arl.api.registry import Registry
@@ -156,27 +155,18 @@ class Transport:
 
 TRANSPORTS: Registry[type[Transport]] = Registry("weights transport",
                                                  "arl.weights.strategy.TRANSPORTS.register(name, cls)")
-
-
-def _builtins() -> None:
-    """Register the built-in transports. Their modules import this one, so they are imported by name, when first
-    needed: no import cycle."""
-    for name in BUILTINS:
-        importlib.import_module(f"arl.weights.{name}")
-
-
-BUILTINS = ("disk", "broadcast")  # modules under arl/weights/ that register a transport of that name
+# the built-ins, imported when first used (their modules import this one)
+TRANSPORTS.register_lazy("disk", "arl.weights.disk:DiskTransport")
+TRANSPORTS.register_lazy("broadcast", "arl.weights.broadcast:BroadcastTransport")
 
 
 def make_transport(settings: WeightsSettings) -> Transport:
     """The transport `settings` names, configured by them; raises `RegistryError` listing the known names."""
-    _builtins()
     return TRANSPORTS.get(settings.transport)(settings)
 
 
 def weights_problems(settings: WeightsSettings, run: RunFacts) -> list[str]:
     """Config errors of the chosen transport: an unknown name, or what the transport itself refuses."""
-    _builtins()
     if settings.transport not in TRANSPORTS:
         return [f"weights.transport: {TRANSPORTS.unknown(settings.transport)}"]
     return make_transport(settings).problems(run)

@@ -55,7 +55,11 @@ LossWeightFn = Callable[[Any], float]
 class TrainEngine(Protocol):
     """Forward/backward/step of one policy on this rank's data; algorithms (`arl.learner.actor`) sit on top.
 
-    Every method is collective over the engine's ranks (each rank passes its own share of the data)."""
+    Every method is collective over the engine's ranks (each rank passes its own share of the data).
+
+    An engine whose update forward is the same computation as `forward_logprobs` (same weights and mode, no
+    dropout) may set ``prox_from_update = True``: the actor then takes the first minibatch's proximal logprobs
+    from that forward instead of asking for them (one forward pass fewer per step)."""
 
     version: int  # policy version of the current weights; the algorithm bumps it once per batch
     rank: int

@@ -6,7 +6,8 @@ One batch, in the order the learner loop calls the phases (every rank runs them 
    down-weighted, as the run's `StalenessPolicy` says) and the loss aggregation become loss masks / per-token
    weights; the batch is split into PPO minibatches of nearly equal tokens (AReaL's ``ppo_n_minibatches``);
 2. `compute_logp`: proximal logprobs with the current weights, before any update (and reference logprobs for a
-   KL penalty), so every minibatch shares one proximal policy;
+   KL penalty), so every minibatch shares one proximal policy (the first minibatch's come from its own update
+   forward where the engine's forwards are one computation: ``prox_from_update``);
 3. `compute_advantages`: GRPO advantages from ``traj.reward`` grouped by ``traj.group_id``, broadcast over each
    trajectory's loss tokens (or per-turn advantages with ``turn_discount``);
 4. `ppo_update`: one ``engine.train_batch`` (optimizer step) per minibatch with the decoupled PPO loss of
@@ -84,6 +85,7 @@ class PPOBatch:
     version: int  # the policy version this batch updates
     stats: StatsTracker
     timer: PhaseTimer  # 'step': from `prepare` to the end of `ppo_update` (step_seconds)
+    prox_from_update: bool = False  # the first minibatch's proximal logprobs come from its update forward
 
 
 class PPOActor:
@@ -155,15 +157,25 @@ class PPOActor:
         if n_mini > 1:  # every rank splits into the same number, and no minibatch is empty on any rank
             n_mini = min(n_mini, int(-self.engine.all_reduce([-float(len(out))], op="max")[0]))
         parts = split_minibatches([len(t.input_ids) for t in out], n_mini)
-        return PPOBatch(list(trajs), data, parts, v, stats, timer)
+        own = bool(getattr(self.engine, "prox_from_update", False)) and not ppo.naive_ppo
+        return PPOBatch(list(trajs), data, parts, v, stats, timer, prox_from_update=own)
 
     def compute_logp(self, batch: PPOBatch) -> None:
-        """Proximal logprobs (and reference logprobs with a KL penalty) under the weights before this update."""
-        names = ["prox_logp"] + (["ref_logp"] if self.ppo.kl_coef else [])
+        """Proximal logprobs (and reference logprobs with a KL penalty) under the weights before this update.
+
+        Naive PPO reads no proximal logprobs, so none are computed. The first minibatch's are not computed either
+        where the engine's update forward is the same computation as its `forward_logprobs` (``prox_from_update``:
+        same weights, same mode, no dropout): the loss takes them from that forward, detached (`_loss`), which
+        saves one of the step's forward passes."""
+        names = (["prox_logp"] if not self.ppo.naive_ppo else []) + (["ref_logp"] if self.ppo.kl_coef else [])
         out: dict[str, list[Any]] = {name: [None] * len(batch.data) for name in names}
-        for part in batch.minibatches:  # per minibatch: the same micro-batches as its update
+        for j, part in enumerate(batch.minibatches):  # per minibatch: the same micro-batches as its update
             sub = TrainBatch([batch.data.trajs[i] for i in part])
             for name in names:
+                if name == "prox_logp" and j == 0 and batch.prox_from_update:
+                    for i in part:  # a placeholder the loss replaces with its own logprobs
+                        out[name][i] = np.zeros(len(batch.data.trajs[i].input_ids), np.float32)
+                    continue
                 lps = self.engine.forward_logprobs(sub, self.temperature, reference=name == "ref_logp")
                 for i, lp in zip(part, lps):
                     out[name][i] = lp
@@ -202,9 +214,10 @@ class PPOActor:
 
     def ppo_update(self, batch: PPOBatch) -> dict[str, float]:
         """One optimizer step per minibatch, then ``version += 1``; the step's statistics over every rank."""
-        loss_fn = functools.partial(self._loss, stats=batch.stats)
         weight_fn = _n_scored_seqs if self.ppo.loss_agg == LossAgg.seq else (lambda mb: mb.n_loss_tokens)
         for i, part in enumerate(batch.minibatches):
+            loss_fn = functools.partial(self._loss, stats=batch.stats,
+                                        own_prox=i == 0 and batch.prox_from_update)
             out = dict(self.engine.train_batch(batch.data.select(part), loss_fn, weight_fn))
             lr = out.pop("lr", None)
             if lr is not None and i == 0:  # the rate the batch started with
@@ -220,11 +233,14 @@ class PPOActor:
         return self._summary(batch, len(batch.minibatches), batch.timer.pop()["step"])
 
     # ------------------------------------------------------------------ loss and statistics
-    def _loss(self, logits: torch.Tensor, mb: MicroBatch, denominator: float, stats: StatsTracker) -> torch.Tensor:
+    def _loss(self, logits: torch.Tensor, mb: MicroBatch, denominator: float, stats: StatsTracker,
+              own_prox: bool = False) -> torch.Tensor:
+        """The decoupled PPO loss of a micro-batch; ``own_prox``: its proximal logprobs are its own, detached (the
+        first minibatch, before any update of this step: see `compute_logp`)."""
         ppo = self.ppo
         logp = token_logprobs(logits, mb.input_ids, self.temperature)
         loss, st = decoupled_ppo_loss(
-            logp, mb.prox_logp, mb.logprobs, mb.advantages, mb.loss_mask,
+            logp, logp.detach() if own_prox else mb.prox_logp, mb.logprobs, mb.advantages, mb.loss_mask,
             eps_clip=ppo.eps_clip, behav_imp_weight_cap=ppo.behav_imp_weight_cap, naive=ppo.naive_ppo,
             denominator=denominator, dual_clip_c=ppo.dual_clip_c, token_weights=mb.token_weights,
             ref_logp=mb.ref_logp, kl_coef=ppo.kl_coef, kl_estimator=ppo.kl_estimator,

@@ -231,6 +231,9 @@ class DeepSpeedEngine:
         # recompute (or a fresh mask in each), the ratio would move off 1 before any update and the clip would
         # bound noise. RL fine-tuning trains with dropout off.
         self.model_engine.module.eval()
+        # so the update's forward is the computation `forward_logprobs` does: the actor takes the first
+        # minibatch's proximal logprobs from it (`PPOActor.compute_logp`) instead of a forward of their own
+        self.prox_from_update = True
         self.device = torch.device(self.model_engine.device)
         logger.info("DeepSpeed %s engine: ZeRO stage %d, %d rank(s), bf16 %s, on %s", ds.__version__,
                     deepspeed.zero_stage, self.world_size, bool(deepspeed.bf16), self.device)

@@ -76,3 +76,40 @@ def test_minibatch_steps_equal_sequential_steps_on_the_parts():
 def test_bad_minibatch_count_raises():
     with pytest.raises(ValueError, match="minibatches"):
         make_actor(tiny(), minibatches=0)
+
+
+def _counting(actor) -> list:
+    calls: list = []
+    inner = actor.engine.forward_logprobs
+
+    def counted(batch, *a, **kw):
+        calls.append(len(batch))
+        return inner(batch, *a, **kw)
+
+    actor.engine.forward_logprobs = counted
+    return calls
+
+
+@pytest.mark.parametrize("kl_coef", [0.0, 0.1])
+def test_first_minibatch_prox_comes_from_its_update_forward(kl_coef):
+    """The first minibatch's proximal logprobs are its own update forward's (no forward of their own); the step
+    is the step computed with a separate proximal forward, and naive PPO asks for no proximal logprobs at all."""
+    trajs = batch(seed=2)
+    model = tiny(seed=2)
+    on_policy(model, trajs)
+    kw = dict(lr=3e-2, seed=0, minibatches=4, kl_coef=kl_coef)
+    own, sep = make_actor(copy.deepcopy(model), **kw), make_actor(copy.deepcopy(model), **kw)
+    sep.engine.prox_from_update = False
+    calls_own, calls_sep = _counting(own), _counting(sep)
+    m_own, m_sep = own.step(trajs), sep.step(trajs)
+    ref = 2 if kl_coef else 1  # forwards per minibatch with a separate proximal forward
+    assert len(calls_sep) == 4 * ref and len(calls_own) == 4 * ref - 1
+    for k in ("loss", "clip_frac", "approx_kl", "imp_weight_mean", "entropy", "grad_norm"):
+        assert m_own[k] == pytest.approx(m_sep[k], rel=1e-4, abs=1e-6), k
+    assert m_own["clip_frac"] > 0.0
+    for p, q in zip(own.engine.model_engine.module.parameters(), sep.engine.model_engine.module.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+    naive = make_actor(copy.deepcopy(model), **{**kw, "naive_ppo": True})
+    calls_naive = _counting(naive)
+    naive.step(trajs)
+    assert len(calls_naive) == (4 if kl_coef else 0)

@@ -21,6 +21,8 @@ from arl.api.registry import AGENTS, INFERENCE_BACKENDS, LEARNER_BACKENDS, TRACK
 from arl.utils.errors import ConfigError
 from arl.api.staleness import StalenessPolicy
 
+DATASETS = ("arith", "jsonl", "hf", "word-arith", "reasoning-gym", "env-seeds")  # dataset.name (arl/data/splits.py)
+
 if TYPE_CHECKING:
     from arl.weights.strategy import RunFacts, WeightsSettings
 
@@ -51,14 +53,20 @@ class ModelConfig:
 @dataclasses.dataclass
 class DatasetConfig:
     name: str = field("arith", "'arith' (built-in a+b task), 'jsonl' (rows with id, prompt|messages, answer), "
-                               "'hf' (HuggingFace datasets on disk: save_to_disk dir or parquet/jsonl file) or "
-                               "'word-arith' (built-in arithmetic word problems for tool agents).")
+                               "'hf' (HuggingFace datasets on disk: save_to_disk dir or parquet/jsonl file), "
+                               "'word-arith' (built-in arithmetic word problems for tool agents), 'reasoning-gym' "
+                               "(its tasks `tasks`, needs arl[envs]) or 'env-seeds' (rows that only carry a seed, "
+                               "for envs whose reset makes the task: gymnasium, gem).")
     prompt_field: str = field("", "hf: column holding the prompt ('' = prompt|question|problem|messages).")
     answer_field: str = field("", "hf: column holding the answer ('' = answer|solution; GSM8K '#### x' kept whole).")
     train_path: str = field("", "jsonl training file (name=jsonl).")
     test_path: str = field("", "jsonl held-out file (name=jsonl).")
     max_operand: int = field(49, "arith: operands are drawn from 0..max_operand.")
-    test_size: int = field(200, "arith: number of held-out pairs.")
+    test_size: int = field(200, "arith: number of held-out pairs; reasoning-gym: held-out rows per task; "
+                                "env-seeds: held-out seeds.")
+    tasks: list[str] = field(help="reasoning-gym: task names (reasoning_gym.create_dataset), e.g. "
+                                  "[basic_arithmetic, chain_sum].", factory=list)
+    train_size: int = field(1000, "reasoning-gym: training rows per task; env-seeds: training seeds.")
 
 
 @dataclasses.dataclass
@@ -607,8 +615,9 @@ def validate(cfg: Any) -> None:
          "rollout.request_timeout, rollout.trajectory_timeout and rollout.timeout_per_token_s must be >= 0"),
         (rc.max_no_progress_s >= 0 and rc.max_consecutive_drops >= 0,
          "rollout.max_no_progress_s and rollout.max_consecutive_drops must be >= 0"),
-        (cfg.dataset.name in ("arith", "jsonl", "hf", "word-arith"),
-         f"dataset.name must be 'arith', 'jsonl', 'hf' or 'word-arith', got {cfg.dataset.name!r}"),
+        (cfg.dataset.name in DATASETS, f"dataset.name must be one of {list(DATASETS)}, got {cfg.dataset.name!r}"),
+        (cfg.dataset.train_size >= 1 and cfg.dataset.test_size >= 0,
+         "dataset.train_size must be >= 1 and dataset.test_size >= 0"),
         (rc.num_env_groups >= 0 and rc.group_size >= 0,
          "rollout.num_env_groups and rollout.group_size must be >= 0"),
         (cfg.weights.backend in ("auto", "gloo", "nccl"), "weights.backend must be 'auto', 'gloo' or 'nccl'"),

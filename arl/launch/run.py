@@ -14,6 +14,7 @@ from typing import Any, Optional
 from arl.config import (ExperimentConfig, LauncherKind, resolve_weights, staleness_policy, to_yaml,
                         weights_settings)
 from arl.controller.shell import Controller, RunFailed
+from arl.utils.errors import ConfigError
 from arl.launch.local import LocalLauncher
 from arl.transport.security import SECRET_ENV, effective_bind_host, is_loopback, resolve_secret
 from arl.controller.supervision import RoleLauncher, Supervisor
@@ -23,11 +24,29 @@ logger = logging.getLogger("arl.launch")
 
 
 def check_names(cfg: ExperimentConfig) -> None:
-    """Fail before any process starts if the agent or env name is unknown (the error lists the registered ones)."""
+    """Fail before any process starts if the agent or env name is unknown (the error lists the registered ones), or
+    an env's args or the reasoning-gym task names are refused (an unknown gymnasium or GEM id, task name)."""
     from arl.api.registry import AGENTS, ENVS
 
     AGENTS.get(cfg.agent.name)
-    ENVS.get(cfg.env.name)
+    envs = {cfg.env.name: dict(cfg.env.args)}
+    for spec in dict(cfg.rollout.env_configs).values():  # env groups' tags: {name, args}
+        if isinstance(spec, dict) and spec.get("name"):
+            envs[str(spec["name"])] = dict(spec.get("args") or {})
+    for name, args in envs.items():  # an env class's own `check(**args)` refuses bad args (an unknown env id)
+        check = getattr(ENVS.get(name), "check", None)
+        if callable(check):
+            try:
+                check(**args)
+            except (ValueError, ImportError) as e:
+                raise ConfigError(f"env {name!r}: {e}") from None
+    if cfg.dataset.name == "reasoning-gym":
+        from arl.envs.reasoning_gym_env import check_tasks
+
+        try:
+            check_tasks(list(cfg.dataset.tasks))
+        except (ValueError, ImportError) as e:
+            raise ConfigError(f"dataset.tasks: {e}") from None
     resolve_secret(cfg.secret, effective_bind_host(cfg.bind_host))  # a multi-host run without a secret: refuse
 
 

@@ -89,6 +89,14 @@ class AgentConfig:
 class EnvConfig:
     name: str = field("math", "Registered environment name (register_env).")
     args: dict[str, Any] = field(help="Extra keyword arguments for the environment's constructor.", factory=dict)
+    servers: int = field(0, "Env-server processes hosting the envs (one session per env instance, rollout workers "
+                            "reach them over ZMQ); 0: envs live inside the rollout workers.")
+    call_timeout: float = field(0.0, "env servers: seconds one env call may take at the server before it is "
+                                     "abandoned and its session closed; 0: 0.9 x rollout.env_timeout.")
+    session_lease_s: float = field(600.0, "env servers: a session idle this long is closed.")
+    max_restarts: int = field(3, "env servers: most restarts of env servers in one run; one more failure stops it.")
+    heartbeat_timeout: float = field(60.0, "env servers: one silent this long is restarted (its sessions' groups "
+                                           "are dropped).")
 
 
 class ModelDType(enum.StrEnum):
@@ -600,6 +608,9 @@ def validate(cfg: Any) -> None:
         (rc.num_workers >= 1, "rollout.num_workers must be >= 1"),
         (rc.max_concurrent_rollouts >= 1, "rollout.max_concurrent_rollouts must be >= 1"),
         (rc.env_timeout > 0, "rollout.env_timeout must be > 0"),
+        (cfg.env.servers >= 0 and cfg.env.max_restarts >= 0, "env.servers and env.max_restarts must be >= 0"),
+        (cfg.env.call_timeout >= 0 and cfg.env.session_lease_s > 0 and cfg.env.heartbeat_timeout > 0,
+         "env.call_timeout must be >= 0, env.session_lease_s and env.heartbeat_timeout > 0"),
         (rc.max_restarts >= 0, "rollout.max_restarts must be >= 0"),
         (ic.max_restarts >= 0, "inference.max_restarts must be >= 0"),
         (min(rc.heartbeat_timeout, ic.heartbeat_timeout, lc.heartbeat_timeout) > 0,

@@ -405,13 +405,15 @@ class RayConfig:
                                   "belongs to (`ray start`); 'ray://host:port' or 'host:port': that cluster.")
     num_cpus: int = field(0, "address=local: CPUs Ray may schedule (0: all of this machine's).")
     placement: dict[str, Any] = field(help="Which nodes get which roles, by Ray custom resources: role (inference, "
-                                           "rollout, learner) -> {resource: amount} for all its processes, or a "
+                                           "rollout, learner, env) -> {resource: amount} for all its processes, or a "
                                            "list of such maps, one per process (learner: per rank; the last "
                                            "repeats). E.g. {inference: {node_a: 0.01}, learner: [{node_b: 0.01}, "
                                            "{node_a: 0.01}]}.", factory=dict)
     cpus_per_inference: float = field(1.0, "CPUs in each inference process's bundle.")
     gpus_per_inference: float = field(0.0, "GPUs per inference server (times inference.servers_per_process).")
     cpus_per_rollout: float = field(1.0, "CPUs in each rollout worker's bundle.")
+    cpus_per_env: float = field(1.0, "CPUs in each env server's bundle (env.servers; ray.placement.env picks its "
+                                     "nodes, e.g. CPU-only ones).")
     cpus_per_learner_rank: float = field(1.0, "CPUs in each learner rank's bundle.")
     gpus_per_learner_rank: float = field(0.0, "GPUs in each learner rank's bundle.")
     strategy: str = field("PACK", "Placement strategy of the learner ranks' group: PACK, SPREAD, STRICT_PACK or "

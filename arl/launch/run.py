@@ -110,12 +110,14 @@ def _controller(cfg: ExperimentConfig, run_dir: str, bind_host: str, secret: Opt
         servers_per_process=ic.servers_per_process,
         startup_timeout=cfg.startup_timeout,
         heartbeat_timeouts={"inference": ic.heartbeat_timeout, "learner": cfg.learner.heartbeat_timeout,
-                            "rollout": rc.heartbeat_timeout},
+                            "rollout": rc.heartbeat_timeout, "env": cfg.env.heartbeat_timeout},
         tolerate_inference_loss=ic.tolerate_worker_loss,
         restart_rollout=rc.restart_on_failure,
         max_restarts=rc.max_restarts,
         restart_inference=ic.restart_on_failure and ic.tolerate_worker_loss,
         max_inference_restarts=ic.max_restarts,
+        num_env=cfg.env.servers,
+        max_env_restarts=cfg.env.max_restarts,
     )
     kwargs: dict[str, Any] = dict(
         run_dir=run_dir,
@@ -160,7 +162,8 @@ def ray_launcher(cfg: ExperimentConfig, run_dir: str, bind_host: str, secret: Op
     launcher = RayLauncher(cfg.ray, startup_timeout=cfg.startup_timeout, learner_ranks=learner_ranks,
                            servers_per_process=k, run_dir=run_dir,
                            processes={"inference": -(-cfg.inference.num_workers // k),
-                                      "rollout": cfg.rollout.num_workers})
+                                      "rollout": cfg.rollout.num_workers,
+                                      **({"env": cfg.env.servers} if cfg.env.servers else {})})
     if is_loopback(bind_host):
         try:
             bind_host = launcher.driver_address()

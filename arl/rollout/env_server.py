@@ -147,7 +147,8 @@ class EnvServer:
 
     def heartbeat_stats(self) -> dict:
         return {"sessions": len(self.sessions), "in_flight": len(self._tasks),
-                **{k: int(v) for k, v in self.stats.items()}}
+                **{k: int(v) for k, v in self.stats.items()},
+                "waiting_on": f"{len(self._tasks)} env calls in flight over {len(self.sessions)} sessions"}
 
     async def close(self) -> None:
         for t in list(self._tasks):

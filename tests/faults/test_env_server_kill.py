@@ -9,10 +9,10 @@ import signal
 
 import pytest
 
-from .harness import (assert_accounting, assert_no_leftovers, finish, read_metrics, record, role_pids, start_run,
-                      summary, train_steps, wait_for)
+from .harness import (assert_accounting, assert_no_leftovers, finish, launcher_log, read_metrics, record, role_pids,
+                      start_run, summary, train_steps, wait_for)
 
-STEPS = 5
+STEPS = 40  # long enough for the new env1 to start and register (10-20 s on a loaded machine)
 
 
 @pytest.mark.slow
@@ -22,6 +22,7 @@ def test_killed_env_server_is_restarted_and_its_groups_dropped_with_a_reason(tmp
     old = role_pids(run_dir)["env1"]
     os.kill(old, signal.SIGKILL)
     wait_for(lambda: role_pids(run_dir).get("env1") not in (None, old), proc, what="the restart")
+    wait_for(lambda: launcher_log(proc).count("registered env1") == 2, proc, what="the new env1 to register")
     code, _, err = finish(proc)
     assert code == 0, err[-6000:]
     assert train_steps(run_dir) == list(range(1, STEPS + 1))
@@ -32,6 +33,8 @@ def test_killed_env_server_is_restarted_and_its_groups_dropped_with_a_reason(tmp
     lost = {r: n for r, n in s["groups"].items() if "EnvServerLost" in r}
     assert lost and all(r.startswith("env_error:") for r in lost), s["groups"]  # dropped, with the reason
     assert set(s["env_servers"]) == {"env0", "env1"}  # both in the accounting (env1: its new incarnation)
+    (back,) = [m for m in read_metrics(run_dir) if m.get("type") == "worker_back" and m.get("role") == "env"]
+    assert back["server"] == 1  # the rollout workers route new sessions to it again
     assert "env server env1 exited with code -9; restarted it" in err
     assert_accounting(s)
     assert_no_leftovers(run_dir)

@@ -40,3 +40,26 @@ def test_killed_env_server_is_restarted_and_its_groups_dropped_with_a_reason(tmp
     assert_no_leftovers(run_dir)
     record("test_env_server_kill", "kill -9 one of two env servers", 1, run_dir, True, crashes=0,
            dropped_for_the_lost_server=sum(lost.values()))
+
+
+@pytest.mark.slow
+def test_a_hung_env_server_is_found_by_its_heartbeat_and_restarted(tmp_path, model_cache):
+    """SIGSTOP (a server hung in a sync env call looks the same): no heartbeat for env.heartbeat_timeout, so its
+    stacks are asked for, it is killed and restarted, and its groups are dropped; the run finishes."""
+    proc, run_dir = start_run(str(tmp_path), model_cache, ["env.servers=2", f"total_train_steps={STEPS}",
+                                                           "env.heartbeat_timeout=4"])
+    wait_for(lambda: len(train_steps(run_dir)) >= 1, proc, what="the first step")
+    old = role_pids(run_dir)["env0"]
+    os.kill(old, signal.SIGSTOP)
+    wait_for(lambda: role_pids(run_dir).get("env0") not in (None, old), proc, what="the restart")
+    code, _, err = finish(proc)
+    assert code == 0, err[-6000:]
+    assert train_steps(run_dir) == list(range(1, STEPS + 1))
+    s = summary(run_dir)
+    assert s["env_restarts"] == 1
+    (silent,) = [f for f in s["faults"] if f["kind"] == "heartbeat_timeout"]
+    assert silent["role"] == "env0"
+    (restart,) = [m for m in read_metrics(run_dir) if m.get("type") == "worker_restarted"]
+    assert restart["role"] == "env0" and "sent no heartbeat" in restart["reason"]
+    assert_accounting(s)
+    assert_no_leftovers(run_dir)

@@ -52,8 +52,9 @@ def test_unknown_env_id_is_refused_at_startup_with_the_id():
 
 
 @pytest.mark.slow
-def test_frozenlake_trains_with_rewards_in_the_train_records(tmp_path, model_cache):  # noqa: F811
-    run_dir, train = run_adapter(tmp_path, model_cache, ARGS)
+@pytest.mark.parametrize("where", [[], ["env.servers=1"]], ids=["in_process", "env_server"])
+def test_frozenlake_trains_with_rewards_in_the_train_records(tmp_path, model_cache, where):  # noqa: F811
+    run_dir, train = run_adapter(tmp_path, model_cache, [*ARGS, *where])
     steps, rewards = env_steps_and_rewards(train)
     assert steps >= 20, steps
     assert all(math.isfinite(r) and 0.0 <= r <= 1.0 for r in rewards), rewards

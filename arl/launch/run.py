@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import logging
 import os
 import signal
@@ -33,9 +34,10 @@ def check_names(cfg: ExperimentConfig) -> None:
     for spec in dict(cfg.rollout.env_configs).values():  # env groups' tags: {name, args}
         if isinstance(spec, dict) and spec.get("name"):
             envs[str(spec["name"])] = dict(spec.get("args") or {})
-    for name, args in envs.items():  # an env class's own `check(**args)` refuses bad args (an unknown env id)
-        check = getattr(ENVS.get(name), "check", None)
-        if callable(check):
+    for name, args in envs.items():  # an env class's own static `check(**args)` refuses bad args (an unknown id)
+        cls = ENVS.get(name)
+        if isinstance(inspect.getattr_static(cls, "check", None), (staticmethod, classmethod)):
+            check = getattr(cls, "check")
             try:
                 check(**args)
             except (ValueError, ImportError) as e:

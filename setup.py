@@ -30,9 +30,12 @@ setup(
                 "tensorboard>=2.14", "wandb>=0.19", "mlflow-skinny>=2.14", "matplotlib>=3.7",
                 "ray>=2.40",  # the two-node launcher=ray tests
                 "import-linter>=2.17",  # lint-imports: the layers contract in .importlinter (.ci/run)
-                "coverage>=7.10"],  # scripts/files_run.py (which files a run executes, docs/architecture.md)
+                "coverage>=7.10",  # scripts/files_run.py (which files a run executes, docs/architecture.md)
+                "gymnasium>=1.0", "gem-llm>=0.1", "reasoning-gym>=0.1.19"],  # the env adapters' tests (envs)
         "data": ["datasets>=2.16"],
         "sglang": ["sglang>=0.5.23", "requests"],
         "ray": ["ray>=2.40"],  # launcher=ray; imported only then
+        # env adapters (env.name=gymnasium | gem | reasoning-gym, dataset.name=reasoning-gym); imported only then
+        "envs": ["gymnasium>=1.0", "gem-llm>=0.1", "reasoning-gym>=0.1.19"],
     },
 )

@@ -21,6 +21,8 @@ from arl.api.registry import AGENTS, INFERENCE_BACKENDS, LEARNER_BACKENDS, TRACK
 from arl.utils.errors import ConfigError
 from arl.api.staleness import StalenessPolicy
 
+DATASETS = ("arith", "jsonl", "hf", "word-arith", "reasoning-gym", "env-seeds")  # dataset.name (arl/data/splits.py)
+
 if TYPE_CHECKING:
     from arl.weights.strategy import RunFacts, WeightsSettings
 
@@ -51,14 +53,20 @@ class ModelConfig:
 @dataclasses.dataclass
 class DatasetConfig:
     name: str = field("arith", "'arith' (built-in a+b task), 'jsonl' (rows with id, prompt|messages, answer), "
-                               "'hf' (HuggingFace datasets on disk: save_to_disk dir or parquet/jsonl file) or "
-                               "'word-arith' (built-in arithmetic word problems for tool agents).")
+                               "'hf' (HuggingFace datasets on disk: save_to_disk dir or parquet/jsonl file), "
+                               "'word-arith' (built-in arithmetic word problems for tool agents), 'reasoning-gym' "
+                               "(its tasks `tasks`, needs arl[envs]) or 'env-seeds' (rows that only carry a seed, "
+                               "for envs whose reset makes the task: gymnasium, gem).")
     prompt_field: str = field("", "hf: column holding the prompt ('' = prompt|question|problem|messages).")
     answer_field: str = field("", "hf: column holding the answer ('' = answer|solution; GSM8K '#### x' kept whole).")
     train_path: str = field("", "jsonl training file (name=jsonl).")
     test_path: str = field("", "jsonl held-out file (name=jsonl).")
     max_operand: int = field(49, "arith: operands are drawn from 0..max_operand.")
-    test_size: int = field(200, "arith: number of held-out pairs.")
+    test_size: int = field(200, "arith: number of held-out pairs; reasoning-gym: held-out rows per task; "
+                                "env-seeds: held-out seeds.")
+    tasks: list[str] = field(help="reasoning-gym: task names (reasoning_gym.create_dataset), e.g. "
+                                  "[basic_arithmetic, chain_sum].", factory=list)
+    train_size: int = field(1000, "reasoning-gym: training rows per task; env-seeds: training seeds.")
 
 
 @dataclasses.dataclass
@@ -81,6 +89,14 @@ class AgentConfig:
 class EnvConfig:
     name: str = field("math", "Registered environment name (register_env).")
     args: dict[str, Any] = field(help="Extra keyword arguments for the environment's constructor.", factory=dict)
+    servers: int = field(0, "Env-server processes hosting the envs (one session per env instance, rollout workers "
+                            "reach them over ZMQ); 0: envs live inside the rollout workers.")
+    call_timeout: float = field(0.0, "env servers: seconds one env call may take at the server before it is "
+                                     "abandoned and its session closed; 0: 0.9 x rollout.env_timeout.")
+    session_lease_s: float = field(600.0, "env servers: a session idle this long is closed.")
+    max_restarts: int = field(3, "env servers: most restarts of env servers in one run; one more failure stops it.")
+    heartbeat_timeout: float = field(60.0, "env servers: one silent this long is restarted (its sessions' groups "
+                                           "are dropped).")
 
 
 class ModelDType(enum.StrEnum):
@@ -389,13 +405,15 @@ class RayConfig:
                                   "belongs to (`ray start`); 'ray://host:port' or 'host:port': that cluster.")
     num_cpus: int = field(0, "address=local: CPUs Ray may schedule (0: all of this machine's).")
     placement: dict[str, Any] = field(help="Which nodes get which roles, by Ray custom resources: role (inference, "
-                                           "rollout, learner) -> {resource: amount} for all its processes, or a "
+                                           "rollout, learner, env) -> {resource: amount} for all its processes, or a "
                                            "list of such maps, one per process (learner: per rank; the last "
                                            "repeats). E.g. {inference: {node_a: 0.01}, learner: [{node_b: 0.01}, "
                                            "{node_a: 0.01}]}.", factory=dict)
     cpus_per_inference: float = field(1.0, "CPUs in each inference process's bundle.")
     gpus_per_inference: float = field(0.0, "GPUs per inference server (times inference.servers_per_process).")
     cpus_per_rollout: float = field(1.0, "CPUs in each rollout worker's bundle.")
+    cpus_per_env: float = field(1.0, "CPUs in each env server's bundle (env.servers; ray.placement.env picks its "
+                                     "nodes, e.g. CPU-only ones).")
     cpus_per_learner_rank: float = field(1.0, "CPUs in each learner rank's bundle.")
     gpus_per_learner_rank: float = field(0.0, "GPUs in each learner rank's bundle.")
     strategy: str = field("PACK", "Placement strategy of the learner ranks' group: PACK, SPREAD, STRICT_PACK or "
@@ -592,6 +610,9 @@ def validate(cfg: Any) -> None:
         (rc.num_workers >= 1, "rollout.num_workers must be >= 1"),
         (rc.max_concurrent_rollouts >= 1, "rollout.max_concurrent_rollouts must be >= 1"),
         (rc.env_timeout > 0, "rollout.env_timeout must be > 0"),
+        (cfg.env.servers >= 0 and cfg.env.max_restarts >= 0, "env.servers and env.max_restarts must be >= 0"),
+        (cfg.env.call_timeout >= 0 and cfg.env.session_lease_s > 0 and cfg.env.heartbeat_timeout > 0,
+         "env.call_timeout must be >= 0, env.session_lease_s and env.heartbeat_timeout > 0"),
         (rc.max_restarts >= 0, "rollout.max_restarts must be >= 0"),
         (ic.max_restarts >= 0, "inference.max_restarts must be >= 0"),
         (min(rc.heartbeat_timeout, ic.heartbeat_timeout, lc.heartbeat_timeout) > 0,
@@ -607,8 +628,9 @@ def validate(cfg: Any) -> None:
          "rollout.request_timeout, rollout.trajectory_timeout and rollout.timeout_per_token_s must be >= 0"),
         (rc.max_no_progress_s >= 0 and rc.max_consecutive_drops >= 0,
          "rollout.max_no_progress_s and rollout.max_consecutive_drops must be >= 0"),
-        (cfg.dataset.name in ("arith", "jsonl", "hf", "word-arith"),
-         f"dataset.name must be 'arith', 'jsonl', 'hf' or 'word-arith', got {cfg.dataset.name!r}"),
+        (cfg.dataset.name in DATASETS, f"dataset.name must be one of {list(DATASETS)}, got {cfg.dataset.name!r}"),
+        (cfg.dataset.train_size >= 1 and cfg.dataset.test_size >= 0,
+         "dataset.train_size must be >= 1 and dataset.test_size >= 0"),
         (rc.num_env_groups >= 0 and rc.group_size >= 0,
          "rollout.num_env_groups and rollout.group_size must be >= 0"),
         (cfg.weights.backend in ("auto", "gloo", "nccl"), "weights.backend must be 'auto', 'gloo' or 'nccl'"),

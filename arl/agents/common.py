@@ -75,11 +75,12 @@ def new_id(prefix: str) -> str:
 
 
 async def start_prompt(tokenizer: Any, prompt: dict[str, Any], env: Any) -> tuple[str, str, list[int]]:
-    """The opening every single-prompt math agent shares: reset `env` with the row's answer and encode the row's
+    """The opening every single-prompt math agent shares: reset `env` with the row (its answer included: MathEnv
+    reads it, reasoning-gym reads the rest) and encode the row's
     chat. Returns (prompt id, a fresh group id, prompt token ids)."""
     pid = str(prompt.get("id", "prompt"))
     prompt_ids = encode_chat(tokenizer, row_messages(prompt), add_generation_prompt=True)
-    await env.reset(options={"answer": prompt.get("answer")})
+    await env.reset(options={**prompt, "answer": prompt.get("answer")})  # the whole row: an env may score with more
     return pid, new_id(pid), prompt_ids
 
 

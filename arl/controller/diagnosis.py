@@ -61,7 +61,7 @@ def describe_stall(now: float, *, sup: Supervisor, admission: Admission, role_st
     """`stall_report` of every role of the run, grouped by the process that hosts it."""
     processes: dict[str, list[Key]] = {}
     for key in ([("rollout", i) for i in range(sup.num_rollout)] + [("learner", 0)]
-                + [("inference", i) for i in range(sup.num_inference)]):
+                + [("inference", i) for i in range(sup.num_inference)] + [("env", i) for i in range(sup.num_env)]):
         processes.setdefault(sup.process_of(*key), []).append(key)
     return stall_report(now, gate=admission.gate, waiting=admission.waiting(), in_flight=dict(admission.held),
                         processes=processes, role_stats=role_stats, last_messages=last_messages)
@@ -89,6 +89,9 @@ def stall_report(now: float, *, gate: Any, waiting: int, in_flight: dict[int, in
                              f"({st.get('buffered_trajectories', '?')} trajectories), {st.get('in_step_groups', 0)} in "
                              f"a step, {st.get('groups_received', '?')} received, {st.get('trained_groups', '?')} "
                              f"trained")
+            elif role == "env":
+                parts.append(f"env server {index}: {st.get('sessions', '?')} sessions, {st.get('in_flight', '?')} "
+                             f"calls in flight")
             else:
                 parts.append(f"server {index} at version {st.get('version', '?')}")
             if st.get("waiting_on"):

@@ -16,7 +16,7 @@ from typing import Callable, Protocol
 from arl.controller.admission import Admission, Grant
 from arl.controller.diagnosis import describe_stall, investigate_silence, resume_hint
 from arl.controller.evaluation import EvalSchedule
-from arl.controller.recovery import Fatal, InferenceLost, RolloutLost, give_up, plan_failure
+from arl.controller.recovery import EnvLost, Fatal, InferenceLost, RolloutLost, give_up, plan_failure
 from arl.controller.peers import Peers
 from arl.controller.reporting import ProgressWatch, Reporter
 from arl.controller.supervision import RoleLauncher, Supervisor
@@ -120,6 +120,10 @@ class Health:
         if isinstance(plan, RolloutLost):  # the new process continues the prompt stream, gets its evaluations
             self.roster.forget(("rollout", plan.index))
             self.reporter.rollout_lost(plan.orphans, plan.lost_groups, self.role_stats.pop(("rollout", plan.index), {}))
+        elif isinstance(plan, EnvLost):  # its sessions are gone: the rollout workers drop their groups
+            self.roster.forget(("env", plan.index))
+            self.role_stats.pop(("env", plan.index), None)
+            self.reporter.event("worker_lost", role="env", process=name, servers=[plan.index], reason=reason)
         else:  # an inference process: out of the routing and the weight acks (killed if it still runs)
             self.launcher.kill(name)
             for s in plan.servers:

@@ -74,7 +74,30 @@ class InferenceLost:
                            "loaded the newest weights", name, self.restarts, sup.max_inference_restarts, self.servers)
 
 
-Plan = Union[Fatal, RolloutLost, InferenceLost]
+@dataclasses.dataclass(frozen=True)
+class EnvLost:
+    """Env server `index` is restarted (restart number `restarts`): its sessions are gone, so the rollout workers
+    are told (`worker_lost`): their calls to it fail at once and those groups are dropped with that reason (their
+    budget returns with their group_done); new sessions go to the other servers until it is back."""
+
+    index: int
+    restarts: int
+    grants: tuple[Grant, ...] = ()
+
+    @property
+    def tell(self) -> tuple[m.ControlMessage, ...]:
+        return (m.WorkerLost(role="env", indices=[self.index]),)
+
+    def record(self, reason: str) -> tuple[str, dict[str, Any]]:
+        return "env_restart", {"reason": reason[:300], "server": self.index}
+
+    def log(self, name: str, reason: str, sup: Supervisor, log_tail: str) -> None:
+        logger.warning("env server %s %s; restarted it (restart %d of at most %d); its sessions' groups are "
+                       "dropped; last lines of its log:\n%s", name, reason, self.restarts, sup.max_env_restarts,
+                       log_tail)
+
+
+Plan = Union[Fatal, RolloutLost, InferenceLost, EnvLost]
 
 
 def plan_failure(name: str, *, sup: Supervisor, admission: Admission, weights: WeightSync, registered: bool,
@@ -84,6 +107,11 @@ def plan_failure(name: str, *, sup: Supervisor, admission: Admission, weights: W
     d = sup.decide(name, registered=registered, lost=weights.lost, rejoining=weights.rejoining, spawned=spawned)
     if d.action == "fatal":
         return Fatal(d.note)
+    if d.action == "restart_env":
+        index = sup.env_index(name)
+        assert index is not None
+        sup.forget(("env", index))
+        return EnvLost(index, sup.restarting(name, now))
     if d.action == "restart_rollout":
         index = sup.rollout_index(name)
         assert index is not None

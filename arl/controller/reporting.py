@@ -282,6 +282,8 @@ class Reporter:
         self.write({"type": "train", "step": version, "version": version, "elapsed": self.elapsed(),
                     "inference_idle_frac": self.inference_idle_fraction(role_stats),
                     "groups": dict(self.group_reasons), **metrics, "rollout": self.take_traj_means()}, version)
+        envs = [st for (role, _), st in role_stats.items() if role == "env"]
+        self._env_text = f"{len(envs)} up, {sum(int(st.get('sessions', 0)) for st in envs)} sessions" if envs else ""
         self._update_progress(version, metrics)
 
     def inference_idle_fraction(self, role_stats: dict) -> Optional[float]:
@@ -323,6 +325,8 @@ class Reporter:
         acc = next((e["first_acc"] for _, e in sorted(self.evals.items(), reverse=True) if e), float("nan"))  # newest
         self._postfix = dict(v=version, reward=f"{metrics.get('reward_mean', float('nan')):.3f}",
                              acc=f"{acc:.3f}", stale=metrics.get("head_offpolicyness"))
+        if getattr(self, "_env_text", ""):  # env servers (env.servers > 0)
+            self._postfix["envs"] = self._env_text
         bar.set_postfix(**self._postfix, **({"dropped": self._drops_text} if self._drops_text else {}),
                         refresh=False)
         bar.update(version - bar.n)
@@ -367,13 +371,14 @@ class Reporter:
 
     # -- the end -----------------------------------------------------------------------------------------------
     def accounting(self, *, role_stats: dict, steps: int, running_groups: int, failure: Optional[str],
-                   rollout_restarts: int, inference_restarts: int, transport: dict) -> dict:
+                   rollout_restarts: int, inference_restarts: int, transport: dict, env_restarts: int = 0) -> dict:
         """Where every accepted group went: the controller's counts next to the learner's latest snapshot, plus
         faults handled and malformed input dropped. `lost_accepted_groups` and `trained_twice` must stay 0."""
         ls = role_stats.get(("learner", 0), {})
         transport = dict(transport)
         env = collections.Counter(self.env_of_restarted)
         requests: collections.Counter = collections.Counter()  # re-sends and aborts: no silent double work
+        env_servers: dict[str, dict] = {}
         for (role, index), st in sorted(role_stats.items()):
             if isinstance(st.get("transport"), dict):
                 transport[f"{role}{index}"] = st["transport"]
@@ -382,12 +387,16 @@ class Reporter:
                 requests.update({k: int(v) for k, v in dict(st.get("client") or {}).items() if k in REQUEST_KEYS})
             elif role == "inference":
                 requests["aborted_by_inference"] += int(st.get("aborted", 0) or 0)
+            elif role == "env":  # env servers: their sessions and calls, by server
+                env_servers[f"env{index}"] = {k: v for k, v in st.items() if isinstance(v, (int, float))}
         out = {"finished": failure is None and steps >= self.total_steps, "failure": (failure or "")[:2000],
                "steps": steps, "groups": dict(self.group_reasons), "accepted_groups": self.accepted_groups,
                "accepted_trajectories": self.accepted_trajectories, "lost_in_flight_groups": self.lost_groups,
                "running_groups": running_groups, "rollout_restarts": rollout_restarts,
                "inference_restarts": inference_restarts, "learner": {k: ls.get(k) for k in LEARNER_KEYS},
                "env": dict(env), "requests": dict(requests), "transport": transport, "faults": list(self.faults)}
+        if env_servers or env_restarts:
+            out["env_servers"], out["env_restarts"] = env_servers, env_restarts
         if ls:
             received = int(ls.get("groups_received") or 0)
             out["lost_accepted_groups"] = max(0, self.accepted_groups - received)

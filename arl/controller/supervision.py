@@ -21,7 +21,7 @@ def process_role(name: str) -> Optional[tuple[str, int]]:
     process's. The one parser of the names `Supervisor.process_of` makes (the launchers' hosts use it too)."""
     if name == "learner":
         return "learner", 0
-    for role in ("inference", "rollout"):
+    for role in ("inference", "rollout", "env"):
         tail = name[len(role):]
         if name.startswith(role) and tail.isdigit():
             return role, int(tail)
@@ -76,8 +76,8 @@ class RoleLauncher(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-    """What to do about a failed process: 'restart_rollout', 'lose_inference' (drop its `servers` from the run and
-    `restart` it) or 'fatal'."""
+    """What to do about a failed process: 'restart_rollout', 'restart_env', 'lose_inference' (drop its `servers`
+    from the run and `restart` it) or 'fatal'."""
 
     action: str
     restart: bool = False
@@ -95,8 +95,9 @@ class Supervisor:
     def __init__(self, *, num_inference: int, num_rollout: int, servers_per_process: int = 1,
                  startup_timeout: float, heartbeat_timeouts: Optional[dict[str, float]] = None,
                  tolerate_inference_loss: bool = False, restart_rollout: bool = True, max_restarts: int = 3,
-                 restart_inference: bool = False, max_inference_restarts: int = 3) -> None:
-        self.num_inference, self.num_rollout = num_inference, num_rollout
+                 restart_inference: bool = False, max_inference_restarts: int = 3, num_env: int = 0,
+                 max_env_restarts: int = 3) -> None:
+        self.num_inference, self.num_rollout, self.num_env = num_inference, num_rollout, num_env
         self.servers_per_process = max(1, servers_per_process)
         self.startup_timeout = startup_timeout
         self.heartbeat_timeouts = {r: 120.0 for r in ROLES} | dict(heartbeat_timeouts or {})  # per role
@@ -105,7 +106,8 @@ class Supervisor:
         self.tolerate_inference_loss = tolerate_inference_loss
         self.restart_rollout, self.max_restarts = restart_rollout, max_restarts
         self.restart_inference, self.max_inference_restarts = restart_inference, max_inference_restarts
-        self.restarts = self.inference_restarts = 0
+        self.restarts = self.inference_restarts = self.env_restarts = 0
+        self.max_env_restarts = max_env_restarts
         self.last_seen: dict[tuple[str, int], float] = {}
         self.restarted_at: dict[str, float] = {}  # process name -> when it was restarted (until it registers)
         self.started_at: Optional[float] = None
@@ -114,8 +116,9 @@ class Supervisor:
     # -- names -----------------------------------------------------------------------------------------------
     @property
     def expected(self) -> int:
-        """Registrations of a complete run: every inference server, the learner, every rollout worker."""
-        return self.num_inference + self.num_rollout + 1
+        """Registrations of a complete run: every inference server, the learner, every rollout worker and env
+        server."""
+        return self.num_inference + self.num_rollout + self.num_env + 1
 
     def process_of(self, role: str, index: int) -> str:
         if role == "inference":
@@ -136,6 +139,7 @@ class Supervisor:
             learner = [python, "-m", "torch.distributed.run", "--nproc_per_node", str(learner_ranks),
                        "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", *learner[2:]]
         out.append(("learner", learner))
+        out += [(f"env{i}", base + ["--role", "env", "--index", str(i)]) for i in range(self.num_env)]
         return out + [(f"rollout{i}", base + ["--role", "rollout", "--index", str(i)]) for i in range(self.num_rollout)]
 
     def servers_of(self, name: str) -> list[int]:
@@ -150,6 +154,11 @@ class Supervisor:
     def rollout_index(name: str) -> Optional[int]:
         parsed = process_role(name)
         return parsed[1] if parsed is not None and parsed[0] == "rollout" else None
+
+    @staticmethod
+    def env_index(name: str) -> Optional[int]:
+        parsed = process_role(name)
+        return parsed[1] if parsed is not None and parsed[0] == "env" else None
 
     # -- liveness --------------------------------------------------------------------------------------------
     def heard(self, key: tuple[str, int], now: float) -> None:
@@ -206,6 +215,13 @@ class Supervisor:
             if not registered:  # it failed while starting: a restart would fail the same way
                 return Decision("fatal", note="it failed before it registered; not restarting it")
             return Decision("restart_rollout" if spawned else "fatal", restart=spawned)
+        if self.env_index(name) is not None:  # an env server: restarted like a rollout worker, under its own cap
+            if self.env_restarts >= self.max_env_restarts:
+                return Decision("fatal", note=f"the run already restarted {self.env_restarts} env servers "
+                                              f"(env.max_restarts)")
+            if not registered:
+                return Decision("fatal", note="it failed before it registered; not restarting it")
+            return Decision("restart_env" if spawned else "fatal", restart=spawned)
         hosted = self.servers_of(name)
         remaining = set(range(self.num_inference)) - lost - set(hosted)
         if hosted and self.tolerate_inference_loss and self.all_up:
@@ -225,6 +241,9 @@ class Supervisor:
         if self.servers_of(name):
             self.inference_restarts += 1
             return self.inference_restarts
+        if self.env_index(name) is not None:
+            self.env_restarts += 1
+            return self.env_restarts
         self.restarts += 1
         return self.restarts
 

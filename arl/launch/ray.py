@@ -138,6 +138,8 @@ def bundle_for(ray_cfg: Any, role: str, index: int, servers_per_process: int = 1
         cpus, gpus = ray_cfg.cpus_per_inference, ray_cfg.gpus_per_inference * servers_per_process
     elif role == "learner":
         cpus, gpus = ray_cfg.cpus_per_learner_rank, ray_cfg.gpus_per_learner_rank
+    elif role == "env":
+        cpus, gpus = ray_cfg.cpus_per_env, 0.0
     else:
         cpus, gpus = ray_cfg.cpus_per_rollout, 0.0
     bundle: dict[str, float] = {"CPU": float(cpus)}
@@ -164,6 +166,7 @@ def planned_bundles(ray_cfg: Any, processes: Optional[Mapping[str, int]], learne
     out += [("learner" if r == 0 else f"learner-rank{r}", bundle_for(ray_cfg, "learner", r))
             for r in range(max(1, learner_ranks))]
     out += [(f"rollout{i}", bundle_for(ray_cfg, "rollout", i)) for i in range(int(processes.get("rollout", 0)))]
+    out += [(f"env{i}", bundle_for(ray_cfg, "env", i)) for i in range(int(processes.get("env", 0)))]
     return out
 
 

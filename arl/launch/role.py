@@ -21,6 +21,7 @@ from arl.config import ExperimentConfig, import_user_modules, resolve_threads
 from arl.inference.entry import run_inference
 from arl.learner.entry import learner_actor, run_learner
 from arl.rollout.entry import run_rollout
+from arl.rollout.env_server import run_env_server
 from arl.transport.control import SOCKET_OPTIONS, ControlChannel
 from arl.transport.loop import run as run_loop
 from arl.transport.messages import Error
@@ -30,7 +31,7 @@ from arl.utils.forensics import install_stack_dump_handler
 logger = logging.getLogger("arl.worker")
 
 
-ROLES = {"inference": run_inference, "learner": run_learner, "rollout": run_rollout}
+ROLES = {"inference": run_inference, "learner": run_learner, "rollout": run_rollout, "env": run_env_server}
 
 
 async def amain(cfg: ExperimentConfig, role: str, index: int, controller: str, run_dir: str) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import logging
 import os
 import signal
@@ -14,6 +15,7 @@ from typing import Any, Optional
 from arl.config import (ExperimentConfig, LauncherKind, resolve_weights, staleness_policy, to_yaml,
                         weights_settings)
 from arl.controller.shell import Controller, RunFailed
+from arl.utils.errors import ConfigError
 from arl.launch.local import LocalLauncher
 from arl.transport.security import SECRET_ENV, effective_bind_host, is_loopback, resolve_secret
 from arl.controller.supervision import RoleLauncher, Supervisor
@@ -23,11 +25,30 @@ logger = logging.getLogger("arl.launch")
 
 
 def check_names(cfg: ExperimentConfig) -> None:
-    """Fail before any process starts if the agent or env name is unknown (the error lists the registered ones)."""
+    """Fail before any process starts if the agent or env name is unknown (the error lists the registered ones), or
+    an env's args or the reasoning-gym task names are refused (an unknown gymnasium or GEM id, task name)."""
     from arl.api.registry import AGENTS, ENVS
 
     AGENTS.get(cfg.agent.name)
-    ENVS.get(cfg.env.name)
+    envs = {cfg.env.name: dict(cfg.env.args)}
+    for spec in dict(cfg.rollout.env_configs).values():  # env groups' tags: {name, args}
+        if isinstance(spec, dict) and spec.get("name"):
+            envs[str(spec["name"])] = dict(spec.get("args") or {})
+    for name, args in envs.items():  # an env class's own static `check(**args)` refuses bad args (an unknown id)
+        cls = ENVS.get(name)
+        if isinstance(inspect.getattr_static(cls, "check", None), (staticmethod, classmethod)):
+            check = getattr(cls, "check")
+            try:
+                check(**args)
+            except (ValueError, ImportError) as e:
+                raise ConfigError(f"env {name!r}: {e}") from None
+    if cfg.dataset.name == "reasoning-gym":
+        from arl.envs.reasoning_gym_env import check_tasks
+
+        try:
+            check_tasks(list(cfg.dataset.tasks))
+        except (ValueError, ImportError) as e:
+            raise ConfigError(f"dataset.tasks: {e}") from None
     resolve_secret(cfg.secret, effective_bind_host(cfg.bind_host))  # a multi-host run without a secret: refuse
 
 
@@ -91,12 +112,14 @@ def _controller(cfg: ExperimentConfig, run_dir: str, bind_host: str, secret: Opt
         servers_per_process=ic.servers_per_process,
         startup_timeout=cfg.startup_timeout,
         heartbeat_timeouts={"inference": ic.heartbeat_timeout, "learner": cfg.learner.heartbeat_timeout,
-                            "rollout": rc.heartbeat_timeout},
+                            "rollout": rc.heartbeat_timeout, "env": cfg.env.heartbeat_timeout},
         tolerate_inference_loss=ic.tolerate_worker_loss,
         restart_rollout=rc.restart_on_failure,
         max_restarts=rc.max_restarts,
         restart_inference=ic.restart_on_failure and ic.tolerate_worker_loss,
         max_inference_restarts=ic.max_restarts,
+        num_env=cfg.env.servers,
+        max_env_restarts=cfg.env.max_restarts,
     )
     kwargs: dict[str, Any] = dict(
         run_dir=run_dir,
@@ -141,7 +164,8 @@ def ray_launcher(cfg: ExperimentConfig, run_dir: str, bind_host: str, secret: Op
     launcher = RayLauncher(cfg.ray, startup_timeout=cfg.startup_timeout, learner_ranks=learner_ranks,
                            servers_per_process=k, run_dir=run_dir,
                            processes={"inference": -(-cfg.inference.num_workers // k),
-                                      "rollout": cfg.rollout.num_workers})
+                                      "rollout": cfg.rollout.num_workers,
+                                      **({"env": cfg.env.servers} if cfg.env.servers else {})})
     if is_loopback(bind_host):
         try:
             bind_host = launcher.driver_address()

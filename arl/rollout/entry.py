@@ -41,7 +41,8 @@ def agent_parts(cfg: ExperimentConfig) -> AgentParts:
     d = cfg.dataset
     train_rows, test_rows = load_splits(name=d.name, train_path=d.train_path, test_path=d.test_path,
                                         max_operand=d.max_operand, test_size=d.test_size, seed=0,
-                                        prompt_field=d.prompt_field, answer_field=d.answer_field)
+                                        prompt_field=d.prompt_field, answer_field=d.answer_field,
+                                        tasks=list(d.tasks), train_size=d.train_size)
     gconfig = GenerationConfig(n=1, **dataclasses.asdict(cfg.gen))
     gconfig.validate()
     group_size = cfg.rollout.group_size or cfg.agent.group_size  # env group size = trajectories per prompt
@@ -69,12 +70,18 @@ def inference_client(cfg: ExperimentConfig, dealers: list[Any]) -> Any:
 
 def rollout_worker(cfg: ExperimentConfig, parts: AgentParts, client: Any, *, index: int, prompts: Any,
                    capacity: int, send_control: SendControl,
-                   push_group: Callable[[Any], Awaitable[None]]) -> Any:
-    """Rollout worker `index`, as the run and `arl.evaluate` build it."""
+                   push_group: Callable[[Any], Awaitable[None]], env_client: Any = None) -> Any:
+    """Rollout worker `index`, as the run and `arl.evaluate` build it; with `env_client` (env.servers > 0) every
+    env instance is a session on an env server (`arl.rollout.env_server.RemoteEnv`)."""
     from arl.api.registry import make_env
     from arl.rollout.env_groups import worker_spec
     from arl.rollout.worker import RolloutWorker
 
+    if env_client is not None:
+        from arl.rollout.env_server import RemoteEnv
+
+        def make_env(name: str, **args: Any) -> Any:  # noqa: F811 - the same factory, served remotely
+            return RemoteEnv(env_client, name, args)
     rc = cfg.rollout
     return RolloutWorker(
         index=index,
@@ -113,9 +120,17 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
     push = make_socket(Push).connect(addrs["learner"])
     prompts = PromptStream(parts.train_rows, seed=cfg.seed, shard=index, num_shards=cfg.rollout.num_workers)
     client = inference_client(cfg, [make_socket(Dealer).connect(a) for a in addrs["inference"]])
+    env_client = None
+    if cfg.env.servers:  # envs as a role: sessions on the env servers, spread by least load
+        from arl.rollout.env_server import EnvServerClient
+
+        env_client = EnvServerClient([make_socket(Dealer).connect(a) for a in addrs["env"]],
+                                     timeout=cfg.rollout.env_timeout)
+        env_client.start()
     per_worker = max(1, cfg.rollout.max_concurrent_rollouts // cfg.rollout.num_workers)
     worker = rollout_worker(cfg, parts, client, index=index, prompts=prompts, capacity=per_worker,
-                            send_control=ctl.post, push_group=lambda group: push.send("traj", group))
+                            send_control=ctl.post, push_group=lambda group: push.send("traj", group),
+                            env_client=env_client)
 
     async def on_eval(msg: Eval) -> None:
         result = await worker.evaluate(msg.version, msg.max_prompts)
@@ -128,10 +143,15 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
         if msg.role == "inference":
             for i in msg.indices:
                 await client.worker_lost(i)
+        elif msg.role == "env" and env_client is not None:  # its sessions are gone: their groups are dropped
+            for i in msg.indices:
+                env_client.server_lost(i)
 
     async def on_worker_back(msg: WorkerBack) -> None:  # the controller restarted an inference server: route to it
         if msg.role == "inference":
             client.worker_back(msg.index, make_socket(Dealer).connect(msg.address))
+        elif msg.role == "env" and env_client is not None:
+            env_client.server_back(msg.index, make_socket(Dealer).connect(msg.address))
 
     ctl.handlers.update(gate_grant=lambda msg: worker.on_grant(msg.n), eval=on_eval, worker_lost=on_worker_lost,
                         worker_back=on_worker_back)
@@ -139,8 +159,8 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
     if ack.get("prompt_position"):  # resuming a run: continue this worker's prompt stream where it stood
         prompts.seek(int(ack["prompt_position"]))
         logger.info("rollout%d: prompt stream resumes at position %d", index, prompts.position)
-    return [worker.acquire_loop(), ctl.heartbeat(worker.heartbeat_stats)], [worker.close(), client.close(),
-                                                                              aclose(push)]
+    cleanups = [worker.close(), client.close(), aclose(push)] + ([env_client.close()] if env_client else [])
+    return [worker.acquire_loop(), ctl.heartbeat(worker.heartbeat_stats)], cleanups
 
 
 

@@ -44,7 +44,8 @@ import numpy as np
 from arl.api.types import FINISH_REASONS, GenerateRequest, GenerateResponse, GenerationConfig, SampleOutput, Trajectory
 from arl.transport.replay import STAMP_SIZE, ReplayGuard, fresh_stamp
 
-__all__ = ["PROTOCOL_VERSION", "DEFAULT_MAX_BYTES", "TAG_SIZE", "TYPED_TYPES", "CONTROL_TYPES", "MESSAGE_TYPES",
+__all__ = ["PROTOCOL_VERSION", "DEFAULT_MAX_BYTES", "TAG_SIZE", "TYPED_TYPES", "CONTROL_TYPES", "ENV_TYPES",
+           "MESSAGE_TYPES",
            "MalformedMessage", "ReplayedMessage", "encode", "decode"]
 
 PROTOCOL_VERSION = 1
@@ -57,7 +58,10 @@ CONTROL_TYPES = frozenset({"register", "heartbeat", "lookup", "addresses", "gate
                            "metrics", "shutdown", "ack", "error", "eval_done", "eval", "groups_dropped",
                            "worker_lost", "worker_back", "join_weight_group", "open_weight_group", "send_weights",
                            "group_received"})
-MESSAGE_TYPES = TYPED_TYPES | CONTROL_TYPES
+# env servers' calls and replies (arl/rollout/env_server.py): plain maps like control messages, between a rollout
+# worker and an env server only (the controller never sees them, so they have no class in messages.py)
+ENV_TYPES = frozenset({"env_call", "env_reply"})
+MESSAGE_TYPES = TYPED_TYPES | CONTROL_TYPES | ENV_TYPES
 
 _METADATA_MAX_DEPTH = 32
 
@@ -347,7 +351,7 @@ def encode(msg_type: str, payload: Any = None, *, secret: Optional[bytes] = None
     conv = _TO_WIRE.get(msg_type)
     if conv is not None:
         payload = conv(payload)
-    elif msg_type in CONTROL_TYPES:
+    elif msg_type in CONTROL_TYPES or msg_type in ENV_TYPES:
         if payload is None:
             payload = {}
         elif type(payload) is not dict:
@@ -420,7 +424,7 @@ def decode(
             raise
         except Exception as e:  # dataclass __post_init__ checks, etc.
             raise MalformedMessage(f"{msg_type}: {str(e)[:200]}") from None
-    if msg_type not in CONTROL_TYPES:
+    if msg_type not in CONTROL_TYPES and msg_type not in ENV_TYPES:
         raise MalformedMessage(f"unknown message type {msg_type[:40]!r}")
     if type(payload) is not dict:
         raise MalformedMessage(f"{msg_type}: payload must be a map")

@@ -15,7 +15,7 @@ import re
 import typing
 from typing import Any, Awaitable, Callable, ClassVar, Literal, NewType, Optional, Union
 
-Role = Literal["inference", "learner", "rollout"]
+Role = Literal["inference", "learner", "rollout", "env"]
 ROLES: tuple[str, ...] = typing.get_args(Role)
 Count = NewType("Count", int)  # an int that must not be negative
 
@@ -114,6 +114,7 @@ class Lookup(ControlMessage):
 class Addresses(ControlMessage):
     inference: list[Optional[str]]
     learner: Optional[str]
+    env: Optional[list[Optional[str]]] = None  # env servers (env.servers > 0)
 
 
 class GateAcquire(ControlMessage):

@@ -121,3 +121,10 @@ def test_bench_weights_smoke(tmp_path):
         assert r["pause_s"] > 0 and r["step_s"] > 0 and r["swap_s"] >= 0 and len(r["times"]) == 1
     head = json.loads(out.read_text())["headline"]
     assert head["broadcast_of_bare"] > 0 and f"{head['broadcast_of_bare'] * 100:.0f}%" in lines[-1]
+
+
+def test_bench_envs_smoke():
+    proc = run_script("bench_envs.py", ["--sessions", "1", "4", "--steps", "20"])
+    rows = [line for line in proc.stdout.splitlines() if "sessions" in line]
+    assert len(rows) == 3 * 2, proc.stdout  # cheap, noop, sleep10 x 2 session counts
+    assert re.fullmatch(r"env server: \d+% of in-process steps/s \(cheap env\)", proc.stdout.strip().splitlines()[-1])

@@ -1,0 +1,309 @@
+"""Environments as a role of their own (`env.servers=N`): env-server processes host `EnvironmentService`
+instances, one per session, and rollout workers reach them through `RemoteEnv`, which has the same async
+`reset` / `step` / `close` (so env groups' `member(i)` works unchanged: each member is a session).
+
+Wire (the project's codec, HMAC and frame limits: `arl.transport.sockets`): a rollout worker's DEALER sends
+``env_call {rid, sid, op, ...}`` to a server's ROUTER and gets ``env_reply {rid, ok, value | kind, error}``.
+The first `reset` of a session names the env (`name`, `args`) and the server makes it with `make_env`.
+
+Server side: every call runs under `call_timeout` (a hung call is abandoned and its session closed: kind
+"timeout"); an env that raises answers kind "error"; a result msgpack cannot carry (an object in `info`) is
+refused with kind "not_msgpack" naming its type, not a crash; a session idle past `lease_s` is closed. Client
+side: sessions are spread over the live servers by least load (open sessions); a lost server's calls fail at
+once with `EnvServerLost` (the rollout worker drops their groups with that reason; their budget returns through
+the usual group_done), its sessions are gone, a new `reset` opens a session on another server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import itertools
+import logging
+import os
+import time
+from typing import Any, Callable, Optional
+
+from arl.api.agent import EnvironmentService
+from arl.rollout.guards import DeadlineExceeded, call_with_deadline
+
+logger = logging.getLogger("arl.env")
+
+OPS = ("reset", "step", "close")
+
+
+class EnvServerLost(ConnectionError):
+    """The env server that held this session was lost (died, hung, restarted): the episode is gone."""
+
+
+class RemoteEnvError(RuntimeError):
+    """The env server refused or failed a call; `kind`: "timeout", "error", "not_msgpack", "bad_request"."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class _Session:
+    __slots__ = ("env", "last_used", "busy")
+
+    def __init__(self, env: EnvironmentService) -> None:
+        self.env, self.last_used, self.busy = env, time.monotonic(), 0
+
+
+class EnvServer:
+    """One env server: a ROUTER (`router`: recv() -> (identity, type, payload), send(identity, type, payload))."""
+
+    def __init__(self, *, index: int, router: Any, make_env: Callable[..., EnvironmentService],
+                 call_timeout: float, lease_s: float) -> None:
+        self.index = index
+        self.router = router
+        self.make_env = make_env
+        self.call_timeout = float(call_timeout)
+        self.lease_s = float(lease_s)
+        self.sessions: dict[str, _Session] = {}
+        self.stats: collections.Counter = collections.Counter()
+        self._tasks: set[asyncio.Task] = set()
+
+    async def serve(self) -> None:
+        while True:
+            ident, msg_type, payload = await self.router.recv()
+            if msg_type != "env_call" or not isinstance(payload, dict):
+                self.stats["bad_request"] += 1
+                continue
+            t = asyncio.create_task(self._handle(ident, payload))
+            self._tasks.add(t)
+            t.add_done_callback(self._tasks.discard)
+
+    async def _reply(self, ident: bytes, rid: Any, **fields: Any) -> None:
+        try:
+            await self.router.send(ident, "env_reply", {"rid": rid, **fields})
+        except (TypeError, ValueError, OverflowError) as e:  # the codec refused the value: say so, with what could not go
+            self.stats["not_msgpack"] += 1
+            await self.router.send(ident, "env_reply", {"rid": rid, "ok": False, "kind": "not_msgpack",
+                                                         "error": f"the env's result cannot travel as msgpack: {e}"})
+
+    async def _handle(self, ident: bytes, p: dict) -> None:
+        rid, sid, op = p.get("rid"), p.get("sid"), p.get("op")
+        if not isinstance(sid, str) or op not in OPS:
+            self.stats["bad_request"] += 1
+            return await self._reply(ident, rid, ok=False, kind="bad_request", error=f"bad env call {op!r}")
+        session = self.sessions.get(sid)
+        if session is None:
+            if op == "close":
+                return await self._reply(ident, rid, ok=True, value=None)
+            if op == "step":
+                return await self._reply(ident, rid, ok=False, kind="no_session",
+                                         error=f"env session {sid} is not open here (closed, or its lease ran out)")
+            try:
+                session = self.sessions[sid] = _Session(self.make_env(str(p.get("name")), **dict(p.get("args") or {})))
+                self.stats["sessions_opened"] += 1
+            except Exception as e:  # noqa: BLE001 - a bad env name or args: the caller's group is dropped
+                self.stats["env_error"] += 1
+                return await self._reply(ident, rid, ok=False, kind="error", error=f"{type(e).__name__}: {e}")
+        session.busy += 1
+        session.last_used = time.monotonic()
+        self.stats["calls"] += 1
+        try:
+            if op == "reset":
+                value: Any = await call_with_deadline(session.env.reset(seed=p.get("seed"), options=p.get("options")),
+                                                      self.call_timeout)
+            elif op == "step":
+                value = await call_with_deadline(session.env.step(p.get("action")), self.call_timeout)
+            else:
+                self.sessions.pop(sid, None)
+                value = await call_with_deadline(session.env.close(), self.call_timeout)
+            value = list(value) if isinstance(value, tuple) else value
+        except DeadlineExceeded:
+            self.stats["timeouts"] += 1
+            await self._close(sid)
+            return await self._reply(ident, rid, ok=False, kind="timeout",
+                                     error=f"{op} took longer than {self.call_timeout:g}s at env server "
+                                           f"{self.index}; the session was closed")
+        except Exception as e:  # noqa: BLE001 - any env bug is the caller's counted drop reason
+            self.stats["env_error"] += 1
+            return await self._reply(ident, rid, ok=False, kind="error", error=f"{type(e).__name__}: {e}")
+        finally:
+            session.busy -= 1
+            session.last_used = time.monotonic()
+        await self._reply(ident, rid, ok=True, value=value)
+
+    async def _close(self, sid: str) -> None:
+        session = self.sessions.pop(sid, None)
+        if session is not None:
+            self.stats["sessions_closed"] += 1
+            with contextlib.suppress(Exception):
+                await call_with_deadline(session.env.close(), min(5.0, self.call_timeout))
+
+    async def reap(self, every: Optional[float] = None) -> None:
+        """Close sessions idle past their lease (a rollout worker that died never closes its sessions)."""
+        while True:
+            await asyncio.sleep(every if every is not None else max(0.05, min(5.0, self.lease_s / 4)))
+            now = time.monotonic()
+            for sid in [s for s, x in self.sessions.items() if not x.busy and now - x.last_used > self.lease_s]:
+                self.stats["lease_expired"] += 1
+                await self._close(sid)
+
+    def heartbeat_stats(self) -> dict:
+        return {"sessions": len(self.sessions), "in_flight": len(self._tasks),
+                **{k: int(v) for k, v in self.stats.items()},
+                "waiting_on": f"{len(self._tasks)} env calls in flight over {len(self.sessions)} sessions"}
+
+    async def close(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*(self._close(s) for s in list(self.sessions)), return_exceptions=True)
+
+
+class EnvServerClient:
+    """A rollout worker's link to every env server: one DEALER each (None while a server is lost)."""
+
+    def __init__(self, dealers: list[Any], timeout: float) -> None:
+        self.dealers: list[Optional[Any]] = list(dealers)
+        self.timeout = float(timeout)
+        self.epoch = [0] * len(dealers)  # bumped when a server is lost: its sessions are gone
+        self.load = [0] * len(dealers)  # open sessions per server
+        self._pending: dict[int, tuple[asyncio.Future, int]] = {}
+        self._rids = itertools.count(1)
+        self._readers: dict[int, asyncio.Task] = {}
+        self._sids = itertools.count()
+        self._tag = os.urandom(4).hex()
+        self.stats: collections.Counter = collections.Counter()
+
+    def start(self) -> None:
+        for i, d in enumerate(self.dealers):
+            if d is not None and i not in self._readers:
+                self._readers[i] = asyncio.get_running_loop().create_task(self._read(i, d))
+
+    def new_sid(self) -> str:
+        return f"{self._tag}-{next(self._sids)}"
+
+    def pick(self) -> int:
+        """The live server with the fewest open sessions (EnvServerLost when none is live)."""
+        live = [i for i, d in enumerate(self.dealers) if d is not None]
+        if not live:
+            raise EnvServerLost("no env server is live (all lost; waiting for restarts)")
+        return min(live, key=lambda i: (self.load[i], i))
+
+    async def _read(self, i: int, dealer: Any) -> None:
+        while True:
+            msg_type, payload = await dealer.recv()
+            if msg_type != "env_reply" or not isinstance(payload, dict):
+                continue
+            entry = self._pending.pop(payload.get("rid"), None)  # type: ignore[arg-type]
+            if entry is not None and not entry[0].done():
+                entry[0].set_result(payload)
+
+    async def call(self, server: int, payload: dict) -> Any:
+        dealer = self.dealers[server]
+        if dealer is None:
+            raise EnvServerLost(f"env server {server} was lost")
+        rid = next(self._rids)
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._pending[rid] = (fut, server)
+        self.stats["calls"] += 1
+        try:
+            await dealer.send("env_call", {"rid": rid, **payload})
+            reply = await asyncio.wait_for(fut, self.timeout)
+        except asyncio.TimeoutError:
+            self.stats["timeouts"] += 1
+            raise TimeoutError(f"env server {server} did not answer {payload.get('op')} within {self.timeout:g}s") \
+                from None
+        finally:
+            self._pending.pop(rid, None)
+        if not reply.get("ok"):
+            raise RemoteEnvError(str(reply.get("kind")), f"env server {server}: {reply.get('error')}")
+        return reply.get("value")
+
+    def server_lost(self, i: int) -> None:
+        """Server `i` is gone: its calls fail now, its sessions are gone, nothing new goes there."""
+        if not 0 <= i < len(self.dealers):
+            return
+        self.epoch[i] += 1
+        self.load[i] = 0
+        self.stats["servers_lost"] += 1
+        dealer, self.dealers[i] = self.dealers[i], None
+        reader = self._readers.pop(i, None)
+        if reader is not None:
+            reader.cancel()
+        for rid, (fut, server) in list(self._pending.items()):
+            if server == i and not fut.done():
+                fut.set_exception(EnvServerLost(f"env server {i} was lost"))
+        if dealer is not None:
+            dealer.close()
+
+    def server_back(self, i: int, dealer: Any) -> None:
+        if not 0 <= i < len(self.dealers):
+            dealer.close()
+            return
+        if self.dealers[i] is not None:
+            self.server_lost(i)
+        self.dealers[i] = dealer
+        self.start()
+
+    async def close(self) -> None:
+        for t in self._readers.values():
+            t.cancel()
+        await asyncio.gather(*self._readers.values(), return_exceptions=True)
+        for d in self.dealers:
+            if d is not None:
+                d.close()
+
+
+class RemoteEnv(EnvironmentService):
+    """A session on an env server, opened by the first `reset` on the least-loaded live server."""
+
+    def __init__(self, client: EnvServerClient, name: str, args: Optional[dict[str, Any]] = None) -> None:
+        self.client, self.name, self.args = client, name, dict(args or {})
+        self.sid = client.new_sid()
+        self.server: Optional[int] = None
+        self._epoch = -1
+
+    def _live(self) -> bool:
+        return self.server is not None and self.client.epoch[self.server] == self._epoch
+
+    async def reset(self, seed: Optional[int] = None, options: Optional[dict[str, Any]] = None) -> tuple[Any, dict]:
+        if not self._live():  # first reset, or its server was lost: a new episode may start anywhere
+            self.server = self.client.pick()
+            self._epoch = self.client.epoch[self.server]
+            self.client.load[self.server] += 1
+        value = await self.client.call(self.server, {"sid": self.sid, "op": "reset", "name": self.name,  # type: ignore[arg-type]
+                                                     "args": self.args, "seed": seed, "options": options})
+        obs, info = value
+        return obs, info
+
+    async def step(self, action: Any) -> tuple[Any, float, bool, bool, dict]:
+        if self.server is None:
+            raise RuntimeError("RemoteEnv.step before reset")
+        if not self._live():
+            raise EnvServerLost(f"env server {self.server} was lost; this episode is gone")
+        obs, reward, terminated, truncated, info = await self.client.call(
+            self.server, {"sid": self.sid, "op": "step", "action": action})
+        return obs, reward, terminated, truncated, info
+
+    async def close(self) -> None:
+        if self._live():
+            assert self.server is not None
+            self.client.load[self.server] = max(0, self.client.load[self.server] - 1)
+            server, self.server = self.server, None
+            await self.client.call(server, {"sid": self.sid, "op": "close"})
+
+
+async def run_env_server(cfg: Any, ctl: Any, index: int, run_dir: str) -> Any:
+    """The env-server role's process (`python -m arl.launch.role --role env`): one EnvServer, registered with its
+    address, heartbeating its sessions."""
+    from arl.api.registry import make_env
+    from arl.transport.control import aclose, bind, make_socket
+    from arl.transport.sockets import Router
+
+    router = make_socket(Router)
+    address = bind(router, cfg.bind_host)
+    call_timeout = cfg.env.call_timeout or 0.9 * cfg.rollout.env_timeout  # the server gives up first
+    server = EnvServer(index=index, router=router, make_env=make_env, call_timeout=call_timeout,
+                       lease_s=cfg.env.session_lease_s)
+    await ctl.register(cfg.startup_timeout, address=address)
+    logger.info("env server %d at %s (call timeout %gs, session lease %gs)", index, address, call_timeout,
+                cfg.env.session_lease_s)
+    return [server.serve(), server.reap(), ctl.heartbeat(server.heartbeat_stats)], [server.close(), aclose(router)]

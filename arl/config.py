@@ -406,6 +406,14 @@ class WeightsConfig:
     timeout_s: float = field(120.0, "broadcast: longest wait of one group step (forming a group, one bucket).")
 
 
+@dataclasses.dataclass
+class ExportConfig:
+    """What the learner writes to ``<run>/final/`` after the last step."""
+
+    merge_lora: bool = field(False, "With learner.lora: besides the adapter (final/, a peft folder), write the base "
+                                    "with the adapter merged in as a save_pretrained model (final/merged/).")
+
+
 class LauncherKind(enum.StrEnum):
     local = "local"
     ray = "ray"
@@ -480,6 +488,7 @@ class ExperimentConfig:
     learner: LearnerConfig = field(factory=LearnerConfig)
     eval: EvalConfig = field(factory=EvalConfig)
     weights: WeightsConfig = field(factory=WeightsConfig)
+    export: ExportConfig = field(factory=ExportConfig)
     launcher: LauncherKind = field(LauncherKind.local, "'local': every role is a process on this machine; 'ray': "
                                                        "every role runs on a Ray node (see ray.*), the controller "
                                                        "here.")

@@ -23,7 +23,7 @@ import os
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 __all__ = ["LORA_A", "LORA_B", "is_adapter", "to_payload", "split_payload", "adapter_expected", "merged_weight",
-           "target_problems", "write_peft_folder", "ADAPTER_NAME_PREFIX"]
+           "target_problems", "write_peft_folder", "read_peft_folder", "merge_payload", "ADAPTER_NAME_PREFIX"]
 
 LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
 ADAPTER_NAME_PREFIX = "arl-v"  # SGLang's adapter of version N is named f"arl-v{N}"
@@ -158,3 +158,36 @@ def write_peft_folder(payload: Mapping[str, Any], out_dir: str, *, base_model: s
     with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
         json.dump(config, f, indent=2)
     return out_dir
+
+
+def read_peft_folder(folder: str) -> dict[str, Any]:
+    """The payload of a peft LoRA folder (ours, or any with ``adapter_config.json`` + ``adapter_model.safetensors``:
+    its B is scaled by its ``lora_alpha / r`` here). Raises on what is not a plain LoRA folder."""
+    from safetensors.torch import load_file
+
+    with open(os.path.join(folder, "adapter_config.json")) as f:
+        config = json.load(f)
+    if str(config.get("peft_type", "LORA")).upper() != "LORA" or config.get("use_rslora") or \
+            config.get("rank_pattern") or config.get("alpha_pattern"):
+        raise ValueError(f"{folder}: only plain LoRA adapters (no rslora, rank or alpha patterns) are read")
+    scaling = float(config.get("lora_alpha", config["r"])) / float(config["r"])
+    state = load_file(os.path.join(folder, "adapter_model.safetensors"))
+    out: dict[str, Any] = {}
+    for k, v in state.items():  # saved peft names have no adapter name: lora_A.weight, lm_head.weight
+        name = k[len(_PEFT_PREFIX):] if k.startswith(_PEFT_PREFIX) else k
+        out[name] = v * scaling if name.endswith(LORA_B) and scaling != 1.0 else v
+    return out
+
+
+def merge_payload(base: Mapping[str, Any], payload: Mapping[str, Any]) -> dict[str, Any]:
+    """A full state dict: `base` (the base model's) with the payload merged in (``W + B @ A``; the
+    ``modules_to_save`` tensors replace theirs). Raises on an adapter of a weight `base` does not have."""
+    out = dict(base)
+    adapters, full = split_payload(payload)
+    for name, (a, b) in adapters.items():
+        if name not in out:
+            raise ValueError(f"adapter for {name}, which the base model does not have")
+        out[name] = merged_weight(out[name], a, b)
+    for name, t in full.items():
+        out[name] = t
+    return out

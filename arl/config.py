@@ -690,6 +690,12 @@ def lora_problems(cfg: ExperimentConfig) -> list[str]:
     if cfg.inference.backend not in LORA_INFERENCE_BACKENDS:
         out.append(f"learner.lora.rank > 0: inference.backend={cfg.inference.backend} cannot serve LoRA adapters "
                    f"(these can: {', '.join(LORA_INFERENCE_BACKENDS)})")
+    if cfg.inference.backend == "sglang" and cfg.weights.transport != "disk":
+        out.append("learner.lora.rank > 0 with inference.backend=sglang needs weights.transport=disk (SGLang loads "
+                   "each version's adapter from a folder, /load_lora_adapter)")
+    if cfg.inference.backend == "sglang" and lora.modules_to_save:
+        out.append("learner.lora.modules_to_save with inference.backend=sglang: SGLang's adapters cannot carry "
+                   "fully trained modules")
     if cfg.model.path and os.path.isfile(os.path.join(cfg.model.path, "config.json")):
         from arl.weights.adapter import target_problems
 

@@ -30,7 +30,9 @@ setup(
                 "tensorboard>=2.14", "wandb>=0.19", "mlflow-skinny>=2.14", "matplotlib>=3.7",
                 "ray>=2.40",  # the two-node launcher=ray tests
                 "import-linter>=2.17",  # lint-imports: the layers contract in .importlinter (.ci/run)
-                "coverage>=7.10"],  # scripts/files_run.py (which files a run executes, docs/architecture.md)
+                "coverage>=7.10",  # scripts/files_run.py (which files a run executes, docs/architecture.md)
+                "peft>=0.13"],  # the learner.lora tests
+        "lora": ["peft>=0.13"],  # learner.lora.rank > 0 (imported only then)
         "data": ["datasets>=2.16"],
         "sglang": ["sglang>=0.5.23", "requests"],
         "ray": ["ray>=2.40"],  # launcher=ray; imported only then

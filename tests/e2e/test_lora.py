@@ -77,12 +77,15 @@ def test_lora_adapters_travel_by_broadcast(tmp_path, model_cache):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_default_experiment_with_lora_rank_8_learns(tmp_path, model_cache):
-    """The bar of issue 27: >= +15 points of greedy accuracy with rank-8 adapters (the default experiment; about
-    four minutes on a quiet 2-core machine, not asserted)."""
-    proc, run_dir = run_main(LORA + ["progress=false", "startup_timeout=240"], str(tmp_path), model_cache,
-                             timeout=1500)
+    """The bar of issue 27: >= +15 points of greedy accuracy with rank-8 adapters: the default experiment, 100 steps
+    (the learning rate decays over them; docs/benchmarks.md has the figures and the full fine-tuning beside them).
+    Not timed here (a shared machine); the run's duration is in its metrics."""
+    steps = 100
+    proc, run_dir = run_main(LORA + [f"total_train_steps={steps}", "progress=false", "startup_timeout=240"],
+                             str(tmp_path), model_cache, timeout=1700)
     assert proc.returncode == 0, proc.stderr[-3000:]
     evals = [m for m in read_metrics(run_dir) if m["type"] == "eval"]
-    assert evals[0]["version"] == 0 and evals[-1]["version"] == 400
+    assert evals[0]["version"] == 0 and evals[-1]["version"] == steps
     assert evals[-1]["first_acc"] >= evals[0]["first_acc"] + 0.15, [(m["version"], m["first_acc"]) for m in evals]

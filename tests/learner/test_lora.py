@@ -216,3 +216,12 @@ def test_config_refuses_bad_lora_settings_by_name(tmp_path):
                                            "learner.lora.target_modules=[q_proj,qkv]"])
     ok = parse_overrides(ExperimentConfig, [f"model.path={tmp_path / 'm'}", "learner.lora.rank=8"])
     assert ok.learner.lora.enabled and parse_overrides(ExperimentConfig, []).learner.lora.rank == 0
+
+
+def test_the_default_learner_and_engines_never_import_peft():
+    code = ("import sys; import arl.learner.deepspeed_engine, arl.learner.backends, arl.inference.torch_engine, "
+            "arl.inference.sglang_engine, arl.learner.export, arl.config; "
+            "assert 'peft' not in sys.modules, 'peft imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(HERE))))
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -31,7 +31,9 @@ setup(
                 "ray>=2.40",  # the two-node launcher=ray tests
                 "import-linter>=2.17",  # lint-imports: the layers contract in .importlinter (.ci/run)
                 "coverage>=7.10",  # scripts/files_run.py (which files a run executes, docs/architecture.md)
-                "gymnasium>=1.0", "gem-llm>=0.1", "reasoning-gym>=0.1.19"],  # the env adapters' tests (envs)
+                "gymnasium>=1.0", "gem-llm>=0.1", "reasoning-gym>=0.1.19",  # the env adapters' tests (envs)
+                "peft>=0.13"],  # the learner.lora tests
+        "lora": ["peft>=0.13"],  # learner.lora.rank > 0 (imported only then)
         "data": ["datasets>=2.16"],
         "sglang": ["sglang>=0.5.23", "requests"],
         "ray": ["ray>=2.40"],  # launcher=ray; imported only then

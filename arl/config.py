@@ -279,7 +279,8 @@ class PPOConfig:
     dual_clip_c: Optional[float] = field(None, "Dual-clip PPO bound c > 1 for negative advantages (null: off).")
     loss_agg: LossAgg = field(LossAgg.token, "Loss aggregation: 'token' (mean over tokens) or 'seq' (mean of "
                                              "sequence means).")
-    kl_coef: float = field(0.0, "KL penalty to a frozen copy of the initial weights (0: off, no copy kept).")
+    kl_coef: float = field(0.0, "KL penalty to the initial weights (0: off): a frozen copy of them, or with "
+                                "learner.lora the base model with the adapters disabled (no copy).")
     kl_estimator: KLEstimator = field(KLEstimator.k1, "KL estimator: 'k1' (logp - ref) or 'k3' "
                                                       "(exp(ref-logp) - (ref-logp) - 1).")
     turn_discount: Optional[float] = field(None, "Per-turn advantages from turn_rewards with this discount "
@@ -354,6 +355,34 @@ class SimLearnerConfig:
 
 
 @dataclasses.dataclass
+class LoraConfig:
+    """LoRA adapters (peft): the learner trains only them, inference gets only them (the training engine consumes
+    this whole)."""
+
+    rank: int = field(0, "LoRA rank r (0: off, full fine-tuning). > 0: the learner wraps the model with peft "
+                         "(pip install 'arl[lora]') and trains only the adapters.")
+    alpha: float = field(16.0, "LoRA alpha: the update is scaled by alpha / rank.")
+    dropout: float = field(0.0, "LoRA dropout (in [0, 1); the learner runs in eval mode, so it is inactive).")
+    target_modules: list[str] = field(help="Module names (suffixes, as peft matches them) that get adapters.",
+                                      factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    modules_to_save: list[str] = field(help="Modules trained in full beside the adapters (e.g. [lm_head]); their "
+                                            "tensors travel with each update.", factory=list)
+
+    def __post_init__(self) -> None:
+        _require([
+            (isinstance(self.rank, int) and self.rank >= 0,
+             f"learner.lora.rank must be an int >= 0 (0: off), got {self.rank!r}"),
+            (self.alpha > 0, f"learner.lora.alpha must be > 0, got {self.alpha}"),
+            (0.0 <= self.dropout < 1.0, f"learner.lora.dropout must be in [0, 1), got {self.dropout}"),
+            (self.rank == 0 or len(self.target_modules) > 0, "learner.lora.target_modules must name a module"),
+        ])
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
+@dataclasses.dataclass
 class LearnerConfig:
     backend: str = field("deepspeed", "Training engine (a registered name): 'deepspeed' (trains the model) or "
                                       "'sim' (sleeps per token, benchmarks).")
@@ -376,6 +405,7 @@ class LearnerConfig:
     optimizer: OptimizerConfig = field(factory=OptimizerConfig)
     deepspeed: DeepSpeedConfig = field(factory=DeepSpeedConfig)
     sim: SimLearnerConfig = field(factory=SimLearnerConfig)
+    lora: LoraConfig = field(factory=LoraConfig)
 
 
 @dataclasses.dataclass
@@ -390,6 +420,14 @@ class WeightsConfig:
                                  "disk instead when learner rank 0 and an inference server share a GPU).")
     bucket_mb: int = field(64, "broadcast: tensors travel in buckets of at most this many MiB.")
     timeout_s: float = field(120.0, "broadcast: longest wait of one group step (forming a group, one bucket).")
+
+
+@dataclasses.dataclass
+class ExportConfig:
+    """What the learner writes to ``<run>/final/`` after the last step."""
+
+    merge_lora: bool = field(False, "With learner.lora: besides the adapter (final/, a peft folder), write the base "
+                                    "with the adapter merged in as a save_pretrained model (final/merged/).")
 
 
 class LauncherKind(enum.StrEnum):
@@ -468,6 +506,7 @@ class ExperimentConfig:
     learner: LearnerConfig = field(factory=LearnerConfig)
     eval: EvalConfig = field(factory=EvalConfig)
     weights: WeightsConfig = field(factory=WeightsConfig)
+    export: ExportConfig = field(factory=ExportConfig)
     launcher: LauncherKind = field(LauncherKind.local, "'local': every role is a process on this machine; 'ray': "
                                                        "every role runs on a Ray node (see ray.*), the controller "
                                                        "here.")
@@ -643,6 +682,7 @@ def validate(cfg: Any) -> None:
     checks.append((ic.backend in INFERENCE_BACKENDS, f"inference.backend: {INFERENCE_BACKENDS.unknown(ic.backend)}"))
     checks.append((lc.backend in LEARNER_BACKENDS, f"learner.backend: {LEARNER_BACKENDS.unknown(lc.backend)}"))
     checks += [(name == "jsonl" or name in TRACKERS, f"loggers: {TRACKERS.unknown(name)}") for name in cfg.loggers]
+    checks += [(False, p) for p in lora_problems(cfg)]
     _require(checks)
     if rc.num_env_groups > 0:  # env groups: partition and per-worker capacity, before any process starts
         try:
@@ -653,6 +693,46 @@ def validate(cfg: Any) -> None:
                 raise ValueError(f"num_env_groups={rc.num_env_groups} < rollout.num_workers={rc.num_workers}")
         except ValueError as e:
             raise ConfigError(f"rollout env groups: {e}") from None
+
+
+# inference backends that apply adapter payloads (`arl.weights.adapter`): torch merges them, SGLang loads them as
+# LoRA adapters, sim loads nothing
+LORA_INFERENCE_BACKENDS = ("torch", "sglang", "sim")
+
+
+def lora_problems(cfg: ExperimentConfig) -> list[str]:
+    """Why ``learner.lora`` cannot run here: a learner or inference backend that cannot train or serve adapters, a
+    target module the model (when its folder exists already) does not have."""
+    lora = cfg.learner.lora
+    if not lora.enabled:
+        return []
+    out = []
+    if cfg.learner.backend == "sim":
+        out.append("learner.lora.rank > 0 needs a learner that trains a model (learner.backend=sim trains none)")
+    if cfg.inference.backend not in LORA_INFERENCE_BACKENDS:
+        out.append(f"learner.lora.rank > 0: inference.backend={cfg.inference.backend} cannot serve LoRA adapters "
+                   f"(these can: {', '.join(LORA_INFERENCE_BACKENDS)})")
+    if cfg.inference.backend == "sglang" and cfg.weights.transport != "disk":
+        out.append("learner.lora.rank > 0 with inference.backend=sglang needs weights.transport=disk (SGLang loads "
+                   "each version's adapter from a folder, /load_lora_adapter)")
+    if cfg.inference.backend == "sglang" and lora.modules_to_save:
+        out.append("learner.lora.modules_to_save with inference.backend=sglang: SGLang's adapters cannot carry "
+                   "fully trained modules")
+    if cfg.model.path and os.path.isfile(os.path.join(cfg.model.path, "config.json")):
+        from arl.weights.adapter import target_problems
+
+        out += target_problems(_module_names(cfg.model.path), list(lora.target_modules), list(lora.modules_to_save))
+    return out
+
+
+def _module_names(model_dir: str) -> list[str]:
+    """``named_modules()`` names of the model of `model_dir`, built on the meta device (no weights read)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return [n for n, _ in model.named_modules()]
 
 
 AUTO_REQUEST_BASE_S = 60.0  # the auto request deadline's fixed part (queueing, prefill)

@@ -1,5 +1,8 @@
 """Evaluate a model folder (a run's ``final/``, any HF folder) or a learner checkpoint the way a run evaluates.
 
+A LoRA run's ``final/`` is a peft adapter folder: it is merged into its base model (``base_model_name_or_path``,
+else the run's ``model.path``) in a temporary folder first; its ``final/merged/`` is a plain model folder.
+
 Same code as the run's evaluations: the inference engine comes from `build_engine` with the run's
 ``inference.*`` settings, served by an `InferenceWorker` over the same sockets, reached through an
 `InferenceClient`, and `RolloutWorker.evaluate` runs the experiment's greedy evaluation agent (`agent_parts`) on
@@ -15,6 +18,7 @@ Which config: the run's own ``config.yaml`` when the path lies in a run director
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -52,18 +56,23 @@ def resolve_target(path: str) -> Target:
     p = os.path.abspath(os.path.expanduser(path))
     if not os.path.isdir(p):
         raise FileNotFoundError(f"{path!r} is not a directory")
-    if os.path.isfile(os.path.join(p, "config.json")):
+    if os.path.isfile(os.path.join(p, "config.json")):  # <run>/final, or a LoRA run's <run>/final/merged
         parent = os.path.dirname(p)
-        return Target("model", p, parent if _is_run_dir(parent) else None)
+        run = next((d for d in (parent, os.path.dirname(parent)) if _is_run_dir(d)), None)
+        return Target("model", p, run)
+    if os.path.isfile(os.path.join(p, "adapter_config.json")):  # a LoRA run's final/ (a peft folder)
+        parent = os.path.dirname(p)
+        return Target("adapter", p, parent if _is_run_dir(parent) else None)
     if _is_run_dir(p) and os.path.isdir(os.path.join(p, "final")):
-        return Target("model", os.path.join(p, "final"), p)
+        return Target(resolve_target(os.path.join(p, "final")).kind, os.path.join(p, "final"), p)
     tag = latest_checkpoint(p) or latest_checkpoint(os.path.join(p, CHECKPOINT_SUBDIR))
     if tag is None and any(f.endswith("model_states.pt") for f in os.listdir(p)):
         tag = p
     if tag is not None:
         run = os.path.dirname(os.path.dirname(tag))
         return Target("checkpoint", tag, run if _is_run_dir(run) else None)
-    raise FileNotFoundError(f"{path!r} is neither a model folder (config.json), a run directory with final/, nor a "
+    raise FileNotFoundError(f"{path!r} is neither a model folder (config.json), a LoRA adapter folder "
+                            "(adapter_config.json), a run directory with final/, nor a "
                             "learner checkpoint")
 
 
@@ -172,6 +181,20 @@ def run(path: str, argv: Sequence[str]) -> dict:
             assert model_dir is not None
             name = os.path.basename(target.path)
             version = int(name[1:]) if name[:1] == "v" and name[1:].isdigit() else -1
+        elif target.kind == "adapter":  # merged into its base model in a temporary folder
+            from arl.learner.export import base_state_dict
+            from arl.weights.adapter import merge_payload, read_peft_folder
+
+            with open(os.path.join(target.path, "adapter_config.json")) as f:
+                base = json.load(f).get("base_model_name_or_path") or ""
+            base = base if os.path.isfile(os.path.join(base, "config.json")) else cfg.model.path
+            tmp = tempfile.mkdtemp(prefix="arl-eval-model-")
+            model_dir = export_final(merge_payload(base_state_dict(base), read_peft_folder(target.path)), base,
+                                     os.path.join(tmp, "model"), gen=dataclasses.asdict(cfg.gen))
+            assert model_dir is not None
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                with open(os.path.join(target.path, EXPORT_INFO_FILE)) as f:
+                    version = int(json.load(f).get("version"))
         else:
             model_dir = target.path
             try:

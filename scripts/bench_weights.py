@@ -3,6 +3,7 @@
     python scripts/bench_weights.py [--models tiny,0.5b] [--workers 1,4] [--repeat 3] [--vocab-05b 32768]
         [--bucket-mb 64] [--gen-requests 2] [--json out.json]
     python scripts/bench_weights.py --quick        # the smoke test: tiny model, 1 worker, 1 repeat
+    python scripts/bench_weights.py --lora-rank 0  # full weights only (default: LoRA rows too, rank 16)
 
 Why: issue 15 asks what a version costs to reach every inference server with each transport, against the limit of
 the path on this machine (a bare ``torch.distributed`` broadcast of the same bytes), and whether generation stalls
@@ -45,6 +46,13 @@ more than a 24 GiB machine has). A case whose estimate exceeds the memory availa
 process gives freed memory back after each version (`release`). Everything runs on CPU, one torch thread per
 process. The last line is ``broadcast: NN% of bare broadcast`` (bare time / broadcast time) for the largest case
 run (0.5b with 4 workers in a full run); the goal is >= 80%, with the in-flight pause unchanged.
+
+LoRA rows (issue 27; ``--lora-rank R``, default 16, 0: none): the same model wrapped with peft adapters of rank R on
+q/k/v/o (random, non-zero B), the learner publishing only the adapter payload (`arl.weights.adapter`: the
+``full_state_dict`` of a LoRA engine), each worker merging it into its own copies of those weights (paths
+``lora-disk`` and ``lora-bcast``, same clock: publish start -> every worker acked). Then the line
+``lora update: Nx fewer bytes, Mx faster than full`` for the largest case (bytes and time of the default transport,
+disk; the broadcast's on the line before it); the goal is >= 20x fewer bytes and >= 5x faster.
 """
 
 from __future__ import annotations
@@ -110,16 +118,30 @@ def make_model_dir(name: str, vocab_05b: int, path: str) -> Any:
     return model
 
 
+def wrap_lora(model: Any, rank: int) -> Any:
+    """`model` with peft adapters of `rank` on q/k/v/o (in place), B random so every update merges something."""
+    from arl.config import LoraConfig
+    from arl.learner.lora import wrap_lora as wrap
+
+    model = wrap(model, LoraConfig(rank=rank, alpha=2.0 * rank))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".lora_B." in n:
+                p.normal_(0, 0.01)
+    return model
+
+
 class Learner:
     """The DeepSpeed engine's export path (its ``full_state_dict`` and ``export_weights``, the run's functions) on a
     stand-in that holds `model`: rank 0 of 1, ZeRO stage 0. Building DeepSpeed would add nothing to the transfer."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, lora: bool = False) -> None:
         from arl.learner.deepspeed_engine import DeepSpeedEngine
 
         self.cfg = SimpleNamespace(zero_stage=0)
         self.model_engine = SimpleNamespace(module=model)
         self.rank, self.world_size, self.version = 0, 1, 0
+        self.lora = lora  # a peft-wrapped model: the engine exports the adapter payload
         self._impl = DeepSpeedEngine
 
     def full_state_dict(self, copy: bool = True) -> Optional[dict[str, torch.Tensor]]:
@@ -458,9 +480,9 @@ def fits(model_bytes: int, n: int) -> tuple[bool, float, float]:
 # -------------------------------------------------------------------------------------------------------- report
 
 def fmt_row(model: str, n: int, path: str, r: dict[str, Any]) -> str:
-    if path == "disk":
+    if path in ("disk", "lora-disk"):
         parts = f"write {r['write_s']:.3f} + load {r['load_s']:.3f}"
-    elif path == "broadcast":
+    elif path in ("broadcast", "lora-bcast"):
         parts = (f"gather {r['gather_s']:.3f} + pack {r['pack_s']:.3f} + send {r['send_s']:.3f} "
                  f"(WeightSender.send {r['sender_s']:.3f})")
     else:
@@ -516,6 +538,17 @@ async def amain(a: argparse.Namespace) -> dict[str, Any]:
                 for path in ("disk", "broadcast", "bare"):
                     print(fmt_row(name, n, path, case[path]), flush=True)
                 results["cases"].append(case)
+            if a.lora_rank > 0:  # the same model, adapters on q/k/v/o: only they travel
+                model = wrap_lora(model, a.lora_rank)
+                learner = Learner(model, lora=True)
+                for case in results["cases"]:
+                    if case["model"] != name or "bare" not in case:
+                        continue
+                    weights_dir = os.path.join(tmp, "weights")
+                    lora = await bench_transports(a, learner, model_dir, weights_dir, case["workers"])
+                    case["lora-disk"], case["lora-bcast"] = lora["disk"], lora["broadcast"]
+                    for path in ("lora-disk", "lora-bcast"):
+                        print(fmt_row(name, case["workers"], path, case[path]), flush=True)
             del learner, model
             release()
     dump(a, results)
@@ -533,6 +566,15 @@ async def amain(a: argparse.Namespace) -> dict[str, Any]:
           f" ms); disk (page cache, not the bar): {disk * 100:.0f}% of bare broadcast GB/s")
     dump(a, results)
     print(f"broadcast: {ratio * 100:.0f}% of bare broadcast", flush=True)
+    if "lora-disk" in head:
+        lora = {k: (head[full]["bytes"] / head[k]["bytes"], head[full]["s"] / head[k]["s"])
+                for k, full in (("lora-disk", "disk"), ("lora-bcast", "broadcast"))}
+        results["headline"]["lora"] = lora
+        dump(a, results)
+        print(f"# {head['model']}, {head['workers']} workers, rank {a.lora_rank} on q/k/v/o: broadcast "
+              f"{lora['lora-bcast'][0]:.0f}x fewer bytes, {lora['lora-bcast'][1]:.1f}x faster than full")
+        print(f"lora update: {lora['lora-disk'][0]:.0f}x fewer bytes, {lora['lora-disk'][1]:.1f}x faster than full",
+              flush=True)
     return results
 
 
@@ -554,6 +596,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=600.0, help="weights.timeout_s, and every wait here")
     ap.add_argument("--dir", default=None, help="where the weight files go (default: the system temp folder)")
     ap.add_argument("--json", default=None, help="also write the figures here")
+    ap.add_argument("--lora-rank", type=int, default=16, help="LoRA rows: adapters of this rank on q/k/v/o (0: none)")
     a = ap.parse_args()
     if a.quick:
         a.models, a.workers, a.repeat = "tiny", "1", 1

@@ -31,7 +31,9 @@ async def run_inference(cfg: ExperimentConfig, ctl: ControlChannel, index: int, 
     workers: list[Any] = []
     addresses: list[str] = []
     for i in range(first, min(ic.num_workers, first + ic.servers_per_process)):
-        engine = build_engine(cfg.model.path, ic, seed=cfg.seed, index=i, run_dir=run_dir)
+        # LoRA: a server keeps the adapters of the versions a consumed token may come from (eta + 1)
+        engine = build_engine(cfg.model.path, ic, seed=cfg.seed, index=i, run_dir=run_dir, lora=cfg.learner.lora,
+                              adapters_keep=cfg.max_head_offpolicyness + 1)
         router = make_socket(Router)
         addresses.append(bind(router, cfg.bind_host))
         weights = transport.inference(engine, host=host, secret=SOCKET_OPTIONS.get("secret"))

@@ -8,14 +8,17 @@ itself is `arl.api.registry.INFERENCE_BACKENDS`, where the built-in names below 
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Optional, Protocol
 
 from arl.api.engine import InferenceEngine
 from arl.api.registry import INFERENCE_BACKENDS, Registry
-from arl.config import InferenceConfig
+from arl.config import InferenceConfig, LoraConfig
 
 
 class BackendBuilder(Protocol):
+    """With ``learner.lora`` on (only for the backends in `arl.config.LORA_INFERENCE_BACKENDS`), also
+    ``lora=`` (the `LoraConfig`) and ``adapters_keep=`` (eta + 1: adapter versions a server keeps loaded)."""
+
     def __call__(self, model_path: str, inference: InferenceConfig, *, seed: int, index: int,
                  run_dir: str) -> InferenceEngine: ...
 
@@ -29,8 +32,9 @@ def server_seed(seed: int, index: int) -> int:
 
 
 def _torch_engine(model_path: str, inference: InferenceConfig, *, seed: int, index: int,
-                  run_dir: str) -> InferenceEngine:
-    """The embedded PyTorch engine on `inference.device`, the model in `inference.dtype`."""
+                  run_dir: str, **_lora: Any) -> InferenceEngine:
+    """The embedded PyTorch engine on `inference.device`, the model in `inference.dtype` (LoRA needs nothing at
+    build: adapter payloads are merged when loaded)."""
     import torch
 
     from arl.inference.torch_engine import TorchEngine
@@ -46,7 +50,7 @@ def _torch_engine(model_path: str, inference: InferenceConfig, *, seed: int, ind
 
 
 def _sim_engine(model_path: str, inference: InferenceConfig, *, seed: int, index: int,
-                run_dir: str) -> InferenceEngine:
+                run_dir: str, **_lora: Any) -> InferenceEngine:
     """The simulated engine (benchmarks): no model is loaded; `inference.sim` is its latency/length model, and the
     run seed keys its workload, so a session gets the same outputs on every server."""
     from arl.inference.sim_engine import SimEngine
@@ -57,17 +61,22 @@ def _sim_engine(model_path: str, inference: InferenceConfig, *, seed: int, index
 
 
 def _sglang_engine(model_path: str, inference: InferenceConfig, *, seed: int, index: int,
-                   run_dir: str) -> InferenceEngine:
-    """Launch and supervise this server's SGLang process (blocks until it is healthy); see launch_sglang_engine."""
+                   run_dir: str, lora: Optional[LoraConfig] = None, adapters_keep: int = 0) -> InferenceEngine:
+    """Launch and supervise this server's SGLang process (blocks until it is healthy); see launch_sglang_engine.
+    With `lora`, the server loads each version's adapter (``--enable-lora``, at most `adapters_keep` kept)."""
     from arl.inference.sglang_engine import launch_sglang_engine
 
+    adapters = {} if lora is None else {"lora_rank": lora.rank, "lora_targets": list(lora.target_modules),
+                                        "adapters_keep": adapters_keep}
     return launch_sglang_engine(inference.sglang, model_path=model_path, device=inference.device,
                                 seed=server_seed(seed, index), name=f"inference{index}", index=index,
                                 run_dir=run_dir, max_batch_size=inference.max_batch_size,
-                                max_context_len=inference.max_context_len)
+                                max_context_len=inference.max_context_len, **adapters)
 
 
 def build_engine(model_path: str, inference: InferenceConfig, *, seed: int, index: int = 0,
-                 run_dir: str = "") -> InferenceEngine:
-    """The engine of inference server `index` for `inference.backend` (an unknown name lists the registered ones)."""
-    return BACKENDS.get(inference.backend)(model_path, inference, seed=seed, index=index, run_dir=run_dir)
+                 run_dir: str = "", lora: Optional[LoraConfig] = None, adapters_keep: int = 0) -> InferenceEngine:
+    """The engine of inference server `index` for `inference.backend` (an unknown name lists the registered ones).
+    `lora` (when enabled) and `adapters_keep` reach the builder only when LoRA is on."""
+    extra: dict[str, Any] = {"lora": lora, "adapters_keep": adapters_keep} if lora is not None and lora.enabled else {}
+    return BACKENDS.get(inference.backend)(model_path, inference, seed=seed, index=index, run_dir=run_dir, **extra)

@@ -48,6 +48,7 @@ Why it is built this way (schema and semantics read from SGLang 0.5.23's `http_s
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -192,13 +193,19 @@ class SGLangEngine:
         health_interval / max_health_failures: the watcher polls /health every interval; this many failures in a
             row (or the server process exiting) mark the engine failed.
         empty_device_cache: pass `torch_empty_cache` on resume (GPU servers).
+        adapters_keep: LoRA (``learner.lora``; the server runs with ``--enable-lora``): a weight update that is an
+            adapter payload (`arl.weights.adapter`) is loaded as the adapter ``arl-v{N}`` (`/load_lora_adapter`,
+            no pause: requests in flight keep theirs), each request carries the adapter of the version it was
+            admitted at (``lora_path``), and adapters of versions older than the newest minus ``adapters_keep - 1``
+            (eta + 1: the oldest a consumed token may come from) are unloaded once no request uses them, so the
+            server's adapter memory stays bounded. 0: full weights only.
     """
 
     def __init__(self, base_url: str, *, model_path: str = "", version: int = 0, name: str = "sglang",
                  server: Optional[SGLangServer] = None, pause_mode: str = PauseMode.retract.value,
                  weights_dir: str = "", max_context_len: int = 0, request_timeout: float = 3600.0,
                  control_timeout: float = 600.0, health_interval: float = 5.0, max_health_failures: int = 3,
-                 empty_device_cache: bool = False) -> None:
+                 empty_device_cache: bool = False, adapters_keep: int = 0) -> None:
         self.base_url = base_url.rstrip("/")
         self.model_path = model_path
         self.name = name
@@ -228,6 +235,10 @@ class SGLangEngine:
         self._last_update_s = 0.0
         self._busy_s = 0.0
         self._busy_since: Optional[float] = None
+        self.adapters_keep = int(adapters_keep)
+        self._adapters: dict[int, str] = {}  # version -> loaded adapter's directory
+        self._adapter_users: collections.Counter[int] = collections.Counter()  # version -> samples in flight
+        self._adapter_version: Optional[int] = None  # the adapter new requests get (None: the base weights)
 
     # ------------------------------------------------------------------ public API
 
@@ -273,8 +284,12 @@ class SGLangEngine:
 
     async def update_weights(self, source: str, version: int) -> None:
         """Pause the server (per `pause_mode`), load `source` as `version`, resume. Raises (old weights and
-        version kept) if SGLang refuses the update; generation is resumed either way."""
+        version kept) if SGLang refuses the update; generation is resumed either way. An adapter payload (with
+        `adapters_keep`) is loaded as an adapter instead (`_load_adapter`)."""
         await self._ensure_session()
+        if self.adapters_keep and await asyncio.to_thread(_is_adapter_file, str(source)):
+            await self._load_adapter(str(source), int(version))
+            return
         async with self._update_lock:
             path = await asyncio.to_thread(self._weights_path, str(source), int(version))
 
@@ -290,6 +305,60 @@ class SGLangEngine:
             await self._paused_update(load, path)
             while len(self._built_dirs) > 2:  # keep the last two
                 shutil.rmtree(self._built_dirs.pop(0), ignore_errors=True)
+
+    async def _load_adapter(self, source: str, version: int) -> None:
+        """`source` (an adapter payload file) as the adapter ``arl-v{version}``: a peft folder per version, then
+        ``/load_lora_adapter``; no pause (requests in flight keep the adapter they were admitted with). New
+        requests get it from now on; adapters too old for any admissible token are unloaded (`_unload_old`)."""
+        async with self._update_lock:
+            t0 = time.perf_counter()
+            path = await asyncio.to_thread(self._adapter_dir, source, version)
+            name = adapter_name(version)
+            data = await self._post("/load_lora_adapter", {"lora_name": name, "lora_path": path},
+                                    self.control_timeout, accept=(200, 400))
+            if not isinstance(data, dict) or not data.get("success"):
+                shutil.rmtree(path, ignore_errors=True)
+                msg = data.get("error_message") if isinstance(data, dict) else data
+                raise SGLangError(f"load_lora_adapter({name}, {path}) failed: {msg}")
+            self._adapters[version] = path
+            self._adapter_version = self._version = version
+            self._last_update_s = time.perf_counter() - t0
+            self._counters["weight_updates"] += 1
+            logger.info("%s: loaded adapter %s from %s in %.3fs", self.name, name, source, self._last_update_s)
+            await self._unload_old()
+
+    async def _unload_old(self) -> None:
+        """Unload the adapters of versions below ``newest - (adapters_keep - 1)`` that no request in flight uses
+        (one still in use goes at a later update, once its requests are done): at most `adapters_keep` adapters
+        stay loaded, plus those that requests still run on."""
+        newest = self._adapter_version if self._adapter_version is not None else self._version
+        for v in sorted(self._adapters):
+            if v >= newest - (self.adapters_keep - 1) or self._adapter_users[v] > 0:
+                continue
+            data = await self._post("/unload_lora_adapter", {"lora_name": adapter_name(v)}, self.control_timeout,
+                                    accept=(200, 400))
+            if isinstance(data, dict) and data.get("success"):
+                shutil.rmtree(self._adapters.pop(v), ignore_errors=True)
+                self._counters["adapters_unloaded"] = self._counters.get("adapters_unloaded", 0) + 1
+            else:
+                logger.warning("%s: unload_lora_adapter(%s) failed: %s", self.name, adapter_name(v), data)
+
+    def _adapter_dir(self, source: str, version: int) -> str:
+        """A peft folder of the adapter payload file `source`, ``<weights_dir>/lora/v{version}``."""
+        from safetensors.torch import load_file
+
+        from arl.weights.adapter import write_peft_folder
+
+        root = Path(self.weights_dir) if self.weights_dir else Path(source).resolve().parent / "sglang-weights"
+        d = root / "lora" / f"v{version}"
+        if d.exists():
+            shutil.rmtree(d)
+        return write_peft_folder(load_file(source), str(d), base_model=self.model_path)
+
+    @property
+    def adapters_loaded(self) -> list[int]:
+        """Versions whose adapter the server holds now."""
+        return sorted(self._adapters)
 
     async def update_weights_from_distributed(self, client: Any, wait_s: Optional[float] = None) -> int:
         """Load the next transfer of the learner's weight broadcast (the `broadcast` weight transport) through
@@ -386,13 +455,29 @@ class SGLangEngine:
         max_new = g.max_new_tokens  # like the embedded engine: prompt + output stop at max_context_len ("length")
         if self.max_context_len:
             max_new = min(max_new, self.max_context_len - len(prompt))
+        adapter = self._adapter_version  # LoRA: the adapter of the version this sample was admitted at, throughout
+        if adapter is not None:
+            self._adapter_users[adapter] += 1  # not unloaded while this sample runs on it
+        try:
+            return await self._sample_on(req, prompt, ids, logps, versions, max_new, adapter)
+        finally:
+            if adapter is not None:
+                self._adapter_users[adapter] -= 1
+
+    async def _sample_on(self, req: GenerateRequest, prompt: list[int], ids: list[int], logps: list[float],
+                         versions: list[int], max_new: int, adapter: Optional[int]) -> SampleOutput:
+        g = req.gconfig
         while True:
             epoch = self._abort_epoch
             body = {"rid": f"{self.name}-{uuid.uuid4().hex}", "input_ids": prompt + ids,
                     "sampling_params": self.sampling_params(g, len(ids), max_new), "return_logprob": True}
-            submitted_version = self._version
+            if adapter is not None:
+                body["lora_path"] = adapter_name(adapter)
+            submitted_version = self._version if adapter is None else adapter
             data = await self._post("/generate", body, self.request_timeout)
             out_ids, out_lp, out_v, finish = self._parse_generate(data, submitted_version)
+            if adapter is not None:  # the server's weight version is the base's: every token is the adapter's
+                out_v = [adapter] * len(out_ids)
             ids += out_ids
             logps += out_lp
             versions += out_v
@@ -533,9 +618,36 @@ class SGLangEngine:
         self._failed_event.set()
 
 
+def adapter_name(version: int) -> str:
+    """The SGLang adapter name of policy version `version`."""
+    from arl.weights.adapter import ADAPTER_NAME_PREFIX
+
+    return f"{ADAPTER_NAME_PREFIX}{int(version)}"
+
+
+def _is_adapter_file(source: str) -> bool:
+    """Whether `source` is an adapter payload file (`arl.weights.adapter`), by its tensor names."""
+    if not os.path.isfile(source):
+        return False
+    from safetensors import safe_open
+
+    from arl.weights.adapter import is_adapter
+
+    with safe_open(source, framework="pt") as f:
+        return is_adapter(f.keys())
+
+
+def lora_server_args(rank: int, target_modules: Sequence[str], keep: int) -> list[str]:
+    """The launch_server flags that let a server load `keep` adapters of rank `rank` on `target_modules` (plus
+    headroom for adapters requests still run on)."""
+    return ["--enable-lora", "--max-lora-rank", str(int(rank)), "--lora-target-modules", *target_modules,
+            "--max-loaded-loras", str(keep + 2), "--max-loras-per-batch", str(keep + 2)]
+
+
 def launch_sglang_engine(config: SGLangConfig, *, model_path: str, device: str, seed: int, name: str, index: int = 0,
                          run_dir: str = "", max_batch_size: int = 0, max_context_len: int = 0,
-                         health_interval: float = 5.0, host: str = "127.0.0.1") -> SGLangEngine:
+                         health_interval: float = 5.0, host: str = "127.0.0.1", lora_rank: int = 0,
+                         lora_targets: Sequence[str] = (), adapters_keep: int = 0) -> SGLangEngine:
     """Start this worker's SGLang server (blocking until /health answers) and return an engine driving it.
 
     GPU servers get CUDA_VISIBLE_DEVICES = the `config.gpus_per_server` GPUs of this worker's group (first_gpu +
@@ -543,8 +655,9 @@ def launch_sglang_engine(config: SGLangConfig, *, model_path: str, device: str, 
     shard one server over them.
     """
     port = free_port(host)
+    extra = list(config.args) + (lora_server_args(lora_rank, lora_targets, adapters_keep) if lora_rank else [])
     cmd = server_command(model_path=model_path, host=host, port=port, device=device, seed=seed,
-                         python=config.python, max_running_requests=max_batch_size, extra_args=config.args)
+                         python=config.python, max_running_requests=max_batch_size, extra_args=extra)
     env: dict[str, str] = {}
     if device == "cpu":
         env.update(SGLANG_USE_CPU_ENGINE="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
@@ -563,4 +676,4 @@ def launch_sglang_engine(config: SGLangConfig, *, model_path: str, device: str, 
     return SGLangEngine(server.base_url, model_path=model_path, version=0, name=name, server=server,
                         pause_mode=config.pause_mode, weights_dir=weights_dir, max_context_len=max_context_len,
                         request_timeout=config.request_timeout, health_interval=health_interval,
-                        empty_device_cache=device.startswith("cuda"))
+                        empty_device_cache=device.startswith("cuda"), adapters_keep=adapters_keep if lora_rank else 0)

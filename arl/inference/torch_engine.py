@@ -55,6 +55,7 @@ from transformers import DynamicCache
 
 from arl.api.types import GenerateRequest, GenerateResponse, GenerationConfig, SampleOutput
 from arl.inference.requests import ENGINE_CLOSED, check_limits, check_request, refusal
+from arl.weights.adapter import adapter_expected, is_adapter, merged_weight, split_payload
 
 logger = logging.getLogger("arl.inference")
 
@@ -181,6 +182,10 @@ class TorchEngine:
         self._rows: list[_Row] = []
         self._cache: Optional[DynamicCache] = None
         self._mask: Optional[torch.Tensor] = None  # [B, T] long, 1 = real token, 0 = left padding
+
+        # LoRA (adapter payloads, `arl.weights.adapter`): the base tensor of every weight an adapter was merged
+        # into, so each version merges into the base (not into the previous merge) and a full update un-merges
+        self._lora_base: dict[str, torch.Tensor] = {}
 
         # Answers produced during a step, posted once the step's counters are updated.
         self._outbox: list[tuple[asyncio.AbstractEventLoop, asyncio.Future, GenerateResponse]] = []
@@ -641,7 +646,11 @@ class TorchEngine:
 
     def _prepare_tensors(self, loaded: dict[str, torch.Tensor], source: str) -> _Prepared:
         """Any thread: check `loaded` against model.state_dict() (names, shapes; a tied alias may be absent) and
-        cast each tensor to its parameter's dtype/device. Raises (the model is untouched) when they do not match."""
+        cast each tensor to its parameter's dtype/device. Raises (the model is untouched) when they do not match.
+        An adapter payload is merged instead (`_prepare_adapter`)."""
+        if is_adapter(loaded):
+            return self._prepare_adapter(loaded, source)
+        self._lora_base = {}  # a full state dict: the new base (nothing left to un-merge)
         with torch.inference_mode(False), torch.no_grad():
             params = self.model.state_dict(keep_vars=True)
             present = {t.data_ptr() for k, t in params.items() if k in loaded}  # a tied alias in the file counts
@@ -663,6 +672,30 @@ class TorchEngine:
                     continue
                 done.add(id(tgt))
                 pairs.append((tgt, src.to(device=tgt.device, dtype=tgt.dtype).contiguous()))
+        return source, pairs
+
+    def _prepare_adapter(self, loaded: dict[str, torch.Tensor], source: str) -> _Prepared:
+        """Any thread: an adapter payload as new tensors for the weights it adapts, each ``base + B @ A`` merged
+        into a copy (decode then runs plain weights: no adapter kernels, the same speed), the base kept the first
+        time a weight is adapted; ``modules_to_save`` tensors replace theirs. Raises (the model is untouched) when
+        the payload does not fit the model."""
+        with torch.inference_mode(False), torch.no_grad():
+            params = self.model.state_dict(keep_vars=True)
+            expected, problems = adapter_expected(params, {k: tuple(v.shape) for k, v in loaded.items()})
+            problems += [f"{k}: {tuple(loaded[k].shape)} sent, {tuple(t.shape)} expected"
+                         for k, t in expected.items() if tuple(loaded[k].shape) != tuple(t.shape)]
+            if problems:
+                raise ValueError(f"adapter in {source} does not fit the model: {'; '.join(problems[:10])}")
+            adapters, full = split_payload(loaded)
+            pairs: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+            for name, (a, b) in adapters.items():
+                param = params[name]
+                base = self._lora_base.get(name)
+                if base is None:  # the weights served until now are the base: keep a copy to merge into
+                    base = self._lora_base[name] = param.data.detach().clone()
+                pairs.append((param, merged_weight(base, a, b)))
+            for name, src in full.items():
+                pairs.append((params[name], src.to(device=params[name].device, dtype=params[name].dtype).contiguous()))
         return source, pairs
 
 

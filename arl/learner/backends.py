@@ -36,7 +36,7 @@ def _deepspeed(cfg: Any) -> TrainEngine:
     model, _ = load_model_dir(cfg.model.path)
     return DeepSpeedEngine(model, lc.optimizer, lc.deepspeed, seed=cfg.seed, reference=bool(lc.ppo.kl_coef),
                            total_optimizer_steps=cfg.total_train_steps * lc.ppo.minibatches,  # steps, not batches
-                           device=str(lc.device))
+                           device=str(lc.device), lora=lc.lora)
 
 
 def _sim(cfg: Any) -> TrainEngine:

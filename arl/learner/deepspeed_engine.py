@@ -30,6 +30,7 @@ discovery. The backend is gloo on CPU and DeepSpeed's default (nccl) on GPU.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -45,7 +46,7 @@ import numpy as np
 import torch
 
 from arl.api.engine import LossFn, LossWeightFn, TrainBatch
-from arl.config import DeepSpeedConfig, LRSchedule, OptimizerConfig, PackedAttention
+from arl.config import DeepSpeedConfig, LoraConfig, LRSchedule, OptimizerConfig, PackedAttention
 from arl.learner.batching import MicroBatch, build_micro_batches
 from arl.learner.checkpoint import CHECKPOINT_STATE_FILE, replacing_file
 from arl.learner.packing import enable_varlen_attention, packed_forward_kwargs
@@ -162,7 +163,11 @@ class DeepSpeedEngine:
         seed: seeds python/numpy/torch RNGs of this process. total_optimizer_steps: where the LR schedule ends.
         version: policy version of the initial weights.
         reference: keep a frozen copy of ``model`` as given (the initial weights) for
-            ``forward_logprobs(..., reference=True)`` (a KL penalty).
+            ``forward_logprobs(..., reference=True)`` (a KL penalty). With LoRA no copy: the reference is the base
+            model with the adapters disabled.
+        lora: ``rank > 0`` wraps ``model`` with peft adapters (`arl.learner.lora`): only they train (the optimizer
+            holds state for them alone), checkpoints hold only them (plus optimizer, scheduler, RNG), and
+            `full_state_dict` / `export_weights` give the adapter payload (`arl.weights.adapter`), not the model.
         device: where the model must land: ``auto`` (DeepSpeed's accelerator: GPU ``LOCAL_RANK`` when CUDA is
             visible, else the CPU), ``cuda`` or ``cpu`` (the same placement, checked: a GPU run that would silently
             train on the CPU fails here instead).
@@ -170,7 +175,7 @@ class DeepSpeedEngine:
 
     def __init__(self, model: torch.nn.Module, optimizer: OptimizerConfig, deepspeed: DeepSpeedConfig, *,
                  seed: int = 0, total_optimizer_steps: int = 1, version: int = 0, reference: bool = False,
-                 device: str = "auto") -> None:
+                 device: str = "auto", lora: Optional[LoraConfig] = None) -> None:
         import deepspeed as ds
 
         if device not in ("auto", "cpu", "cuda"):
@@ -183,7 +188,14 @@ class DeepSpeedEngine:
         self.version = int(version)
         if deepspeed.packing and deepspeed.packed_attention == PackedAttention.varlen:
             enable_varlen_attention(model)
-        self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if reference else None  # varlen too
+        self.lora = lora is not None and lora.rank > 0
+        if self.lora:
+            from arl.learner.lora import wrap_lora
+
+            model = wrap_lora(model, lora)  # the reference is the base with the adapters off: no copy
+        self.reference = bool(reference)
+        self.ref_model = (copy.deepcopy(model).eval().requires_grad_(False)  # varlen too
+                          if reference and not self.lora else None)
         if deepspeed.bf16 and deepspeed.zero_stage == 0:
             # DeepSpeed 0.19.8 wraps bf16 + stage 0 + a client optimizer in FP16_UnfusedOptimizer, which
             # accumulates gradients in bf16; stage >= 1 uses fp32 gradient accumulation.
@@ -292,17 +304,27 @@ class DeepSpeedEngine:
                          reference: bool = False) -> list[np.ndarray]:
         """Token logprobs of each trajectory (aligned with input_ids, see `ppo.token_logprobs`) under the current
         weights (or the frozen reference model), no grad, in eval mode like every forward of this engine."""
-        if reference and self.ref_model is None:
+        if reference and not self.reference:
             raise ValueError("this engine keeps no reference model (build it with reference=True)")
-        module = self.ref_model if reference else self.model_engine
+        module = self.ref_model if reference and self.ref_model is not None else self.model_engine
         out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(batch)
         for mb in self._equal_counts(self._micro_batches(TrainBatch(batch.trajs))):  # only the tokens
-            lp = token_logprobs(self._forward_logits(mb, module), mb.input_ids, temperature).cpu().numpy()
+            with self._reference_context(reference):
+                logits = self._forward_logits(mb, module)
+            lp = token_logprobs(logits, mb.input_ids, temperature).cpu().numpy()
             lens = mb.seq_lens.tolist()
             rows = np.split(lp[0], np.cumsum(lens)[:-1]) if mb.packed else [r[:n] for r, n in zip(lp, lens)]
             for i, row in zip(mb.indices, rows):
                 out[i] = row
         return out
+
+    def _reference_context(self, reference: bool) -> Any:
+        """With LoRA, the reference forward runs the base model: the adapters disabled for its duration."""
+        if reference and self.lora:
+            from arl.learner.lora import reference_context
+
+            return reference_context(self.model_engine.module)
+        return contextlib.nullcontext()
 
     def train_batch(self, batch: TrainBatch, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
         """One optimizer step over ``batch`` (see the module doc); returns grad_norm (before clipping), the lr it
@@ -342,9 +364,20 @@ class DeepSpeedEngine:
         call on every rank). Rank 0 gets the dict, other ranks None. Tensors are independent copies (tied weights
         are not shared), so the dict can be written with safetensors. ``copy=False``: below ZeRO-3, the live
         parameters themselves, on their device (for a caller that copies them before the next step: the
-        broadcast publisher packs them; a clone of a GB model is ~1 s of page faults on CPU)."""
+        broadcast publisher packs them; a clone of a GB model is ~1 s of page faults on CPU). With LoRA: the
+        adapter payload (`arl.weights.adapter`), names of the base model, B scaled."""
         if self.cfg.zero_stage == 3:
             sd = self.model_engine._zero3_consolidated_16bit_state_dict()
+            if sd is not None and self.lora:
+                from arl.learner.lora import adapter_payload
+
+                sd = adapter_payload(self.model_engine.module, sd)
+        elif self.lora:
+            from arl.learner.lora import adapter_payload
+
+            sd = adapter_payload(self.model_engine.module) if self.rank == 0 else None
+            if sd is not None and not copy:
+                return sd
         else:
             sd = self.model_engine.module.state_dict() if self.rank == 0 else None
             if sd is not None and not copy:
@@ -363,7 +396,8 @@ class DeepSpeedEngine:
         if self.rank == 0:
             assert sd is not None
             with replacing_file(path) as tmp:
-                save_file(sd, tmp, metadata={"format": "pt", "version": str(self.version)})
+                save_file(sd, tmp, metadata={"format": "pt", "version": str(self.version),
+                                             "payload": "lora" if self.lora else "full"})
         self._barrier()
 
     def _barrier(self) -> None:
@@ -389,9 +423,9 @@ class DeepSpeedEngine:
         rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
-        self.model_engine.save_checkpoint(
-            path, tag=tag, client_state={"arl_version": self.version, "arl_rng": rng, "arl_state": state}
-        )
+        self.model_engine.save_checkpoint(  # LoRA: the frozen base stays out (megabytes, not the model)
+            path, tag=tag, client_state={"arl_version": self.version, "arl_rng": rng, "arl_state": state},
+            exclude_frozen_parameters=self.lora)
         self._barrier()
         if keep_last is not None and self.rank == 0:
             tags = sorted((d for d in os.listdir(path) if d.startswith("v") and d[1:].isdigit() and d != tag),
@@ -403,7 +437,8 @@ class DeepSpeedEngine:
     def load(self, path: str) -> dict:
         """Load the checkpoint ``latest`` points to under ``path`` (weights, optimizer, LR scheduler, version,
         RNG). Returns the ``client_state`` given to `save` (empty for older checkpoints). Collective."""
-        load_path, client = self.model_engine.load_checkpoint(path)
+        # LoRA: the checkpoint holds the trainable parameters only; the base comes from the model folder
+        load_path, client = self.model_engine.load_checkpoint(path, load_module_strict=not self.lora)
         if load_path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint found under {path!r}")
         client = client or {}

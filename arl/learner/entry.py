@@ -52,10 +52,14 @@ async def run_learner(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
 
     def write_final(weights: Any, version: int) -> None:
         """Writes ``<run>/final/`` (see `arl.learner.export`) from the last step's weights (file or state dict)."""
-        from arl.learner.export import export_final
+        from arl.learner.export import export_final, export_final_lora
 
-        out = export_final(weights, cfg.model.path, os.path.join(run_dir, "final"), gen=dataclasses.asdict(cfg.gen),
-                           version=version)
+        out_dir, gen = os.path.join(run_dir, "final"), dataclasses.asdict(cfg.gen)
+        if lc.lora.enabled:  # the adapter as a peft folder (+ final/merged/ with export.merge_lora)
+            out = export_final_lora(weights, cfg.model.path, out_dir, gen=gen, version=version,
+                                    merge=cfg.export.merge_lora)
+        else:
+            out = export_final(weights, cfg.model.path, out_dir, gen=gen, version=version)
         logger.info("final model written to %s", out)
 
     worker = LearnerWorker(

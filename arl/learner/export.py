@@ -26,7 +26,7 @@ import torch
 from arl.learner.checkpoint import replacing_dir
 from arl.models.tiny import stop_token_ids
 
-__all__ = ["export_final", "load_weights", "tied_aliases", "TOKENIZER_FILES", "EXPORT_INFO_FILE"]
+__all__ = ["export_final", "export_final_lora", "load_weights", "tied_aliases", "TOKENIZER_FILES", "EXPORT_INFO_FILE"]
 
 EXPORT_INFO_FILE = "arl_export.json"
 # The files of a HF tokenizer (fast, slow or tiktoken) and its chat template(s): copied from the base model as is.
@@ -181,6 +181,43 @@ def export_final(weights: Weights, model_dir: str, out_dir: str, *, gen: Optiona
         with open(os.path.join(tmp, "generation_config.json"), "w") as f:
             json.dump(_generation_config(model_dir, gen), f, indent=2)
         info = {"version": version, "base_model": os.path.abspath(model_dir),
+                "weights": os.path.abspath(weights) if isinstance(weights, (str, os.PathLike)) else None}
+        with open(os.path.join(tmp, EXPORT_INFO_FILE), "w") as f:
+            json.dump(info, f, indent=2)
+    return os.path.abspath(out_dir)
+
+
+def base_state_dict(model_dir: str) -> dict[str, torch.Tensor]:
+    """The weights of the model folder `model_dir` (every ``*.safetensors`` in it)."""
+    sd = load_weights(model_dir)
+    assert sd is not None
+    return sd
+
+
+def export_final_lora(weights: Weights, model_dir: str, out_dir: str, *, gen: Optional[Mapping[str, Any]] = None,
+                      version: Optional[int] = None, merge: bool = False) -> Optional[str]:
+    """LoRA's ``final/``: `weights` (an adapter payload, `arl.weights.adapter`: a file or a dict) as a ``peft``
+    folder (``PeftModel.from_pretrained(base, out_dir)`` loads it) with the tokenizer and generation config of
+    `model_dir`; with `merge`, also ``out_dir/merged/``, the base with the adapter merged in (a ``save_pretrained``
+    model, see `export_final`). Returns `out_dir`, or None on a rank that holds no weights."""
+    from arl.weights.adapter import merge_payload, write_peft_folder
+
+    payload = load_weights(weights)
+    if payload is None:
+        return None
+    if version is None and isinstance(weights, (str, os.PathLike)) and os.path.isfile(weights):
+        version = _file_version(os.fspath(weights))
+    with replacing_dir(out_dir, ".tmp-final-") as tmp:
+        write_peft_folder(payload, tmp, base_model=os.path.abspath(model_dir),
+                          metadata={"version": str(version)})
+        _copy_tokenizer(model_dir, tmp)
+        with open(os.path.join(tmp, "generation_config.json"), "w") as f:
+            json.dump(_generation_config(model_dir, gen), f, indent=2)
+        if merge:
+            export_final(merge_payload(base_state_dict(model_dir), payload), model_dir, os.path.join(tmp, "merged"),
+                         gen=gen, version=version)
+        info = {"version": version, "base_model": os.path.abspath(model_dir), "payload": "lora",
+                "merged": "merged" if merge else None,
                 "weights": os.path.abspath(weights) if isinstance(weights, (str, os.PathLike)) else None}
         with open(os.path.join(tmp, EXPORT_INFO_FILE), "w") as f:
             json.dump(info, f, indent=2)

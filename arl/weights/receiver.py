@@ -10,6 +10,7 @@ from typing import Callable, Mapping, Optional, Sequence, Union
 import torch
 from torch._C._distributed_c10d import TCPStore
 
+from arl.weights.adapter import adapter_expected, is_adapter
 from arl.weights.group import Group, GroupSpec, WeightTransferError, store_client, wait_announced
 from arl.weights.plan import DTYPES, TransferPlan, dtype_name, record_event, unpack_bucket
 
@@ -148,6 +149,12 @@ class WeightReceiver:
             out[name] = src if ref is None else src.to(dtype=ref[name].dtype)
 
         def check(p: TransferPlan) -> Optional[str]:
+            nonlocal ref
+            if ref is not None and is_adapter(m.name for m in p.tensors):  # LoRA: the adapters of ref's weights
+                ref, problems = adapter_expected(ref, {m.name: m.shape for m in p.tensors})
+                if problems:
+                    return "; ".join(problems[:5])
+                return check_plan(p, ref, expected_names=expected_names, allow_missing=True)
             if ref is not None:
                 return check_plan(p, ref, expected_names=expected_names, allow_missing=allow_missing)
             if expected_names is not None:

@@ -26,6 +26,15 @@ UpdateWeightsFromDistributedReqInput, EndWeightUpdateReqInput, DestroyWeightsUpd
       "weight_version"?, "load_format"?: null | "flattened_bucket", ...}   receives the broadcast, loads it
     POST /destroy_weights_update_group {"group_name"?}
 
+and LoRA adapters (LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput -> LoRAUpdateOutput; the server runs with
+--enable-lora --max-lora-rank R --lora-target-modules ... --max-loaded-loras K):
+
+    POST /load_lora_adapter {"lora_name", "lora_path", "pinned"?, "lora_id"?}
+      -> {"success", "error_message", "loaded_adapters": {name: path}} (HTTP 400 when not successful: a name
+         loaded already, a folder without adapter_config.json, more than max_loaded_loras)
+    POST /unload_lora_adapter {"lora_name", "lora_id"?}  -> the same
+    /generate {"lora_path": name}: generates with that adapter (HTTP 400 when it is not loaded)
+
 Unknown request fields are refused (HTTP 400), so a misspelt field in the client fails a test. Semantics copied:
 a paused server holds new requests until continue; `in_place` keeps requests in the batch (a flush is refused while
 any runs, which fails the update call), `retract` and `abort` empty it; an update while not paused waits until no
@@ -70,6 +79,8 @@ INIT_GROUP_KEYS = {"rid", "http_worker_ipc", "master_address", "master_port", "r
 DESTROY_GROUP_KEYS = {"rid", "http_worker_ipc", "group_name"}
 BEGIN_KEYS = {"rid", "http_worker_ipc", "selector"}
 END_KEYS = {"rid", "http_worker_ipc"}
+LOAD_LORA_KEYS = {"rid", "http_worker_ipc", "lora_name", "lora_path", "pinned", "lora_id"}
+UNLOAD_LORA_KEYS = {"rid", "http_worker_ipc", "lora_name", "lora_id"}
 DIST_UPDATE_KEYS = {"rid", "http_worker_ipc", "names", "dtypes", "shapes", "group_name", "flush_cache",
                     "abort_all_requests", "weight_version", "load_format", "selector", "torch_empty_cache"}
 
@@ -156,6 +167,11 @@ class FakeSGLang:
         self.session = False  # between begin_weight_update and end_weight_update
         self.received: dict[str, Any] = {}  # name -> torch tensor loaded in the last begin/end session
         self.group_timeout_s = 60.0
+        self.adapters: dict[str, str] = {}  # LoRA adapter name -> folder (/load_lora_adapter)
+        self.adapter_shift: dict[str, int] = {}  # the toy model's parameter under each adapter
+        self.adapter_users: dict[str, int] = {}  # name -> requests running on it
+        self.unloaded_in_use: list[str] = []  # adapters unloaded while a request ran on them (a client bug)
+        self.max_loaded_loras = 8
 
     # ------------------------------------------------------------------ lifecycle
     def app(self) -> web.Application:
@@ -174,6 +190,8 @@ class FakeSGLang:
         app.router.add_post("/begin_weight_update", self.begin_weight_update)
         app.router.add_post("/end_weight_update", self.end_weight_update)
         app.router.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
+        app.router.add_post("/load_lora_adapter", self.load_lora_adapter)
+        app.router.add_post("/unload_lora_adapter", self.unload_lora_adapter)
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
@@ -243,13 +261,26 @@ class FakeSGLang:
         unknown = set(params) - SAMPLING_KEYS
         if unknown:
             return self._bad(f"unknown sampling params {sorted(unknown)}", 422)
+        lora = body.get("lora_path")
+        if lora is not None and lora not in self.adapters:
+            return self._bad(f"The following requested LoRA adapters are not loaded: {{{lora!r}}}")
         n = int(params.get("n", 1))
         rid = body.get("rid") or uuid.uuid4().hex
         outs = await asyncio.gather(*(self._run(f"{rid}-{k}" if n > 1 else rid, ids, params,
-                                                bool(body.get("return_logprob"))) for k in range(n)))
+                                                bool(body.get("return_logprob")), lora) for k in range(n)))
         return web.json_response(outs if n > 1 else outs[0])
 
-    async def _run(self, rid: str, prompt: list[int], p: dict, return_logprob: bool) -> dict:
+    async def _run(self, rid: str, prompt: list[int], p: dict, return_logprob: bool,
+                   lora: Optional[str] = None) -> dict:
+        if lora is not None:
+            self.adapter_users[lora] = self.adapter_users.get(lora, 0) + 1
+        try:
+            return await self._run_on(rid, prompt, p, return_logprob, lora)
+        finally:
+            if lora is not None:
+                self.adapter_users[lora] -= 1
+
+    async def _run_on(self, rid: str, prompt: list[int], p: dict, return_logprob: bool, lora: Optional[str]) -> dict:
         await self._unpaused.wait()  # a paused server holds new requests (TokenizerManager.is_pause_cond)
         req = _Req(rid, prompt, p)
         self.running[rid] = req
@@ -273,11 +304,12 @@ class FakeSGLang:
                 if self.paused and self.pause_mode in ("in_place", "retract"):
                     continue  # paused during the step: the token is made after continue_generation
                 last = req.ids[-1] if req.ids else prompt[-1]
-                tok = toy_next(last, self.shift, self.vocab)
+                shift = self.adapter_shift.get(lora, self.shift) if lora is not None else self.shift
+                tok = toy_next(last, shift, self.vocab)
                 if not greedy:
                     tok = (tok + self._rng.randint(0, 1)) % self.vocab
                 req.ids.append(tok)
-                req.logps.append(-0.05 * self.shift)
+                req.logps.append(-0.05 * shift)
                 req.versions.append(self.weight_version)
                 if tok in stops and len(req.ids) >= min_new:
                     finish = {"type": "stop", "matched": tok}
@@ -501,6 +533,51 @@ class FakeSGLang:
         if body.get("weight_version") is not None:
             msg += f" Weight version updated to {body['weight_version']}."
         return self._result(True, msg)
+
+
+def _lora_result(fake: "FakeSGLang", success: bool, message: Optional[str]) -> web.Response:
+    return web.json_response({"success": success, "error_message": message, "loaded_adapters": dict(fake.adapters)},
+                             status=200 if success else 400)
+
+
+async def _load_lora_adapter(self: "FakeSGLang", request: web.Request) -> web.Response:
+    body, err = await self._body(request, LOAD_LORA_KEYS, "/load_lora_adapter")
+    if err is not None:
+        return err
+    missing = self._missing(body, "lora_name", "lora_path")
+    if missing is not None:
+        return missing
+    name, path = str(body["lora_name"]), str(body["lora_path"])
+    if name in self.adapters:
+        return _lora_result(self, False, f"The LoRA adapter {name} already exists.")
+    if len(self.adapters) >= self.max_loaded_loras:
+        return _lora_result(self, False, f"Cannot load LoRA adapter {name}: the maximum number of loaded adapters "
+                                         f"({self.max_loaded_loras}) is reached.")
+    if not os.path.isfile(os.path.join(path, "adapter_config.json")):
+        return _lora_result(self, False, f"Failed to load LoRA adapter {name}: no adapter_config.json in {path}")
+    self.adapters[name] = path
+    self.adapter_shift[name] = shift_of(path)
+    return _lora_result(self, True, None)
+
+
+async def _unload_lora_adapter(self: "FakeSGLang", request: web.Request) -> web.Response:
+    body, err = await self._body(request, UNLOAD_LORA_KEYS, "/unload_lora_adapter")
+    if err is not None:
+        return err
+    missing = self._missing(body, "lora_name")
+    if missing is not None:
+        return missing
+    name = str(body["lora_name"])
+    if name not in self.adapters:
+        return _lora_result(self, False, f"LoRA adapter {name} is not loaded.")
+    if self.adapter_users.get(name, 0) > 0:
+        self.unloaded_in_use.append(name)
+    del self.adapters[name]
+    return _lora_result(self, True, None)
+
+
+FakeSGLang.load_lora_adapter = _load_lora_adapter  # type: ignore[attr-defined]
+FakeSGLang.unload_lora_adapter = _unload_lora_adapter  # type: ignore[attr-defined]
 
 
 def main() -> None:

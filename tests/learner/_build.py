@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 import torch
 
-from arl.config import DeepSpeedConfig, OptimizerConfig, PPOConfig
+from arl.config import DeepSpeedConfig, LoraConfig, OptimizerConfig, PPOConfig
 from arl.api.staleness import StalenessPolicy
 
 
@@ -20,7 +20,7 @@ def make_actor(model: torch.nn.Module, *, version: int = 0, seed: int = 0, tempe
     # One optimizer step per batch unless a test asks for more: most tests compare a step with a hand computation
     # (the default of several minibatches is tested in test_ppo_minibatches.py and by every end-to-end run).
     kw.setdefault("minibatches", 1)
-    sections: dict[type, dict[str, Any]] = {OptimizerConfig: {}, DeepSpeedConfig: {}, PPOConfig: {}}
+    sections: dict[type, dict[str, Any]] = {OptimizerConfig: {}, DeepSpeedConfig: {}, PPOConfig: {}, LoraConfig: {}}
     for k, v in kw.items():
         owner = [c for c in sections if k in {f.name for f in dataclasses.fields(c)}]
         if not owner:
@@ -29,6 +29,7 @@ def make_actor(model: torch.nn.Module, *, version: int = 0, seed: int = 0, tempe
     ppo = PPOConfig(**sections[PPOConfig])
     engine = DeepSpeedEngine(model, OptimizerConfig(**sections[OptimizerConfig]),
                              DeepSpeedConfig(**sections[DeepSpeedConfig]), seed=seed, version=version,
-                             total_optimizer_steps=total_steps, reference=bool(ppo.kl_coef))
+                             total_optimizer_steps=total_steps, reference=bool(ppo.kl_coef),
+                             lora=LoraConfig(**sections[LoraConfig]))
     return PPOActor(engine, ppo, temperature=temperature,
                     staleness=StalenessPolicy(eta, ppo.stale_tokens, ppo.stale_token_decay))

@@ -104,14 +104,16 @@ def test_bench_weights_smoke(tmp_path):
     out = tmp_path / "weights.json"
     proc = run_script("bench_weights.py", ["--quick", "--json", str(out)])
     lines = proc.stdout.strip().splitlines()
-    assert re.fullmatch(r"broadcast: \d+% of bare broadcast", lines[-1]), lines[-1]
+    assert re.fullmatch(r"broadcast: \d+% of bare broadcast", lines[-3]), lines[-3]
+    assert re.fullmatch(r"lora update: \d+x fewer bytes, [\d.]+x faster than full", lines[-1]), lines[-1]
     rows = {}
     for line in lines:  # the table: model, workers, path, MiB/worker, s, GB/s, ...
         f = line.split()
-        if len(f) >= 6 and f[0] == "tiny" and f[2] in ("disk", "broadcast", "bare"):
+        if len(f) >= 6 and f[0] == "tiny" and f[2] in ("disk", "broadcast", "bare", "lora-disk", "lora-bcast"):
             assert f[1] == "1"
             rows[f[2]] = [float(x) for x in f[3:6]]
-    assert sorted(rows) == ["bare", "broadcast", "disk"]
+    assert sorted(rows) == ["bare", "broadcast", "disk", "lora-bcast", "lora-disk"]
+    assert rows["lora-disk"][0] * 5 < rows["disk"][0] and rows["lora-bcast"][0] * 5 < rows["broadcast"][0]
     assert all(mib > 0 and s > 0 and gbps > 0 for mib, s, gbps in rows.values())
     assert rows["broadcast"][0] == rows["bare"][0]  # the same bytes
     case = json.loads(out.read_text())["cases"][0]
@@ -120,7 +122,8 @@ def test_bench_weights_smoke(tmp_path):
         r = case[path]
         assert r["pause_s"] > 0 and r["step_s"] > 0 and r["swap_s"] >= 0 and len(r["times"]) == 1
     head = json.loads(out.read_text())["headline"]
-    assert head["broadcast_of_bare"] > 0 and f"{head['broadcast_of_bare'] * 100:.0f}%" in lines[-1]
+    assert head["broadcast_of_bare"] > 0 and f"{head['broadcast_of_bare'] * 100:.0f}%" in lines[-3]
+    assert f"{head['lora']['lora-disk'][0]:.0f}x fewer bytes" in lines[-1]
 
 
 def test_bench_envs_smoke():

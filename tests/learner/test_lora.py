@@ -1,0 +1,227 @@
+"""LoRA on the learner (`learner.lora`): only the adapters train, the reference is the base with them disabled,
+exports carry the adapter payload, multi-rank and resume behave as with full fine-tuning."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("deepspeed")
+pytest.importorskip("peft")
+
+from safetensors import safe_open  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from arl.learner.worker import LearnerWorker  # noqa: E402
+from arl.utils.net import free_port  # noqa: E402
+from arl.weights.adapter import LORA_A, LORA_B, is_adapter  # noqa: E402
+from tests.learner._build import make_actor  # noqa: E402
+from tests.learner.test_deepspeed_engine import random_batch, tiny_model  # noqa: E402
+
+from ..typed_control import typed  # noqa: E402
+
+torch.set_num_threads(1)
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import _train_fixed as tf  # noqa: E402
+
+
+def _lora_actor(**kw):
+    kw.setdefault("rank", 4)
+    kw.setdefault("lr", 1e-2)
+    return make_actor(tiny_model(0), seed=0, **kw)
+
+
+def test_only_the_adapters_train_and_hold_optimizer_state():
+    base = {k: v.clone() for k, v in tiny_model(0).state_dict().items()}
+    lrn = _lora_actor()
+    trainable = [n for n, p in lrn.engine.module.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    assert {n.split(".")[-4] for n in trainable} == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    opt_params = [p for g in lrn.engine.optimizer.param_groups for p in g["params"]]
+    assert sum(p.numel() for p in opt_params) == sum(p.numel() for p in lrn.engine.module.parameters()
+                                                     if p.requires_grad)
+    for _ in range(2):
+        lrn.step(random_batch(0))
+    for s in lrn.engine.optimizer.state.values():  # Adam's moments: adapter-sized
+        assert all(t.numel() <= 4 * 64 for t in s.values() if torch.is_tensor(t) and t.dim())
+    sd = lrn.engine.module.state_dict()
+    for k, v in base.items():  # the frozen base did not move
+        key = f"base_model.model.{k}"
+        key = key if key in sd else key.replace(".weight", ".base_layer.weight")
+        assert torch.equal(sd[key], v), k
+    assert any(sd[n].abs().sum() > 0 for n in trainable if ".lora_B." in n)  # B left zero: it learned
+
+
+def test_reference_logprobs_with_the_adapter_disabled_equal_the_base_model():
+    lrn = _lora_actor(kl_coef=0.1)
+    assert lrn.engine.ref_model is None  # no frozen copy
+    batch = random_batch(1)
+    for _ in range(3):
+        lrn.step(random_batch(0))
+    from arl.api.engine import TrainBatch
+
+    ref = lrn.engine.forward_logprobs(TrainBatch(batch), reference=True)
+    cur = lrn.engine.forward_logprobs(TrainBatch(batch))
+    base = make_actor(tiny_model(0), seed=0).engine.forward_logprobs(TrainBatch(batch))  # the initial model
+    for r, b in zip(ref, base):
+        assert r.shape == b.shape
+        assert float(abs(r - b).max()) < 1e-5
+    assert max(float(abs(c - b).max()) for c, b in zip(cur, base)) > 1e-3  # the policy itself moved
+    # and the adapters are on again after the reference pass
+    again = lrn.engine.forward_logprobs(TrainBatch(batch))
+    assert all((a == c).all() for a, c in zip(again, cur))
+
+
+def test_unknown_target_module_is_refused_by_name():
+    with pytest.raises(ValueError, match="no module of the model is named 'qkv_proj'"):
+        _lora_actor(target_modules=["q_proj", "qkv_proj"])
+    with pytest.raises(ValueError, match="modules_to_save: no module of the model is named 'head'"):
+        _lora_actor(modules_to_save=["head"])
+
+
+def test_export_is_the_adapter_payload(tmp_path):
+    lrn = _lora_actor(alpha=8.0)
+    lrn.step(random_batch(0))
+    path = str(tmp_path / "v1.safetensors")
+    lrn.engine.export_weights(path)
+    sd = load_file(path)
+    assert is_adapter(sd)
+    assert all(k.endswith(LORA_A) or k.endswith(LORA_B) for k in sd)
+    assert "model.layers.0.self_attn.q_proj.lora_A.weight" in sd
+    with safe_open(path, framework="pt") as f:
+        assert f.metadata()["payload"] == "lora"
+    full = sum(v.numel() for v in tiny_model(0).state_dict().values())
+    assert sum(v.numel() for v in sd.values()) * 5 < full  # a fraction of the model
+    # B carries the scaling alpha / r: merging the payload gives the adapted model's weights
+    module = lrn.engine.module
+    q = module.base_model.model.model.layers[0].self_attn.q_proj
+    want = q.base_layer.weight + (q.lora_B["default"].weight @ q.lora_A["default"].weight) * (8.0 / 4)
+    got = q.base_layer.weight + sd["model.layers.0.self_attn.q_proj.lora_B.weight"] @ \
+        sd["model.layers.0.self_attn.q_proj.lora_A.weight"]
+    torch.testing.assert_close(got, want)
+
+
+class Args:
+    zero_stage = 0
+    steps = 4
+    max_tokens_per_mb = 40
+    lora_rank = 4
+
+
+async def _noop(msg_type: str, payload: dict) -> None:
+    pass
+
+
+def _worker(lrn, tmp, total, every=0, ckpt=None):
+    return LearnerWorker(actor=lrn, pull=None, send_control=typed(_noop), batch_size=tf.BATCH, total_steps=total,
+                         weights_dir=str(tmp / "weights"), checkpoint_dir=ckpt, checkpoint_every=every)
+
+
+def _weights(lrn):
+    return {k: v.detach().clone() for k, v in lrn.engine.module.state_dict().items()}
+
+
+def test_resume_with_lora_is_bit_exact_and_checkpoints_only_the_adapters(tmp_path):
+    groups = tf.make_groups(4 * tf.BATCH)
+    straight = tf.make_learner(Args())
+    w = _worker(straight, tmp_path / "a", total=4)
+    w.buffer.extend(groups)
+    asyncio.run(w.train())
+
+    ckpt = str(tmp_path / "ckpt")
+    first = tf.make_learner(Args())
+    w1 = _worker(first, tmp_path / "b", total=2, every=2, ckpt=ckpt)
+    w1.buffer.extend(groups)
+    asyncio.run(w1.train())
+    del first, w1
+    model_file = [f for f in os.listdir(os.path.join(ckpt, "v2")) if "model_states" in f]
+    saved = torch.load(os.path.join(ckpt, "v2", model_file[0]), map_location="cpu", weights_only=False)["module"]
+    assert saved and all(".lora_" in k for k in saved)  # the frozen base is not in the checkpoint
+
+    resumed = tf.make_learner(Args())  # fresh adapters, optimizer, scheduler
+    w2 = _worker(resumed, tmp_path / "c", total=4, every=2, ckpt=ckpt)
+    assert asyncio.run(w2.resume()) == 2
+    assert is_adapter(load_file(str(tmp_path / "c" / "weights" / "v2.safetensors")))  # for the inference workers
+    w2.buffer.extend(groups[w2.data_position["0"]:])
+    asyncio.run(w2.train())
+    assert resumed.version == 4
+    a, b = _weights(straight), _weights(resumed)
+    assert any(not torch.equal(a[k], _weights(tf.make_learner(Args()))[k]) for k in a if ".lora_B." in k)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert resumed.engine.optimizer.param_groups[0]["lr"] == straight.engine.optimizer.param_groups[0]["lr"]
+
+
+def _env():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return env
+
+
+@pytest.mark.slow
+def test_two_ranks_with_lora_equal_adapters_and_match_one_rank(tmp_path):
+    script = os.path.join(HERE, "_train_fixed.py")
+    two, one = str(tmp_path / "two"), str(tmp_path / "one")
+    common = ["--steps", "3", "--ranks", "--lora-rank", "4"]
+    r2 = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                         "127.0.0.1", "--master_port", str(free_port()), script, "--out", two, *common],
+                        capture_output=True, text=True, timeout=400, env=_env())
+    assert r2.returncode == 0, r2.stdout[-3000:] + r2.stderr[-3000:]
+    r1 = subprocess.run([sys.executable, script, "--out", one, *common], capture_output=True, text=True,
+                        timeout=400, env=_env())
+    assert r1.returncode == 0, r1.stdout[-3000:] + r1.stderr[-3000:]
+    w0, w1, ref = load_file(f"{two}.rank0"), load_file(f"{two}.rank1"), load_file(f"{one}.rank0")
+    moved = 0
+    for k in ref:
+        assert torch.equal(w0[k], w1[k]), k
+        torch.testing.assert_close(w0[k], ref[k], rtol=1e-5, atol=1e-6)
+        moved += ".lora_B." in k and bool(ref[k].abs().sum() > 0)
+    assert moved
+    full, full1 = load_file(f"{two}.full"), load_file(f"{one}.full")  # the exported adapter payloads
+    assert is_adapter(full) and full.keys() == full1.keys()
+    for k in full1:
+        torch.testing.assert_close(full[k], full1[k], rtol=1e-5, atol=1e-6)
+
+
+def test_config_refuses_bad_lora_settings_by_name(tmp_path):
+    from arl.api.registry import INFERENCE_BACKENDS
+    from arl.config import ConfigError, ExperimentConfig, parse_overrides
+
+    cases = [
+        (["learner.lora.rank=-1"], "learner.lora.rank must be an int >= 0"),
+        (["learner.lora.rank=8", "learner.lora.alpha=0"], "learner.lora.alpha must be > 0"),
+        (["learner.lora.rank=8", "learner.lora.target_modules=[]"], "learner.lora.target_modules must name"),
+        (["learner.lora.rank=8", "learner.backend=sim"], "needs a learner that trains a model"),
+    ]
+    INFERENCE_BACKENDS.register("no-lora-here", lambda *a, **k: None)
+    try:
+        cases.append((["learner.lora.rank=8", "inference.backend=no-lora-here"],
+                      "inference.backend=no-lora-here cannot serve LoRA adapters"))
+        for overrides, message in cases:
+            with pytest.raises(ConfigError, match=message):
+                parse_overrides(ExperimentConfig, overrides)
+    finally:
+        INFERENCE_BACKENDS._items.pop("no-lora-here", None)
+    # a model folder that exists: its module names are checked before any process starts
+    tiny_model(0).save_pretrained(tmp_path / "m")
+    with pytest.raises(ConfigError, match="no module of the model is named 'qkv'"):
+        parse_overrides(ExperimentConfig, [f"model.path={tmp_path / 'm'}", "learner.lora.rank=8",
+                                           "learner.lora.target_modules=[q_proj,qkv]"])
+    ok = parse_overrides(ExperimentConfig, [f"model.path={tmp_path / 'm'}", "learner.lora.rank=8"])
+    assert ok.learner.lora.enabled and parse_overrides(ExperimentConfig, []).learner.lora.rank == 0
+
+
+def test_the_default_learner_and_engines_never_import_peft():
+    code = ("import sys; import arl.learner.deepspeed_engine, arl.learner.backends, arl.inference.torch_engine, "
+            "arl.inference.sglang_engine, arl.learner.export, arl.config; "
+            "assert 'peft' not in sys.modules, 'peft imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(HERE))))
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -25,6 +25,7 @@ class AgentParts:
     group_size: int
     make_agent: Callable[[], Any]
     make_eval_agent: Callable[[], Any]
+    endpoint: Any = None  # the OpenAI-compatible endpoint (`arl.rollout.endpoint`) when the agent is a function
 
 
 def agent_parts(cfg: ExperimentConfig) -> AgentParts:
@@ -46,6 +47,11 @@ def agent_parts(cfg: ExperimentConfig) -> AgentParts:
     gconfig.validate()
     group_size = cfg.rollout.group_size or cfg.agent.group_size  # env group size = trajectories per prompt
 
+    from arl.rollout.openai_agent import is_endpoint_agent
+
+    if is_endpoint_agent(agent_cls):  # an async function written against the OpenAI API: served by the endpoint
+        return _endpoint_parts(cfg, agent_cls, tok, gconfig, group_size, list(train_rows), list(test_rows))
+
     def make_agent() -> Any:
         return construct(agent_cls, tokenizer=tok, gconfig=gconfig, group_size=group_size, **cfg.agent.args)
 
@@ -55,6 +61,32 @@ def agent_parts(cfg: ExperimentConfig) -> AgentParts:
                           **{**cfg.agent.args, "filter_uniform_groups": False})
 
     return AgentParts(tok, list(train_rows), list(test_rows), group_size, make_agent, make_eval_agent)
+
+
+def _endpoint_parts(cfg: ExperimentConfig, fn: Any, tok: Any, gconfig: Any, group_size: int, train_rows: list[dict],
+                    test_rows: list[dict]) -> AgentParts:
+    """AgentParts of an OpenAI-API agent function: one endpoint per rollout worker, on the role's bind host (loopback
+    by default) and `rollout.endpoint_port`, its API key the run's secret when there is one."""
+    from arl.agents.common import agent_gconfig
+    from arl.rollout.endpoint import EndpointServer
+    from arl.rollout.openai_agent import EndpointAgent
+    from arl.transport.control import SOCKET_OPTIONS
+    from arl.transport.security import effective_bind_host
+
+    secret = SOCKET_OPTIONS.get("secret")
+    server = EndpointServer(tok, agent_gconfig(gconfig, tok), cfg.inference.max_context_len,
+                            host=effective_bind_host(cfg.bind_host), port=cfg.rollout.endpoint_port,
+                            secret=secret.decode() if isinstance(secret, bytes) else secret)
+    args = dict(cfg.agent.args)
+    filter_uniform = bool(args.pop("filter_uniform_groups", False))
+
+    def make_agent() -> Any:
+        return EndpointAgent(fn, server, group_size, filter_uniform_groups=filter_uniform, args=args)
+
+    def make_eval_agent() -> Any:
+        return EndpointAgent(fn, server, 1, greedy=True, args=args)
+
+    return AgentParts(tok, train_rows, test_rows, group_size, make_agent, make_eval_agent, endpoint=server)
 
 
 def inference_client(cfg: ExperimentConfig, dealers: list[Any]) -> Any:
@@ -139,8 +171,13 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
     if ack.get("prompt_position"):  # resuming a run: continue this worker's prompt stream where it stood
         prompts.seek(int(ack["prompt_position"]))
         logger.info("rollout%d: prompt stream resumes at position %d", index, prompts.position)
-    return [worker.acquire_loop(), ctl.heartbeat(worker.heartbeat_stats)], [worker.close(), client.close(),
-                                                                              aclose(push)]
+    stats = worker.heartbeat_stats
+    closers = [worker.close(), client.close(), aclose(push)]
+    if parts.endpoint is not None:  # its counters ride on the heartbeat; it closes after the worker's groups
+        server = parts.endpoint
+        stats = lambda: {**worker.heartbeat_stats(), "endpoint": dict(server.stats)}  # noqa: E731
+        closers.insert(1, server.close())
+    return [worker.acquire_loop(), ctl.heartbeat(stats)], closers
 
 
 

@@ -47,9 +47,7 @@ def agent_parts(cfg: ExperimentConfig) -> AgentParts:
     gconfig.validate()
     group_size = cfg.rollout.group_size or cfg.agent.group_size  # env group size = trajectories per prompt
 
-    from arl.rollout.openai_agent import is_endpoint_agent
-
-    if is_endpoint_agent(agent_cls):  # an async function written against the OpenAI API: served by the endpoint
+    if inspect.iscoroutinefunction(agent_cls):  # an async function written against the OpenAI API: the endpoint's
         return _endpoint_parts(cfg, agent_cls, tok, gconfig, group_size, list(train_rows), list(test_rows))
 
     def make_agent() -> Any:
@@ -149,11 +147,16 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
     worker = rollout_worker(cfg, parts, client, index=index, prompts=prompts, capacity=per_worker,
                             send_control=ctl.post, push_group=lambda group: push.send("traj", group))
 
+    stats = worker.heartbeat_stats
+    if parts.endpoint is not None:  # the endpoint's counters ride on the heartbeat
+        server = parts.endpoint
+        stats = lambda: {**worker.heartbeat_stats(), "endpoint": dict(server.stats)}  # noqa: E731
+
     async def on_eval(msg: Eval) -> None:
         result = await worker.evaluate(msg.version, msg.max_prompts)
         # fresh counters first (same socket, so they arrive first): the eval record carries this worker's stats as
         # of the evaluation, not a heartbeat up to a second old (a short run can finish within one heartbeat)
-        await ctl.post(Heartbeat(role="rollout", index=index, stats=worker.heartbeat_stats()))
+        await ctl.post(Heartbeat(role="rollout", index=index, stats=stats()))
         await ctl.post(EvalDone.from_payload(result))
 
     async def on_worker_lost(msg: WorkerLost) -> None:  # the controller dropped an inference server: re-route
@@ -171,12 +174,9 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
     if ack.get("prompt_position"):  # resuming a run: continue this worker's prompt stream where it stood
         prompts.seek(int(ack["prompt_position"]))
         logger.info("rollout%d: prompt stream resumes at position %d", index, prompts.position)
-    stats = worker.heartbeat_stats
     closers = [worker.close(), client.close(), aclose(push)]
-    if parts.endpoint is not None:  # its counters ride on the heartbeat; it closes after the worker's groups
-        server = parts.endpoint
-        stats = lambda: {**worker.heartbeat_stats(), "endpoint": dict(server.stats)}  # noqa: E731
-        closers.insert(1, server.close())
+    if parts.endpoint is not None:  # it closes after the worker's groups
+        closers.insert(1, parts.endpoint.close())
     return [worker.acquire_loop(), ctl.heartbeat(stats)], closers
 
 

@@ -30,9 +30,13 @@ setup(
                 "tensorboard>=2.14", "wandb>=0.19", "mlflow-skinny>=2.14", "matplotlib>=3.7",
                 "ray>=2.40",  # the two-node launcher=ray tests
                 "import-linter>=2.17",  # lint-imports: the layers contract in .importlinter (.ci/run)
-                "coverage>=7.10"],  # scripts/files_run.py (which files a run executes, docs/architecture.md)
+                "coverage>=7.10",  # scripts/files_run.py (which files a run executes, docs/architecture.md)
+                "openai>=1.40", "openai-agents>=0.2"],  # the endpoint's tests and experiments (the agents extra)
         "data": ["datasets>=2.16"],
         "sglang": ["sglang>=0.5.23", "requests"],
         "ray": ["ray>=2.40"],  # launcher=ray; imported only then
+        # agents written against the OpenAI API (docs/openai_endpoint.md): the SDK for experiment=openai-math and
+        # openai-tool-calc, the Agents SDK for openai-framework; imported only when such an agent runs
+        "agents": ["openai>=1.40", "openai-agents>=0.2"],
     },
 )

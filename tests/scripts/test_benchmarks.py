@@ -121,3 +121,10 @@ def test_bench_weights_smoke(tmp_path):
         assert r["pause_s"] > 0 and r["step_s"] > 0 and r["swap_s"] >= 0 and len(r["times"]) == 1
     head = json.loads(out.read_text())["headline"]
     assert head["broadcast_of_bare"] > 0 and f"{head['broadcast_of_bare'] * 100:.0f}%" in lines[-1]
+
+
+def test_bench_endpoint_smoke():
+    proc = run_script("bench_endpoint.py", ["--groups", "2", "--group-size", "2", "--turns", "2", "--rounds", "1"])
+    last = proc.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(r"endpoint: \d+% of queue throughput", last), proc.stdout
+    assert "round trips/s" in proc.stdout and "p50 latency" in proc.stdout

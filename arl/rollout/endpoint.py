@@ -176,8 +176,10 @@ class EndpointServer:
         if self._openai is None:
             import openai
 
+            # one timeout for every phase: the SDK's default 5 s to connect is too short for a loaded worker whose
+            # event loop accepts connections between other work (the trajectory deadline bounds the whole call)
             self._openai = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=self.secret or "arl",
-                                              max_retries=0)
+                                              max_retries=0, timeout=600.0)
         return self._openai
 
     # -- sessions ----------------------------------------------------------------------------------------------

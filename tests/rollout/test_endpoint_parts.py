@@ -38,3 +38,14 @@ CHECK = textwrap.dedent('''
 def test_function_agents_get_the_endpoint_and_the_default_run_imports_none_of_it(tmp_path):
     out = subprocess.run([sys.executable, "-c", CHECK, str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_the_openai_experiments_load_and_validate():
+    from arl.cli import load_config
+    from experiments import MODULES
+
+    for name, agent, steps in [("openai-math", "openai-math", 400), ("openai-tool-calc", "openai-tool-calc", 30),
+                               ("openai-framework", "openai-framework", 20)]:
+        cfg = load_config([f"experiment={name}"], MODULES)
+        assert cfg.agent.name == agent and cfg.total_train_steps == steps and cfg.rollout.endpoint_port == 0
+        assert cfg.imports[0] == "experiments." + name.replace("-", "_")

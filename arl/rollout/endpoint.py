@@ -176,6 +176,11 @@ class EndpointServer:
         if self._openai is None:
             import openai
 
+            # the SDK's HTTP client logs every request at INFO: one line per turn in the worker's log (and its CPU)
+            for name in ("httpx", "httpx2", "httpcore", "httpcore2"):
+                if logging.getLogger(name).level == logging.NOTSET:
+                    logging.getLogger(name).setLevel(logging.WARNING)
+
             # one timeout for every phase: the SDK's default 5 s to connect is too short for a loaded worker whose
             # event loop accepts connections between other work (the trajectory deadline bounds the whole call)
             self._openai = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=self.secret or "arl",

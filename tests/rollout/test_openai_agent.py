@@ -150,3 +150,14 @@ async def test_agent_args_must_be_parameters_of_the_function(server):
 
 async def lambda_agent(client, prompt):
     return 0.0
+
+
+async def test_the_session_clients_log_no_line_per_call_and_wait_long_enough_to_connect(server, caplog):
+    """The SDK's HTTP client logged every request at INFO (a line per turn in the worker's log), and its 5 s
+    connect timeout dropped groups on a loaded worker (error:APITimeoutError in a run)."""
+    caplog.set_level("INFO")
+    trajs, _, _ = await run(EndpointAgent(math_agent, server, group_size=2))
+    assert len(trajs) == 2
+    assert not [r for r in caplog.records if r.name.startswith("httpx") or r.name.startswith("httpcore")]
+    timeout = server.openai_client().timeout
+    assert getattr(timeout, "connect", timeout) >= 60

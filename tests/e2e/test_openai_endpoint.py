@@ -9,6 +9,12 @@ from tests.e2e.test_end_to_end import (SMALL, assert_clean_run, assert_ledger_ch
                                        read_metrics, run_main)
 
 
+# a shorter tool warm-up than the experiments' (1500 steps at most, 30+ min on a loaded 2-core machine): after 200
+# steps the tiny model already writes hermes calls most of the time, which is what these tests check (shared by
+# both tests: same settings, one cached warm-up per test session)
+TOOL_WARMUP = ["model.warmup_max_steps=200"]
+
+
 def endpoint_stats(run_dir: str) -> dict:
     evals = [m for m in read_metrics(run_dir) if m["type"] == "eval"]
     return evals[-1].get("roles", {}).get("rollout0", {}).get("endpoint", {})
@@ -44,8 +50,8 @@ def test_openai_math_learns_from_the_default_warm_up(tmp_path, model_cache):
 @pytest.mark.timeout(3000)  # the tool model's warm-up (once per test session, shared with the framework test)
 def test_openai_tool_calc_parses_tool_calls(tmp_path, model_cache):
     steps = 30
-    proc, run_dir = run_main(["experiment=openai-tool-calc", f"total_train_steps={steps}", "eval.every_n_steps=15",
-                              "eval.max_prompts=50", "progress=false", "startup_timeout=600"], str(tmp_path),
+    proc, run_dir = run_main(["experiment=openai-tool-calc", f"total_train_steps={steps}", *TOOL_WARMUP,
+                              "eval.every_n_steps=15", "eval.max_prompts=50", "progress=false", "startup_timeout=600"], str(tmp_path),
                              model_cache, timeout=2900)
     train = assert_clean_run(proc, run_dir, steps)
     assert_ledger_checked(run_dir)  # the experiment sets rollout.verify_token_ledger=true
@@ -59,8 +65,8 @@ def test_openai_tool_calc_parses_tool_calls(tmp_path, model_cache):
 def test_openai_framework_agent_trains(tmp_path, model_cache):
     pytest.importorskip("agents")
     steps = 20
-    proc, run_dir = run_main(["experiment=openai-framework", f"total_train_steps={steps}", "eval.every_n_steps=10",
-                              "eval.max_prompts=30", "progress=false", "startup_timeout=600"], str(tmp_path),
+    proc, run_dir = run_main(["experiment=openai-framework", f"total_train_steps={steps}", *TOOL_WARMUP,
+                              "eval.every_n_steps=10", "eval.max_prompts=30", "progress=false", "startup_timeout=600"], str(tmp_path),
                              model_cache, timeout=2900)
     assert_clean_run(proc, run_dir, steps)
     assert_ledger_checked(run_dir)

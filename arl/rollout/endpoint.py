@@ -210,16 +210,20 @@ class EndpointServer:
     def api_key(self, h: SessionHandle) -> str:
         return self.secret or h.key
 
-    def _session(self, request: web.Request) -> SessionHandle:
+    def _auth(self, request: web.Request) -> str:
+        """The request's API key (Bearer token or x-api-key); with a run secret it must be the secret (401)."""
         auth = request.headers.get("Authorization", "")
         token = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
+        if self.secret is not None and not hmac.compare_digest(token.encode(), self.secret.encode()):
+            self.stats["refused_auth"] += 1
+            raise RequestError("invalid API key (with a run secret the API key must be the secret)",
+                               status=401, code="invalid_api_key")
+        return token
+
+    def _session(self, request: web.Request) -> SessionHandle:
+        token = self._auth(request)
         key = request.match_info.get("session")
-        if self.secret is not None:
-            if not hmac.compare_digest(token.encode(), self.secret.encode()):
-                self.stats["refused_auth"] += 1
-                raise RequestError("invalid API key (with a run secret the API key must be the secret)",
-                                   status=401, code="invalid_api_key")
-        elif key is None:
+        if key is None and self.secret is None:
             key = token
         if not key:
             raise RequestError("no session: put it in the path (/sessions/<key>/v1/...) or the Bearer token",
@@ -238,8 +242,10 @@ class EndpointServer:
     # -- handlers ----------------------------------------------------------------------------------------------
     async def _models(self, request: web.Request) -> web.StreamResponse:
         try:
-            if request.match_info.get("session") or self.secret is not None:
+            if request.match_info.get("session"):
                 self._session(request)
+            else:
+                self._auth(request)
         except RequestError as e:
             return e.response()
         return web.json_response({"object": "list", "data": [
@@ -270,8 +276,10 @@ class EndpointServer:
         changes: dict[str, Any] = {}
         temperature = _number(body, "temperature", 0.0, 2.0)
         top_p = _number(body, "top_p", 0.0, 1.0, lo_open=True)
-        if temperature is not None:
-            changes.update(greedy=True) if temperature == 0 else changes.update(temperature=temperature, greedy=False)
+        if temperature == 0:
+            changes["greedy"] = True
+        elif temperature is not None:
+            changes.update(temperature=temperature, greedy=False)
         if top_p is not None:
             changes["top_p"] = top_p
         n = _int(body, "n", 1, 64)

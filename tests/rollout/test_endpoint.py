@@ -285,6 +285,11 @@ async def test_with_a_run_secret_the_api_key_must_match():
         async with openai.AsyncOpenAI(base_url=s.session_url(h), api_key=s.api_key(h), max_retries=0) as c:
             r = await c.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}])
         assert r.choices[0].message.content == "ok" and engine.requests
+        async with openai.AsyncOpenAI(base_url=s.url + "/v1", api_key=s.secret, max_retries=0) as c:
+            assert [m.id for m in (await c.models.list()).data] == ["arl-policy"]  # no session needed to list
+        async with openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="wrong", max_retries=0) as c:
+            with pytest.raises(openai.AuthenticationError):
+                await c.models.list()
     finally:
         await s.close()
 

@@ -161,3 +161,38 @@ async def test_the_session_clients_log_no_line_per_call_and_wait_long_enough_to_
     assert not [r for r in caplog.records if r.name.startswith("httpx") or r.name.startswith("httpcore")]
     timeout = server.openai_client().timeout
     assert getattr(timeout, "connect", timeout) >= 60
+
+
+class ToolClient:
+    """The inference client of a tool-calling model: a hermes calculator call first, then the observed number."""
+
+    def __init__(self, call: str) -> None:
+        self.call, self.requests = call, []
+
+    async def generate(self, req: GenerateRequest, info=None) -> GenerateResponse:
+        self.requests.append(req)
+        text = TOK.decode(req.input_ids.tolist())
+        out = self.call if "<tool_response>" not in text else text.split("<tool_response>")[-1].split("<")[0]
+        ids = list(TOK.encode(out, add_special_tokens=False)) + [EOS]
+        s = SampleOutput(ids, np.full(len(ids), -0.5, np.float32), [3] * len(ids), "stop")
+        return GenerateResponse(qid=req.qid, samples=[s])
+
+
+@pytest.mark.parametrize("example", ["openai_tool_calc", "openai_framework"])
+async def test_the_tool_examples_run_a_tool_loop_token_exactly(server, example):
+    """experiments/openai_tool_calc.py (the SDK, tool loop in user code) and openai_framework.py (the OpenAI
+    Agents SDK) against a model that calls the calculator: one trajectory per session, a tool call, reward 1."""
+    if example == "openai_framework":
+        pytest.importorskip("agents")
+    import importlib
+
+    fn = getattr(importlib.import_module(f"experiments.{example}"), example.replace("openai_", "") + "_agent")
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "12+7"}}</tool_call>'
+    client, log = ToolClient(call), EngineLog()
+    trajs = await run_agent(EndpointAgent(fn, server, group_size=2), dict(PROMPT), MathEnv(), client, 30.0,
+                            engine_log=log)
+    assert len(trajs) == 2 and len(client.requests) == 4
+    for t in trajs:
+        verify_trajectory(t, log)
+        assert t.reward == 1.0 and t.metadata["tool_calls"] == 1 and t.metadata["turns"] == 2
+        assert t.metadata["endpoint_prefix_mismatch"] == 0

@@ -13,7 +13,8 @@ from tests.e2e.test_end_to_end import (SMALL, assert_clean_run, assert_ledger_ch
 # steps the tiny model already writes hermes calls most of the time, which is what these tests check (shared by
 # both tests: same settings, one cached warm-up per test session). It answers ~2% right, so nearly every group has
 # equal rewards: without the uniform-group filter the steps come at the rollout's pace instead of one per ~8 groups
-TOOL_WARMUP = ["model.warmup_max_steps=200", "agent.args.filter_uniform_groups=false"]
+TOOL_WARMUP = ["model.warmup_max_steps=200", "agent.args.filter_uniform_groups=false",
+               "rollout.filter_uniform_groups=false"]
 
 
 def endpoint_stats(run_dir: str) -> dict:

@@ -308,3 +308,27 @@ async def test_completions_text_and_ids_continue_exactly(server):
     trajs = h.session.trajectories(1.0, "g")
     assert len(trajs) == 2 and h.session.mismatches == 1  # the id prompt continued nothing: its own segment
     ledger_ok(trajs, engine)
+
+
+async def test_a_caller_that_hangs_up_cancels_its_generation(server):
+    """The HTTP client gives up (its timeout, or its agent's deadline cancelled it): the handler is cancelled, so
+    the inference client aborts the request instead of generating for nobody (and booking a late call)."""
+    started, cancelled = asyncio.Event(), asyncio.Event()
+
+    async def hang(req):
+        started.set()
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    h = server.open_session(hang)
+    async with openai.AsyncOpenAI(base_url=server.session_url(h), api_key=server.api_key(h), max_retries=0,
+                                  timeout=1.0) as c:
+        with pytest.raises(openai.APITimeoutError):
+            await c.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}])
+    assert started.is_set()
+    await asyncio.wait_for(cancelled.wait(), 10)
+    server.end_session(h.key)
+    assert h.late_calls == 0

@@ -232,6 +232,9 @@ class RolloutConfig:
     max_consecutive_drops: int = field(200, "Stop the run when this many prompt groups in a row were dropped for "
                                             "the same reason (errors, timeouts, bad rewards, the void-turn filter; "
                                             "groups filtered for equal rewards do not count). 0: never.")
+    endpoint_port: int = field(0, "Port of each rollout worker's OpenAI-compatible endpoint (agents registered as "
+                                  "async functions, docs/openai_endpoint.md); 0: a free port. It binds on bind_host "
+                                  "(loopback by default); with several rollout workers keep 0.")
     trace_rate: float = field(0.05, "Share of prompt groups written to traces.jsonl (decoded turns, versions, "
                                     "timings); groups an error or a filter touched are always traced.")
 

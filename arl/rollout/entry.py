@@ -25,6 +25,7 @@ class AgentParts:
     group_size: int
     make_agent: Callable[[], Any]
     make_eval_agent: Callable[[], Any]
+    endpoint: Any = None  # the OpenAI-compatible endpoint (`arl.rollout.endpoint`) when the agent is a function
 
 
 def agent_parts(cfg: ExperimentConfig) -> AgentParts:
@@ -47,6 +48,9 @@ def agent_parts(cfg: ExperimentConfig) -> AgentParts:
     gconfig.validate()
     group_size = cfg.rollout.group_size or cfg.agent.group_size  # env group size = trajectories per prompt
 
+    if inspect.iscoroutinefunction(agent_cls):  # an async function written against the OpenAI API: the endpoint's
+        return _endpoint_parts(cfg, agent_cls, tok, gconfig, group_size, list(train_rows), list(test_rows))
+
     def make_agent() -> Any:
         return construct(agent_cls, tokenizer=tok, gconfig=gconfig, group_size=group_size, **cfg.agent.args)
 
@@ -56,6 +60,32 @@ def agent_parts(cfg: ExperimentConfig) -> AgentParts:
                           **{**cfg.agent.args, "filter_uniform_groups": False})
 
     return AgentParts(tok, list(train_rows), list(test_rows), group_size, make_agent, make_eval_agent)
+
+
+def _endpoint_parts(cfg: ExperimentConfig, fn: Any, tok: Any, gconfig: Any, group_size: int, train_rows: list[dict],
+                    test_rows: list[dict]) -> AgentParts:
+    """AgentParts of an OpenAI-API agent function: one endpoint per rollout worker, on the role's bind host (loopback
+    by default) and `rollout.endpoint_port`, its API key the run's secret when there is one."""
+    from arl.agents.common import agent_gconfig
+    from arl.rollout.endpoint import EndpointServer
+    from arl.rollout.openai_agent import EndpointAgent
+    from arl.transport.control import SOCKET_OPTIONS
+    from arl.transport.security import effective_bind_host
+
+    secret = SOCKET_OPTIONS.get("secret")
+    server = EndpointServer(tok, agent_gconfig(gconfig, tok), cfg.inference.max_context_len,
+                            host=effective_bind_host(cfg.bind_host), port=cfg.rollout.endpoint_port,
+                            secret=secret.decode() if isinstance(secret, bytes) else secret)
+    args = dict(cfg.agent.args)
+    filter_uniform = bool(args.pop("filter_uniform_groups", False))
+
+    def make_agent() -> Any:
+        return EndpointAgent(fn, server, group_size, filter_uniform_groups=filter_uniform, args=args)
+
+    def make_eval_agent() -> Any:
+        return EndpointAgent(fn, server, 1, greedy=True, args=args)
+
+    return AgentParts(tok, train_rows, test_rows, group_size, make_agent, make_eval_agent, endpoint=server)
 
 
 def inference_client(cfg: ExperimentConfig, dealers: list[Any]) -> Any:
@@ -132,11 +162,16 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
                             send_control=ctl.post, push_group=lambda group: push.send("traj", group),
                             env_client=env_client)
 
+    stats = worker.heartbeat_stats
+    if parts.endpoint is not None:  # the endpoint's counters ride on the heartbeat
+        server = parts.endpoint
+        stats = lambda: {**worker.heartbeat_stats(), "endpoint": dict(server.stats)}  # noqa: E731
+
     async def on_eval(msg: Eval) -> None:
         result = await worker.evaluate(msg.version, msg.max_prompts)
         # fresh counters first (same socket, so they arrive first): the eval record carries this worker's stats as
         # of the evaluation, not a heartbeat up to a second old (a short run can finish within one heartbeat)
-        await ctl.post(Heartbeat(role="rollout", index=index, stats=worker.heartbeat_stats()))
+        await ctl.post(Heartbeat(role="rollout", index=index, stats=stats()))
         await ctl.post(EvalDone.from_payload(result))
 
     async def on_worker_lost(msg: WorkerLost) -> None:  # the controller dropped an inference server: re-route
@@ -159,8 +194,10 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
     if ack.get("prompt_position"):  # resuming a run: continue this worker's prompt stream where it stood
         prompts.seek(int(ack["prompt_position"]))
         logger.info("rollout%d: prompt stream resumes at position %d", index, prompts.position)
-    cleanups = [worker.close(), client.close(), aclose(push)] + ([env_client.close()] if env_client else [])
-    return [worker.acquire_loop(), ctl.heartbeat(worker.heartbeat_stats)], cleanups
+    closers = [worker.close(), client.close(), aclose(push)] + ([env_client.close()] if env_client else [])
+    if parts.endpoint is not None:  # it closes after the worker's groups
+        closers.insert(1, parts.endpoint.close())
+    return [worker.acquire_loop(), ctl.heartbeat(stats)], closers
 
 
 

@@ -15,8 +15,12 @@ STEPS = 4
 
 
 @pytest.mark.slow
-def test_killed_rollout_worker_is_restarted_and_the_run_finishes(tmp_path, model_cache):
-    proc, run_dir = start_run(str(tmp_path), model_cache, ["rollout.num_workers=2", f"total_train_steps={STEPS}"])
+@pytest.mark.parametrize("agent", [[], ["experiment=openai-math", "rollout.verify_token_ledger=true"]],
+                         ids=["queue-agent", "openai-endpoint-agent"])
+def test_killed_rollout_worker_is_restarted_and_the_run_finishes(tmp_path, model_cache, agent):
+    """Also with an agent written against the OpenAI API: the restarted worker serves a new endpoint."""
+    proc, run_dir = start_run(str(tmp_path), model_cache, ["rollout.num_workers=2", f"total_train_steps={STEPS}",
+                                                           *agent])
     wait_for(lambda: len(train_steps(run_dir)) >= 1, proc, what="the first step")
     old = role_pids(run_dir)["rollout1"]
     os.kill(old, signal.SIGKILL)
@@ -32,5 +36,6 @@ def test_killed_rollout_worker_is_restarted_and_the_run_finishes(tmp_path, model
     assert "rollout1 exited with code -9; restarted it" in err
     assert_accounting(s)
     assert_no_leftovers(run_dir)
-    record("test_rollout_kill", "kill -9 a rollout worker", 1, run_dir, True, crashes=0,
+    record("test_rollout_kill" + ("_openai_agent" if agent else ""), "kill -9 a rollout worker"
+           + (" (OpenAI-API agent)" if agent else ""), 1, run_dir, True, crashes=0,
            lost_in_flight_groups=s["lost_in_flight_groups"])

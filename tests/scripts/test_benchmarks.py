@@ -131,3 +131,10 @@ def test_bench_envs_smoke():
     rows = [line for line in proc.stdout.splitlines() if "sessions" in line]
     assert len(rows) == 3 * 2, proc.stdout  # cheap, noop, sleep10 x 2 session counts
     assert re.fullmatch(r"env server: \d+% of in-process steps/s \(cheap env\)", proc.stdout.strip().splitlines()[-1])
+
+
+def test_bench_endpoint_smoke():
+    proc = run_script("bench_endpoint.py", ["--groups", "2", "--group-size", "2", "--turns", "2", "--rounds", "1"])
+    last = proc.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(r"endpoint: \d+% of queue throughput", last), proc.stdout
+    assert "round trips/s" in proc.stdout and "p50 latency" in proc.stdout

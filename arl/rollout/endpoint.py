@@ -1,0 +1,528 @@
+"""The OpenAI-compatible endpoint of a rollout worker: `POST /v1/chat/completions`, `POST /v1/completions` and
+`GET /v1/models`, so that agents written against the OpenAI SDK (or a framework on top of it) run unmodified.
+
+Why aiohttp: it is already a dependency of the project (the SGLang backend's HTTP client), it serves from the
+rollout worker's own event loop (no second loop, no thread, no ASGI stack between the request and the inference
+client), and it streams server-sent events with a plain `StreamResponse`. FastAPI/uvicorn would add a server loop
+of its own and two packages to the default install for nothing this endpoint needs.
+
+A request names its session in the URL path (`/sessions/<key>/v1/...`) or, without a run secret, in the Bearer
+token; with a run secret the API key must be the secret. Each request becomes one `GenerateRequest` sent through
+the session's `generate` (the group's obs queue: the inference client with its least-load routing, sticky
+sessions, deadlines, aborts; the group was admitted by the staleness gate before any session existed), and the
+token bookkeeping is `arl.rollout.sessions.Session`'s (token-exact concat mode). `stream=true` is answered as
+server-sent events after the whole answer was generated (the engine answers a request at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import hmac
+import itertools
+import json
+import logging
+import secrets
+import time
+from typing import Any, Awaitable, Callable, Optional
+
+import numpy as np
+from aiohttp import web
+
+from arl.api.types import GenerateRequest, GenerateResponse, GenerationConfig
+from arl.rollout.sessions import Choice, Session, SessionEnded, message_key
+from arl.tools.parsers import get_parser
+
+logger = logging.getLogger("arl.rollout.endpoint")
+
+__all__ = ["EndpointServer", "SessionHandle", "RequestError"]
+
+Generate = Callable[[GenerateRequest], Awaitable[GenerateResponse]]
+
+# accepted and ignored: they do not change what is generated
+_IGNORED = ("model", "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier")
+_CHAT_FIELDS = {"messages", "tools", "tool_choice", "parallel_tool_calls", "temperature", "top_p", "max_tokens",
+                "max_completion_tokens", "stop", "n", "seed", "logprobs", "top_logprobs", "stream", "stream_options",
+                "frequency_penalty", "presence_penalty", "response_format", *_IGNORED}
+_COMPLETION_FIELDS = {"prompt", "temperature", "top_p", "max_tokens", "stop", "n", "seed", "logprobs", "stream",
+                      "stream_options", "frequency_penalty", "presence_penalty", "echo", "best_of", "suffix",
+                      *_IGNORED}
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+class RequestError(Exception):
+    """A request we answer with an OpenAI error object (`status`, `code`, the field in `param`)."""
+
+    def __init__(self, message: str, param: Optional[str] = None, status: int = 400,
+                 code: Optional[str] = None, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.param, self.status, self.code, self.kind = param, status, code, kind
+
+    def response(self) -> web.Response:
+        body = {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+        return web.json_response(body, status=self.status)
+
+
+@dataclasses.dataclass(eq=False)
+class SessionHandle:
+    """One open session: its key, the `Session` bookkeeping, how its requests reach the engine, and whether it
+    runs greedy (evaluation: the request's sampling fields are overridden)."""
+
+    key: str
+    session: Session
+    generate: Generate
+    greedy: bool = False
+    late_calls: int = 0  # calls after the session ended (the agent's group is dropped for them)
+    calls: int = 0
+
+
+def _number(body: dict, name: str, lo: float, hi: float, lo_open: bool = False) -> Optional[float]:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (lo < v if lo_open else lo <= v) or v > hi:
+        raise RequestError(f"{name} must be a number in {'(' if lo_open else '['}{lo}, {hi}], got {v!r}", name)
+    return float(v)
+
+
+def _int(body: dict, name: str, lo: int, hi: int) -> Optional[int]:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise RequestError(f"{name} must be an integer in [{lo}, {hi}], got {v!r}", name)
+    return v
+
+
+class EndpointServer:
+    """The HTTP server of one rollout worker and its open sessions.
+
+    Args:
+        tokenizer: the policy's tokenizer (chat template, decoding).
+        gconfig: the run's sampling settings (eos among its stop ids); a request's fields override them.
+        max_context_len: prompt + new tokens of one request at most (400 context_length_exceeded beyond).
+        host, port: where to listen (port 0: a free one).
+        secret: the run's secret; when set, every request's API key must equal it.
+        parser: the tool-call parser (a name in `arl.tools.parsers.PARSERS`).
+        model_name: the model id `/v1/models` lists (any model name is accepted in requests).
+    """
+
+    def __init__(self, tokenizer: Any, gconfig: GenerationConfig, max_context_len: int, host: str = "127.0.0.1",
+                 port: int = 0, secret: Optional[str] = None, parser: str = "hermes",
+                 model_name: str = "arl-policy", max_ended: int = 100_000) -> None:
+        self.tokenizer = tokenizer
+        self.gconfig = gconfig
+        self.max_context_len = int(max_context_len)
+        self.host, self.port = host, int(port)
+        self.secret = secret or None
+        self.parser = get_parser(parser)
+        self.model_name = model_name
+        self.sessions: dict[str, SessionHandle] = {}
+        self._ended: collections.OrderedDict[str, SessionHandle] = collections.OrderedDict()
+        self._max_ended = max_ended
+        self._runner: Optional[web.AppRunner] = None
+        self._starting: Optional[asyncio.Task] = None
+        self._ids = itertools.count()
+        self._openai: Any = None
+        self.stats: collections.Counter = collections.Counter()
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self._eos = int(eos) if eos is not None else None
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        """Base URL without `/v1` (the server must be started)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    async def start(self) -> "EndpointServer":
+        """Start listening (idempotent; concurrent callers wait for the one start)."""
+        if self._runner is not None:
+            return self
+        if self._starting is None:
+            self._starting = asyncio.ensure_future(self._start())
+        await asyncio.shield(self._starting)
+        return self
+
+    async def _start(self) -> None:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        for prefix in ("", "/sessions/{session}"):
+            app.router.add_post(prefix + "/v1/chat/completions", self._chat)
+            app.router.add_post(prefix + "/v1/completions", self._completions)
+            app.router.add_get(prefix + "/v1/models", self._models)
+        # a caller that hangs up cancels its handler, so the inference client aborts the request (gen_abort)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
+        await runner.setup()
+        site = web.TCPSite(runner, self.host, self.port)
+        await site.start()
+        self.port = int(runner.addresses[0][1])
+        self._runner = runner
+        logger.info("OpenAI-compatible endpoint listening on %s/v1", self.url)
+
+    async def close(self) -> None:
+        if self._openai is not None:
+            client, self._openai = self._openai, None
+            try:
+                await asyncio.wait_for(client.close(), 5.0)
+            except Exception:  # noqa: BLE001 - closing: nothing left to do
+                pass
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await asyncio.wait_for(runner.cleanup(), 10.0)
+
+    def openai_client(self) -> Any:
+        """One `openai.AsyncOpenAI` for this worker (sessions get `with_options` copies that share its connection
+        pool: a fresh HTTP client per session costs ~50 ms). `openai` is imported here, only for such agents."""
+        if self._openai is None:
+            import openai
+
+            # the SDK's HTTP client logs every request at INFO: one line per turn in the worker's log (and its CPU)
+            for name in ("httpx", "httpx2", "httpcore", "httpcore2"):
+                if logging.getLogger(name).level == logging.NOTSET:
+                    logging.getLogger(name).setLevel(logging.WARNING)
+
+            # one timeout for every phase: the SDK's default 5 s to connect is too short for a loaded worker whose
+            # event loop accepts connections between other work (the trajectory deadline bounds the whole call)
+            self._openai = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=self.secret or "arl",
+                                              max_retries=0, timeout=600.0)
+        return self._openai
+
+    # -- sessions ----------------------------------------------------------------------------------------------
+    def open_session(self, generate: Generate, greedy: bool = False) -> SessionHandle:
+        key = secrets.token_hex(12)
+        h = SessionHandle(key, Session(key, self.tokenizer), generate, greedy)
+        self.sessions[key] = h
+        self.stats["sessions"] += 1
+        return h
+
+    def end_session(self, key: str) -> None:
+        h = self.sessions.pop(key, None)
+        if h is None:
+            return
+        h.session.ended = True
+        self._ended[key] = h
+        while len(self._ended) > self._max_ended:
+            self._ended.popitem(last=False)
+
+    def session_url(self, h: SessionHandle) -> str:
+        return f"{self.url}/sessions/{h.key}/v1"
+
+    def api_key(self, h: SessionHandle) -> str:
+        return self.secret or h.key
+
+    def _auth(self, request: web.Request) -> str:
+        """The request's API key (Bearer token or x-api-key); with a run secret it must be the secret (401)."""
+        auth = request.headers.get("Authorization", "")
+        token = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
+        if self.secret is not None and not hmac.compare_digest(token.encode(), self.secret.encode()):
+            self.stats["refused_auth"] += 1
+            raise RequestError("invalid API key (with a run secret the API key must be the secret)",
+                               status=401, code="invalid_api_key")
+        return token
+
+    def _session(self, request: web.Request) -> SessionHandle:
+        token = self._auth(request)
+        key = request.match_info.get("session")
+        if key is None and self.secret is None:
+            key = token
+        if not key:
+            raise RequestError("no session: put it in the path (/sessions/<key>/v1/...) or the Bearer token",
+                               status=404, code="session_not_found")
+        h = self.sessions.get(key)
+        if h is None:
+            ended = self._ended.get(key)
+            if ended is not None:
+                ended.late_calls += 1
+                self.stats["late_calls"] += 1
+                raise RequestError(f"session {key} has ended", status=404, code="session_ended")
+            self.stats["unknown_session"] += 1
+            raise RequestError("unknown session", status=404, code="session_not_found")
+        return h
+
+    # -- handlers ----------------------------------------------------------------------------------------------
+    async def _models(self, request: web.Request) -> web.StreamResponse:
+        try:
+            if request.match_info.get("session"):
+                self._session(request)
+            else:
+                self._auth(request)
+        except RequestError as e:
+            return e.response()
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "arl"}]})
+
+    async def _body(self, request: web.Request, allowed: set[str]) -> dict:
+        try:
+            body = await request.json(loads=json.loads)
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
+            raise RequestError(f"the body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise RequestError("the body must be a JSON object")
+        unknown = sorted(set(body) - allowed)
+        if unknown:
+            raise RequestError(f"unsupported field {unknown[0]!r} (this endpoint serves the policy being trained "
+                               f"and cannot honour it)", unknown[0])
+        for name in ("frequency_penalty", "presence_penalty"):
+            if body.get(name) not in (None, 0, 0.0):
+                raise RequestError(f"{name} is not supported (only 0)", name)
+        if body.get("seed") is not None:
+            raise RequestError("seed is not supported: an inference server samples all requests from one generator",
+                               "seed")
+        if not isinstance(body.get("model", ""), str):
+            raise RequestError("model must be a string", "model")
+        return body
+
+    def _gconfig(self, body: dict, h: SessionHandle, prompt_len: int, stop_ids: list[int]) -> GenerationConfig:
+        changes: dict[str, Any] = {}
+        temperature = _number(body, "temperature", 0.0, 2.0)
+        top_p = _number(body, "top_p", 0.0, 1.0, lo_open=True)
+        if temperature == 0:
+            changes["greedy"] = True
+        elif temperature is not None:
+            changes.update(temperature=temperature, greedy=False)
+        if top_p is not None:
+            changes["top_p"] = top_p
+        n = _int(body, "n", 1, 64)
+        changes["n"] = n or 1
+        max_new = None
+        for name in ("max_completion_tokens", "max_tokens"):
+            v = _int(body, name, 1, 1 << 30)
+            if v is not None:
+                max_new, field = v, name
+                break
+        room = self.max_context_len - prompt_len
+        if max_new is not None and max_new > room:
+            raise RequestError(f"this model's maximum context length is {self.max_context_len} tokens; the prompt "
+                               f"has {prompt_len} and {field} asks for {max_new}", field, code="context_length_exceeded")
+        if max_new is None and room < 1:
+            raise RequestError(f"this model's maximum context length is {self.max_context_len} tokens; the prompt "
+                               f"has {prompt_len}", "messages", code="context_length_exceeded")
+        changes["max_new_tokens"] = max_new or min(self.gconfig.max_new_tokens, room)
+        changes["min_new_tokens"] = min(self.gconfig.min_new_tokens, changes["max_new_tokens"])
+        if stop_ids:
+            changes["stop_token_ids"] = list(dict.fromkeys([*self.gconfig.stop_token_ids, *stop_ids]))
+        if h.greedy:
+            changes["greedy"] = True
+        g = self.gconfig.new(**changes)
+        try:
+            g.validate()
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        return g
+
+    def _stops(self, body: dict) -> tuple[list[int], list[str]]:
+        """`stop` as token ids: each string must be one token (the engine stops on token ids; cutting text
+        afterwards would train on tokens the agent never saw)."""
+        stop = body.get("stop")
+        if stop is None:
+            return [], []
+        items = [stop] if isinstance(stop, str) else stop
+        if not isinstance(items, list) or len(items) > 4 or not all(isinstance(s, str) and s for s in items):
+            raise RequestError("stop must be a string or a list of at most 4 non-empty strings", "stop")
+        ids = []
+        for s in items:
+            enc = list(self.tokenizer.encode(s, add_special_tokens=False))
+            if len(enc) != 1:
+                raise RequestError(f"stop {s!r} is {len(enc)} tokens; only stop strings of one token are supported "
+                                   "(the engine stops on token ids)", "stop")
+            ids.append(int(enc[0]))
+        return ids, items
+
+    async def _generate(self, h: SessionHandle, ids: np.ndarray, g: GenerationConfig) -> GenerateResponse:
+        req = GenerateRequest(qid=f"ep{next(self._ids)}", input_ids=ids, gconfig=g, session_id=h.key)
+        h.calls += 1
+        self.stats["requests"] += 1
+        resp = await h.generate(req)
+        if resp.error is not None or not resp.samples:
+            self.stats["engine_errors"] += 1
+            raise RequestError(f"generation failed: {resp.error or 'no samples'}", status=500, kind="server_error",
+                               code="engine_error")
+        return resp
+
+    def _text(self, ids: np.ndarray, stop_texts: list[str]) -> str:
+        text = self.tokenizer.decode(ids.tolist(), skip_special_tokens=True)
+        for s in stop_texts:  # OpenAI leaves the stop sequence out of the content
+            if text.endswith(s):
+                return text[:-len(s)]
+        return text
+
+    def _token_logprobs(self, sample: Any) -> list[dict]:
+        out = []
+        for t, lp in zip(sample.output_ids.tolist(), sample.output_logprobs.tolist()):
+            tok = self.tokenizer.decode([t])
+            out.append({"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8")), "top_logprobs": []})
+        return out
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        try:
+            h = self._session(request)
+            body = await self._body(request, _CHAT_FIELDS)
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise RequestError("messages must be a non-empty list", "messages")
+            tools = body.get("tools")
+            if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+                raise RequestError("tools must be a list of objects", "tools")
+            choice_mode = body.get("tool_choice")
+            if choice_mode not in (None, "auto", "none"):
+                raise RequestError("tool_choice must be 'auto' or 'none' (a forced tool cannot be honoured by "
+                                   "sampling)", "tool_choice")
+            if body.get("parallel_tool_calls") is False:
+                raise RequestError("parallel_tool_calls=false is not supported (the model may write several calls)",
+                                   "parallel_tool_calls")
+            rf = body.get("response_format")
+            if rf is not None and (not isinstance(rf, dict) or rf.get("type") != "text"):
+                raise RequestError("response_format: only {'type': 'text'} is supported", "response_format")
+            if body.get("top_logprobs") not in (None, 0):
+                raise RequestError("top_logprobs is not supported (the engine returns the sampled token's logprob "
+                                   "only; use logprobs=true)", "top_logprobs")
+            stream = self._stream_flag(body)
+            try:
+                ids, history, parent = h.session.chat_prompt(messages, tools)
+            except Exception as e:  # noqa: BLE001 - unreadable messages, or the chat template refused them
+                raise RequestError(f"messages: {type(e).__name__}: {e}", "messages") from None
+            stop_ids, stop_texts = self._stops(body)
+            g = self._gconfig(body, h, len(ids), stop_ids)
+            resp = await self._generate(h, ids, g)
+            parse = bool(tools) and choice_mode != "none"
+            choices, out = [], []
+            for i, s in enumerate(resp.samples):
+                text = self._text(s.output_ids, stop_texts)
+                msg: dict[str, Any] = {"role": "assistant", "content": text}
+                finish = _FINISH[s.finish_reason]
+                calls = 0
+                if parse:
+                    parsed = self.parser.parse(text)
+                    if parsed.calls and not parsed.errors:
+                        msg["content"] = parsed.content or None
+                        msg["tool_calls"] = [{"id": f"call_{secrets.token_hex(8)}", "type": "function",
+                                              "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+                                             for c in parsed.calls]
+                        finish = "tool_calls" if s.finish_reason == "stop" else finish
+                        calls = len(parsed.calls)
+                choices.append(Choice(s, message_key(msg), tool_calls=calls))
+                c: dict[str, Any] = {"index": i, "message": msg, "finish_reason": finish, "logprobs": None,
+                                     "arl": {"token_ids": s.output_ids.tolist(),
+                                             "versions": s.output_versions.tolist()}}
+                if body.get("logprobs"):
+                    c["logprobs"] = {"content": self._token_logprobs(s)}
+                out.append(c)
+            self._record(h, ids, history, parent, choices)
+        except RequestError as e:
+            self.stats[f"http_{e.status}"] += 1
+            return e.response()
+        self.stats["tool_calls"] += sum(c.tool_calls for c in choices)
+        n_out = sum(len(s.output_ids) for s in resp.samples)
+        result = {"id": f"chatcmpl-{secrets.token_hex(8)}", "object": "chat.completion", "created": int(time.time()),
+                  "model": body.get("model") or self.model_name, "choices": out,
+                  "usage": {"prompt_tokens": len(ids), "completion_tokens": n_out, "total_tokens": len(ids) + n_out}}
+        self.stats["chat_ms"] += int((time.perf_counter() - t0) * 1000)
+        if stream:
+            return await self._sse_chat(request, result, body)
+        return web.json_response(result)
+
+    def _record(self, h: SessionHandle, ids: np.ndarray, history: Any, parent: Any, choices: list[Choice]) -> None:
+        before = h.session.mismatches
+        try:
+            h.session.record(ids, history, parent, choices)
+        except SessionEnded:
+            h.late_calls += 1
+            self.stats["late_calls"] += 1
+            raise RequestError(f"session {h.key} has ended", status=404, code="session_ended") from None
+        if h.session.mismatches > before:
+            self.stats["endpoint_prefix_mismatch"] += 1
+
+    @staticmethod
+    def _stream_flag(body: dict) -> bool:
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool) and stream is not None:
+            raise RequestError("stream must be a boolean", "stream")
+        opts = body.get("stream_options")
+        if opts is not None and not isinstance(opts, dict):
+            raise RequestError("stream_options must be an object", "stream_options")
+        return bool(stream)
+
+    async def _sse(self, request: web.Request, events: list[dict]) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        for e in events:
+            await resp.write(b"data: " + json.dumps(e).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def _sse_chat(self, request: web.Request, result: dict, body: dict) -> web.StreamResponse:
+        """The whole answer as chunks: per choice its role, content, tool calls, then its finish reason."""
+        head = {k: result[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+        events = []
+        for c in result["choices"]:
+            m, i = c["message"], c["index"]
+            events.append(head | {"choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                               "finish_reason": None}]})
+            if m.get("content"):
+                events.append(head | {"choices": [{"index": i, "delta": {"content": m["content"]},
+                                                   "logprobs": c["logprobs"], "finish_reason": None}]})
+            if m.get("tool_calls"):
+                delta = {"tool_calls": [{"index": k, **tc} for k, tc in enumerate(m["tool_calls"])]}
+                events.append(head | {"choices": [{"index": i, "delta": delta, "finish_reason": None}]})
+            events.append(head | {"choices": [{"index": i, "delta": {}, "finish_reason": c["finish_reason"],
+                                               "arl": c["arl"]}]})
+        if (body.get("stream_options") or {}).get("include_usage"):
+            events.append(head | {"choices": [], "usage": result["usage"]})
+        return await self._sse(request, events)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            h = self._session(request)
+            body = await self._body(request, _COMPLETION_FIELDS)
+            for name in ("echo", "suffix"):
+                if body.get(name):
+                    raise RequestError(f"{name} is not supported", name)
+            if body.get("best_of") not in (None, 1):
+                raise RequestError("best_of is not supported", "best_of")
+            if body.get("logprobs") not in (None, 0):
+                raise RequestError("logprobs: only 0 (the sampled tokens' logprobs) is supported", "logprobs")
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+                prompt = prompt[0]
+            ok_ids = isinstance(prompt, list) and prompt and all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
+            if not (isinstance(prompt, str) and prompt) and not ok_ids:
+                raise RequestError("prompt must be a non-empty string or list of token ids (one prompt)", "prompt")
+            stream = self._stream_flag(body)
+            ids, history, parent = h.session.completion_prompt(prompt)
+            stop_ids, stop_texts = self._stops(body)
+            g = self._gconfig(body, h, len(ids), stop_ids)
+            resp = await self._generate(h, ids, g)
+            choices, out = [], []
+            for i, s in enumerate(resp.samples):
+                text = self._text(s.output_ids, stop_texts)
+                choices.append(Choice(s, text))
+                c: dict[str, Any] = {"index": i, "text": text, "finish_reason": _FINISH[s.finish_reason],
+                                     "logprobs": None, "arl": {"token_ids": s.output_ids.tolist(),
+                                                               "versions": s.output_versions.tolist()}}
+                if body.get("logprobs") == 0:
+                    toks = self._token_logprobs(s)
+                    c["logprobs"] = {"tokens": [t["token"] for t in toks],
+                                     "token_logprobs": [t["logprob"] for t in toks], "top_logprobs": None,
+                                     "text_offset": list(itertools.accumulate([0] + [len(t["token"])
+                                                                                     for t in toks[:-1]]))}
+                out.append(c)
+            self._record(h, ids, history, parent, choices)
+        except RequestError as e:
+            self.stats[f"http_{e.status}"] += 1
+            return e.response()
+        n_out = sum(len(s.output_ids) for s in resp.samples)
+        result = {"id": f"cmpl-{secrets.token_hex(8)}", "object": "text_completion", "created": int(time.time()),
+                  "model": body.get("model") or self.model_name, "choices": out,
+                  "usage": {"prompt_tokens": len(ids), "completion_tokens": n_out, "total_tokens": len(ids) + n_out}}
+        if stream:
+            events = [result | {"choices": [c]} for c in out]
+            if (body.get("stream_options") or {}).get("include_usage"):
+                events.append(result | {"choices": []})
+            for e in events[:len(out)]:
+                e.pop("usage", None)
+            return await self._sse(request, events)
+        return web.json_response(result)

@@ -1,0 +1,75 @@
+"""End to end: agents written against the OpenAI API (experiments openai-math, openai-tool-calc, openai-framework)
+trained through every role as a process, each trajectory through the token ledger."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.test_end_to_end import (SMALL, assert_clean_run, assert_ledger_checked, model_cache,  # noqa: F401
+                                       read_metrics, run_main)
+
+
+# a shorter tool warm-up than the experiments' (1500 steps at most, 30+ min on a loaded 2-core machine): after 200
+# steps the tiny model already writes hermes calls most of the time, which is what these tests check (shared by
+# both tests: same settings, one cached warm-up per test session). It answers ~2% right, so nearly every group has
+# equal rewards: without the uniform-group filter the steps come at the rollout's pace instead of one per ~8 groups
+TOOL_WARMUP = ["model.warmup_max_steps=200", "agent.args.filter_uniform_groups=false",
+               "rollout.filter_uniform_groups=false"]
+
+
+def endpoint_stats(run_dir: str) -> dict:
+    evals = [m for m in read_metrics(run_dir) if m["type"] == "eval"]
+    return evals[-1].get("roles", {}).get("rollout0", {}).get("endpoint", {})
+
+
+@pytest.mark.slow
+def test_openai_math_trains_through_the_endpoint_token_exactly(tmp_path, model_cache):
+    steps = 3
+    proc, run_dir = run_main(["experiment=openai-math", f"total_train_steps={steps}", *SMALL], str(tmp_path),
+                             model_cache)
+    train = assert_clean_run(proc, run_dir, steps)
+    assert_ledger_checked(run_dir)
+    ep = endpoint_stats(run_dir)
+    assert ep["requests"] > 0 and ep.get("endpoint_prefix_mismatch", 0) == 0 and ep.get("http_400", 0) == 0, ep
+    rollouts = [m["rollout"] for m in train if m["rollout"]]
+    assert all(r["endpoint_prefix_mismatch"] == 0 for r in rollouts) and any(r["turns"] > 1 for r in rollouts)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+def test_openai_math_learns_from_the_default_warm_up(tmp_path, model_cache):
+    """The issue's bar: >= +20 points of greedy first-answer accuracy over the warm-up checkpoint (the default run
+    gets there in 25-50 steps, docs/benchmarks.md); 80 steps, the best of the later evaluations."""
+    proc, run_dir = run_main(["experiment=openai-math", "total_train_steps=80", "eval.every_n_steps=20",
+                              "progress=false", "startup_timeout=240"], str(tmp_path), model_cache, timeout=1500)
+    assert_clean_run(proc, run_dir, 80)
+    evals = [m for m in read_metrics(run_dir) if m["type"] == "eval"]
+    first, best = evals[0]["first_acc"], max(m["first_acc"] for m in evals[1:])
+    assert best >= first + 0.20, [(m["version"], m["first_acc"]) for m in evals]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3000)  # the tool model's warm-up (once per test session, shared with the framework test)
+def test_openai_tool_calc_parses_tool_calls(tmp_path, model_cache):
+    steps = 30
+    proc, run_dir = run_main(["experiment=openai-tool-calc", f"total_train_steps={steps}", *TOOL_WARMUP,
+                              "eval.every_n_steps=15", "eval.max_prompts=50", "progress=false", "startup_timeout=600"], str(tmp_path),
+                             model_cache, timeout=2900)
+    train = assert_clean_run(proc, run_dir, steps)
+    assert_ledger_checked(run_dir)  # the experiment sets rollout.verify_token_ledger=true
+    rollouts = [m["rollout"] for m in train if m["rollout"]]
+    assert sum(r["tool_calls"] for r in rollouts) > 0, rollouts
+    assert endpoint_stats(run_dir)["tool_calls"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3000)
+def test_openai_framework_agent_trains(tmp_path, model_cache):
+    pytest.importorskip("agents")
+    steps = 20
+    proc, run_dir = run_main(["experiment=openai-framework", f"total_train_steps={steps}", *TOOL_WARMUP,
+                              "eval.every_n_steps=10", "eval.max_prompts=30", "progress=false", "startup_timeout=600"], str(tmp_path),
+                             model_cache, timeout=2900)
+    assert_clean_run(proc, run_dir, steps)
+    assert_ledger_checked(run_dir)
+    assert endpoint_stats(run_dir)["requests"] > 0

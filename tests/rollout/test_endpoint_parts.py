@@ -1,0 +1,51 @@
+"""How a rollout worker builds its agents: a registered async function gets the endpoint, an Agent class does not,
+and the default run imports neither `openai` nor the endpoint."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+CHECK = textwrap.dedent('''
+    import sys
+    from arl.builtin import load_builtins
+    from arl.config import ExperimentConfig
+    from arl.models.tiny import build_char_tokenizer
+    from arl.rollout.entry import agent_parts
+    import experiments.async_ppo_math, experiments.openai_math  # the CLI imports every built-in experiment
+
+    load_builtins()
+    build_char_tokenizer().save_pretrained(sys.argv[1])
+    cfg = ExperimentConfig()
+    cfg.model.path = sys.argv[1]
+    parts = agent_parts(cfg)
+    assert parts.endpoint is None
+    parts.make_agent(), parts.make_eval_agent()
+    leaked = [m for m in ("openai", "arl.rollout.endpoint", "arl.rollout.openai_agent") if m in sys.modules]
+    assert not leaked, leaked
+    cfg.agent.name, cfg.agent.args = "openai-math", {"filter_uniform_groups": True}
+    parts = agent_parts(cfg)
+    agent = parts.make_agent()
+    assert parts.endpoint is not None and agent.server is parts.endpoint and agent.group_size == 8
+    assert agent.filter_uniform_groups and parts.make_eval_agent().greedy
+    assert parts.endpoint.host == "127.0.0.1" and parts.endpoint.secret is None
+    assert "openai" not in sys.modules  # imported when a session's client is first made
+    print("ok")
+''')
+
+
+def test_function_agents_get_the_endpoint_and_the_default_run_imports_none_of_it(tmp_path):
+    out = subprocess.run([sys.executable, "-c", CHECK, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_the_openai_experiments_load_and_validate():
+    from arl.cli import load_config
+    from experiments import MODULES
+
+    for name, agent, steps in [("openai-math", "openai-math", 400), ("openai-tool-calc", "openai-tool-calc", 30),
+                               ("openai-framework", "openai-framework", 20)]:
+        cfg = load_config([f"experiment={name}"], MODULES)
+        assert cfg.agent.name == agent and cfg.total_train_steps == steps and cfg.rollout.endpoint_port == 0
+        assert cfg.imports[0] == "experiments." + name.replace("-", "_")

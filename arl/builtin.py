@@ -24,12 +24,19 @@ LAZY_ENVS = {  # env name -> "module:class"
     "reasoning-gym": "arl.envs.reasoning_gym_env:ReasoningGymEnv",
 }
 
+LAZY_AGENTS = {  # agent name -> "module:attribute"
+    "verifiers": "arl.envs.verifiers_env:verifiers_agent",
+}
+
 
 def load_builtins() -> None:
-    from arl.api.registry import ENVS
+    from arl.api.registry import AGENTS, ENVS
 
     for m in BUILTIN_MODULES:
         importlib.import_module(m)
     for name, target in LAZY_ENVS.items():
         if name not in ENVS:
             ENVS.register_lazy(name, target)
+    for name, target in LAZY_AGENTS.items():
+        if name not in AGENTS:
+            AGENTS.register_lazy(name, target)

@@ -21,7 +21,7 @@ from arl.api.registry import AGENTS, INFERENCE_BACKENDS, LEARNER_BACKENDS, TRACK
 from arl.utils.errors import ConfigError
 from arl.api.staleness import StalenessPolicy
 
-DATASETS = ("arith", "jsonl", "hf", "word-arith", "reasoning-gym", "env-seeds")  # dataset.name (arl/data/splits.py)
+DATASETS = ("arith", "jsonl", "hf", "word-arith", "reasoning-gym", "verifiers", "env-seeds")  # dataset.name (arl/data/splits.py)
 
 if TYPE_CHECKING:
     from arl.weights.strategy import RunFacts, WeightsSettings
@@ -55,7 +55,8 @@ class DatasetConfig:
     name: str = field("arith", "'arith' (built-in a+b task), 'jsonl' (rows with id, prompt|messages, answer), "
                                "'hf' (HuggingFace datasets on disk: save_to_disk dir or parquet/jsonl file), "
                                "'word-arith' (built-in arithmetic word problems for tool agents), 'reasoning-gym' "
-                               "(its tasks `tasks`, needs arl[envs]) or 'env-seeds' (rows that only carry a seed, "
+                               "(its tasks `tasks`, needs arl[envs]), 'verifiers' (a verifiers environment's data set, "
+                               "`verifiers_env`, needs arl[envs]) or 'env-seeds' (rows that only carry a seed, "
                                "for envs whose reset makes the task: gymnasium, gem).")
     prompt_field: str = field("", "hf: column holding the prompt ('' = prompt|question|problem|messages).")
     answer_field: str = field("", "hf: column holding the answer ('' = answer|solution; GSM8K '#### x' kept whole).")
@@ -66,7 +67,12 @@ class DatasetConfig:
                                 "env-seeds: held-out seeds.")
     tasks: list[str] = field(help="reasoning-gym: task names (reasoning_gym.create_dataset), e.g. "
                                   "[basic_arithmetic, chain_sum].", factory=list)
-    train_size: int = field(1000, "reasoning-gym: training rows per task; env-seeds: training seeds.")
+    train_size: int = field(1000, "reasoning-gym: training rows per task; env-seeds: training seeds; verifiers: "
+                                  "at most this many of the environment's rows (0 = all).")
+    verifiers_env: str = field("", "verifiers: the environment, an env id for verifiers.load_environment or "
+                                   "'module:function' returning one (run it with agent.name=verifiers).")
+    verifiers_args: dict[str, Any] = field(help="verifiers: keyword arguments for the environment's loader.",
+                                           factory=dict)
 
 
 @dataclasses.dataclass

@@ -1,10 +1,10 @@
 """Train/test rows for an experiment: the built-in a+b task, jsonl files, HuggingFace datasets files on disk, the
-built-in arithmetic word problems (tool agents), reasoning-gym's tasks, or bare seeds (envs that make their own
+built-in arithmetic word problems (tool agents), reasoning-gym's tasks, a verifiers environment's data set, or bare seeds (envs that make their own
 task on reset: gymnasium, GEM)."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from arl.data.arith import make_arith_splits
 from arl.config import DATASETS
@@ -20,7 +20,8 @@ def seed_rows(n: int, start: int = 0) -> list[dict[str, Any]]:
 
 def load_splits(*, name: str, train_path: str = "", test_path: str = "", max_operand: int = 49,
                 test_size: int = 200, seed: int = 0, prompt_field: str = "", answer_field: str = "",
-                tasks: Sequence[str] = (), train_size: int = 1000) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+                tasks: Sequence[str] = (), train_size: int = 1000, verifiers_env: str = "",
+                verifiers_args: Optional[dict[str, Any]] = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     if name == "arith":
         return make_arith_splits(max_operand=max_operand, test_size=test_size, seed=seed)
     if name == "jsonl":
@@ -42,6 +43,10 @@ def load_splits(*, name: str, train_path: str = "", test_path: str = "", max_ope
         from arl.envs.reasoning_gym_env import reasoning_gym_splits
 
         return reasoning_gym_splits(list(tasks), train_size=train_size, test_size=test_size, seed=seed)
+    if name == "verifiers":
+        from arl.envs.verifiers_env import verifiers_splits
+
+        return verifiers_splits(verifiers_env, verifiers_args, train_size=train_size, test_size=test_size)
     if name == "env-seeds":
         return seed_rows(train_size), seed_rows(test_size, TEST_SEED_OFFSET)
     raise ValueError(f"unknown dataset {name!r}; known: {list(DATASETS)}")

@@ -49,6 +49,13 @@ def check_names(cfg: ExperimentConfig) -> None:
             check_tasks(list(cfg.dataset.tasks))
         except (ValueError, ImportError) as e:
             raise ConfigError(f"dataset.tasks: {e}") from None
+    if cfg.dataset.name == "verifiers":
+        from arl.envs.verifiers_env import check_env
+
+        try:
+            check_env(cfg.dataset.verifiers_env, dict(cfg.dataset.verifiers_args))
+        except (ValueError, ImportError) as e:
+            raise ConfigError(f"dataset.verifiers_env: {e}") from None
     resolve_secret(cfg.secret, effective_bind_host(cfg.bind_host))  # a multi-host run without a secret: refuse
 
 

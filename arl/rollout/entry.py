@@ -43,7 +43,8 @@ def agent_parts(cfg: ExperimentConfig) -> AgentParts:
     train_rows, test_rows = load_splits(name=d.name, train_path=d.train_path, test_path=d.test_path,
                                         max_operand=d.max_operand, test_size=d.test_size, seed=0,
                                         prompt_field=d.prompt_field, answer_field=d.answer_field,
-                                        tasks=list(d.tasks), train_size=d.train_size)
+                                        tasks=list(d.tasks), train_size=d.train_size,
+                                        verifiers_env=d.verifiers_env, verifiers_args=dict(d.verifiers_args))
     gconfig = GenerationConfig(n=1, **dataclasses.asdict(cfg.gen))
     gconfig.validate()
     group_size = cfg.rollout.group_size or cfg.agent.group_size  # env group size = trajectories per prompt

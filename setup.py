@@ -31,15 +31,16 @@ setup(
                 "ray>=2.40",  # the two-node launcher=ray tests
                 "import-linter>=2.17",  # lint-imports: the layers contract in .importlinter (.ci/run)
                 "coverage>=7.10",  # scripts/files_run.py (which files a run executes, docs/architecture.md)
-                "gymnasium>=1.0", "gem-llm>=0.1", "reasoning-gym>=0.1.19",  # the env adapters' tests (envs)
+                "gymnasium>=1.0", "gem-llm>=0.1", "reasoning-gym>=0.1.19", "verifiers>=0.3.1",  # env adapters' tests
                 "peft>=0.13",  # the learner.lora tests
                 "openai>=1.40", "openai-agents>=0.2"],  # the endpoint's tests and experiments (the agents extra)
         "lora": ["peft>=0.13"],  # learner.lora.rank > 0 (imported only then)
         "data": ["datasets>=2.16"],
         "sglang": ["sglang>=0.5.23", "requests"],
         "ray": ["ray>=2.40"],  # launcher=ray; imported only then
-        # env adapters (env.name=gymnasium | gem | reasoning-gym, dataset.name=reasoning-gym); imported only then
-        "envs": ["gymnasium>=1.0", "gem-llm>=0.1", "reasoning-gym>=0.1.19"],
+        # env adapters (env.name=gymnasium | gem | reasoning-gym, dataset.name=reasoning-gym | verifiers,
+        # agent.name=verifiers); imported only then
+        "envs": ["gymnasium>=1.0", "gem-llm>=0.1", "reasoning-gym>=0.1.19", "verifiers>=0.3.1"],
         # agents written against the OpenAI API (docs/openai_endpoint.md): the SDK for experiment=openai-math and
         # openai-tool-calc, the Agents SDK for openai-framework; imported only when such an agent runs
         "agents": ["openai>=1.40", "openai-agents>=0.2"],

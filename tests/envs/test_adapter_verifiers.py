@@ -20,11 +20,13 @@ from tests.envs.adapter_run import refused, run_adapter  # noqa: E402
 TINY = "tests.envs.vf_tiny_env:load_environment"
 
 
-def fake_openai(answer: str, seen: list[dict]) -> "openai.AsyncOpenAI":
+def fake_openai(answer: str, seen: list[dict], status: int = 200) -> "openai.AsyncOpenAI":
     """A real AsyncOpenAI whose HTTP goes to a handler that always answers `answer` (and records the requests)."""
     def handle(request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
         seen.append(body)
+        if status != 200:
+            return httpx.Response(status, json={"error": {"message": "refused", "type": "invalid_request_error"}})
         return httpx.Response(200, json={
             "id": "c", "object": "chat.completion", "created": 0, "model": body["model"],
             "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": answer}}],
@@ -47,6 +49,12 @@ def test_rows_carry_the_environment_and_the_rubric_scores_the_rollout():
     assert right["reward"] == 1.0 and wrong["reward"] == 0.0
     assert seen[0]["messages"][-1]["content"] == row["prompt"] and seen[0]["model"] == "policy"
     assert seen[0].get("max_completion_tokens", seen[0].get("max_tokens")) == 6
+
+
+def test_a_rollout_verifiers_reports_as_failed_raises_so_its_group_is_dropped():
+    (row,) = verifiers_splits(TINY, {"size": 1}, train_size=1)[0]
+    with pytest.raises(RuntimeError, match="verifiers rollout failed"):
+        asyncio.run(verifiers_agent(fake_openai("", [], status=400), row))
 
 
 def test_rows_of_another_data_set_are_refused_by_the_agent():

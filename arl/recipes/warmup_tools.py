@@ -13,6 +13,13 @@ assistant turns only:
 Some tool examples use the python tool (`print(23+17)`) instead. The mix leaves RL something to discover: direct
 answers to two-digit problems are mostly wrong for a 0.5M-parameter model, calculator answers mostly right, so
 reward and tool calls per trajectory both go up as RL shifts the policy toward the tool.
+
+Each tool example also comes as its answer turn alone (`<|user|><tool_response>40</tool_response><|assistant|>
+40<eos>`, ~25 tokens). Copying a number from the context is what the tiny model must learn twice (the operands
+from the prompt into the call, ~100 tokens back; the result from the observation into the answer), and in a
+~170-token conversation the right position starts with ~1/170 of the attention: from scratch the copy formed
+after 1,000+ steps or not within 1,500, by luck of the float trajectory. In the short answer turn it forms within
+~200 steps, and the copying it learns there carries over to both copies in the full conversation.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import torch
 from arl.envs.math import exact_number_match
 from arl.recipes.sft import greedy_generate, masked_sft, warm_model_dir
 
-TOOL_WARMUP_FORMAT = "arl-tiny-tool-warmup-v2"
+TOOL_WARMUP_FORMAT = "arl-tiny-tool-warmup-v3"  # bump when the recipe changes, so old caches are not reused
 
 
 def tool_agent_for(tokenizer: Any) -> Any:
@@ -57,6 +64,14 @@ def render_example(agent: Any, row: dict, mode: str) -> tuple[list[int], list[in
         mask.extend([0] * len(obs))
     said(str(row["answer"]))
     return ids, mask
+
+
+def render_answer_turn(agent: Any, row: dict) -> tuple[list[int], list[int]]:
+    """The last turn of a tool example on its own: the observation (not trained on), then the answer and eos."""
+    tok = agent.tokenizer
+    obs = list(agent.obs_encoder.encode([{"role": "tool", "content": str(row["answer"])}]))
+    answer = list(tok.encode(str(row["answer"]), add_special_tokens=False)) + [tok.eos_token_id]
+    return obs + answer, [0] * len(obs) + [1] * len(answer)
 
 
 async def _tool_turns(agent: Any, texts: list[str]) -> list[tuple[str, Any]]:
@@ -102,10 +117,11 @@ def tool_policy_eval(model: Any, agent: Any, rows: Sequence[dict], batch_size: i
 
 def warmup_tool_sft(model: Any, agent: Any, train_rows: Sequence[dict], eval_rows: Sequence[dict], *,
                     target_acc: float = 0.3, max_steps: int = 1500, batch_size: int = 32, lr: float = 2e-3,
-                    p_tool: float = 0.4, p_python: float = 0.2, eval_every: int = 100,
+                    p_tool: float = 0.7, p_python: float = 0.2, answer_turns: bool = True, eval_every: int = 100,
                     seed: int = 0) -> dict[str, Any]:
     """Masked SFT on rendered conversations until the greedy tool-policy accuracy reaches `target_acc`. Each
-    example calls a tool with probability `p_tool` (the python tool with probability `p_python` of those)."""
+    example calls a tool with probability `p_tool` (the python tool with probability `p_python` of those); with
+    `answer_turns`, each tool example's answer turn is also an example of its own (see the module docstring)."""
     rng = random.Random(seed)
     examples = []
     for r in train_rows:
@@ -113,13 +129,16 @@ def warmup_tool_sft(model: Any, agent: Any, train_rows: Sequence[dict], eval_row
         if rng.random() < p_tool:
             mode = "python" if rng.random() < p_python else "calculator"
         examples.append(render_example(agent, r, mode))
+        if answer_turns and mode != "direct":
+            examples.append(render_answer_turn(agent, r))
     return masked_sft(model, examples, agent.tokenizer.pad_token_id, lambda: tool_policy_eval(model, agent, eval_rows),
                       target_acc=target_acc, max_steps=max_steps, batch_size=batch_size, lr=lr,
                       eval_every=eval_every, seed=seed, lr_warmup_steps=50, log_name="tool warm-up")
 
 
 def get_warm_tool_model(cache_dir: str, *, seed: int = 0, target_acc: float = 0.3, max_steps: int = 1500,
-                        num_threads: Optional[int] = None, p_tool: float = 0.4, p_python: float = 0.2,
+                        num_threads: Optional[int] = None, p_tool: float = 0.7, p_python: float = 0.2,
+                        answer_turns: bool = True, batch_size: int = 32, lr: float = 2e-3, eval_every: int = 100,
                         test_size: int = 200, data_seed: int = 0, **_: Any) -> str:
     """Path of the tiny model (char tokenizer with TOOL_CHARS) warmed up on word problems with tool calls. The
     signature matches `model.warmup` ("arl.recipes.warmup_tools:get_warm_tool_model")."""
@@ -128,13 +147,15 @@ def get_warm_tool_model(cache_dir: str, *, seed: int = 0, target_acc: float = 0.
 
     model_kwargs = {"max_position_embeddings": 512}
     settings = {"format": TOOL_WARMUP_FORMAT, "seed": seed, "target_acc": target_acc, "max_steps": max_steps,
-                "p_tool": p_tool, "p_python": p_python, "test_size": test_size, "data_seed": data_seed,
+                "p_tool": p_tool, "p_python": p_python, "answer_turns": answer_turns, "batch_size": batch_size,
+                "lr": lr, "eval_every": eval_every, "test_size": test_size, "data_seed": data_seed,
                 "chars": CHARS + TOOL_CHARS, "model_kwargs": model_kwargs}
 
     def train(model: Any, tok: Any) -> dict[str, Any]:
         rows, test = make_word_problem_splits(test_size=test_size, seed=data_seed)
         return warmup_tool_sft(model, tool_agent_for(tok), rows, test[:100], target_acc=target_acc,
-                               max_steps=max_steps, p_tool=p_tool, p_python=p_python, seed=seed)
+                               max_steps=max_steps, batch_size=batch_size, lr=lr, p_tool=p_tool, p_python=p_python,
+                               answer_turns=answer_turns, eval_every=eval_every, seed=seed)
 
     return warm_model_dir(cache_dir, "tiny-tools", settings, "tiny tool model", train, seed=seed,
                           extra_chars=TOOL_CHARS, model_kwargs=model_kwargs, num_threads=num_threads)

@@ -159,7 +159,8 @@ def test_a_call_costs_the_server_one_task_and_the_client_none():
         loop.set_task_factory(factory)
         try:
             for _ in range(3):
-                assert all(r[1] == 1.0 for r in await asyncio.gather(*(e.step("x") for e in envs), return_exceptions=False))
+                results = await asyncio.gather(*(e.step("x") for e in envs))
+                assert all(r[1] == 1.0 for r in results)
         finally:
             loop.set_task_factory(None)
         # gather wraps each e.step coroutine in a task (the test's own): 24; the server's env calls: 24

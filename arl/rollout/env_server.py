@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -26,7 +27,7 @@ import time
 from typing import Any, Callable, Optional
 
 from arl.api.agent import EnvironmentService
-from arl.rollout.guards import DeadlineExceeded, call_with_deadline
+from arl.rollout.guards import call_with_deadline
 
 logger = logging.getLogger("arl.env")
 
@@ -53,7 +54,13 @@ class _Session:
 
 
 class EnvServer:
-    """One env server: a ROUTER (`router`: recv() -> (identity, type, payload), send(identity, type, payload))."""
+    """One env server: a ROUTER (`router`: recv() -> (identity, type, payload), send_nowait(identity, type,
+    payload)).
+
+    Why no coroutine per call: each call is ONE task (the env's own coroutine) with a deadline timer and a done
+    callback that replies; replies are queued with `send_nowait`, so what one loop iteration answers goes to a
+    peer as one zmq message (the socket's batching). A handler task per call, plus `call_with_deadline`'s task and
+    `asyncio.wait`, cost more CPU than a cheap env's step (scripts/bench_envs.py)."""
 
     def __init__(self, *, index: int, router: Any, make_env: Callable[..., EnvironmentService],
                  call_timeout: float, lease_s: float) -> None:
@@ -64,7 +71,8 @@ class EnvServer:
         self.lease_s = float(lease_s)
         self.sessions: dict[str, _Session] = {}
         self.stats: collections.Counter = collections.Counter()
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: dict[asyncio.Future, asyncio.TimerHandle] = {}  # env calls in flight -> their deadline timer
+        self._slow: set[asyncio.Task] = set()  # rare paths that await (closing a timed-out session)
 
     async def serve(self) -> None:
         while True:
@@ -72,62 +80,90 @@ class EnvServer:
             if msg_type != "env_call" or not isinstance(payload, dict):
                 self.stats["bad_request"] += 1
                 continue
-            t = asyncio.create_task(self._handle(ident, payload))
-            self._tasks.add(t)
-            t.add_done_callback(self._tasks.discard)
+            self._start(ident, payload)
 
-    async def _reply(self, ident: bytes, rid: Any, **fields: Any) -> None:
+    def _reply(self, ident: bytes, rid: Any, **fields: Any) -> None:
         try:
-            await self.router.send(ident, "env_reply", {"rid": rid, **fields})
+            self.router.send_nowait(ident, "env_reply", {"rid": rid, **fields})
         except (TypeError, ValueError, OverflowError) as e:  # the codec refused the value: say so, with what could not go
             self.stats["not_msgpack"] += 1
-            await self.router.send(ident, "env_reply", {"rid": rid, "ok": False, "kind": "not_msgpack",
+            self.router.send_nowait(ident, "env_reply", {"rid": rid, "ok": False, "kind": "not_msgpack",
                                                          "error": f"the env's result cannot travel as msgpack: {e}"})
 
-    async def _handle(self, ident: bytes, p: dict) -> None:
+    def _start(self, ident: bytes, p: dict) -> None:
         rid, sid, op = p.get("rid"), p.get("sid"), p.get("op")
         if not isinstance(sid, str) or op not in OPS:
             self.stats["bad_request"] += 1
-            return await self._reply(ident, rid, ok=False, kind="bad_request", error=f"bad env call {op!r}")
+            return self._reply(ident, rid, ok=False, kind="bad_request", error=f"bad env call {op!r}")
         session = self.sessions.get(sid)
         if session is None:
             if op == "close":
-                return await self._reply(ident, rid, ok=True, value=None)
+                return self._reply(ident, rid, ok=True, value=None)
             if op == "step":
-                return await self._reply(ident, rid, ok=False, kind="no_session",
-                                         error=f"env session {sid} is not open here (closed, or its lease ran out)")
+                return self._reply(ident, rid, ok=False, kind="no_session",
+                                   error=f"env session {sid} is not open here (closed, or its lease ran out)")
             try:
                 session = self.sessions[sid] = _Session(self.make_env(str(p.get("name")), **dict(p.get("args") or {})))
                 self.stats["sessions_opened"] += 1
             except Exception as e:  # noqa: BLE001 - a bad env name or args: the caller's group is dropped
                 self.stats["env_error"] += 1
-                return await self._reply(ident, rid, ok=False, kind="error", error=f"{type(e).__name__}: {e}")
-        session.busy += 1
-        session.last_used = time.monotonic()
+                return self._reply(ident, rid, ok=False, kind="error", error=f"{type(e).__name__}: {e}")
         self.stats["calls"] += 1
         try:
             if op == "reset":
-                value: Any = await call_with_deadline(session.env.reset(seed=p.get("seed"), options=p.get("options")),
-                                                      self.call_timeout)
+                aw: Any = session.env.reset(seed=p.get("seed"), options=p.get("options"))
             elif op == "step":
-                value = await call_with_deadline(session.env.step(p.get("action")), self.call_timeout)
+                aw = session.env.step(p.get("action"))
             else:
                 self.sessions.pop(sid, None)
-                value = await call_with_deadline(session.env.close(), self.call_timeout)
-            value = list(value) if isinstance(value, tuple) else value
-        except DeadlineExceeded:
-            self.stats["timeouts"] += 1
-            await self._close(sid)
-            return await self._reply(ident, rid, ok=False, kind="timeout",
-                                     error=f"{op} took longer than {self.call_timeout:g}s at env server "
-                                           f"{self.index}; the session was closed")
-        except Exception as e:  # noqa: BLE001 - any env bug is the caller's counted drop reason
+                aw = session.env.close()
+            task = asyncio.ensure_future(aw)
+        except Exception as e:  # noqa: BLE001 - an env whose method raises before awaiting, or is not async
             self.stats["env_error"] += 1
-            return await self._reply(ident, rid, ok=False, kind="error", error=f"{type(e).__name__}: {e}")
-        finally:
-            session.busy -= 1
             session.last_used = time.monotonic()
-        await self._reply(ident, rid, ok=True, value=value)
+            return self._reply(ident, rid, ok=False, kind="error", error=f"{type(e).__name__}: {e}")
+        session.busy += 1
+        session.last_used = time.monotonic()
+        loop = task.get_loop()
+        self._tasks[task] = loop.call_later(self.call_timeout, self._expire, task, ident, rid, sid, op, session)
+        task.add_done_callback(functools.partial(self._done, ident, rid, session))
+
+    def _done(self, ident: bytes, rid: Any, session: _Session, task: asyncio.Future) -> None:
+        timer = self._tasks.pop(task, None)
+        if timer is None:  # timed out (answered already) or cancelled by close(): only fetch its outcome
+            if not task.cancelled():
+                task.exception()
+            return
+        timer.cancel()
+        session.busy -= 1
+        session.last_used = time.monotonic()
+        if task.cancelled():
+            self.stats["env_error"] += 1
+            return self._reply(ident, rid, ok=False, kind="error", error="CancelledError: the env call was cancelled")
+        e = task.exception()
+        if e is not None:  # any env bug is the caller's counted drop reason
+            self.stats["env_error"] += 1
+            return self._reply(ident, rid, ok=False, kind="error", error=f"{type(e).__name__}: {e}")
+        value = task.result()
+        self._reply(ident, rid, ok=True, value=list(value) if isinstance(value, tuple) else value)
+
+    def _expire(self, task: asyncio.Future, ident: bytes, rid: Any, sid: str, op: str, session: _Session) -> None:
+        """A call ran past `call_timeout`: cancel and abandon it, close its session, answer "timeout"."""
+        if self._tasks.pop(task, None) is None:
+            return
+        task.cancel()
+        session.busy -= 1
+        session.last_used = time.monotonic()
+        self.stats["timeouts"] += 1
+        t = asyncio.ensure_future(self._timed_out(ident, rid, sid, op))
+        self._slow.add(t)
+        t.add_done_callback(self._slow.discard)
+
+    async def _timed_out(self, ident: bytes, rid: Any, sid: str, op: str) -> None:
+        await self._close(sid)
+        self._reply(ident, rid, ok=False, kind="timeout",
+                    error=f"{op} took longer than {self.call_timeout:g}s at env server {self.index}; the session "
+                          f"was closed")
 
     async def _close(self, sid: str) -> None:
         session = self.sessions.pop(sid, None)
@@ -151,10 +187,23 @@ class EnvServer:
                 "waiting_on": f"{len(self._tasks)} env calls in flight over {len(self.sessions)} sessions"}
 
     async def close(self) -> None:
-        for t in list(self._tasks):
+        calls = list(self._tasks)
+        for t, timer in list(self._tasks.items()):
+            timer.cancel()
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        for t in self._slow:
+            t.cancel()
+        await asyncio.gather(*calls, *self._slow, return_exceptions=True)
         await asyncio.gather(*(self._close(s) for s in list(self.sessions)), return_exceptions=True)
+
+
+_TIMEOUT = object()  # what a call's future holds when its time ran out
+
+
+def _expire(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(_TIMEOUT)
 
 
 class EnvServerClient:
@@ -201,18 +250,21 @@ class EnvServerClient:
         if dealer is None:
             raise EnvServerLost(f"env server {server} was lost")
         rid = next(self._rids)
-        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
         self._pending[rid] = (fut, server)
         self.stats["calls"] += 1
+        # a plain timer on the future, not asyncio.wait_for (its extra waiter future and callbacks per call)
+        timer = loop.call_later(self.timeout, _expire, fut)
         try:
             await dealer.send("env_call", {"rid": rid, **payload})
-            reply = await asyncio.wait_for(fut, self.timeout)
-        except asyncio.TimeoutError:
-            self.stats["timeouts"] += 1
-            raise TimeoutError(f"env server {server} did not answer {payload.get('op')} within {self.timeout:g}s") \
-                from None
+            reply = await fut
         finally:
+            timer.cancel()
             self._pending.pop(rid, None)
+        if reply is _TIMEOUT:
+            self.stats["timeouts"] += 1
+            raise TimeoutError(f"env server {server} did not answer {payload.get('op')} within {self.timeout:g}s")
         if not reply.get("ok"):
             raise RemoteEnvError(str(reply.get("kind")), f"env server {server}: {reply.get('error')}")
         return reply.get("value")

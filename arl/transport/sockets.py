@@ -454,6 +454,10 @@ class Router(_Socket):
     async def send(self, identity: bytes, msg_type: str, payload: Any = None) -> None:
         """Queue a reply to ``identity``. Never blocks: if the peer is gone or its queue is full when the batch is
         flushed (end of this loop iteration), the reply is dropped and counted in ``stats["dropped"]``."""
+        self.send_nowait(identity, msg_type, payload)
+
+    def send_nowait(self, identity: bytes, msg_type: str, payload: Any = None) -> None:
+        """`send` from plain code (a done callback): a Router send never waits, so no coroutine is needed."""
         if self._closed:
             raise SocketClosed(f"{self.name} is closed")
         self._queue(identity, self._encode(msg_type, payload))

@@ -139,3 +139,31 @@ def test_sessions_spread_by_least_load_and_a_lost_servers_calls_fail_at_once():
             t.cancel()
         await stop(srvs, client)
     asyncio.run(go())
+
+
+def test_a_call_costs_the_server_one_task_and_the_client_none():
+    """Per-call CPU (scripts/bench_envs.py): the server runs each env call as ONE task (no handler task, no
+    call_with_deadline task) and the client waits on a plain future (no task, no wait_for)."""
+    async def go():
+        srvs, client = await servers(1)
+        envs = [RemoteEnv(client, "slow") for _ in range(8)]
+        for e in envs:
+            await e.reset()
+        created = []
+        loop = asyncio.get_running_loop()
+
+        def factory(loop, coro, **kw):
+            created.append(getattr(coro, "__qualname__", type(coro).__name__))
+            return asyncio.Task(coro, loop=loop, **kw)
+
+        loop.set_task_factory(factory)
+        try:
+            for _ in range(3):
+                results = await asyncio.gather(*(e.step("x") for e in envs))
+                assert all(r[1] == 1.0 for r in results)
+        finally:
+            loop.set_task_factory(None)
+        # gather wraps each e.step coroutine in a task (the test's own): 24; the server's env calls: 24
+        assert len(created) == 2 * 3 * len(envs), created
+        await stop(srvs, client)
+    asyncio.run(go())

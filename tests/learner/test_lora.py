@@ -17,13 +17,12 @@ pytest.importorskip("peft")
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from arl.learner.worker import LearnerWorker  # noqa: E402
 from arl.utils.net import free_port  # noqa: E402
 from arl.weights.adapter import LORA_A, LORA_B, is_adapter  # noqa: E402
 from tests.learner._build import make_actor  # noqa: E402
 from tests.learner.test_deepspeed_engine import random_batch, tiny_model  # noqa: E402
 
-from ..typed_control import typed  # noqa: E402
+from .test_checkpoint_resume import _weights, _worker  # noqa: E402  (the resume test's worker and weights)
 
 torch.set_num_threads(1)
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -112,19 +111,6 @@ class Args:
     steps = 4
     max_tokens_per_mb = 40
     lora_rank = 4
-
-
-async def _noop(msg_type: str, payload: dict) -> None:
-    pass
-
-
-def _worker(lrn, tmp, total, every=0, ckpt=None):
-    return LearnerWorker(actor=lrn, pull=None, send_control=typed(_noop), batch_size=tf.BATCH, total_steps=total,
-                         weights_dir=str(tmp / "weights"), checkpoint_dir=ckpt, checkpoint_every=every)
-
-
-def _weights(lrn):
-    return {k: v.detach().clone() for k, v in lrn.engine.module.state_dict().items()}
 
 
 def test_resume_with_lora_is_bit_exact_and_checkpoints_only_the_adapters(tmp_path):

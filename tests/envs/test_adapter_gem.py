@@ -14,7 +14,8 @@ from tests.e2e.test_end_to_end import model_cache  # noqa: E402,F401 - the sessi
 from tests.envs.adapter_run import env_steps_and_rewards, refused, run_adapter, traces  # noqa: E402
 
 GAME = "game:GuessTheNumber-v0-easy"
-ARGS = ["env.name=gem", f"env.args={{id: '{GAME}', action_regex: '\\d+', action_template: '\\boxed{{action}}',"
+# the f-string leaves '\\boxed{{action}}', as on the command line in docs/environments.md (GEM reads \\boxed{7})
+ARGS = ["env.name=gem", f"env.args={{id: '{GAME}', action_regex: '\\d+', action_template: '\\boxed{{{{action}}}}',"
         " max_obs_chars: 60}", "dataset.name=env-seeds", "dataset.train_size=64", "dataset.test_size=4",
         "agent.args={max_turns: 4, max_total_tokens: 220}", "rollout.trace_rate=1.0"]
 

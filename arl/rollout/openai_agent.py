@@ -108,7 +108,8 @@ class EndpointAgent(Agent):
     async def collect_trajectory(self, prompt: dict[str, Any], env: EnvironmentService, obs_queue: asyncio.Queue,
                                  act_queue: asyncio.Queue) -> list[Trajectory]:
         await self.server.start()
-        await env.reset(options=dict(prompt))  # as the built-in agents do (the worker's env pool reset it too)
+        if env is not None:  # as the built-in agents do (the worker's env pool reset it too); none in the bench
+            await env.reset(options=dict(prompt))
         pid = str(prompt.get("id", "prompt"))
         group_id = new_id(pid)
         generate = queue_client(obs_queue, act_queue).generate

@@ -13,6 +13,8 @@ import logging
 import os
 from typing import Any
 
+from arl.utils.optional import import_optional
+
 logger = logging.getLogger(__name__)
 
 PROMPT_FIELDS = ("prompt", "question", "problem", "messages")
@@ -20,10 +22,7 @@ ANSWER_FIELDS = ("answer", "solution")
 
 
 def _load(path: str, split: str) -> Any:
-    try:
-        import datasets
-    except ImportError as e:
-        raise ImportError("dataset.name=hf needs the `datasets` package: pip install 'arl[data]'") from e
+    datasets = import_optional("datasets", "dataset.name=hf needs the `datasets` package: pip install 'arl[data]'")
     if os.path.isdir(path):
         ds = datasets.load_from_disk(path)
         if isinstance(ds, datasets.DatasetDict):

@@ -15,14 +15,11 @@ from typing import Any, Optional, Sequence
 
 
 from arl.envs.text_env import SyncTextEnv
+from arl.utils.optional import import_optional
 
 
 def _gem() -> Any:
-    try:
-        import gem
-    except ImportError as e:
-        raise ImportError("env.name=gem needs gem-llm: pip install 'arl[envs]'") from e
-    return gem
+    return import_optional("gem", "env.name=gem needs gem-llm: pip install 'arl[envs]'")
 
 
 class GemEnv(SyncTextEnv):

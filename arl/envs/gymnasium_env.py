@@ -19,17 +19,14 @@ import numpy as np
 
 
 from arl.envs.text_env import SyncTextEnv
+from arl.utils.optional import import_optional
 
 _INT = re.compile(r"-?\d+")
 _FLOAT = re.compile(r"-?\d+(?:\.\d+)?(?:[eE]-?\d+)?")
 
 
 def _gymnasium() -> Any:
-    try:
-        import gymnasium
-    except ImportError as e:
-        raise ImportError("env.name=gymnasium needs gymnasium: pip install 'arl[envs]'") from e
-    return gymnasium
+    return import_optional("gymnasium", "env.name=gymnasium needs gymnasium: pip install 'arl[envs]'")
 
 
 class GymnasiumEnv(SyncTextEnv):

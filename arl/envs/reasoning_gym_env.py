@@ -19,14 +19,11 @@ from typing import Any, Optional, Sequence
 
 from arl.api import EnvironmentService
 from arl.envs.text_env import SPECIAL_TOKENS, env_thread_pool
+from arl.utils.optional import import_optional
 
 
 def _rg() -> Any:
-    try:
-        import reasoning_gym
-    except ImportError as e:
-        raise ImportError("reasoning-gym tasks need reasoning-gym: pip install 'arl[envs]'") from e
-    return reasoning_gym
+    return import_optional("reasoning_gym", "reasoning-gym tasks need reasoning-gym: pip install 'arl[envs]'")
 
 
 def check_tasks(tasks: Sequence[str]) -> None:

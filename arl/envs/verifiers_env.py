@@ -22,15 +22,13 @@ import importlib
 import json
 from typing import Any, Optional
 
+from arl.utils.optional import import_optional
+
 __all__ = ["load_verifiers_env", "check_env", "verifiers_splits", "verifiers_agent"]
 
 
 def _vf() -> Any:
-    try:
-        import verifiers.legacy as vf
-    except ImportError as e:
-        raise ImportError("verifiers environments need verifiers: pip install 'arl[envs]'") from e
-    return vf
+    return import_optional("verifiers.legacy", "verifiers environments need verifiers: pip install 'arl[envs]'")
 
 
 @functools.lru_cache(maxsize=16)

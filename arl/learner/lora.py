@@ -14,6 +14,7 @@ from typing import Any, ContextManager
 import torch
 
 from arl.config import LoraConfig
+from arl.utils.optional import import_optional
 from arl.weights.adapter import target_problems, to_payload
 
 __all__ = ["wrap_lora", "reference_context", "adapter_payload", "is_lora"]
@@ -27,10 +28,7 @@ def wrap_lora(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
                                list(lora.modules_to_save))
     if problems:
         raise ValueError("; ".join(problems))
-    try:
-        import peft
-    except ImportError as e:  # pragma: no cover - the extra is missing
-        raise ImportError("learner.lora.rank > 0 needs peft: pip install 'arl[lora]'") from e
+    peft = import_optional("peft", "learner.lora.rank > 0 needs peft: pip install 'arl[lora]'")
     config = peft.LoraConfig(r=int(lora.rank), lora_alpha=float(lora.alpha), lora_dropout=float(lora.dropout),
                              target_modules=list(lora.target_modules),
                              modules_to_save=list(lora.modules_to_save) or None, bias="none", task_type="CAUSAL_LM")

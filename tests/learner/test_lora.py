@@ -17,12 +17,12 @@ pytest.importorskip("peft")
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from arl.utils.net import free_port  # noqa: E402
 from arl.weights.adapter import LORA_A, LORA_B, is_adapter  # noqa: E402
 from tests.learner._build import make_actor  # noqa: E402
 from tests.learner.test_deepspeed_engine import random_batch, tiny_model  # noqa: E402
 
 from .test_checkpoint_resume import _weights, _worker  # noqa: E402  (the resume test's worker and weights)
+from .test_multirank import run_two_ranks_and_one  # noqa: E402
 
 torch.set_num_threads(1)
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -144,25 +144,9 @@ def test_resume_with_lora_is_bit_exact_and_checkpoints_only_the_adapters(tmp_pat
     assert resumed.engine.optimizer.param_groups[0]["lr"] == straight.engine.optimizer.param_groups[0]["lr"]
 
 
-def _env():
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    return env
-
-
 @pytest.mark.slow
 def test_two_ranks_with_lora_equal_adapters_and_match_one_rank(tmp_path):
-    script = os.path.join(HERE, "_train_fixed.py")
-    two, one = str(tmp_path / "two"), str(tmp_path / "one")
-    common = ["--steps", "3", "--ranks", "--lora-rank", "4"]
-    r2 = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                         "127.0.0.1", "--master_port", str(free_port()), script, "--out", two, *common],
-                        capture_output=True, text=True, timeout=400, env=_env())
-    assert r2.returncode == 0, r2.stdout[-3000:] + r2.stderr[-3000:]
-    r1 = subprocess.run([sys.executable, script, "--out", one, *common], capture_output=True, text=True,
-                        timeout=400, env=_env())
-    assert r1.returncode == 0, r1.stdout[-3000:] + r1.stderr[-3000:]
+    _, two, one = run_two_ranks_and_one(tmp_path, ["--steps", "3", "--ranks", "--lora-rank", "4"])
     w0, w1, ref = load_file(f"{two}.rank0"), load_file(f"{two}.rank1"), load_file(f"{one}.rank0")
     moved = 0
     for k in ref:

@@ -26,12 +26,11 @@ def _env():
     return env
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("zero_stage", [0, 2])
-def test_two_gloo_ranks_equal_weights_and_match_one_rank(tmp_path, zero_stage):
+def run_two_ranks_and_one(tmp_path, common: list) -> tuple:
+    """`_train_fixed.py` with ``common`` on two gloo ranks (torchrun) and on one; returns the two-rank process and
+    both output prefixes (``<out>.rank<r>``, ``<out>.full``)."""
     script = os.path.join(HERE, "_train_fixed.py")
     two, one = str(tmp_path / "two"), str(tmp_path / "one")
-    common = ["--steps", "3", "--ranks", "--zero-stage", str(zero_stage)]
     r2 = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
                          "127.0.0.1", "--master_port", str(free_port()), script, "--out", two, *common],
                         capture_output=True, text=True, timeout=400, env=_env())
@@ -39,6 +38,13 @@ def test_two_gloo_ranks_equal_weights_and_match_one_rank(tmp_path, zero_stage):
     r1 = subprocess.run([sys.executable, script, "--out", one, *common], capture_output=True, text=True,
                         timeout=400, env=_env())
     assert r1.returncode == 0, r1.stdout[-3000:] + r1.stderr[-3000:]
+    return r2, two, one
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_two_gloo_ranks_equal_weights_and_match_one_rank(tmp_path, zero_stage):
+    r2, two, one = run_two_ranks_and_one(tmp_path, ["--steps", "3", "--ranks", "--zero-stage", str(zero_stage)])
     # both ranks trained 3 steps on 12 sequences per step (6 each)
     for rank in (0, 1):
         assert f"rank {rank} step 3:" in r2.stdout

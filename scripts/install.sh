@@ -3,6 +3,13 @@
 # named as arguments (`bash scripts/install.sh dev` for the test suite: pytest, Ray, trackers, datasets). On CPU
 # machines torch is pinned through constraints-cpu.txt (an unpinned torch pulls a multi-GB CUDA build); setup.py
 # itself stays open for GPU users.
+#
+# The packages go in with uv (bootstrapped from PyPI into the venv, ~4 s) when it can be had: it resolves and
+# unpacks in parallel. It is given pip's own configuration (index URLs, find-links, constraint files, CA file) so it
+# sees the same packages pip would. The base install (the main job) does not byte-compile all of site-packages as
+# pip does (torch alone is ~10k files, most never imported): scripts/warm_bytecode.py writes the bytecode of what
+# the roles import; with extras (the test suite imports far more) everything is compiled, as pip would.
+# ARL_INSTALLER=pip forces plain pip; plain pip is also the fallback when uv cannot be installed or fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -10,5 +17,33 @@ PY=${PYTHON:-python3}
 . .venv/bin/activate
 CONSTRAINTS=${ARL_CONSTRAINTS:-constraints-cpu.txt}
 extras=$(IFS=,; echo "$*")
-pip install -q --disable-pip-version-check -c "$CONSTRAINTS" torch
-pip install -q --disable-pip-version-check -c "$CONSTRAINTS" -e ".${extras:+[$extras]}"
+target=".${extras:+[$extras]}"
+
+with_pip() {
+    pip install -q --disable-pip-version-check -c "$CONSTRAINTS" torch
+    pip install -q --disable-pip-version-check -c "$CONSTRAINTS" -e "$target"
+}
+
+# The values pip is configured with for one option (files and PIP_* variables), one per word.
+pip_setting() { pip config list 2>/dev/null | sed -n "s/^[^=]*\.$1='\(.*\)'\$/\1/p"; }
+
+with_uv() {
+    [ -x .venv/bin/uv ] || pip install -q --disable-pip-version-check uv || return 1
+    local args=(--index-strategy unsafe-best-match -c "$CONSTRAINTS") url
+    [ -z "$extras" ] || args+=(--compile-bytecode)
+    for url in $(pip_setting index-url | head -1); do args+=(--index-url "$url"); done
+    for url in $(pip_setting extra-index-url); do args+=(--extra-index-url "$url"); done
+    for url in $(pip_setting find-links); do args+=(--find-links "$url"); done
+    for url in $(pip_setting constraint); do args+=(-c "$url"); done
+    local cert; cert=$(pip_setting cert | head -1)
+    [ -z "$cert" ] || [ -n "${SSL_CERT_FILE:-}" ] || export SSL_CERT_FILE="$cert"
+    .venv/bin/uv pip install -q --python .venv/bin/python "${args[@]}" torch -e "$target" || return 1
+    [ -n "$extras" ] || .venv/bin/python scripts/warm_bytecode.py
+}
+
+if [ "${ARL_INSTALLER:-uv}" = pip ]; then
+    with_pip
+elif ! with_uv; then
+    echo "[install] uv was not available or failed; installing with pip" >&2
+    with_pip
+fi

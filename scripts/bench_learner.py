@@ -263,7 +263,9 @@ def default_run_batch(seed: int = 0, groups: int = 16, group_size: int = 8, p_co
                 ids, mask = ids + feedback, mask + [0] * len(feedback)
             m = np.array(mask)
             lp = np.where(m > 0, -0.7 + rng.normal(0, 0.3, len(m)), 0.0)
-            out.append(Trajectory(np.array(ids), m, lp, np.where(m > 0, 0, -1), float(rng.random() < 0.5), f"g{g}:{k}"))
+            # the group's id, shared by its 8 chains: the group-normalised advantages are not all zero (as they
+            # were with an id per trajectory), so the loss, its gradient and the clip are the run's
+            out.append(Trajectory(np.array(ids), m, lp, np.where(m > 0, 0, -1), float(rng.random() < 0.5), f"g{g}"))
     return out
 
 
@@ -306,12 +308,14 @@ def default_step(repeats: int) -> dict[str, Any]:
     actor = PPOActor(DeepSpeedEngine(model, OptimizerConfig(), DeepSpeedConfig()), PPOConfig(),
                      staleness=StalenessPolicy(2))
     steps = iter(range(1 << 30))
-    times = alternate({"step": timed(lambda: actor.step(batches[next(steps) % len(batches)]))}, repeats)["step"]
+    clip: list[float] = []
+    times = alternate({"step": timed(lambda: clip.append(actor.step(batches[next(steps) % len(batches)])["clip_frac"]))},
+                      repeats)["step"]
     cfg = model.config
     rate = matmul_rate(sum(lens) // PPOConfig().minibatches, cfg.hidden_size, cfg.intermediate_size)
     return {"tokens": sum(lens), "loss_tokens": int(sum(t.loss_mask.sum() for t in batches[0])), "flops": flops,
             "matmul_flops_per_s": rate, "cpu": statistics.median(times["cpu"]),
-            "wall": statistics.median(times["wall"])}
+            "wall": statistics.median(times["wall"]), "clip_frac": statistics.fmean(clip)}
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
@@ -443,7 +447,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     print(f"\n3. the default run's step (its model, DeepSpeed and PPO settings, {PPOConfig().minibatches} minibatches) "
           f"on a batch shaped like its own: {d['tokens']:,} tokens ({d['loss_tokens']} generated), "
           f"{d['flops'] / 1e9:.1f} GFLOP, matmul rate {d['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s -> FLOP time "
-          f"{flop_s:.3f} s; median of {args.repeats} steps: cpu {d['cpu']:.3f} s, wall {d['wall']:.3f} s")
+          f"{flop_s:.3f} s; median of {args.repeats} steps: cpu {d['cpu']:.3f} s, wall {d['wall']:.3f} s; "
+          f"clip_frac {d['clip_frac']:.4f} (mean: the clip binds)")
     print(f"learner step: {d['cpu']:.3f} s, {100 * d['cpu'] / flop_s:.0f}% of its FLOP time at the measured matmul "
           "rate")
     result["default_step"] = {**d, "flop_seconds": flop_s}

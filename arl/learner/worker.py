@@ -113,6 +113,10 @@ class LearnerWorker:
         self._last_invalid_log = -1e9
         self.waiting_on = "starting"  # reported in heartbeats; the controller logs it if this role goes silent
         self.timer = PhaseTimer()  # this step's 'wait' (for a batch) and 'step' (train and export) seconds
+        # CPU seconds: the actor's phases of this step (their threads' own clocks) and the whole process since the
+        # last step's record, so a run tells the step's cost from everything else the process does
+        self._step_cpu = 0.0
+        self._process_cpu = time.process_time()
         self.export_final = export_final  # called with the last step's weights (file or state dict) and version
 
     async def receive(self) -> None:
@@ -228,10 +232,11 @@ class LearnerWorker:
             stale_tokens = staleness_counts(trajs, self.engine.version)
             self.waiting_on = f"train step {self.engine.version + 1} ({len(trajs)} trajectories)"
             self._in_step = len(_group_ids(trajs))
-            batch = await asyncio.to_thread(self.actor.prepare, trajs)  # per-token staleness, weights, minibatches
-            await asyncio.to_thread(self.actor.compute_logp, batch)  # proximal logprobs, before any update
-            await asyncio.to_thread(self.actor.compute_advantages, batch)  # group-normalised rewards
-            metrics = await asyncio.to_thread(self.actor.ppo_update, batch)  # a step per minibatch; version + 1
+            self._step_cpu = 0.0
+            batch = await self._phase(self.actor.prepare, trajs)  # per-token staleness, weights, minibatches
+            await self._phase(self.actor.compute_logp, batch)  # proximal logprobs, before any update
+            await self._phase(self.actor.compute_advantages, batch)  # group-normalised rewards
+            metrics = await self._phase(self.actor.ppo_update, batch)  # a step per minibatch; version + 1
             self._count_trained(trajs)
             export = await self._export()  # the new weights, for the inference workers
             metrics = self._step_metrics(metrics, trajs, self.timer.pop(), stale_tokens)
@@ -241,6 +246,17 @@ class LearnerWorker:
             # publish: the controller sends the weights to inference, reopens the gate and schedules evaluation
             await self._send(WeightsPublished(version=self.engine.version, path=export.path, metrics=metrics))
             await self.weights.publish(self.engine.version, export)  # only now: the controller has seen it
+
+    async def _phase(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` in a worker thread (the event loop keeps receiving), its thread CPU added to the step's."""
+        def run() -> Any:
+            c0 = time.thread_time()
+            try:
+                return fn(*args)
+            finally:
+                self._step_cpu += time.thread_time() - c0
+
+        return await asyncio.to_thread(run)
 
     async def _export(self) -> Export:
         self.waiting_on = f"{self.weights.activity} v{self.engine.version}"
@@ -259,6 +275,10 @@ class LearnerWorker:
             self.stats["staleness_violations"] += 1
             logger.error("batch head off-policyness %s exceeds eta=%d", head, self.staleness.eta)
         out = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+        cpu = time.process_time()
+        out.update(learner_step_cpu_seconds=self._step_cpu, learner_cpu_seconds=cpu - self._process_cpu,
+                   batch_tokens=float(sum(len(t.input_ids) for t in batch)))
+        self._process_cpu = cpu
         out.update(learner_wait_seconds=waited, learner_step_seconds=train_s,
                    samples_per_s=len(batch) / max(train_s + waited, 1e-9), buffered_groups=len(self.buffer),
                    staleness_violations=self.stats["staleness_violations"],

@@ -34,6 +34,7 @@ def test_bench_learner_tiny(tmp_path, capsys):
     assert "learner step: " in text and "% of its FLOP time at the measured matmul rate" in text
     d = res["default_step"]
     assert d["flops"] > 0 and d["matmul_flops_per_s"] > 0 and d["cpu"] > 0 and d["loss_tokens"] > 0
+    assert d["clip_frac"] > 0  # the groups' advantages are not all zero and the minibatches' clip binds
 
 
 def test_forward_flops_by_hand():

@@ -69,7 +69,8 @@ class Controller:
         positions = {int(k): int(p) for k, p in dict(resume.get("data_position", {})).items()}
         self.roster = Peers(num_inference=supervisor.num_inference, num_rollout=supervisor.num_rollout,
                                  process_of=supervisor.process_of, path=os.path.join(run_dir, "addresses.json"),
-                                 prompt_positions=positions, num_env=supervisor.num_env)
+                                 prompt_positions=positions, num_env=supervisor.num_env,
+                                 num_judge=supervisor.num_judge)
         self.schedule = EvalSchedule(total_steps=total_train_steps, every=eval_every, start_version=v)
         self.weights = WeightSync(supervisor.num_inference)
         self.reporter = Reporter([JsonlSink(os.path.join(run_dir, "metrics.jsonl")), *(sinks or [])],

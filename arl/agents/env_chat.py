@@ -98,9 +98,9 @@ class EnvChatAgent(Agent):
                 break
             b.add_context(obs_ids, source="observation")
         total = (sum(rewards) if self.reward == "sum" else rewards[-1]) if rewards else 0.0
-        meta: dict[str, Any] = {"turns": len(rewards), "first_correct": correct_first, "solved": solved,
-                                "termination": termination, "prompt_id": pid, "env_errors": len(errors),
-                                **env_metrics}
+        meta: dict[str, Any] = {**env_metrics, "turns": len(rewards), "first_correct": correct_first,
+                                "solved": solved, "termination": termination, "prompt_id": pid,
+                                "env_errors": len(errors)}  # the agent's own keys win over an env's metric
         if errors:
             meta["env_error_texts"] = errors[-3:]
         return b.build(reward=float(total), group_id=group_id, turn_rewards=rewards, metadata=meta)

@@ -223,9 +223,9 @@ class Controller:
         await self._send_all(self.weights_link.on_register(msg, self.peers.__contains__))  # e.g. a weight group
         if msg.role == "inference":
             await self._apply(self.weights.registered(msg.index))  # a restarted server catches up, then rejoins
-        if msg.role == "env" and restarted and msg.address:  # the rollout workers route new sessions to it again
-            self.reporter.event("worker_back", role="env", server=msg.index, address=msg.address)
-            await self.tell_rollouts(m.WorkerBack(role="env", index=msg.index, address=msg.address))
+        if msg.role in ("env", "judge") and restarted and msg.address:  # the rollout workers route to it again
+            self.reporter.event("worker_back", role=msg.role, server=msg.index, address=msg.address)
+            await self.tell_rollouts(m.WorkerBack(role=msg.role, index=msg.index, address=msg.address))
         await self._answer_lookups()
         await self._maybe_start()
         if restarted and key == ("rollout", 0):  # evaluations it was running died with it: ask again

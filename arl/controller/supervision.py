@@ -76,7 +76,8 @@ class RoleLauncher(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-    """What to do about a failed process: 'restart_rollout', 'restart_env', 'lose_inference' (drop its `servers`
+    """What to do about a failed process: 'restart_rollout', 'restart_env' (an env server or a judge worker),
+    'lose_inference' (drop its `servers`
     from the run and `restart` it) or 'fatal'."""
 
     action: str
@@ -96,11 +97,11 @@ class Supervisor:
                  startup_timeout: float, heartbeat_timeouts: Optional[dict[str, float]] = None,
                  tolerate_inference_loss: bool = False, restart_rollout: bool = True, max_restarts: int = 3,
                  restart_inference: bool = False, max_inference_restarts: int = 3, num_env: int = 0,
-                 max_env_restarts: int = 3, num_judge: int = 0) -> None:
-        """`num_judge`: judge workers (`arl.inference.entry.run_judge`): frozen, never in the weight sync; one
-        that fails stops the run (no restart yet)."""
+                 max_env_restarts: int = 3, num_judge: int = 0, max_judge_restarts: int = 3) -> None:
+        """`num_judge`: judge workers (`arl.inference.entry.run_judge`): frozen, never in the weight sync;
+        restarted like env servers, under `max_judge_restarts`."""
         self.num_inference, self.num_rollout, self.num_env = num_inference, num_rollout, num_env
-        self.num_judge = num_judge
+        self.num_judge, self.max_judge_restarts, self.judge_restarts = num_judge, max_judge_restarts, 0
         self.servers_per_process = max(1, servers_per_process)
         self.startup_timeout = startup_timeout
         self.heartbeat_timeouts = {r: 120.0 for r in ROLES} | dict(heartbeat_timeouts or {})  # per role
@@ -164,6 +165,11 @@ class Supervisor:
         parsed = process_role(name)
         return parsed[1] if parsed is not None and parsed[0] == "env" else None
 
+    @staticmethod
+    def judge_index(name: str) -> Optional[int]:
+        parsed = process_role(name)
+        return parsed[1] if parsed is not None and parsed[0] == "judge" else None
+
     # -- liveness --------------------------------------------------------------------------------------------
     def heard(self, key: tuple[str, int], now: float) -> None:
         self.last_seen[key] = now
@@ -226,9 +232,13 @@ class Supervisor:
             if not registered:
                 return Decision("fatal", note="it failed before it registered; not restarting it")
             return Decision("restart_env" if spawned else "fatal", restart=spawned)
-        parsed = process_role(name)
-        if parsed is not None and parsed[0] == "judge":
-            return Decision("fatal", note="a judge worker failed (judge workers are not restarted)")
+        if self.judge_index(name) is not None:  # a judge worker: the same, under judge.inference.max_restarts
+            if self.judge_restarts >= self.max_judge_restarts:
+                return Decision("fatal", note=f"the run already restarted {self.judge_restarts} judge workers "
+                                              f"(judge.inference.max_restarts)")
+            if not registered:
+                return Decision("fatal", note="it failed before it registered; not restarting it")
+            return Decision("restart_env" if spawned else "fatal", restart=spawned)
         hosted = self.servers_of(name)
         remaining = set(range(self.num_inference)) - lost - set(hosted)
         if hosted and self.tolerate_inference_loss and self.all_up:
@@ -251,6 +261,9 @@ class Supervisor:
         if self.env_index(name) is not None:
             self.env_restarts += 1
             return self.env_restarts
+        if self.judge_index(name) is not None:
+            self.judge_restarts += 1
+            return self.judge_restarts
         self.restarts += 1
         return self.restarts
 

@@ -129,6 +129,7 @@ def _controller(cfg: ExperimentConfig, run_dir: str, bind_host: str, secret: Opt
         num_env=cfg.env.servers,
         max_env_restarts=cfg.env.max_restarts,
         num_judge=judge_workers(cfg),
+        max_judge_restarts=cfg.judge.inference.max_restarts,
     )
     kwargs: dict[str, Any] = dict(
         run_dir=run_dir,

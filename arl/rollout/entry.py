@@ -186,12 +186,17 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
         elif msg.role == "env" and env_client is not None:  # its sessions are gone: their groups are dropped
             for i in msg.indices:
                 env_client.server_lost(i)
+        elif msg.role == "judge" and judge_client is not None:  # its calls go to the others (or time out)
+            for i in msg.indices:
+                await judge_client.worker_lost(i)
 
     async def on_worker_back(msg: WorkerBack) -> None:  # the controller restarted an inference server: route to it
         if msg.role == "inference":
             client.worker_back(msg.index, make_socket(Dealer).connect(msg.address))
         elif msg.role == "env" and env_client is not None:
             env_client.server_back(msg.index, make_socket(Dealer).connect(msg.address))
+        elif msg.role == "judge" and judge_client is not None:
+            judge_client.worker_back(msg.index, make_socket(Dealer).connect(msg.address))
 
     ctl.handlers.update(gate_grant=lambda msg: worker.on_grant(msg.n), eval=on_eval, worker_lost=on_worker_lost,
                         worker_back=on_worker_back)

@@ -125,8 +125,7 @@ def test_judge_workers_are_processes_of_their_own_outside_the_weight_sync():
     names = [n for n, _ in sup.commands("py", "/r", "tcp://c")]
     assert names == ["inference0", "learner", "judge0", "judge1", "rollout0"]
     assert sup.expected == 5 and sup.servers_of("judge0") == []
-    d = sup.decide("judge1", registered=True, lost=set())
-    assert d.action == "fatal" and "judge" in d.note
+    assert sup.servers_of("judge1") == []
     assert [n for n, _ in Supervisor(num_inference=1, num_rollout=1, startup_timeout=10).commands("py", "/r", "c")] \
         == ["inference0", "learner", "rollout0"]  # no judge configured: no judge process
 
@@ -177,3 +176,25 @@ def test_a_judge_registration_forms_no_weight_group():
     assert link.on_register(SimpleNamespace(role="inference", index=0), lambda k: True)  # the server's group
     for role in ("judge", "env"):
         assert link.on_register(SimpleNamespace(role=role, index=0), lambda k: True) == []
+
+
+def test_a_lost_judge_worker_is_restarted_under_its_cap_and_the_rollout_workers_told():
+    """A judge worker that dies or goes silent: the rollout workers stop routing to it (its calls end as `timeout`
+    or `error` with the default reward), it is restarted up to judge.inference.max_restarts, then the run stops."""
+    from arl.controller.admission import Admission
+    from arl.controller.recovery import EnvLost, Fatal, plan_failure
+    from arl.controller.weight_sync import WeightSync
+    from arl.rollout.staleness import StalenessGate
+    from arl.api.staleness import StalenessPolicy
+    from arl.transport.messages import WorkerLost
+
+    sup = Supervisor(num_inference=1, num_rollout=1, startup_timeout=10, num_judge=2, max_judge_restarts=1)
+    adm = Admission(StalenessGate(batch_size=2, policy=StalenessPolicy(1), max_concurrent=8))
+    kw = dict(sup=sup, admission=adm, weights=WeightSync(1), spawned=True, now=5.0)
+    assert isinstance(plan_failure("judge1", registered=False, **kw), Fatal)  # it never came up: a restart would not
+    p = plan_failure("judge1", registered=True, **kw)
+    assert isinstance(p, EnvLost) and (p.role, p.index, p.restarts) == ("judge", 1, 1)
+    assert p.tell == (WorkerLost(role="judge", indices=[1]),) and p.record("died")[0] == "judge_restart"
+    assert sup.judge_restarts == 1 and sup.env_restarts == 0 and sup.restarted_at == {"judge1": 5.0}
+    p = plan_failure("judge0", registered=True, **kw)
+    assert isinstance(p, Fatal) and "judge.inference.max_restarts" in p.note

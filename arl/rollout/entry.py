@@ -228,7 +228,9 @@ def judge_link(cfg: ExperimentConfig, addresses: Optional[list[str]]) -> tuple[A
     jc = cfg.judge
     settings = JudgeSettings(**{f.name: getattr(jc, f.name) for f in dataclasses.fields(JudgeSettings)})
     settings = dataclasses.replace(settings, mode=str(jc.mode))
-    client = InferenceClient([make_socket(Dealer).connect(a) for a in addresses], request_timeout=jc.timeout,
+    # the client's own deadline is later than the judge's `timeout`, so an overrun is named `timeout` by the judge
+    # (and aborted at the worker when the judge gives up), not an error answer of the client
+    client = InferenceClient([make_socket(Dealer).connect(a) for a in addresses], request_timeout=jc.timeout + 5.0,
                              max_attempts=1)
     client.start()
     judge = Judge(client.generate, AutoTokenizer.from_pretrained(jc.model.path), settings)

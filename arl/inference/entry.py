@@ -75,6 +75,13 @@ async def run_judge(cfg: ExperimentConfig, ctl: ControlChannel, index: int, run_
 
         engine: Any = ClassifierEngine(jc.model.path, device=jc.inference.device,
                                        max_context_len=jc.inference.max_context_len)
+    elif jc.inference.backend == "sglang":  # build_engine's call, under the judge's own name (log, folders)
+        from arl.inference.sglang_engine import launch_sglang_engine
+
+        engine = launch_sglang_engine(jc.inference.sglang, model_path=jc.model.path, device=jc.inference.device,
+                                      seed=cfg.seed + 7919 + index, name=f"judge{index}", index=index,
+                                      run_dir=run_dir, max_batch_size=jc.inference.max_batch_size,
+                                      max_context_len=jc.inference.max_context_len)
     else:
         engine = build_engine(jc.model.path, jc.inference, seed=cfg.seed + 7919, index=index, run_dir=run_dir)
     router = make_socket(Router)

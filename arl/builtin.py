@@ -22,6 +22,7 @@ LAZY_ENVS = {  # env name -> "module:class"
     "gymnasium": "arl.envs.gymnasium_env:GymnasiumEnv",
     "gem": "arl.envs.gem_env:GemEnv",
     "reasoning-gym": "arl.envs.reasoning_gym_env:ReasoningGymEnv",
+    "judge": "arl.envs.judge:JudgeEnv",
 }
 
 LAZY_AGENTS = {  # agent name -> "module:attribute"

@@ -12,6 +12,7 @@ import enum
 import importlib
 import inspect
 import os
+import re
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -194,6 +195,42 @@ class InferenceConfig:
                                         "so dozens of simulated servers fit a small machine).")
     sim: SimEngineConfig = field(factory=SimEngineConfig)
     sglang: SGLangConfig = field(factory=SGLangConfig)
+
+
+class JudgeMode(enum.StrEnum):
+    """How the judge model gives a reward."""
+
+    generative = "generative"
+    classifier = "classifier"
+
+
+@dataclasses.dataclass
+class JudgeModelConfig:
+    path: str = field("", "HF folder of the judge model; empty: no judge (no judge workers start).")
+
+
+@dataclasses.dataclass
+class JudgeConfig:
+    """A frozen model as the reward (env.name=judge), served by judge workers of its own (never sent weights)."""
+
+    mode: JudgeMode = field(JudgeMode.generative, "'generative': the judge answers `template`, the score is "
+                                                  "parsed with `score_regex`; 'classifier': a sequence-"
+                                                  "classification head's score of the question and answer.")
+    template: str = field("Question: {question}\nAnswer: {answer}\nReference: {reference}\nScore 0-10:",
+                          "generative: the judge's prompt; {question}, {answer} and {reference} are filled in.")
+    chat: bool = field(False, "generative: wrap the filled template in the judge tokenizer's chat template.")
+    score_regex: str = field(r"-?\d+(?:\.\d+)?", "generative: the first match (group 1 if it has one) is the "
+                                                   "score.")
+    score_min: float = field(0.0, "Scores are mapped to reward = (score - score_min) / (score_max - score_min), "
+                                  "clipped to [0, 1].")
+    score_max: float = field(10.0, "See score_min.")
+    classifier_template: str = field("{question}\n{answer}", "classifier: the text the head scores.")
+    max_new_tokens: int = field(16, "generative: the judge's answer budget.")
+    timeout: float = field(30.0, "Seconds one judge call may take; past it the reward is `default_reward`.")
+    default_reward: float = field(0.0, "Reward when the judge's answer has no score or the call failed.")
+    correct_threshold: float = field(0.5, "A reward at or above this is counted `correct`.")
+    model: JudgeModelConfig = field(factory=JudgeModelConfig)
+    inference: InferenceConfig = field(factory=InferenceConfig)
 
 
 @dataclasses.dataclass
@@ -511,6 +548,7 @@ class ExperimentConfig:
     agent: AgentConfig = field(factory=AgentConfig)
     env: EnvConfig = field(factory=EnvConfig)
     inference: InferenceConfig = field(factory=InferenceConfig)
+    judge: JudgeConfig = field(factory=JudgeConfig)
     rollout: RolloutConfig = field(factory=RolloutConfig)
     learner: LearnerConfig = field(factory=LearnerConfig)
     eval: EvalConfig = field(factory=EvalConfig)
@@ -692,6 +730,7 @@ def validate(cfg: Any) -> None:
     checks.append((lc.backend in LEARNER_BACKENDS, f"learner.backend: {LEARNER_BACKENDS.unknown(lc.backend)}"))
     checks += [(name == "jsonl" or name in TRACKERS, f"loggers: {TRACKERS.unknown(name)}") for name in cfg.loggers]
     checks += [(False, p) for p in lora_problems(cfg)]
+    checks += [(False, p) for p in judge_problems(cfg)]
     _require(checks)
     if rc.num_env_groups > 0:  # env groups: partition and per-worker capacity, before any process starts
         try:
@@ -702,6 +741,44 @@ def validate(cfg: Any) -> None:
                 raise ValueError(f"num_env_groups={rc.num_env_groups} < rollout.num_workers={rc.num_workers}")
         except ValueError as e:
             raise ConfigError(f"rollout env groups: {e}") from None
+
+
+def judge_workers(cfg: ExperimentConfig) -> int:
+    """Judge worker processes of the run: judge.inference.num_workers when a judge model is set, else none."""
+    return cfg.judge.inference.num_workers if cfg.judge.model.path else 0
+
+
+def judge_problems(cfg: ExperimentConfig) -> list[str]:
+    """Why the judge section cannot run (start-up refusals), [] when fine or unused."""
+    jc, uses = cfg.judge, cfg.env.name == "judge" or any(
+        isinstance(s, dict) and s.get("name") == "judge" for s in dict(cfg.rollout.env_configs).values())
+    if not jc.model.path:
+        return ["env.name=judge needs judge.model.path (the judge model's folder)"] if uses else []
+    out = []
+    if not os.path.isdir(os.path.expanduser(jc.model.path)):
+        out.append(f"judge.model.path {jc.model.path!r} is not a folder")
+    if jc.inference.num_workers < 1 or jc.inference.servers_per_process != 1:
+        out.append("judge.inference.num_workers must be >= 1 and judge.inference.servers_per_process 1")
+    if jc.inference.backend not in ("torch", "sglang"):
+        out.append(f"judge.inference.backend must be 'torch' or 'sglang', got {jc.inference.backend!r}")
+    if jc.mode == JudgeMode.classifier and jc.inference.backend != "torch":
+        out.append("judge.mode=classifier needs judge.inference.backend=torch (SGLang serves generative judges)")
+    if cfg.env.servers and uses:
+        out.append("env.name=judge runs in the rollout workers: set env.servers=0")
+    try:
+        re.compile(jc.score_regex)
+    except Exception as e:  # noqa: BLE001 - a bad pattern is refused with its error
+        out.append(f"judge.score_regex {jc.score_regex!r}: {e}")
+    for name, text in (("template", jc.template), ("classifier_template", jc.classifier_template)):
+        try:
+            text.format(question="", answer="", reference="")
+        except (KeyError, IndexError, ValueError) as e:
+            out.append(f"judge.{name}: only {{question}}, {{answer}} and {{reference}} may be filled in ({e!r})")
+    if "{answer}" not in (jc.template if jc.mode == JudgeMode.generative else jc.classifier_template):
+        out.append(f"judge: the {jc.mode} template must contain {{answer}}")
+    if not (jc.score_max > jc.score_min and jc.timeout > 0 and jc.max_new_tokens >= 1):
+        out.append("judge: score_max must be > score_min, timeout > 0 and max_new_tokens >= 1")
+    return out
 
 
 # inference backends that apply adapter payloads (`arl.weights.adapter`): torch merges them, SGLang loads them as
@@ -881,6 +958,8 @@ def resolve_weights(cfg: ExperimentConfig) -> tuple[ExperimentConfig, Optional[s
 
 def resolve_threads(cfg: ExperimentConfig, role: str) -> int:
     """torch threads for a role: its own setting, or the cores split between the compute-heavy roles."""
+    if role == "judge":
+        return cfg.judge.inference.threads or 1  # a judge worker scores a few texts per env step
     explicit = {"inference": cfg.inference.threads, "learner": cfg.learner.threads}.get(role, 1)
     return explicit or max(1, (os.cpu_count() or 1) // (cfg.inference.num_workers + 1))  # inference workers + learner
 
@@ -888,5 +967,6 @@ def resolve_threads(cfg: ExperimentConfig, role: str) -> int:
 __all__ = [
     "ExperimentConfig", "ConfigError", "parse_overrides", "split_experiment", "format_help", "import_user_modules",
     "to_yaml", "resolve_threads", "weights_backend", "weights_settings", "shared_gpu", "resolve_weights",
-    "rollout_deadlines", "agent_turns", "DictConfig", "partition_groups", "worker_groups", "check_env_capacity",
+    "rollout_deadlines", "agent_turns", "judge_workers", "judge_problems", "DictConfig", "partition_groups",
+    "worker_groups", "check_env_capacity",
 ]

@@ -9,7 +9,8 @@ one, e.g. math: the row's own prompt). reward = the sum of the step rewards (`re
 
 termination: "terminated" | "truncated" (the env ended it) | "max_turns" | "length" (no room for another turn
 under `max_total_tokens`, or the answer was cut) | "abort". `solved`: the env said `correct`, or it terminated
-with a last reward >= `success_reward`.
+with a last reward >= `success_reward`. Numbers in a step's `info["metrics"]` (e.g. the judge env's calls and
+milliseconds) are summed into the trajectory's metadata, so its trace carries them.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class EnvChatAgent(Agent):
         env = await env_for(env, index)
         rewards: list[float] = []
         errors: list[str] = []
+        env_metrics: dict[str, Any] = {}  # the env's per-step `info["metrics"]` (e.g. judge calls), summed
         solved = correct_first = False
         termination = "max_turns"
         for turn in range(self.max_turns):
@@ -75,6 +77,9 @@ class EnvChatAgent(Agent):
             info = info if isinstance(info, dict) else {}
             if info.get("error"):
                 errors.append(str(info["error"]))
+            for k, v in dict(info.get("metrics") or {}).items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    env_metrics[str(k)] = env_metrics.get(str(k), 0) + v
             correct = bool(info.get("correct", terminated and rewards[-1] >= self.success_reward))
             if turn == 0:
                 correct_first = correct
@@ -93,8 +98,9 @@ class EnvChatAgent(Agent):
                 break
             b.add_context(obs_ids, source="observation")
         total = (sum(rewards) if self.reward == "sum" else rewards[-1]) if rewards else 0.0
-        meta: dict[str, Any] = {"turns": len(rewards), "first_correct": correct_first, "solved": solved,
-                                "termination": termination, "prompt_id": pid, "env_errors": len(errors)}
+        meta: dict[str, Any] = {**env_metrics, "turns": len(rewards), "first_correct": correct_first,
+                                "solved": solved, "termination": termination, "prompt_id": pid,
+                                "env_errors": len(errors)}  # the agent's own keys win over an env's metric
         if errors:
             meta["env_error_texts"] = errors[-3:]
         return b.build(reward=float(total), group_id=group_id, turn_rewards=rewards, metadata=meta)

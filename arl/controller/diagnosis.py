@@ -61,7 +61,8 @@ def describe_stall(now: float, *, sup: Supervisor, admission: Admission, role_st
     """`stall_report` of every role of the run, grouped by the process that hosts it."""
     processes: dict[str, list[Key]] = {}
     for key in ([("rollout", i) for i in range(sup.num_rollout)] + [("learner", 0)]
-                + [("inference", i) for i in range(sup.num_inference)] + [("env", i) for i in range(sup.num_env)]):
+                + [("inference", i) for i in range(sup.num_inference)] + [("env", i) for i in range(sup.num_env)]
+                + [("judge", i) for i in range(sup.num_judge)]):
         processes.setdefault(sup.process_of(*key), []).append(key)
     return stall_report(now, gate=admission.gate, waiting=admission.waiting(), in_flight=dict(admission.held),
                         processes=processes, role_stats=role_stats, last_messages=last_messages)

@@ -120,10 +120,10 @@ class Health:
         if isinstance(plan, RolloutLost):  # the new process continues the prompt stream, gets its evaluations
             self.roster.forget(("rollout", plan.index))
             self.reporter.rollout_lost(plan.orphans, plan.lost_groups, self.role_stats.pop(("rollout", plan.index), {}))
-        elif isinstance(plan, EnvLost):  # its sessions are gone: the rollout workers drop their groups
-            self.roster.forget(("env", plan.index))
-            self.role_stats.pop(("env", plan.index), None)
-            self.reporter.event("worker_lost", role="env", process=name, servers=[plan.index], reason=reason)
+        elif isinstance(plan, EnvLost):  # its sessions are gone: the rollout workers drop their groups (or a judge)
+            self.roster.forget((plan.role, plan.index))
+            self.role_stats.pop((plan.role, plan.index), None)
+            self.reporter.event("worker_lost", role=plan.role, process=name, servers=[plan.index], reason=reason)
         else:  # an inference process: out of the routing and the weight acks (killed if it still runs)
             self.launcher.kill(name)
             for s in plan.servers:

@@ -40,16 +40,20 @@ class Refusals:
 
 class Peers:
     def __init__(self, *, num_inference: int, num_rollout: int, process_of: Callable[[str, int], str],
-                 path: str = "", prompt_positions: Optional[dict[int, int]] = None, num_env: int = 0) -> None:
+                 path: str = "", prompt_positions: Optional[dict[int, int]] = None, num_env: int = 0,
+                 num_judge: int = 0) -> None:
         """`process_of(role, index)` names the process hosting a role; `path`: addresses.json ('' writes none);
         `prompt_positions`: rollout worker -> prompt stream position (a resumed run's)."""
-        self.limits = {"inference": num_inference, "learner": 1, "rollout": num_rollout, "env": num_env}
+        self.limits = {"inference": num_inference, "learner": 1, "rollout": num_rollout, "env": num_env,
+                       "judge": num_judge}
         self.process_of, self.path = process_of, path
         self.peers: dict[Key, bytes] = {}  # (role, index) -> router identity
         self.who: dict[bytes, Key] = {}  # router identity of a registered role -> (role, index)
         self.addresses: dict[str, Any] = {"inference": [None] * num_inference, "learner": None}
         if num_env:
             self.addresses["env"] = [None] * num_env
+        if num_judge:
+            self.addresses["judge"] = [None] * num_judge
         self.positions = dict(prompt_positions or {})
         self.last_messages: dict[str, dict[str, float]] = {}  # process -> message type -> when last heard
 
@@ -79,7 +83,7 @@ class Peers:
                  heard: Container[Key]) -> Optional[Refusal]:
         """Bind `ident` to (`role`, `index`) listening at `address`; `heard`: the roles alive now. Returns None, or
         (kind, text) of the refusal to count."""
-        if not 0 <= index < self.limits.get(role, 0) or (role in ("inference", "env") and address is None):
+        if not 0 <= index < self.limits.get(role, 0) or (role in ("inference", "env", "judge") and address is None):
             return "bad_register", f"refused a registration as {role}/{index}"
         key = (role, index)
         old = self.peers.get(key)
@@ -93,8 +97,8 @@ class Peers:
             self.addresses["inference"][index] = address
         elif role == "learner":
             self.addresses["learner"] = address
-        elif role == "env":
-            self.addresses["env"][index] = address
+        elif role in ("env", "judge"):
+            self.addresses[role][index] = address
         return None
 
     def forget(self, key: Key) -> None:
@@ -107,7 +111,7 @@ class Peers:
     def complete(self) -> bool:
         """Every inference server, env server and the learner said where they listen (lookups can be answered)."""
         return (None not in self.addresses["inference"] and self.addresses["learner"] is not None
-                and None not in self.addresses.get("env", ()))
+                and None not in self.addresses.get("env", ()) and None not in self.addresses.get("judge", ()))
 
     def note_position(self, index: int, position: Any) -> None:
         """Rollout worker `index` reported its prompt stream `position`: a restart continues from there."""

@@ -78,23 +78,27 @@ class InferenceLost:
 class EnvLost:
     """Env server `index` is restarted (restart number `restarts`): its sessions are gone, so the rollout workers
     are told (`worker_lost`): their calls to it fail at once and those groups are dropped with that reason (their
-    budget returns with their group_done); new sessions go to the other servers until it is back."""
+    budget returns with their group_done); new sessions go to the other servers until it is back. `role`
+    'judge': a judge worker, the same way (the judge env's calls to it end with the default reward and a reason)."""
 
     index: int
     restarts: int
     grants: tuple[Grant, ...] = ()
+    role: str = "env"
 
     @property
     def tell(self) -> tuple[m.ControlMessage, ...]:
-        return (m.WorkerLost(role="env", indices=[self.index]),)
+        return (m.WorkerLost(role=self.role, indices=[self.index]),)
 
     def record(self, reason: str) -> tuple[str, dict[str, Any]]:
-        return "env_restart", {"reason": reason[:300], "server": self.index}
+        return f"{self.role}_restart", {"reason": reason[:300], "server": self.index}
 
     def log(self, name: str, reason: str, sup: Supervisor, log_tail: str) -> None:
-        logger.warning("env server %s %s; restarted it (restart %d of at most %d); its sessions' groups are "
-                       "dropped; last lines of its log:\n%s", name, reason, self.restarts, sup.max_env_restarts,
-                       log_tail)
+        cap, what = ((sup.max_judge_restarts, "judge calls to it end with the default reward") if self.role == "judge"
+                     else (sup.max_env_restarts, "its sessions' groups are dropped"))
+        logger.warning("%s %s %s; restarted it (restart %d of at most %d); %s; last lines of its log:\n%s",
+                       "judge worker" if self.role == "judge" else "env server", name, reason, self.restarts, cap,
+                       what, log_tail)
 
 
 Plan = Union[Fatal, RolloutLost, InferenceLost, EnvLost]
@@ -108,10 +112,11 @@ def plan_failure(name: str, *, sup: Supervisor, admission: Admission, weights: W
     if d.action == "fatal":
         return Fatal(d.note)
     if d.action == "restart_env":
-        index = sup.env_index(name)
+        role, index = ("env", sup.env_index(name)) if sup.env_index(name) is not None else ("judge",
+                                                                                            sup.judge_index(name))
         assert index is not None
-        sup.forget(("env", index))
-        return EnvLost(index, sup.restarting(name, now))
+        sup.forget((role, index))
+        return EnvLost(index, sup.restarting(name, now), role=role)
     if d.action == "restart_rollout":
         index = sup.rollout_index(name)
         assert index is not None

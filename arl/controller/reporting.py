@@ -379,12 +379,14 @@ class Reporter:
         env = collections.Counter(self.env_of_restarted)
         requests: collections.Counter = collections.Counter()  # re-sends and aborts: no silent double work
         env_servers: dict[str, dict] = {}
+        judge: collections.Counter = collections.Counter()  # judge calls, failures by reason, ms (judge env)
         for (role, index), st in sorted(role_stats.items()):
             if isinstance(st.get("transport"), dict):
                 transport[f"{role}{index}"] = st["transport"]
             if role == "rollout":
                 env.update(_env_counts(st))
                 requests.update({k: int(v) for k, v in dict(st.get("client") or {}).items() if k in REQUEST_KEYS})
+                judge.update({k: v for k, v in dict(st.get("judge") or {}).items() if isinstance(v, (int, float))})
             elif role == "inference":
                 requests["aborted_by_inference"] += int(st.get("aborted", 0) or 0)
             elif role == "env":  # env servers: their sessions and calls, by server
@@ -397,6 +399,8 @@ class Reporter:
                "env": dict(env), "requests": dict(requests), "transport": transport, "faults": list(self.faults)}
         if env_servers or env_restarts:
             out["env_servers"], out["env_restarts"] = env_servers, env_restarts
+        if judge:
+            out["judge"] = dict(judge)
         if ls:
             received = int(ls.get("groups_received") or 0)
             out["lost_accepted_groups"] = max(0, self.accepted_groups - received)

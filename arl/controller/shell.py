@@ -69,7 +69,8 @@ class Controller:
         positions = {int(k): int(p) for k, p in dict(resume.get("data_position", {})).items()}
         self.roster = Peers(num_inference=supervisor.num_inference, num_rollout=supervisor.num_rollout,
                                  process_of=supervisor.process_of, path=os.path.join(run_dir, "addresses.json"),
-                                 prompt_positions=positions, num_env=supervisor.num_env)
+                                 prompt_positions=positions, num_env=supervisor.num_env,
+                                 num_judge=supervisor.num_judge)
         self.schedule = EvalSchedule(total_steps=total_train_steps, every=eval_every, start_version=v)
         self.weights = WeightSync(supervisor.num_inference)
         self.reporter = Reporter([JsonlSink(os.path.join(run_dir, "metrics.jsonl")), *(sinks or [])],
@@ -222,9 +223,9 @@ class Controller:
         await self._send_all(self.weights_link.on_register(msg, self.peers.__contains__))  # e.g. a weight group
         if msg.role == "inference":
             await self._apply(self.weights.registered(msg.index))  # a restarted server catches up, then rejoins
-        if msg.role == "env" and restarted and msg.address:  # the rollout workers route new sessions to it again
-            self.reporter.event("worker_back", role="env", server=msg.index, address=msg.address)
-            await self.tell_rollouts(m.WorkerBack(role="env", index=msg.index, address=msg.address))
+        if msg.role in ("env", "judge") and restarted and msg.address:  # the rollout workers route to it again
+            self.reporter.event("worker_back", role=msg.role, server=msg.index, address=msg.address)
+            await self.tell_rollouts(m.WorkerBack(role=msg.role, index=msg.index, address=msg.address))
         await self._answer_lookups()
         await self._maybe_start()
         if restarted and key == ("rollout", 0):  # evaluations it was running died with it: ask again

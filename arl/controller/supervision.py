@@ -21,7 +21,7 @@ def process_role(name: str) -> Optional[tuple[str, int]]:
     process's. The one parser of the names `Supervisor.process_of` makes (the launchers' hosts use it too)."""
     if name == "learner":
         return "learner", 0
-    for role in ("inference", "rollout", "env"):
+    for role in ("inference", "rollout", "env", "judge"):
         tail = name[len(role):]
         if name.startswith(role) and tail.isdigit():
             return role, int(tail)
@@ -76,7 +76,8 @@ class RoleLauncher(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-    """What to do about a failed process: 'restart_rollout', 'restart_env', 'lose_inference' (drop its `servers`
+    """What to do about a failed process: 'restart_rollout', 'restart_env' (an env server or a judge worker),
+    'lose_inference' (drop its `servers`
     from the run and `restart` it) or 'fatal'."""
 
     action: str
@@ -96,8 +97,11 @@ class Supervisor:
                  startup_timeout: float, heartbeat_timeouts: Optional[dict[str, float]] = None,
                  tolerate_inference_loss: bool = False, restart_rollout: bool = True, max_restarts: int = 3,
                  restart_inference: bool = False, max_inference_restarts: int = 3, num_env: int = 0,
-                 max_env_restarts: int = 3) -> None:
+                 max_env_restarts: int = 3, num_judge: int = 0, max_judge_restarts: int = 3) -> None:
+        """`num_judge`: judge workers (`arl.inference.entry.run_judge`): frozen, never in the weight sync;
+        restarted like env servers, under `max_judge_restarts`."""
         self.num_inference, self.num_rollout, self.num_env = num_inference, num_rollout, num_env
+        self.num_judge, self.max_judge_restarts, self.judge_restarts = num_judge, max_judge_restarts, 0
         self.servers_per_process = max(1, servers_per_process)
         self.startup_timeout = startup_timeout
         self.heartbeat_timeouts = {r: 120.0 for r in ROLES} | dict(heartbeat_timeouts or {})  # per role
@@ -118,7 +122,7 @@ class Supervisor:
     def expected(self) -> int:
         """Registrations of a complete run: every inference server, the learner, every rollout worker and env
         server."""
-        return self.num_inference + self.num_rollout + self.num_env + 1
+        return self.num_inference + self.num_rollout + self.num_env + self.num_judge + 1
 
     def process_of(self, role: str, index: int) -> str:
         if role == "inference":
@@ -140,6 +144,7 @@ class Supervisor:
                        "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", *learner[2:]]
         out.append(("learner", learner))
         out += [(f"env{i}", base + ["--role", "env", "--index", str(i)]) for i in range(self.num_env)]
+        out += [(f"judge{i}", base + ["--role", "judge", "--index", str(i)]) for i in range(self.num_judge)]
         return out + [(f"rollout{i}", base + ["--role", "rollout", "--index", str(i)]) for i in range(self.num_rollout)]
 
     def servers_of(self, name: str) -> list[int]:
@@ -159,6 +164,11 @@ class Supervisor:
     def env_index(name: str) -> Optional[int]:
         parsed = process_role(name)
         return parsed[1] if parsed is not None and parsed[0] == "env" else None
+
+    @staticmethod
+    def judge_index(name: str) -> Optional[int]:
+        parsed = process_role(name)
+        return parsed[1] if parsed is not None and parsed[0] == "judge" else None
 
     # -- liveness --------------------------------------------------------------------------------------------
     def heard(self, key: tuple[str, int], now: float) -> None:
@@ -222,6 +232,13 @@ class Supervisor:
             if not registered:
                 return Decision("fatal", note="it failed before it registered; not restarting it")
             return Decision("restart_env" if spawned else "fatal", restart=spawned)
+        if self.judge_index(name) is not None:  # a judge worker: the same, under judge.inference.max_restarts
+            if self.judge_restarts >= self.max_judge_restarts:
+                return Decision("fatal", note=f"the run already restarted {self.judge_restarts} judge workers "
+                                              f"(judge.inference.max_restarts)")
+            if not registered:
+                return Decision("fatal", note="it failed before it registered; not restarting it")
+            return Decision("restart_env" if spawned else "fatal", restart=spawned)
         hosted = self.servers_of(name)
         remaining = set(range(self.num_inference)) - lost - set(hosted)
         if hosted and self.tolerate_inference_loss and self.all_up:
@@ -244,6 +261,9 @@ class Supervisor:
         if self.env_index(name) is not None:
             self.env_restarts += 1
             return self.env_restarts
+        if self.judge_index(name) is not None:
+            self.judge_restarts += 1
+            return self.judge_restarts
         self.restarts += 1
         return self.restarts
 

@@ -61,3 +61,32 @@ async def run_inference(cfg: ExperimentConfig, ctl: ControlChannel, index: int, 
              *(aclose(w.router) for w in workers)])
 
 
+async def run_judge(cfg: ExperimentConfig, ctl: ControlChannel, index: int, run_dir: str) -> RoleParts:
+    """Judge worker `index`: an inference server of the frozen judge model (`judge.model.path`, `judge.inference`),
+    registered as role 'judge'. No weight transport and no `update_weights` handler: the controller's weight sync
+    and the staleness gate know only the policy's servers, and a judge's tokens never reach a trajectory."""
+    from arl.config import JudgeMode
+    from arl.inference.factory import build_engine
+    from arl.inference.worker import InferenceWorker
+
+    jc = cfg.judge
+    if jc.mode == JudgeMode.classifier:
+        from arl.inference.classifier_engine import ClassifierEngine
+
+        engine: Any = ClassifierEngine(jc.model.path, device=jc.inference.device,
+                                       max_context_len=jc.inference.max_context_len)
+    elif jc.inference.backend == "sglang":  # build_engine's call, under the judge's own name (log, folders)
+        from arl.inference.sglang_engine import launch_sglang_engine
+
+        engine = launch_sglang_engine(jc.inference.sglang, model_path=jc.model.path, device=jc.inference.device,
+                                      seed=cfg.seed + 7919 + index, name=f"judge{index}", index=index,
+                                      run_dir=run_dir, max_batch_size=jc.inference.max_batch_size,
+                                      max_context_len=jc.inference.max_context_len)
+    else:
+        engine = build_engine(jc.model.path, jc.inference, seed=cfg.seed + 7919, index=index, run_dir=run_dir)
+    router = make_socket(Router)
+    address = bind(router, cfg.bind_host)
+    worker = InferenceWorker(index=index, engine=engine, router=router, send_control=ctl.post)
+    await ctl.register(cfg.startup_timeout, index=index, address=address)
+    return ([worker.serve(), ctl.heartbeat(worker.heartbeat_stats, index)],
+            [engine.close(), aclose(router)])

@@ -134,7 +134,7 @@ def bundle_for(ray_cfg: Any, role: str, index: int, servers_per_process: int = 1
     """The placement bundle of process `index` of `role` (for the learner: rank `index`): CPUs and GPUs from
     `ray.*_per_*`, plus the custom resources `ray.placement[role]` names (a map for every process of the role, or
     a list of maps, one per process index, the last one repeating)."""
-    if role == "inference":
+    if role in ("inference", "judge"):  # a judge worker is an inference server of the judge model
         cpus, gpus = ray_cfg.cpus_per_inference, ray_cfg.gpus_per_inference * servers_per_process
     elif role == "learner":
         cpus, gpus = ray_cfg.cpus_per_learner_rank, ray_cfg.gpus_per_learner_rank
@@ -167,6 +167,7 @@ def planned_bundles(ray_cfg: Any, processes: Optional[Mapping[str, int]], learne
             for r in range(max(1, learner_ranks))]
     out += [(f"rollout{i}", bundle_for(ray_cfg, "rollout", i)) for i in range(int(processes.get("rollout", 0)))]
     out += [(f"env{i}", bundle_for(ray_cfg, "env", i)) for i in range(int(processes.get("env", 0)))]
+    out += [(f"judge{i}", bundle_for(ray_cfg, "judge", i)) for i in range(int(processes.get("judge", 0)))]
     return out
 
 

@@ -18,7 +18,7 @@ import time
 from typing import Awaitable, Optional
 
 from arl.config import ExperimentConfig, import_user_modules, resolve_threads
-from arl.inference.entry import run_inference
+from arl.inference.entry import run_inference, run_judge
 from arl.learner.entry import learner_actor, run_learner
 from arl.rollout.entry import run_rollout
 from arl.rollout.env_server import run_env_server
@@ -31,7 +31,8 @@ from arl.utils.forensics import install_stack_dump_handler
 logger = logging.getLogger("arl.worker")
 
 
-ROLES = {"inference": run_inference, "learner": run_learner, "rollout": run_rollout, "env": run_env_server}
+ROLES = {"inference": run_inference, "learner": run_learner, "rollout": run_rollout, "env": run_env_server,
+         "judge": run_judge}
 
 
 async def amain(cfg: ExperimentConfig, role: str, index: int, controller: str, run_dir: str) -> int:

@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Any, Optional
 
-from arl.config import (ExperimentConfig, LauncherKind, resolve_weights, staleness_policy, to_yaml,
+from arl.config import (ExperimentConfig, LauncherKind, judge_workers, resolve_weights, staleness_policy, to_yaml,
                         weights_settings)
 from arl.controller.shell import Controller, RunFailed
 from arl.utils.errors import ConfigError
@@ -119,7 +119,8 @@ def _controller(cfg: ExperimentConfig, run_dir: str, bind_host: str, secret: Opt
         servers_per_process=ic.servers_per_process,
         startup_timeout=cfg.startup_timeout,
         heartbeat_timeouts={"inference": ic.heartbeat_timeout, "learner": cfg.learner.heartbeat_timeout,
-                            "rollout": rc.heartbeat_timeout, "env": cfg.env.heartbeat_timeout},
+                            "rollout": rc.heartbeat_timeout, "env": cfg.env.heartbeat_timeout,
+                            "judge": cfg.judge.inference.heartbeat_timeout},
         tolerate_inference_loss=ic.tolerate_worker_loss,
         restart_rollout=rc.restart_on_failure,
         max_restarts=rc.max_restarts,
@@ -127,6 +128,8 @@ def _controller(cfg: ExperimentConfig, run_dir: str, bind_host: str, secret: Opt
         max_inference_restarts=ic.max_restarts,
         num_env=cfg.env.servers,
         max_env_restarts=cfg.env.max_restarts,
+        num_judge=judge_workers(cfg),
+        max_judge_restarts=cfg.judge.inference.max_restarts,
     )
     kwargs: dict[str, Any] = dict(
         run_dir=run_dir,
@@ -172,7 +175,8 @@ def ray_launcher(cfg: ExperimentConfig, run_dir: str, bind_host: str, secret: Op
                            servers_per_process=k, run_dir=run_dir,
                            processes={"inference": -(-cfg.inference.num_workers // k),
                                       "rollout": cfg.rollout.num_workers,
-                                      **({"env": cfg.env.servers} if cfg.env.servers else {})})
+                                      **({"env": cfg.env.servers} if cfg.env.servers else {}),
+                                      **({"judge": judge_workers(cfg)} if judge_workers(cfg) else {})})
     if is_loopback(bind_host):
         try:
             bind_host = launcher.driver_address()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Optional
 
 from arl.config import ExperimentConfig, rollout_deadlines
 from arl.transport.control import ControlChannel, RoleParts, aclose, make_socket
@@ -158,6 +158,7 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
         env_client = EnvServerClient([make_socket(Dealer).connect(a) for a in addrs["env"]],
                                      timeout=cfg.rollout.env_timeout)
         env_client.start()
+    judge_client, judge = judge_link(cfg, addrs.get("judge"))
     per_worker = max(1, cfg.rollout.max_concurrent_rollouts // cfg.rollout.num_workers)
     worker = rollout_worker(cfg, parts, client, index=index, prompts=prompts, capacity=per_worker,
                             send_control=ctl.post, push_group=lambda group: push.send("traj", group),
@@ -167,6 +168,9 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
     if parts.endpoint is not None:  # the endpoint's counters ride on the heartbeat
         server = parts.endpoint
         stats = lambda: {**worker.heartbeat_stats(), "endpoint": dict(server.stats)}  # noqa: E731
+    if judge is not None:  # and the judge's calls, failures by reason and time
+        plain = stats
+        stats = lambda: {**plain(), "judge": dict(judge.stats)}  # noqa: E731
 
     async def on_eval(msg: Eval) -> None:
         result = await worker.evaluate(msg.version, msg.max_prompts)
@@ -182,12 +186,17 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
         elif msg.role == "env" and env_client is not None:  # its sessions are gone: their groups are dropped
             for i in msg.indices:
                 env_client.server_lost(i)
+        elif msg.role == "judge" and judge_client is not None:  # its calls go to the others (or time out)
+            for i in msg.indices:
+                await judge_client.worker_lost(i)
 
     async def on_worker_back(msg: WorkerBack) -> None:  # the controller restarted an inference server: route to it
         if msg.role == "inference":
             client.worker_back(msg.index, make_socket(Dealer).connect(msg.address))
         elif msg.role == "env" and env_client is not None:
             env_client.server_back(msg.index, make_socket(Dealer).connect(msg.address))
+        elif msg.role == "judge" and judge_client is not None:
+            judge_client.worker_back(msg.index, make_socket(Dealer).connect(msg.address))
 
     ctl.handlers.update(gate_grant=lambda msg: worker.on_grant(msg.n), eval=on_eval, worker_lost=on_worker_lost,
                         worker_back=on_worker_back)
@@ -196,11 +205,37 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
         prompts.seek(int(ack["prompt_position"]))
         logger.info("rollout%d: prompt stream resumes at position %d", index, prompts.position)
     closers = [worker.close(), client.close(), aclose(push)] + ([env_client.close()] if env_client else [])
+    if judge_client is not None:
+        closers.insert(1, judge_client.close())
     if parts.endpoint is not None:  # it closes after the worker's groups
         closers.insert(1, parts.endpoint.close())
     return [worker.acquire_loop(), ctl.heartbeat(stats)], closers
 
 
+
+
+def judge_link(cfg: ExperimentConfig, addresses: Optional[list[str]]) -> tuple[Any, Any]:
+    """(client, judge) for the run's judge workers at `addresses`, the judge installed for this process's judge
+    envs (`arl.envs.judge`); (None, None) without judge workers. Its own client: the judge's answers never touch
+    the policy client's versions or sticky sessions."""
+    if not addresses:
+        return None, None
+    from transformers import AutoTokenizer
+
+    from arl.envs.judge import Judge, JudgeSettings, install
+    from arl.rollout.client import InferenceClient
+
+    jc = cfg.judge
+    settings = JudgeSettings(**{f.name: getattr(jc, f.name) for f in dataclasses.fields(JudgeSettings)})
+    settings = dataclasses.replace(settings, mode=str(jc.mode))
+    # the client's own deadline is later than the judge's `timeout`, so an overrun is named `timeout` by the judge
+    # (and aborted at the worker when the judge gives up), not an error answer of the client
+    client = InferenceClient([make_socket(Dealer).connect(a) for a in addresses], request_timeout=jc.timeout + 5.0,
+                             max_attempts=1)
+    client.start()
+    judge = Judge(client.generate, AutoTokenizer.from_pretrained(jc.model.path), settings)
+    install(judge)
+    return client, judge
 
 
 def construct(cls: Any, **kwargs: Any) -> Any:

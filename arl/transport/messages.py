@@ -15,7 +15,7 @@ import re
 import typing
 from typing import Any, Awaitable, Callable, ClassVar, Literal, NewType, Optional, Union
 
-Role = Literal["inference", "learner", "rollout", "env"]
+Role = Literal["inference", "learner", "rollout", "env", "judge"]
 ROLES: tuple[str, ...] = typing.get_args(Role)
 Count = NewType("Count", int)  # an int that must not be negative
 
@@ -115,6 +115,7 @@ class Addresses(ControlMessage):
     inference: list[Optional[str]]
     learner: Optional[str]
     env: Optional[list[Optional[str]]] = None  # env servers (env.servers > 0)
+    judge: Optional[list[Optional[str]]] = None  # judge workers (judge.model.path set)
 
 
 class GateAcquire(ControlMessage):

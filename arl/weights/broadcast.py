@@ -83,7 +83,7 @@ class BroadcastLink:
         if msg.role == "learner" and getattr(msg, "weights_store", None):
             host, _, port = msg.weights_store.rpartition(":")
             self.store = (host, int(port))
-        if msg.role == "rollout":
+        if msg.role not in ("learner", "inference"):  # rollout workers, env servers, judge workers: no group
             return []
         out: Outgoing = []
         for server in range(self.num_servers) if msg.role == "learner" else [msg.index]:

@@ -24,26 +24,16 @@ with_pip() {
     pip install -q --disable-pip-version-check -c "$CONSTRAINTS" -e "$target"
 }
 
-# The values pip is configured with for one option (files and PIP_* variables), one per word.
-pip_setting() { pip config list 2>/dev/null | sed -n "s/^[^=]*\.$1='\(.*\)'\$/\1/p"; }
+. scripts/uv_install.sh
 
 with_uv() {
-    [ -x .venv/bin/uv ] || pip install -q --disable-pip-version-check uv || return 1
-    local args=(--index-strategy unsafe-best-match -c "$CONSTRAINTS") url
+    local args=(-c "$CONSTRAINTS")
     [ -z "$extras" ] || args+=(--compile-bytecode)
-    for url in $(pip_setting index-url | head -1); do args+=(--index-url "$url"); done
-    for url in $(pip_setting extra-index-url); do args+=(--extra-index-url "$url"); done
-    for url in $(pip_setting find-links); do args+=(--find-links "$url"); done
-    for url in $(pip_setting constraint); do args+=(-c "$url"); done
-    local cert; cert=$(pip_setting cert | head -1)
-    [ -z "$cert" ] || [ -n "${SSL_CERT_FILE:-}" ] || export SSL_CERT_FILE="$cert"
-    .venv/bin/uv pip install -q --python .venv/bin/python "${args[@]}" torch -e "$target" || return 1
+    uv_install .venv/bin/python "${args[@]}" torch -e "$target" || return 1
     [ -n "$extras" ] || .venv/bin/python scripts/warm_bytecode.py
 }
 
-if [ "${ARL_INSTALLER:-uv}" = pip ]; then
-    with_pip
-elif ! with_uv; then
-    echo "[install] uv was not available or failed; installing with pip" >&2
+if ! with_uv; then
+    [ "${ARL_INSTALLER:-uv}" = pip ] || echo "[install] uv was not available or failed; installing with pip" >&2
     with_pip
 fi

@@ -42,10 +42,16 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$HASH" ]; then
   "$PY" -m venv "$VENV"
   CONS=$(mktemp)
   echo "${TORCH[0]}" > "$CONS"
-  PIP=("$VENV/bin/pip" install -q --disable-pip-version-check -c "$CONS")
-  "${PIP[@]}" "${TORCH[@]}"
-  "${PIP[@]}" --no-deps "sglang==$SGLANG_VERSION"
-  "${PIP[@]}" "${DEPS[@]}"
+  # uv when it can be had (scripts/uv_install.sh: pip's own settings, much faster on an empty cache), else pip
+  . "$ROOT/scripts/uv_install.sh"
+  if ! { uv_install "$VENV/bin/python" --compile-bytecode -c "$CONS" "${TORCH[@]}" \
+         && uv_install "$VENV/bin/python" --compile-bytecode --no-deps "sglang==$SGLANG_VERSION" \
+         && uv_install "$VENV/bin/python" --compile-bytecode -c "$CONS" "${DEPS[@]}"; }; then
+    PIP=("$VENV/bin/pip" install -q --disable-pip-version-check -c "$CONS")
+    "${PIP[@]}" "${TORCH[@]}"
+    "${PIP[@]}" --no-deps "sglang==$SGLANG_VERSION"
+    "${PIP[@]}" "${DEPS[@]}"
+  fi
   rm -f "$CONS"
   echo "$HASH" > "$STAMP"
   echo "[sglang-cpu] venv ready in $(( $(date +%s) - t0 ))s ($(du -sh "$VENV" | cut -f1))"

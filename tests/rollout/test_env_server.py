@@ -288,9 +288,10 @@ def test_one_bad_result_or_action_in_a_batch_fails_only_its_own_call():
 async def _raw_dealer(address: str):
     """A plain zmq DEALER to send hand-made frames (forged, altered, replayed, badly shaped)."""
     import zmq
-    import zmq.asyncio
 
-    sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    from arl.transport.sockets import context
+
+    sock = context().socket(zmq.DEALER)  # the process's zmq.asyncio context
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(address)
     return sock

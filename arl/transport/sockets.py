@@ -22,7 +22,9 @@ VM costs the sender tens of microseconds), and a receive costs an event-loop wak
 one of each per iteration instead of per message multiplies the round trips per second
 (scripts/bench_transport.py). A lone request waits one loop iteration more (a zero-timeout poll). A Dealer/Push
 batch that finds no room (or no peer yet) stays queued and later sends wait; if its event loop ends first, it goes
-out with the socket's next send in another loop, or at ``close()``.
+out with the socket's next send in another loop, or at ``close()``. ``send_nowait`` (Router, Dealer) queues from
+plain code (a callback); with ``flush=True`` the peer's queue goes to zmq at once (the caller batched already:
+env servers' ``env_calls`` / ``env_replies``).
 
 With ``secret`` every frame carries an HMAC-SHA256 tag and frames without a valid tag count as malformed; an
 authentic frame this socket has seen already (or an old one from a sender it never heard) is dropped and counted as

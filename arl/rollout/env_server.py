@@ -3,7 +3,10 @@ instances, one per session, and rollout workers reach them through `RemoteEnv`, 
 `reset` / `step` / `close` (so env groups' `member(i)` works unchanged: each member is a session).
 
 Wire (the project's codec, HMAC and frame limits: `arl.transport.sockets`): a rollout worker's DEALER sends
-``env_call {rid, sid, op, ...}`` to a server's ROUTER and gets ``env_reply {rid, ok, value | kind, error}``.
+``env_calls {calls: [{rid, sid, op, ...}, ...]}`` to a server's ROUTER and gets ``env_replies {replies: [{rid, ok,
+value | kind, error}, ...]}``: the calls (replies) of one loop iteration to (from) one server go as one frame, one
+HMAC; a forged, altered or replayed frame is dropped and counted by the socket, a call that is not a map with a
+session id and an op is answered kind "bad_request".
 The first `reset` of a session names the env (`name`, `args`) and the server makes it with `make_env`.
 
 Server side: every call runs under `call_timeout` (a hung call is abandoned and its session closed: kind
@@ -19,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import functools
 import itertools
 import logging
 import os
@@ -53,14 +55,23 @@ class _Session:
         self.env, self.last_used, self.busy = env, time.monotonic(), 0
 
 
+# calls (client) or replies (server) in one frame at most: enough to share one frame's HMAC and msgpack, one zmq
+# message and one wake among many calls; small enough that the peer starts on a batch while the next one fills
+# (as the sockets' own _MAX_BATCH)
+MAX_BATCH = 32
+_ENCODE_ERRORS = (TypeError, ValueError, OverflowError)  # what the codec or msgpack raise for a value it refuses
+
+
 class EnvServer:
     """One env server: a ROUTER (`router`: recv() -> (identity, type, payload), send_nowait(identity, type,
-    payload)).
+    payload, flush=...)).
 
-    Why no coroutine per call: each call is ONE task (the env's own coroutine) with a deadline timer and a done
-    callback that replies; replies are queued with `send_nowait`, so what one loop iteration answers goes to a
-    peer as one zmq message (the socket's batching). A handler task per call, plus `call_with_deadline`'s task and
-    `asyncio.wait`, cost more CPU than a cheap env's step (scripts/bench_envs.py)."""
+    Why batches: a frame's HMAC, stamp, msgpack envelope, payload check and zmq message cost more CPU than a cheap
+    env's step, so a peer's calls come as ``env_calls {calls: [...]}`` and what one loop iteration answers goes back
+    as one ``env_replies {replies: [...]}`` (one frame, one HMAC; bad frames are refused by the socket: HMAC,
+    replay, codec). Why no coroutine per call: each call is ONE task (the env's own coroutine) with a done
+    callback that queues the reply; deadlines are one timer for the oldest call (the timeout is the same for all,
+    so calls expire in the order they came), not a timer per call (scripts/bench_envs.py)."""
 
     def __init__(self, *, index: int, router: Any, make_env: Callable[..., EnvironmentService],
                  call_timeout: float, lease_s: float) -> None:
@@ -71,30 +82,73 @@ class EnvServer:
         self.lease_s = float(lease_s)
         self.sessions: dict[str, _Session] = {}
         self.stats: collections.Counter = collections.Counter()
-        self._tasks: dict[asyncio.Future, asyncio.TimerHandle] = {}  # env calls in flight -> their deadline timer
+        # env calls in flight, oldest first -> (deadline on the loop's clock, ident, rid, sid, op, session)
+        self._tasks: dict[asyncio.Future, tuple] = {}
+        self._sweep: Optional[asyncio.TimerHandle] = None  # fires at the oldest call's deadline
+        self._outbox: dict[bytes, list[dict]] = {}  # peer -> replies of this loop iteration
+        self._flush_handle: Optional[asyncio.Handle] = None
         self._slow: set[asyncio.Task] = set()  # rare paths that await (closing a timed-out session)
 
     async def serve(self) -> None:
         while True:
             ident, msg_type, payload = await self.router.recv()
-            if msg_type != "env_call" or not isinstance(payload, dict):
+            calls = payload.get("calls") if msg_type == "env_calls" else None
+            if type(calls) is not list:
                 self.stats["bad_request"] += 1
                 continue
-            self._start(ident, payload)
+            for p in calls:
+                if type(p) is dict:
+                    self._start(ident, p)
+                else:
+                    self.stats["bad_request"] += 1
+
+    # ------------------------------------------------------------------ replies: one frame per peer per iteration
 
     def _reply(self, ident: bytes, rid: Any, **fields: Any) -> None:
+        fields["rid"] = rid
+        replies = self._outbox.get(ident)
+        if replies is None:
+            replies = self._outbox[ident] = []
+        replies.append(fields)
+        if len(replies) >= MAX_BATCH:
+            self._send(ident, self._outbox.pop(ident))
+        elif self._flush_handle is None:
+            self._flush_handle = asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_handle = None
+        outbox, self._outbox = self._outbox, {}
+        for ident, replies in outbox.items():
+            self._send(ident, replies)
+
+    def _send(self, ident: bytes, replies: list[dict]) -> None:
+        """Send `replies` as one frame; if the codec refuses it, find the replies it refuses (each alone) and
+        answer those with kind "not_msgpack" naming what could not go, so one env's bad info costs only its call."""
         try:
-            self.router.send_nowait(ident, "env_reply", {"rid": rid, **fields})
-        except (TypeError, ValueError, OverflowError) as e:  # the codec refused the value: say so, with what could not go
+            self.router.send_nowait(ident, "env_replies", {"replies": replies}, flush=True)
+            return
+        except _ENCODE_ERRORS as e:
+            if len(replies) > 1:
+                for r in replies:
+                    self._send(ident, [r])
+                return
             self.stats["not_msgpack"] += 1
-            self.router.send_nowait(ident, "env_reply", {"rid": rid, "ok": False, "kind": "not_msgpack",
-                                                         "error": f"the env's result cannot travel as msgpack: {e}"})
+            rid = replies[0].get("rid")
+            error = f"the env's result cannot travel as msgpack: {e}"
+        except ConnectionError:  # the router was closed (SocketClosed): nobody to answer
+            return
+        with contextlib.suppress(ConnectionError):
+            self.router.send_nowait(ident, "env_replies",
+                                    {"replies": [{"rid": rid, "ok": False, "kind": "not_msgpack", "error": error}]},
+                                    flush=True)
+
+    # ------------------------------------------------------------------ calls
 
     def _start(self, ident: bytes, p: dict) -> None:
         rid, sid, op = p.get("rid"), p.get("sid"), p.get("op")
         if not isinstance(sid, str) or op not in OPS:
             self.stats["bad_request"] += 1
-            return self._reply(ident, rid, ok=False, kind="bad_request", error=f"bad env call {op!r}")
+            return self._reply(ident, rid, ok=False, kind="bad_request", error=f"bad env call {op!r}"[:200])
         session = self.sessions.get(sid)
         if session is None:
             if op == "close":
@@ -125,16 +179,19 @@ class EnvServer:
         session.busy += 1
         session.last_used = time.monotonic()
         loop = task.get_loop()
-        self._tasks[task] = loop.call_later(self.call_timeout, self._expire, task, ident, rid, sid, op, session)
-        task.add_done_callback(functools.partial(self._done, ident, rid, session))
+        deadline = loop.time() + self.call_timeout
+        self._tasks[task] = (deadline, ident, rid, sid, op, session)
+        if self._sweep is None:
+            self._sweep = loop.call_at(deadline, self._expire_due)
+        task.add_done_callback(self._done)
 
-    def _done(self, ident: bytes, rid: Any, session: _Session, task: asyncio.Future) -> None:
-        timer = self._tasks.pop(task, None)
-        if timer is None:  # timed out (answered already) or cancelled by close(): only fetch its outcome
+    def _done(self, task: asyncio.Future) -> None:
+        entry = self._tasks.pop(task, None)
+        if entry is None:  # timed out (answered already) or cancelled by close(): only fetch its outcome
             if not task.cancelled():
                 task.exception()
             return
-        timer.cancel()
+        _, ident, rid, _, _, session = entry
         session.busy -= 1
         session.last_used = time.monotonic()
         if task.cancelled():
@@ -147,10 +204,25 @@ class EnvServer:
         value = task.result()
         self._reply(ident, rid, ok=True, value=list(value) if isinstance(value, tuple) else value)
 
-    def _expire(self, task: asyncio.Future, ident: bytes, rid: Any, sid: str, op: str, session: _Session) -> None:
+    def _expire_due(self) -> None:
+        """The oldest call's deadline: expire every call past its own (they are in the order they came), then wait
+        for the next oldest."""
+        self._sweep = None
+        loop = asyncio.get_running_loop()
+        now, due, nxt = loop.time(), [], None
+        for task, entry in self._tasks.items():
+            if entry[0] > now:
+                nxt = entry[0]
+                break
+            due.append(task)
+        for task in due:
+            self._expire(task, self._tasks.pop(task))
+        if nxt is not None:
+            self._sweep = loop.call_at(nxt, self._expire_due)
+
+    def _expire(self, task: asyncio.Future, entry: tuple) -> None:
         """A call ran past `call_timeout`: cancel and abandon it, close its session, answer "timeout"."""
-        if self._tasks.pop(task, None) is None:
-            return
+        _, ident, rid, sid, op, session = entry
         task.cancel()
         session.busy -= 1
         session.last_used = time.monotonic()
@@ -187,9 +259,14 @@ class EnvServer:
                 "waiting_on": f"{len(self._tasks)} env calls in flight over {len(self.sessions)} sessions"}
 
     async def close(self) -> None:
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush()
         calls = list(self._tasks)
-        for t, timer in list(self._tasks.items()):
-            timer.cancel()
+        for t in calls:
             t.cancel()
         self._tasks.clear()
         for t in self._slow:
@@ -201,20 +278,24 @@ class EnvServer:
 _TIMEOUT = object()  # what a call's future holds when its time ran out
 
 
-def _expire(fut: asyncio.Future) -> None:
-    if not fut.done():
-        fut.set_result(_TIMEOUT)
-
-
 class EnvServerClient:
-    """A rollout worker's link to every env server: one DEALER each (None while a server is lost)."""
+    """A rollout worker's link to every env server: one DEALER each (None while a server is lost).
+
+    A call is a plain future (no task, no timer of its own): the calls of one loop iteration go to each server as
+    one ``env_calls`` frame, and one timer, at the oldest call's deadline, times out every call past its own
+    (the timeout is the same for all, so calls expire in the order they were made)."""
 
     def __init__(self, dealers: list[Any], timeout: float) -> None:
         self.dealers: list[Optional[Any]] = list(dealers)
         self.timeout = float(timeout)
         self.epoch = [0] * len(dealers)  # bumped when a server is lost: its sessions are gone
         self.load = [0] * len(dealers)  # open sessions per server
-        self._pending: dict[int, tuple[asyncio.Future, int]] = {}
+        # calls waiting for a reply, oldest first: rid -> (future, server, deadline on the loop's clock)
+        self._pending: dict[int, tuple[asyncio.Future, int, float]] = {}
+        self._outbox: dict[int, list[dict]] = {}  # server -> calls of this loop iteration
+        self._flush_handle: Optional[asyncio.Handle] = None
+        self._sweep: Optional[asyncio.TimerHandle] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._rids = itertools.count(1)
         self._readers: dict[int, asyncio.Task] = {}
         self._sids = itertools.count()
@@ -237,30 +318,96 @@ class EnvServerClient:
         return min(live, key=lambda i: (self.load[i], i))
 
     async def _read(self, i: int, dealer: Any) -> None:
+        pending = self._pending
         while True:
             msg_type, payload = await dealer.recv()
-            if msg_type != "env_reply" or not isinstance(payload, dict):
+            replies = payload.get("replies") if msg_type == "env_replies" else None
+            if type(replies) is not list:
+                self.stats["bad_reply"] += 1
                 continue
-            entry = self._pending.pop(payload.get("rid"), None)  # type: ignore[arg-type]
+            for r in replies:
+                rid = r.get("rid") if type(r) is dict else None
+                if type(rid) is not int:
+                    self.stats["bad_reply"] += 1
+                    continue
+                entry = pending.get(rid)
+                if entry is None or entry[1] != i:  # timed out already, or not this server's call: ignored
+                    continue
+                del pending[rid]
+                if not entry[0].done():
+                    entry[0].set_result(r)
+
+    def _fail(self, calls: list[dict], error: BaseException) -> None:
+        for c in calls:
+            entry = self._pending.pop(c["rid"], None)
             if entry is not None and not entry[0].done():
-                entry[0].set_result(payload)
+                entry[0].set_exception(error)
+
+    def _flush(self) -> None:
+        self._flush_handle = None
+        outbox, self._outbox = self._outbox, {}
+        for server, calls in outbox.items():
+            self._send(server, calls)
+
+    def _send(self, server: int, calls: list[dict]) -> None:
+        """Send `calls` as one frame; if the codec refuses it, send each alone so that only the call the codec
+        refuses (an action msgpack cannot carry, a frame over the limit) fails, with the codec's error."""
+        dealer = self.dealers[server]
+        if dealer is None:  # lost meanwhile: server_lost failed these calls already
+            return
+        try:
+            dealer.send_nowait("env_calls", {"calls": calls}, flush=True)
+        except _ENCODE_ERRORS as e:
+            if len(calls) == 1:
+                return self._fail(calls, e)
+            for c in calls:
+                self._send(server, [c])
+        except ConnectionError as e:  # the dealer was closed (SocketClosed)
+            self._fail(calls, e)
+
+    def _expire_due(self) -> None:
+        """The oldest call's deadline: every call past its own gets _TIMEOUT, then wait for the next oldest."""
+        self._sweep = None
+        loop = asyncio.get_running_loop()
+        now, due, nxt = loop.time(), [], None
+        for rid, entry in self._pending.items():
+            if entry[2] > now:
+                nxt = entry[2]
+                break
+            due.append(rid)
+        for rid in due:
+            fut = self._pending.pop(rid)[0]
+            if not fut.done():
+                fut.set_result(_TIMEOUT)
+        if nxt is not None:
+            self._sweep = loop.call_at(nxt, self._expire_due)
 
     async def call(self, server: int, payload: dict) -> Any:
         dealer = self.dealers[server]
         if dealer is None:
             raise EnvServerLost(f"env server {server} was lost")
-        rid = next(self._rids)
         loop = asyncio.get_running_loop()
+        if self._loop is not loop:  # first call, or this client moved to another event loop: no handle carries over
+            self._loop, self._flush_handle, self._sweep = loop, None, None
+            self._outbox.clear()
+        rid = next(self._rids)
         fut: asyncio.Future = loop.create_future()
-        self._pending[rid] = (fut, server)
+        deadline = loop.time() + self.timeout
+        self._pending[rid] = (fut, server, deadline)
         self.stats["calls"] += 1
-        # a plain timer on the future, not asyncio.wait_for (its extra waiter future and callbacks per call)
-        timer = loop.call_later(self.timeout, _expire, fut)
+        calls = self._outbox.get(server)
+        if calls is None:
+            calls = self._outbox[server] = []
+        calls.append({"rid": rid, **payload})
+        if len(calls) >= MAX_BATCH:
+            self._send(server, self._outbox.pop(server))
+        elif self._flush_handle is None:
+            self._flush_handle = loop.call_soon(self._flush)
+        if self._sweep is None:
+            self._sweep = loop.call_at(deadline, self._expire_due)
         try:
-            await dealer.send("env_call", {"rid": rid, **payload})
             reply = await fut
         finally:
-            timer.cancel()
             self._pending.pop(rid, None)
         if reply is _TIMEOUT:
             self.stats["timeouts"] += 1
@@ -277,10 +424,11 @@ class EnvServerClient:
         self.load[i] = 0
         self.stats["servers_lost"] += 1
         dealer, self.dealers[i] = self.dealers[i], None
+        self._outbox.pop(i, None)
         reader = self._readers.pop(i, None)
         if reader is not None:
             reader.cancel()
-        for rid, (fut, server) in list(self._pending.items()):
+        for rid, (fut, server, _) in list(self._pending.items()):
             if server == i and not fut.done():
                 fut.set_exception(EnvServerLost(f"env server {i} was lost"))
         if dealer is not None:
@@ -296,6 +444,12 @@ class EnvServerClient:
         self.start()
 
     async def close(self) -> None:
+        if self._flush_handle is not None:  # calls made just before close still go (their callers wait on them)
+            self._flush_handle.cancel()
+            self._flush()
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
         for t in self._readers.values():
             t.cancel()
         await asyncio.gather(*self._readers.values(), return_exceptions=True)

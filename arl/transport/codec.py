@@ -58,9 +58,10 @@ CONTROL_TYPES = frozenset({"register", "heartbeat", "lookup", "addresses", "gate
                            "metrics", "shutdown", "ack", "error", "eval_done", "eval", "groups_dropped",
                            "worker_lost", "worker_back", "join_weight_group", "open_weight_group", "send_weights",
                            "group_received"})
-# env servers' calls and replies (arl/rollout/env_server.py): plain maps like control messages, between a rollout
-# worker and an env server only (the controller never sees them, so they have no class in messages.py)
-ENV_TYPES = frozenset({"env_call", "env_reply"})
+# env servers' calls and replies (arl/rollout/env_server.py): plain maps like control messages ({"calls": [...]},
+# {"replies": [...]}: one frame, one HMAC, per batch), between a rollout worker and an env server only (the
+# controller never sees them, so they have no class in messages.py)
+ENV_TYPES = frozenset({"env_calls", "env_replies"})
 MESSAGE_TYPES = TYPED_TYPES | CONTROL_TYPES | ENV_TYPES
 
 _METADATA_MAX_DEPTH = 32
@@ -273,10 +274,23 @@ def _check_tree(obj: Any, path: str, err: type[Exception], seqs: tuple[type, ...
         return
     if depth >= _METADATA_MAX_DEPTH:
         raise err(f"{path}: nested deeper than {_METADATA_MAX_DEPTH}")
-    for k, v in (obj.items() if t is dict else enumerate(obj)):
-        if t is dict and type(k) is not str:
-            raise err(f"{path}: map keys must be str, got {type(k).__name__} {k!r:.40}")
-        _check_tree(v, f"{path}.{k}" if t is dict else f"{path}[{k}]", err, seqs, scalars, depth + 1)
+    # leaves are checked here, not by a call each (most of a control message's or an env batch's nodes are leaves)
+    if t is dict:
+        for k, v in obj.items():
+            if type(k) is not str:
+                raise err(f"{path}: map keys must be str, got {type(k).__name__} {k!r:.40}")
+            tv = type(v)
+            if tv is dict or tv in seqs:
+                _check_tree(v, f"{path}.{k}", err, seqs, scalars, depth + 1)
+            elif scalars is not None and tv not in scalars:
+                raise err(f"{path}.{k}: {tv.__name__} is not msgpack-safe (use str/int/float/bool/None/list/dict)")
+        return
+    for i, v in enumerate(obj):
+        tv = type(v)
+        if tv is dict or tv in seqs:
+            _check_tree(v, f"{path}[{i}]", err, seqs, scalars, depth + 1)
+        elif scalars is not None and tv not in scalars:
+            raise err(f"{path}[{i}]: {tv.__name__} is not msgpack-safe (use str/int/float/bool/None/list/dict)")
 
 
 def _traj_out(group: Any) -> list:

@@ -22,7 +22,9 @@ VM costs the sender tens of microseconds), and a receive costs an event-loop wak
 one of each per iteration instead of per message multiplies the round trips per second
 (scripts/bench_transport.py). A lone request waits one loop iteration more (a zero-timeout poll). A Dealer/Push
 batch that finds no room (or no peer yet) stays queued and later sends wait; if its event loop ends first, it goes
-out with the socket's next send in another loop, or at ``close()``.
+out with the socket's next send in another loop, or at ``close()``. ``send_nowait`` (Router, Dealer) queues from
+plain code (a callback); with ``flush=True`` the peer's queue goes to zmq at once (the caller batched already:
+env servers' ``env_calls`` / ``env_replies``).
 
 With ``secret`` every frame carries an HMAC-SHA256 tag and frames without a valid tag count as malformed; an
 authentic frame this socket has seen already (or an old one from a sender it never heard) is dropped and counted as
@@ -369,7 +371,8 @@ class _Socket:
 
     # ----------------------------------------------------------------- sending: one batch per peer per iteration
 
-    def _queue(self, route: Optional[bytes], frame: bytes) -> None:
+    def _queue(self, route: Optional[bytes], frame: bytes, now: bool = False) -> None:
+        """`now`: send the route's queue at once (the caller batched already) instead of at the iteration's end."""
         loop = asyncio.get_running_loop()
         if self._flush_loop is not loop:  # first send, or the socket moved to another event loop
             self._flush_loop = loop
@@ -380,7 +383,7 @@ class _Socket:
         if frames is None:
             frames = self._outbox[route] = []
         frames.append(frame)
-        if len(frames) >= _MAX_BATCH:  # a sender that does not yield: send what it has so far
+        if now or len(frames) >= _MAX_BATCH:  # a sender that does not yield: send what it has so far
             self._flush_now()
         elif self._flush_handle is None and self._drainer is None:
             self._flush_handle = loop.call_soon(self._flush_now)
@@ -456,11 +459,12 @@ class Router(_Socket):
         flushed (end of this loop iteration), the reply is dropped and counted in ``stats["dropped"]``."""
         self.send_nowait(identity, msg_type, payload)
 
-    def send_nowait(self, identity: bytes, msg_type: str, payload: Any = None) -> None:
-        """`send` from plain code (a done callback): a Router send never waits, so no coroutine is needed."""
+    def send_nowait(self, identity: bytes, msg_type: str, payload: Any = None, *, flush: bool = False) -> None:
+        """`send` from plain code (a done callback): a Router send never waits, so no coroutine is needed.
+        `flush`: hand the peer's queue to zmq now (the caller batched its messages into this one already)."""
         if self._closed:
             raise SocketClosed(f"{self.name} is closed")
-        self._queue(identity, self._encode(msg_type, payload))
+        self._queue(identity, self._encode(msg_type, payload), flush)
 
 
 class Dealer(_Socket):
@@ -477,6 +481,14 @@ class Dealer(_Socket):
             self._sock.setsockopt(zmq.ROUTING_ID, identity)
 
     send = _Socket._send_blocking
+
+    def send_nowait(self, msg_type: str, payload: Any = None, *, flush: bool = False) -> None:
+        """Queue a message from plain code (a callback), never waiting: while an earlier batch waits for room in
+        the peer's queue this one queues behind it, so the caller must bound what it sends (env calls: one per
+        session in flight). `flush` as for ``Router.send_nowait``."""
+        if self._closed:
+            raise SocketClosed(f"{self.name} is closed")
+        self._queue(None, self._encode(msg_type, payload), flush)
 
 
 class Push(_Socket):

@@ -366,6 +366,26 @@ async def test_router_batches_replies_per_peer_and_counts_each_message():
             s.close()
 
 
+async def test_send_nowait_from_a_callback_and_flush_hands_the_batch_to_zmq_at_once():
+    """Dealer/Router.send_nowait (env servers' batches, sent from callbacks): no coroutine; `flush=True` sends the
+    queue now (with what was queued before it, in order) instead of at the end of the iteration."""
+    router, dealer = Router(), Dealer(identity=b"d")
+    try:
+        dealer.connect(router.bind_random())
+        dealer.send_nowait("heartbeat", {"i": 0})
+        assert dealer.stats["sent"] == 0  # queued until the iteration ends
+        dealer.send_nowait("heartbeat", {"i": 1}, flush=True)
+        assert dealer.stats["sent"] == 2  # both, now
+        got = [(await router.recv(timeout=T))[2]["i"] for _ in range(2)]
+        assert got == [0, 1]
+        router.send_nowait(b"d", "ack", {"i": 2}, flush=True)
+        assert router.stats["sent"] == 1
+        assert (await dealer.recv(timeout=T))[1]["i"] == 2
+    finally:
+        router.close()
+        dealer.close()
+
+
 async def test_a_batch_too_big_for_the_peer_queue_waits_and_keeps_order():
     """Backpressure with batching: a flush that finds the peer's queue full keeps the batch, later sends wait,
     and everything arrives once, in order, when the reader catches up."""

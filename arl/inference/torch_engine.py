@@ -54,7 +54,7 @@ from safetensors.torch import load_file
 from transformers import DynamicCache
 
 from arl.api.types import GenerateRequest, GenerateResponse, GenerationConfig, SampleOutput
-from arl.inference.prefix_cache import KV, Entry, PrefixCache
+from arl.inference.prefix_cache import KV, Entry, PrefixCache, Storage
 from arl.inference.requests import ENGINE_CLOSED, check_limits, check_request, refusal
 from arl.weights.adapter import adapter_expected, is_adapter, merged_weight, split_payload
 
@@ -531,20 +531,16 @@ class TorchEngine:
         past_mask = (torch.arange(width_past, device=dev)[None, :] >= width_past - m_t).long()
         # the past: each row's cached prefix right-aligned in width_past columns, zeros before it
         some = next(e for e, _ in matches if e is not None).kv
-        none = some[0][0].new_zeros((1, some[0][0].shape[1], width_past, some[0][0].shape[3]))
         past: KV = []
-        for layer in range(len(some)):
-            keys: list[torch.Tensor] = []
-            values: list[torch.Tensor] = []
-            for entry, n in matches:
-                if entry is None:
-                    keys.append(none)
-                    values.append(none)
-                else:
+        for layer, (k0, v0) in enumerate(some):
+            keys = k0.new_zeros((len(reqs), k0.shape[1], width_past, k0.shape[3]))
+            values = v0.new_zeros((len(reqs), v0.shape[1], width_past, v0.shape[3]))
+            for i, (entry, n) in enumerate(matches):
+                if entry is not None:
                     k, v = entry.kv[layer]
-                    keys.append(F.pad(k[:, :, :n], (0, 0, width_past - n, 0)))
-                    values.append(F.pad(v[:, :, :n], (0, 0, width_past - n, 0)))
-            past.append((torch.cat(keys), torch.cat(values)))
+                    keys[i, :, width_past - n:] = k[0, :, :n]
+                    values[i, :, width_past - n:] = v[0, :, :n]
+            past.append((keys, values))
         cache = DynamicCache(ddp_cache_data=past)
         logits = self._forward(ids, torch.cat([past_mask, suffix_mask], dim=1), suffix_pos + m_t, cache)
         # the batch's layout: row i's prefix (columns width_past - m_i ..) and suffix (the last s_i columns) made
@@ -589,6 +585,7 @@ class TorchEngine:
         rows = self._rows
         keep: list[int] = []
         done: list[_Request] = []
+        finished: list[int] = []  # rows whose KV the prefix cache may keep
         for i, r in enumerate(rows):
             owner = r.owner
             if owner.cancelled or owner.responded:
@@ -597,12 +594,14 @@ class TorchEngine:
                 keep.append(i)
                 continue
             if self._prefix is not None and owner.epoch == self._weights_epoch:
-                self._store(i, r)
+                finished.append(i)
             owner.samples[r.index] = r.to_sample(r.finish)
             owner.remaining -= 1
             if owner.remaining == 0:
                 owner.responded = True
                 done.append(owner)
+        if finished:
+            self._store(finished)
         if len(keep) != len(rows):
             self._select_rows(keep)
         for owner in done:
@@ -610,21 +609,30 @@ class TorchEngine:
             self._outbox.append((owner.loop, owner.future,
                                  GenerateResponse(qid=owner.qid, samples=list(owner.samples))))
 
-    def _store(self, i: int, row: _Row) -> None:
-        """Keep finished row `i`'s KV (all computed under the current weights) in the prefix cache. A failure
-        here only loses the reuse, never the request."""
-        assert self._prefix is not None and self._cache is not None and self._mask is not None
-        n = row.cached_len
-        start = self._mask.shape[1] - n
-
-        def kv() -> KV:
-            return [(layer.keys[i:i + 1, :, start:].clone(), layer.values[i:i + 1, :, start:].clone())
-                    for layer in self._cache.layers]
-
+    def _store(self, finished: list[int]) -> None:
+        """Keep the KV of the finished rows `finished` (all computed under the current weights) in the prefix
+        cache: one gather per layer for those it does not cover yet, each entry a view of it. A failure here only
+        loses the reuse, never a request."""
+        prefix, cache, mask = self._prefix, self._cache, self._mask
+        assert prefix is not None and cache is not None and mask is not None
         try:
-            self._prefix.insert(row.owner.prompt + row.ids[:-1], kv, row.owner.source)
+            rows = [(i, self._rows[i]) for i in finished]
+            items = [(i, r, r.owner.prompt + r.ids[:-1]) for i, r in rows]
+            items = [(i, r, ids) for i, r, ids in items if not prefix.covers(ids)]
+            if not items:
+                return
+            width = max(len(ids) for _, _, ids in items)
+            idx = torch.tensor([i for i, _, _ in items], dtype=torch.long, device=self.device)
+            start = mask.shape[1] - width
+            block = [(layer.keys[:, :, start:].index_select(0, idx), layer.values[:, :, start:].index_select(0, idx))
+                     for layer in cache.layers]
+            storage = Storage(len(items) * width)
+            for j, (_, r, ids) in enumerate(items):
+                cut = width - len(ids)
+                prefix.insert(ids, [(k[j:j + 1, :, cut:], v[j:j + 1, :, cut:]) for k, v in block], r.owner.source,
+                              storage)
         except Exception:  # noqa: BLE001
-            logger.exception("%s: storing a finished sequence in the prefix cache failed", self.name)
+            logger.exception("%s: storing finished sequences in the prefix cache failed", self.name)
             self._n["prefix_store_failed"] += 1
 
     def _select_rows(self, keep: list[int]) -> None:

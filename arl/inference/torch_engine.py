@@ -17,6 +17,12 @@ Why it is built this way:
   padding compute and a cache concat per step (DynamicCache grows by ``torch.cat``), acceptable for the small
   models and contexts this engine serves; large GPU deployments use the SGLang backend.
 * **n samples share one prefill**: the prompt is run once and its KV rows are repeated n times.
+* **A prefix KV cache** (``prefix_cache_tokens``, `arl.inference.prefix_cache`): a finished sequence's KV is kept
+  (LRU, within a token budget), and a later request whose ids extend it (the next turn of a multi-turn chat: the
+  history, the answer as generated, the feedback) prefills only its new tokens, the cached prefix as the past of
+  that forward; requests of one step with the same ids share one prefill. The cache is cleared at every weight
+  update, and a sequence that lived through one (its KV from two versions) is not stored: a KV is reused only
+  under the weights that computed it, so outputs are those without the cache (up to float rounding).
 * **Behaviour log-probs of the distribution actually sampled**: each token's logprob is taken under the
   distribution it was drawn from: ``logits / T``, then the min-new-tokens mask (stop ids at -inf), then top-k and
   top-p truncation, renormalised. The learner's importance weights divide by this behaviour probability, so it

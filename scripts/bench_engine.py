@@ -350,8 +350,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         print(f"prefix cache, multi-turn chats ({pc['shape']['groups']}x{pc['shape']['group_size']} chains, "
               f"{pc['shape']['turns']} turns, {pc['rounds']} rounds each, alternating): CPU per turn "
               f"on {pc['on']['cpu_ms_per_turn_median']:.2f} ms, off {pc['off']['cpu_ms_per_turn_median']:.2f} ms "
-              f"= {pc['cpu_ratio_off_vs_on']:.2f}x; prefill tokens per turn on {pc['on']['prefill_tokens_per_turn']:.1f}, "
-              f"off {pc['off']['prefill_tokens_per_turn']:.1f}", flush=True)
+              f"= {pc['cpu_ratio_off_vs_on']:.2f}x; prefill tokens per turn "
+              f"on {pc['on']['prefill_tokens_per_turn']:.1f}, off {pc['off']['prefill_tokens_per_turn']:.1f}",
+              flush=True)
 
     with tempfile.TemporaryDirectory(prefix="arl-bench-") as tmp:
         paths = [os.path.join(tmp, f"tiny{k}.safetensors") for k in range(2)]

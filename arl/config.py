@@ -173,6 +173,19 @@ class SGLangConfig:
 
 
 @dataclasses.dataclass
+class TorchEngineConfig:
+    """The embedded torch engine (`arl/inference/torch_engine.py`)."""
+
+    prefix_cache_tokens: int = field(32768, "Token budget of the prefix KV cache: a request extending a finished "
+                                            "sequence (the next turn of a chat) prefills only its new tokens; "
+                                            "least recently used evicted, cleared at every weight update; 0 = off.")
+
+    def __post_init__(self) -> None:
+        _require([(self.prefix_cache_tokens >= 0,
+                   f"inference.torch.prefix_cache_tokens must be >= 0, got {self.prefix_cache_tokens}")])
+
+
+@dataclasses.dataclass
 class InferenceConfig:
     backend: str = field("torch", "Engine backend (a registered name): 'torch' (embedded PyTorch engine), "
                                   "'sglang' (an SGLang server per worker, GPU) or 'sim' (simulated).")
@@ -193,6 +206,7 @@ class InferenceConfig:
     max_restarts: int = field(3, "Most restarts of inference worker processes in one run; later losses stay lost.")
     servers_per_process: int = field(1, "Inference servers one worker process hosts (>1: for the sim backend, "
                                         "so dozens of simulated servers fit a small machine).")
+    torch: TorchEngineConfig = field(factory=TorchEngineConfig)
     sim: SimEngineConfig = field(factory=SimEngineConfig)
     sglang: SGLangConfig = field(factory=SGLangConfig)
 

@@ -12,6 +12,12 @@ Measured side by side in one run, on the same model and the same requests:
   time the decode loop stood still (read the safetensors file, copy into the model), as the engine reports it, and
   the caller-side latency (wait for the step boundary + load). For the tiny model and for a Qwen2-0.5B-shaped model
   with random weights (bf16, 494M parameters; only the update pause is measured there, generation on CPU is slow).
+* **Prefix cache on multi-turn chats.** Chats shaped like the default agent's (groups of `group_size` chains
+  sharing one prompt, each turn sending the whole history: the previous turns, the answer as generated and a
+  feedback message) through one engine with the prefix KV cache (`inference.torch.prefix_cache_tokens`) and one
+  without, alternating rounds in this process (fresh prompts each round); the figure is the process's CPU time
+  per turn (`time.process_time`: both engine threads and the event loop), which a shared machine's load does not
+  inflate the way it does wall time.
 
 Usage: python scripts/bench_engine.py [--num-requests 256 --batch-size 32 ...]; `--qwen none` skips the 0.5B part.
 """
@@ -155,6 +161,64 @@ def run_hf_static(model: torch.nn.Module, prompts: list[np.ndarray], lengths: li
 
 # ----------------------------------------------------------------------------------------------- update pause
 
+async def run_chats(engine: TorchEngine, *, groups: int, group_size: int, turns: int, prompt_len: int,
+                    feedback_len: int, max_new: int, vocab: int, seed: int) -> dict[str, Any]:
+    """`groups` x `group_size` concurrent chats of `turns` turns (temperature 1, no eos: every answer is
+    `max_new` tokens); the process's CPU seconds and the engine's prefill counters over them."""
+    rng = np.random.default_rng(seed)
+    feedback = rng.integers(5, vocab, size=feedback_len).tolist()
+    prompts = [rng.integers(5, vocab, size=prompt_len).tolist() for _ in range(groups)]
+    gconfig = GenerationConfig(n=1, max_new_tokens=max_new, temperature=1.0)
+
+    async def chain(ids: list[int], key: str) -> None:
+        for t in range(turns):
+            r = await engine.agenerate(GenerateRequest(qid=f"{key}/{t}", input_ids=np.asarray(ids, np.int32),
+                                                       gconfig=gconfig))
+            assert r.error is None, r.error
+            ids = ids + r.samples[0].output_ids.tolist() + feedback
+
+    before = engine.stats()
+    t0 = time.process_time()
+    await asyncio.gather(*(chain(list(p), f"{i}/{j}") for i, p in enumerate(prompts) for j in range(group_size)))
+    cpu = time.process_time() - t0
+    after = engine.stats()
+    return {"cpu_s": cpu, "turns": groups * group_size * turns,
+            **{k: after[k] - before[k] for k in ("prefill_tokens", "prefill_forwards", "decode_forwards")}}
+
+
+async def measure_prefix_cache(model: torch.nn.Module, args: argparse.Namespace) -> dict[str, Any]:
+    """CPU per turn of multi-turn chats with the prefix cache on and off, alternating rounds."""
+    shape = dict(groups=args.chat_groups, group_size=args.chat_group_size, turns=args.chat_turns,
+                 prompt_len=args.chat_prompt_len, feedback_len=args.chat_feedback_len, max_new=args.chat_max_new,
+                 vocab=args.vocab)
+    max_ctx = args.chat_prompt_len + args.chat_turns * (args.chat_max_new + args.chat_feedback_len) + 1
+    engines = {name: TorchEngine(model, pad_token_id=0, eos_token_id=None, max_batch_size=args.chat_batch_size,
+                                 max_context_len=max_ctx, seed=args.seed, name=f"bench-{name}",
+                                 prefix_cache_tokens=tokens)
+               for name, tokens in (("off", 0), ("on", args.chat_cache_tokens))}
+    runs: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
+    try:
+        for name, engine in engines.items():  # warm-up (first-call allocations)
+            await run_chats(engine, **{**shape, "groups": 1}, seed=10_000)
+        for k in range(args.chat_rounds):
+            for name in (("on", "off") if k % 2 == 0 else ("off", "on")):
+                runs[name].append(await run_chats(engines[name], **shape, seed=args.seed + k))
+        hits = engines["on"].stats()
+    finally:
+        for engine in engines.values():
+            await engine.close()
+    out: dict[str, Any] = {"shape": shape, "rounds": args.chat_rounds, "cache_tokens": args.chat_cache_tokens,
+                           "prefix_hits": hits["prefix_hits"], "prefix_hit_tokens": hits["prefix_hit_tokens"]}
+    for name, rs in runs.items():
+        out[name] = {"cpu_ms_per_turn": [1000 * r["cpu_s"] / r["turns"] for r in rs],
+                     "prefill_tokens_per_turn": statistics.median(r["prefill_tokens"] / r["turns"] for r in rs),
+                     "prefill_forwards": statistics.median(r["prefill_forwards"] for r in rs),
+                     "decode_forwards": statistics.median(r["decode_forwards"] for r in rs)}
+        out[name]["cpu_ms_per_turn_median"] = statistics.median(out[name]["cpu_ms_per_turn"])
+    out["cpu_ratio_off_vs_on"] = out["off"]["cpu_ms_per_turn_median"] / out["on"]["cpu_ms_per_turn_median"]
+    return out
+
+
 async def measure_update_pause(engine: TorchEngine, paths: list[str], prompts: list[np.ndarray], max_new: int,
                                updates: int, settle_steps: int = 2) -> dict[str, Any]:
     """Call update_weights `updates` times while `prompts` are decoding; every request must come back whole."""
@@ -214,6 +278,16 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     ap.add_argument("--qwen", choices=["0.5b", "none"], default="0.5b",
                     help="also measure the update pause of a Qwen2-0.5B-shaped random model")
     ap.add_argument("--skip-engine-static", action="store_true", help="skip the engine-on-static-batches line")
+    ap.add_argument("--chat-groups", type=int, default=16, help="prefix cache part: prompt groups per round")
+    ap.add_argument("--chat-group-size", type=int, default=8, help="chains per group (sharing its prompt)")
+    ap.add_argument("--chat-turns", type=int, default=3)
+    ap.add_argument("--chat-prompt-len", type=int, default=8, help="the default run's a+b prompt: 8 tokens")
+    ap.add_argument("--chat-feedback-len", type=int, default=19, help="tokens of the feedback turn between answers "
+                                                                      "(the default agent's: 19)")
+    ap.add_argument("--chat-max-new", type=int, default=3, help="tokens per answer (a+b: 2 digits and eos)")
+    ap.add_argument("--chat-batch-size", type=int, default=256, help="max_batch_size (the run's default)")
+    ap.add_argument("--chat-rounds", type=int, default=4, help="rounds per engine, alternating on/off")
+    ap.add_argument("--chat-cache-tokens", type=int, default=32768, help="the cache's token budget")
     ap.add_argument("--json", default="", help="also write the results to this JSON file")
     return ap.parse_args(argv)
 
@@ -270,6 +344,15 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     print(f"RATIO continuous / HF static: {res['ratio_continuous_vs_hf_static']:.2f}x"
           + (f"   (continuous / engine static: {res['ratio_continuous_vs_engine_static']:.2f}x)"
              if "engine_static" in res else ""), flush=True)
+
+    if args.chat_rounds > 0:
+        pc = res["prefix_cache"] = asyncio.run(measure_prefix_cache(model, args))
+        print(f"prefix cache, multi-turn chats ({pc['shape']['groups']}x{pc['shape']['group_size']} chains, "
+              f"{pc['shape']['turns']} turns, {pc['rounds']} rounds each, alternating): CPU per turn "
+              f"on {pc['on']['cpu_ms_per_turn_median']:.2f} ms, off {pc['off']['cpu_ms_per_turn_median']:.2f} ms "
+              f"= {pc['cpu_ratio_off_vs_on']:.2f}x; prefill tokens per turn "
+              f"on {pc['on']['prefill_tokens_per_turn']:.1f}, off {pc['off']['prefill_tokens_per_turn']:.1f}",
+              flush=True)
 
     with tempfile.TemporaryDirectory(prefix="arl-bench-") as tmp:
         paths = [os.path.join(tmp, f"tiny{k}.safetensors") for k in range(2)]

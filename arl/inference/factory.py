@@ -44,7 +44,8 @@ def _torch_engine(model_path: str, inference: InferenceConfig, *, seed: int, ind
     # every eos of the folder (tokenizer + generation config), as SGLang and transformers stop on them all
     engine = TorchEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=stop_token_ids(model_path),
                          max_batch_size=inference.max_batch_size, max_context_len=inference.max_context_len,
-                         device=inference.device, version=0, seed=server_seed(seed, index), name=f"inference{index}")
+                         device=inference.device, version=0, seed=server_seed(seed, index), name=f"inference{index}",
+                         prefix_cache_tokens=inference.torch.prefix_cache_tokens)
     engine.start()
     return engine
 

@@ -17,6 +17,12 @@ Why it is built this way:
   padding compute and a cache concat per step (DynamicCache grows by ``torch.cat``), acceptable for the small
   models and contexts this engine serves; large GPU deployments use the SGLang backend.
 * **n samples share one prefill**: the prompt is run once and its KV rows are repeated n times.
+* **A prefix KV cache** (``prefix_cache_tokens``, `arl.inference.prefix_cache`): a finished sequence's KV is kept
+  (LRU, within a token budget), and a later request whose ids extend it (the next turn of a multi-turn chat: the
+  history, the answer as generated, the feedback) prefills only its new tokens, the cached prefix as the past of
+  that forward; requests of one step with the same ids share one prefill. The cache is cleared at every weight
+  update, and a sequence that lived through one (its KV from two versions) is not stored: a KV is reused only
+  under the weights that computed it, so outputs are those without the cache (up to float rounding).
 * **Behaviour log-probs of the distribution actually sampled**: each token's logprob is taken under the
   distribution it was drawn from: ``logits / T``, then the min-new-tokens mask (stop ids at -inf), then top-k and
   top-p truncation, renormalised. The learner's importance weights divide by this behaviour probability, so it
@@ -54,6 +60,7 @@ from safetensors.torch import load_file
 from transformers import DynamicCache
 
 from arl.api.types import GenerateRequest, GenerateResponse, GenerationConfig, SampleOutput
+from arl.inference.prefix_cache import KV, Entry, PrefixCache, Storage
 from arl.inference.requests import ENGINE_CLOSED, check_limits, check_request, refusal
 from arl.weights.adapter import adapter_expected, is_adapter, merged_weight, split_payload
 
@@ -82,7 +89,7 @@ class _Request:
     """One accepted GenerateRequest: its prompt, sampling parameters and the samples finished so far."""
 
     __slots__ = ("qid", "gconfig", "prompt", "prompt_len", "n", "loop", "future", "samples", "remaining",
-                 "cancelled", "responded", "stop_set", "stop_list")
+                 "cancelled", "responded", "stop_set", "stop_list", "epoch", "source")
 
     def __init__(self, req: GenerateRequest, loop: asyncio.AbstractEventLoop, future: asyncio.Future,
                  eos_token_ids: Sequence[int], vocab_size: int) -> None:
@@ -101,6 +108,8 @@ class _Request:
         self.stop_set: frozenset[int] = frozenset(stops)
         # ids that can actually be sampled (masked while min_new_tokens is not reached)
         self.stop_list: list[int] = sorted(t for t in stops if t < vocab_size)
+        self.epoch = -1  # the engine's weights epoch at this request's prefill (its KV is reusable only under it)
+        self.source: Optional[Entry] = None  # the prefix-cache entry it was prefilled from
 
 
 class _Row:
@@ -143,11 +152,14 @@ class TorchEngine:
         version: initial policy version stamped on generated tokens.
         seed: seed of the sampling generator (runs with the same requests in the same order are reproducible).
         name: used in the decode thread's name and in log lines.
+        prefix_cache_tokens: token budget of the prefix KV cache (`arl.inference.prefix_cache`): a request that
+            extends a finished sequence of the current weights prefills only its new tokens, and requests of one
+            step with the same ids share one prefill; 0 turns both off.
     """
 
     def __init__(self, model: torch.nn.Module, *, pad_token_id: int, eos_token_id: int | Sequence[int] | None,
                  max_batch_size: int = 64, max_context_len: int = 512, device: str = "cpu", version: int = 0,
-                 seed: int = 0, name: str = "engine") -> None:
+                 seed: int = 0, name: str = "engine", prefix_cache_tokens: int = 0) -> None:
         check_limits(max_batch_size, max_context_len)
         _check_attention_supported(getattr(model, "config", None), int(max_context_len))
         self.name = name
@@ -182,6 +194,8 @@ class TorchEngine:
         self._rows: list[_Row] = []
         self._cache: Optional[DynamicCache] = None
         self._mask: Optional[torch.Tensor] = None  # [B, T] long, 1 = real token, 0 = left padding
+        self._prefix: Optional[PrefixCache] = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
+        self._weights_epoch = 0  # bumped by every weight update: KV of an older epoch is never reused
 
         # LoRA (adapter payloads, `arl.weights.adapter`): the base tensor of every weight an adapter was merged
         # into, so each version merges into the base (not into the previous merge) and a full update un-merges
@@ -194,7 +208,7 @@ class TorchEngine:
         # counts loop iterations that ran the model (a decode and/or a prefill).
         self._n: dict[str, Any] = {**dict.fromkeys(("steps", "decode_forwards", "prefill_forwards", "prefill_tokens",
                                                    "tokens_generated", "requests_done", "requests_refused",
-                                                   "requests_failed", "weight_updates"), 0),
+                                                   "requests_failed", "weight_updates", "prefix_store_failed"), 0),
                                    "busy_s": 0.0, "last_update_s": 0.0}
 
     # ------------------------------------------------------------------ public API
@@ -319,7 +333,12 @@ class TorchEngine:
         with self._cv:
             waiting = len(self._waiting)
         rows = list(self._rows)
-        return {"name": self.name, "version": self._version, **self._n, "decode_steps": self._n["steps"],
+        prefix = self._prefix
+        cache_stats = {} if prefix is None else {**prefix.stats, "prefix_cache_tokens": prefix.tokens,
+                                                 "prefix_cache_entries": len(prefix),
+                                                 "prefix_cache_budget": prefix.max_tokens}
+        return {"name": self.name, "version": self._version, **self._n, **cache_stats,
+                "decode_steps": self._n["steps"],
                 "running": len(rows),  # samples (KV rows) in the batch
                 "running_requests": len({id(r.owner) for r in rows}),
                 "waiting": waiting,  # requests not yet admitted
@@ -395,6 +414,9 @@ class TorchEngine:
             _post(loop, fut, exc=e)
             return
         self._version = version
+        self._weights_epoch += 1  # rows in flight keep their KV, but none of it is cached for reuse any more
+        if self._prefix is not None:
+            self._prefix.clear()
         self._n["weight_updates"] += 1
         self._n["last_update_s"] = time.perf_counter() - t0
         logger.info("%s: loaded %d tensors from %s in %.3fs, version %d (%d rows kept in flight)",
@@ -461,26 +483,88 @@ class TorchEngine:
 
     def _prefill_and_join(self, reqs: list[_Request]) -> None:
         dev = self.device
-        lens = [r.prompt_len for r in reqs]
-        ids, mask, position_ids = left_pad([r.prompt for r in reqs], self.pad_token_id, dev)
-        cache = DynamicCache()
-        logits = self._forward(ids, mask, position_ids, cache)
+        # the prompts to prefill: with the prefix cache on, requests of this step with the same ids share one (as
+        # the n samples of one request do), and each starts from the longest prefix the cache holds
+        slot: list[int] = []
+        uniq: list[_Request] = []
+        if self._prefix is None:
+            uniq, slot = reqs, list(range(len(reqs)))
+            matches: list[tuple[Optional[Entry], int]] = [(None, 0)] * len(reqs)
+        else:
+            first: dict[tuple[int, ...], int] = {}
+            for r in reqs:
+                j = first.setdefault(tuple(r.prompt), len(uniq))
+                if j == len(uniq):
+                    uniq.append(r)
+                slot.append(j)
+            matches = [self._prefix.lookup(r.prompt, r.prompt_len - 1) for r in uniq]
+        for r, j in zip(reqs, slot):
+            r.epoch, r.source = self._weights_epoch, matches[j][0]
+        if any(n for _, n in matches):
+            logits, cache, mask = self._prefill_suffixes(uniq, matches)
+        else:
+            lens = [r.prompt_len for r in uniq]
+            ids, mask, position_ids = left_pad([r.prompt for r in uniq], self.pad_token_id, dev)
+            cache = DynamicCache()
+            logits = self._forward(ids, mask, position_ids, cache)
+            if min(lens) < max(lens):  # keep padding KV finite (0 * NaN would leak through the masked attention)
+                pad = ~mask.bool()[:, None, :, None]
+                _map_kv(cache, lambda x: x.masked_fill(pad, 0))
         self._n["prefill_forwards"] += 1
-        self._n["prefill_tokens"] += sum(lens)
-        if min(lens) < max(lens):  # keep padding KV finite (0 * NaN would leak through the masked attention)
-            pad = ~mask.bool()[:, None, :, None]
-            _map_kv(cache, lambda x: x.masked_fill(pad, 0))
-        # n samples: one prefill, KV rows repeated n times
-        counts = [r.n for r in reqs]
-        if any(c > 1 for c in counts):
-            idx = torch.repeat_interleave(torch.arange(len(reqs), device=dev),
-                                          torch.tensor(counts, device=dev))
+        self._n["prefill_tokens"] += sum(r.prompt_len - n for r, (_, n) in zip(uniq, matches))
+        # each request's n samples: KV rows of its prefilled prompt, repeated
+        order = [j for r, j in zip(reqs, slot) for _ in range(r.n)]
+        if order != list(range(len(uniq))):
+            idx = torch.tensor(order, dtype=torch.long, device=dev)
             logits = logits.index_select(0, idx)
             mask = mask.index_select(0, idx)
             _map_kv(cache, lambda x: x.index_select(0, idx))
         rows = [_Row(r, j) for r in reqs for j in range(r.n)]
         self._emit(rows, logits)
         self._join(rows, cache, mask)
+
+    def _prefill_suffixes(self, reqs: list[_Request], matches: list[tuple[Optional[Entry], int]]
+                          ) -> tuple[torch.Tensor, DynamicCache, torch.Tensor]:
+        """One forward over each request's ids past its cached prefix (`matches`: entry and prefix length, 0 for
+        none), the prefixes' KV as the past; returns the last logits and the KV and mask in the batch's layout
+        (each row's tokens contiguous at the right, left-padded)."""
+        dev = self.device
+        m = [n for _, n in matches]
+        width_past = max(m)
+        ids, suffix_mask, suffix_pos = left_pad([r.prompt[n:] for r, n in zip(reqs, m)], self.pad_token_id, dev)
+        width_suffix = ids.shape[1]
+        m_t = torch.tensor(m, dtype=torch.long, device=dev)[:, None]
+        past_mask = (torch.arange(width_past, device=dev)[None, :] >= width_past - m_t).long()
+        # the past: each row's cached prefix right-aligned in width_past columns, zeros before it
+        some = next(e for e, _ in matches if e is not None).kv
+        past: KV = []
+        for layer, (k0, v0) in enumerate(some):
+            keys = k0.new_zeros((len(reqs), k0.shape[1], width_past, k0.shape[3]))
+            values = v0.new_zeros((len(reqs), v0.shape[1], width_past, v0.shape[3]))
+            for i, (entry, n) in enumerate(matches):
+                if entry is not None:
+                    k, v = entry.kv[layer]
+                    keys[i, :, width_past - n:] = k[0, :, :n]
+                    values[i, :, width_past - n:] = v[0, :, :n]
+            past.append((keys, values))
+        cache = DynamicCache(ddp_cache_data=past)
+        logits = self._forward(ids, torch.cat([past_mask, suffix_mask], dim=1), suffix_pos + m_t, cache)
+        # the batch's layout: row i's prefix (columns width_past - m_i ..) and suffix (the last s_i columns) made
+        # contiguous at the right end of max(prompt_len) columns
+        total = torch.tensor([r.prompt_len for r in reqs], dtype=torch.long, device=dev)[:, None]
+        width = int(total.max())
+        t = torch.arange(width, device=dev)[None, :] - (width - total)  # token index of each column (< 0: padding)
+        src = torch.where(t < m_t, width_past - m_t + t, width_past + width_suffix - (total - m_t) + (t - m_t))
+        real = t >= 0
+        src = torch.where(real, src, 0)
+        keep_real = real[:, None, :, None]
+
+        def compact(x: torch.Tensor) -> torch.Tensor:
+            index = src[:, None, :, None].expand(x.shape[0], x.shape[1], width, x.shape[3])
+            return x.gather(2, index).masked_fill(~keep_real, 0)
+
+        _map_kv(cache, compact)
+        return logits, cache, real.long()
 
     def _join(self, rows: list[_Row], cache: DynamicCache, mask: torch.Tensor) -> None:
         """Concatenate the newcomers' KV rows to the running batch (left-padding both to a common length)."""
@@ -507,6 +591,7 @@ class TorchEngine:
         rows = self._rows
         keep: list[int] = []
         done: list[_Request] = []
+        finished: list[int] = []  # rows whose KV the prefix cache may keep
         for i, r in enumerate(rows):
             owner = r.owner
             if owner.cancelled or owner.responded:
@@ -514,17 +599,47 @@ class TorchEngine:
             if r.finish is None:
                 keep.append(i)
                 continue
+            if self._prefix is not None and owner.epoch == self._weights_epoch:
+                finished.append(i)
             owner.samples[r.index] = r.to_sample(r.finish)
             owner.remaining -= 1
             if owner.remaining == 0:
                 owner.responded = True
                 done.append(owner)
+        if finished:
+            self._store(finished)
         if len(keep) != len(rows):
             self._select_rows(keep)
         for owner in done:
             self._n["requests_done"] += 1
             self._outbox.append((owner.loop, owner.future,
                                  GenerateResponse(qid=owner.qid, samples=list(owner.samples))))
+
+    def _store(self, finished: list[int]) -> None:
+        """Keep the KV of the finished rows `finished` (all computed under the current weights) in the prefix
+        cache: one gather per layer for those it does not cover yet, each entry a view of it. A failure here only
+        loses the reuse, never a request."""
+        prefix, cache, mask = self._prefix, self._cache, self._mask
+        assert prefix is not None and cache is not None and mask is not None
+        try:
+            rows = [(i, self._rows[i]) for i in finished]
+            items = [(i, r, r.owner.prompt + r.ids[:-1]) for i, r in rows]
+            items = [(i, r, ids) for i, r, ids in items if not prefix.covers(ids)]
+            if not items:
+                return
+            width = max(len(ids) for _, _, ids in items)
+            idx = torch.tensor([i for i, _, _ in items], dtype=torch.long, device=self.device)
+            start = mask.shape[1] - width
+            block = [(layer.keys[:, :, start:].index_select(0, idx), layer.values[:, :, start:].index_select(0, idx))
+                     for layer in cache.layers]
+            storage = Storage(len(items) * width)
+            for j, (_, r, ids) in enumerate(items):
+                cut = width - len(ids)
+                prefix.insert(ids, [(k[j:j + 1, :, cut:], v[j:j + 1, :, cut:]) for k, v in block], r.owner.source,
+                              storage)
+        except Exception:  # noqa: BLE001
+            logger.exception("%s: storing finished sequences in the prefix cache failed", self.name)
+            self._n["prefix_store_failed"] += 1
 
     def _select_rows(self, keep: list[int]) -> None:
         """Keep only rows `keep` (index-select the batch dim) and trim columns that are padding for every row."""

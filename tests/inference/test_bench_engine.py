@@ -31,11 +31,15 @@ def test_main_runs_on_tiny_sizes(tmp_path):
     threads = torch.get_num_threads()
     try:
         res = bench.main(["--num-requests", "6", "--batch-size", "3", "--max-len", "8", "--hidden", "32",
-                          "--updates", "2", "--qwen", "none", "--json", str(tmp_path / "r.json")])
+                          "--updates", "2", "--qwen", "none", "--chat-groups", "2", "--chat-group-size", "2",
+                          "--chat-rounds", "2", "--json", str(tmp_path / "r.json")])
     finally:
         torch.set_num_threads(threads)
     assert res["continuous"]["tokens"] == res["hf_static"]["tokens"] == res["workload"]["tokens"]
     assert res["ratio_continuous_vs_hf_static"] > 0 and "ratio_continuous_vs_engine_static" in res
     u = res["update_tiny"]
     assert u["requests_lost_or_cut"] == 0 and u["pause_ms_max"] >= 0 and u["updates"] == 2
+    pc = res["prefix_cache"]
+    assert pc["prefix_hits"] > 0 and pc["cpu_ratio_off_vs_on"] > 0
+    assert pc["on"]["prefill_tokens_per_turn"] < pc["off"]["prefill_tokens_per_turn"]
     assert (tmp_path / "r.json").is_file()

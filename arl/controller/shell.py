@@ -89,6 +89,7 @@ class Controller:
         self._lookups: list[bytes] = []
         self._done = asyncio.Event()
         self._failure: Optional[str] = None
+        self._asked_to_exit = False
         self.refuse = Refusals()
         self.control_errors = self.refuse.counts
         self.outcomes = GroupOutcomes(self.admission, self.reporter, self.progress_watch, self.refuse)
@@ -133,6 +134,7 @@ class Controller:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            await self._ask_roles_to_exit()  # they wind down while the report is drawn (seconds, under load)
             self.reporter.write({"type": "summary", **self.accounting()})
             self.reporter.final_report()
         if self._failure:
@@ -141,16 +143,21 @@ class Controller:
 
     async def shutdown(self, grace: float = 5.0) -> None:
         """Ask every role to exit, then make sure it did."""
-        self.launcher.expect_exit()
-        if self.router is not None:
-            for ident in list(self.peers.values()):
-                with contextlib.suppress(Exception):
-                    await self._send(ident, m.Shutdown(reason="run finished"))
+        await self._ask_roles_to_exit()
         if not await asyncio.to_thread(self.launcher.wait_all, grace):
             await asyncio.to_thread(self.launcher.terminate_all, 3.0)
         if self.router is not None:
             self.router.close()
         self.reporter.close()
+
+    async def _ask_roles_to_exit(self) -> None:
+        self.launcher.expect_exit()
+        if self.router is None or self._asked_to_exit:
+            return
+        self._asked_to_exit = True
+        for ident in list(self.peers.values()):
+            with contextlib.suppress(Exception):
+                await self._send(ident, m.Shutdown(reason="run finished"))
 
     def fail(self, message: str) -> None:
         if self._failure is None:

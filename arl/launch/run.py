@@ -186,6 +186,9 @@ def ray_launcher(cfg: ExperimentConfig, run_dir: str, bind_host: str, secret: Op
     return launcher, bind_host, secret or _secrets.token_urlsafe(32).encode("utf-8")
 
 
+INTERRUPT_GRACE_S = 2.0
+
+
 def close_launcher(launcher: Optional[RoleLauncher]) -> None:
     """Release what a launcher holds beyond its processes (the Ray launcher: actors, placement groups, Ray)."""
     if launcher is not None:
@@ -235,8 +238,8 @@ async def _run(cfg: ExperimentConfig, run_dir: str) -> dict:
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
-        try:
-            await ctl.shutdown(grace=5.0)
+        try:  # Ctrl-C: the user is waiting, so roles get 2 s to exit cleanly (not 5) before SIGTERM, SIGKILL 3 s on
+            await ctl.shutdown(grace=INTERRUPT_GRACE_S if interrupted else 5.0)
         finally:
             await asyncio.to_thread(close_launcher, ctl.launcher)
 

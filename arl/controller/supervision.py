@@ -86,6 +86,16 @@ class Decision:
     note: str = ""  # why a restart was refused, for the log
 
 
+def _restart_or_stop(done: int, cap: int, what: str, action: str, registered: bool, spawned: bool) -> Decision:
+    """A process the run restarts (rollout worker, env server, judge worker): restarted under its cap, unless it
+    never registered (a restart would fail the same way) or the launcher did not start it."""
+    if done >= cap:
+        return Decision("fatal", note=f"the run already restarted {done} {what}")
+    if not registered:
+        return Decision("fatal", note="it failed before it registered; not restarting it")
+    return Decision(action if spawned else "fatal", restart=spawned)
+
+
 class Supervisor:
     """Heartbeats, registration deadlines and the restart policy of one run. Pure: `now` comes from the caller.
 
@@ -219,26 +229,15 @@ class Supervisor:
         role had registered, `lost`: inference servers out of the run (`rejoining`: restarted ones not back yet),
         `spawned`: the launcher started it (so it can start it again)."""
         if self.rollout_index(name) is not None and self.restart_rollout:
-            if self.restarts >= self.max_restarts:
-                return Decision("fatal", note=f"the run already restarted {self.restarts} rollout workers "
-                                              f"(max_restarts)")
-            if not registered:  # it failed while starting: a restart would fail the same way
-                return Decision("fatal", note="it failed before it registered; not restarting it")
-            return Decision("restart_rollout" if spawned else "fatal", restart=spawned)
+            return _restart_or_stop(self.restarts, self.max_restarts, "rollout workers (max_restarts)",
+                                    "restart_rollout", registered, spawned)
         if self.env_index(name) is not None:  # an env server: restarted like a rollout worker, under its own cap
-            if self.env_restarts >= self.max_env_restarts:
-                return Decision("fatal", note=f"the run already restarted {self.env_restarts} env servers "
-                                              f"(env.max_restarts)")
-            if not registered:
-                return Decision("fatal", note="it failed before it registered; not restarting it")
-            return Decision("restart_env" if spawned else "fatal", restart=spawned)
+            return _restart_or_stop(self.env_restarts, self.max_env_restarts, "env servers (env.max_restarts)",
+                                    "restart_env", registered, spawned)
         if self.judge_index(name) is not None:  # a judge worker: the same, under judge.inference.max_restarts
-            if self.judge_restarts >= self.max_judge_restarts:
-                return Decision("fatal", note=f"the run already restarted {self.judge_restarts} judge workers "
-                                              f"(judge.inference.max_restarts)")
-            if not registered:
-                return Decision("fatal", note="it failed before it registered; not restarting it")
-            return Decision("restart_env" if spawned else "fatal", restart=spawned)
+            return _restart_or_stop(self.judge_restarts, self.max_judge_restarts,
+                                    "judge workers (judge.inference.max_restarts)", "restart_env", registered,
+                                    spawned)
         hosted = self.servers_of(name)
         remaining = set(range(self.num_inference)) - lost - set(hosted)
         if hosted and self.tolerate_inference_loss and self.all_up:

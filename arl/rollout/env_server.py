@@ -36,6 +36,45 @@ logger = logging.getLogger("arl.env")
 OPS = ("reset", "step", "close")
 
 
+class _DeadlineSweep:
+    """One timer for many calls that share one timeout, so their deadlines come in the order the calls were made
+    (`calls` is insertion-ordered, oldest first): it fires at the oldest call's deadline, hands every call past
+    its own to `expire(key, entry)` (removed from `calls`) and re-arms at the next oldest. Each side of the env
+    wire keeps one, instead of a timer per call."""
+
+    def __init__(self, calls: dict, deadline: Callable[[Any], float], expire: Callable[[Any, Any], None]) -> None:
+        self._calls, self._deadline, self._expire = calls, deadline, expire
+        self._timer: Optional[asyncio.TimerHandle] = None
+
+    def arm(self, loop: asyncio.AbstractEventLoop, deadline: float) -> None:
+        """A call with this deadline was added; arms the timer when none is pending."""
+        if self._timer is None:
+            self._timer = loop.call_at(deadline, self._fire)
+
+    def _fire(self) -> None:
+        self._timer = None
+        loop = asyncio.get_running_loop()
+        now, due, nxt = loop.time(), [], None
+        for key, entry in self._calls.items():
+            if self._deadline(entry) > now:
+                nxt = self._deadline(entry)
+                break
+            due.append(key)
+        for key in due:
+            self._expire(key, self._calls.pop(key))
+        if nxt is not None:
+            self._timer = loop.call_at(nxt, self._fire)
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def forget(self) -> None:
+        """The event loop changed: the pending timer belongs to the old one."""
+        self._timer = None
+
+
 class EnvServerLost(ConnectionError):
     """The env server that held this session was lost (died, hung, restarted): the episode is gone."""
 
@@ -84,7 +123,7 @@ class EnvServer:
         self.stats: collections.Counter = collections.Counter()
         # env calls in flight, oldest first -> (deadline on the loop's clock, ident, rid, sid, op, session)
         self._tasks: dict[asyncio.Future, tuple] = {}
-        self._sweep: Optional[asyncio.TimerHandle] = None  # fires at the oldest call's deadline
+        self._sweep = _DeadlineSweep(self._tasks, lambda entry: entry[0], self._expire)
         self._outbox: dict[bytes, list[dict]] = {}  # peer -> replies of this loop iteration
         self._flush_handle: Optional[asyncio.Handle] = None
         self._slow: set[asyncio.Task] = set()  # rare paths that await (closing a timed-out session)
@@ -181,8 +220,7 @@ class EnvServer:
         loop = task.get_loop()
         deadline = loop.time() + self.call_timeout
         self._tasks[task] = (deadline, ident, rid, sid, op, session)
-        if self._sweep is None:
-            self._sweep = loop.call_at(deadline, self._expire_due)
+        self._sweep.arm(loop, deadline)
         task.add_done_callback(self._done)
 
     def _done(self, task: asyncio.Future) -> None:
@@ -203,22 +241,6 @@ class EnvServer:
             return self._reply(ident, rid, ok=False, kind="error", error=f"{type(e).__name__}: {e}")
         value = task.result()
         self._reply(ident, rid, ok=True, value=list(value) if isinstance(value, tuple) else value)
-
-    def _expire_due(self) -> None:
-        """The oldest call's deadline: expire every call past its own (they are in the order they came), then wait
-        for the next oldest."""
-        self._sweep = None
-        loop = asyncio.get_running_loop()
-        now, due, nxt = loop.time(), [], None
-        for task, entry in self._tasks.items():
-            if entry[0] > now:
-                nxt = entry[0]
-                break
-            due.append(task)
-        for task in due:
-            self._expire(task, self._tasks.pop(task))
-        if nxt is not None:
-            self._sweep = loop.call_at(nxt, self._expire_due)
 
     def _expire(self, task: asyncio.Future, entry: tuple) -> None:
         """A call ran past `call_timeout`: cancel and abandon it, close its session, answer "timeout"."""
@@ -259,9 +281,7 @@ class EnvServer:
                 "waiting_on": f"{len(self._tasks)} env calls in flight over {len(self.sessions)} sessions"}
 
     async def close(self) -> None:
-        if self._sweep is not None:
-            self._sweep.cancel()
-            self._sweep = None
+        self._sweep.cancel()
         if self._flush_handle is not None:
             self._flush_handle.cancel()
             self._flush()
@@ -276,6 +296,13 @@ class EnvServer:
 
 
 _TIMEOUT = object()  # what a call's future holds when its time ran out
+
+
+def _time_out(rid: int, entry: tuple) -> None:
+    """The client's sweep: a call past its deadline gets _TIMEOUT (unless its reply came first)."""
+    fut = entry[0]
+    if not fut.done():
+        fut.set_result(_TIMEOUT)
 
 
 class EnvServerClient:
@@ -294,7 +321,7 @@ class EnvServerClient:
         self._pending: dict[int, tuple[asyncio.Future, int, float]] = {}
         self._outbox: dict[int, list[dict]] = {}  # server -> calls of this loop iteration
         self._flush_handle: Optional[asyncio.Handle] = None
-        self._sweep: Optional[asyncio.TimerHandle] = None
+        self._sweep = _DeadlineSweep(self._pending, lambda entry: entry[2], _time_out)
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._rids = itertools.count(1)
         self._readers: dict[int, asyncio.Task] = {}
@@ -365,30 +392,14 @@ class EnvServerClient:
         except ConnectionError as e:  # the dealer was closed (SocketClosed)
             self._fail(calls, e)
 
-    def _expire_due(self) -> None:
-        """The oldest call's deadline: every call past its own gets _TIMEOUT, then wait for the next oldest."""
-        self._sweep = None
-        loop = asyncio.get_running_loop()
-        now, due, nxt = loop.time(), [], None
-        for rid, entry in self._pending.items():
-            if entry[2] > now:
-                nxt = entry[2]
-                break
-            due.append(rid)
-        for rid in due:
-            fut = self._pending.pop(rid)[0]
-            if not fut.done():
-                fut.set_result(_TIMEOUT)
-        if nxt is not None:
-            self._sweep = loop.call_at(nxt, self._expire_due)
-
     async def call(self, server: int, payload: dict) -> Any:
         dealer = self.dealers[server]
         if dealer is None:
             raise EnvServerLost(f"env server {server} was lost")
         loop = asyncio.get_running_loop()
         if self._loop is not loop:  # first call, or this client moved to another event loop: no handle carries over
-            self._loop, self._flush_handle, self._sweep = loop, None, None
+            self._loop, self._flush_handle = loop, None
+            self._sweep.forget()
             self._outbox.clear()
         rid = next(self._rids)
         fut: asyncio.Future = loop.create_future()
@@ -403,8 +414,7 @@ class EnvServerClient:
             self._send(server, self._outbox.pop(server))
         elif self._flush_handle is None:
             self._flush_handle = loop.call_soon(self._flush)
-        if self._sweep is None:
-            self._sweep = loop.call_at(deadline, self._expire_due)
+        self._sweep.arm(loop, deadline)
         try:
             reply = await fut
         finally:
@@ -447,9 +457,7 @@ class EnvServerClient:
         if self._flush_handle is not None:  # calls made just before close still go (their callers wait on them)
             self._flush_handle.cancel()
             self._flush()
-        if self._sweep is not None:
-            self._sweep.cancel()
-            self._sweep = None
+        self._sweep.cancel()
         for t in self._readers.values():
             t.cancel()
         await asyncio.gather(*self._readers.values(), return_exceptions=True)

@@ -391,6 +391,8 @@ class DeepSpeedConfig:
     packing: bool = field(True, "Pack sequences without padding into micro-batches (false: right padding).")
     packed_attention: PackedAttention = field(PackedAttention.varlen, "Packed rows: 'varlen' (per-sequence SDPA) or "
                                                                       "'mask' (transformers' block-diagonal mask).")
+    share_prefixes: bool = field(True, "Packed varlen rows run each prefix their sequences share once (a group's "
+                                       "chains: the prompt, often the first turns); same logits and gradients.")
 
     def __post_init__(self) -> None:
         self.packed_attention = PackedAttention(self.packed_attention)

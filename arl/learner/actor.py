@@ -23,7 +23,7 @@ import dataclasses
 import functools
 import math
 import time
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -56,16 +56,26 @@ METRIC_KEYS = ("loss", "reward_mean", "reward_std", "adv_abs_mean", "clip_frac",
                "stale_token_frac", "pad_frac")
 
 
-def split_minibatches(lengths: Sequence[int], k: int) -> list[list[int]]:
+def split_minibatches(lengths: Sequence[int], k: int, groups: Optional[Sequence[object]] = None) -> list[list[int]]:
     """Indices of `lengths` in `min(k, n)` minibatches of nearly equal token counts (longest first onto the
-    lightest; each list in arrival order). Deterministic, so a resumed run splits the same way."""
+    lightest; each list in arrival order). Deterministic, so a resumed run splits the same way. With ``groups``
+    (one id per sequence) and at least ``k`` of them, whole groups are placed: a group's sequences share prefixes
+    the engine computes once per micro-batch (`DeepSpeedEngine.share_prefixes`)."""
     k = max(1, min(int(k), len(lengths)))
+    units: list[list[int]] = [[i] for i in range(len(lengths))]
+    if groups is not None:
+        members: dict[object, list[int]] = {}
+        for i, g in enumerate(groups):
+            members.setdefault(g, []).append(i)
+        if len(members) >= k:
+            units = list(members.values())
+    sizes = [sum(lengths[i] for i in u) for u in units]
     loads = [0] * k
     parts: list[list[int]] = [[] for _ in range(k)]
-    for i in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
+    for u in sorted(range(len(units)), key=lambda j: (-sizes[j], units[j][0])):
         b = min(range(k), key=lambda m: (loads[m], m))
-        parts[b].append(i)
-        loads[b] += lengths[i]
+        parts[b].extend(units[u])
+        loads[b] += sizes[u]
     return [sorted(p) for p in parts]
 
 
@@ -106,6 +116,8 @@ class PPOActor:
         self.ppo = ppo
         self.temperature = float(temperature)
         self.staleness = staleness
+        # whole groups per minibatch where the engine computes a group's shared prefixes once per micro-batch
+        self.group_minibatches = bool(getattr(engine, "share_prefixes", False))
 
     @property
     def version(self) -> int:
@@ -156,7 +168,8 @@ class PPOActor:
         n_mini = ppo.minibatches
         if n_mini > 1:  # every rank splits into the same number, and no minibatch is empty on any rank
             n_mini = min(n_mini, int(-self.engine.all_reduce([-float(len(out))], op="max")[0]))
-        parts = split_minibatches([len(t.input_ids) for t in out], n_mini)
+        groups = [t.group_id for t in out] if self.group_minibatches else None
+        parts = split_minibatches([len(t.input_ids) for t in out], n_mini, groups)
         own = bool(getattr(self.engine, "prox_from_update", False)) and not ppo.naive_ppo
         return PPOBatch(list(trajs), data, parts, v, stats, timer, prox_from_update=own)
 

@@ -30,7 +30,7 @@ import torch
 from arl.api.types import Trajectory
 
 __all__ = ["PER_TOKEN", "MicroBatch", "split_by_token_budget", "collate_padded", "build_micro_batches",
-           "pack_by_token_budget", "collate_packed", "build_packed_micro_batches"]
+           "pack_by_token_budget", "collate_packed", "build_packed_micro_batches", "prefix_tree", "pack_groups"]
 
 
 PER_TOKEN = ("token_weights", "prox_logp", "ref_logp")  # optional float per-token fields of a MicroBatch
@@ -51,6 +51,12 @@ class MicroBatch:
     lengths, the flash-attention varlen convention). Optional float32 per-token tensors (same shape as
     ``loss_mask``, 0 off it; `PER_TOKEN`): ``token_weights`` (loss multipliers: sequence-level aggregation,
     staleness down-weighting), ``prox_logp`` and ``ref_logp`` (proximal and reference logprobs).
+
+    Packed rows with shared prefixes (``collate_packed(..., share_prefixes=True)``) also carry the row's prefix
+    tree: the model runs on its ``N`` nodes (``node_ids``, ``node_position_ids`` long [1, N]: each distinct prefix
+    once, at its depth), ``node_index`` long [L] maps every row position to its node (logits are gathered back to
+    the row layout, so the loss reads them as for a plain packed row) and ``node_owned`` long [n_seqs] counts the
+    nodes each sequence adds (the last ``node_owned[i]`` of its path, in node order; see `prefix_tree`).
     """
 
     input_ids: torch.Tensor
@@ -66,10 +72,23 @@ class MicroBatch:
     token_weights: Optional[torch.Tensor] = None
     prox_logp: Optional[torch.Tensor] = None
     ref_logp: Optional[torch.Tensor] = None
+    node_ids: Optional[torch.Tensor] = None
+    node_position_ids: Optional[torch.Tensor] = None
+    node_index: Optional[torch.Tensor] = None
+    node_owned: Optional[torch.Tensor] = None
 
     @property
     def packed(self) -> bool:
         return self.cu_seqlens is not None
+
+    @property
+    def shares_prefixes(self) -> bool:
+        return self.node_ids is not None
+
+    @property
+    def computed_tokens(self) -> int:
+        """Positions the model runs on: the prefix tree's nodes, or every (padded) position."""
+        return int(self.node_ids.shape[1]) if self.node_ids is not None else self.padded_tokens
 
     @property
     def real_tokens(self) -> int:
@@ -80,10 +99,11 @@ class MicroBatch:
         does the same number of backward passes)."""
         n = int(self.seq_lens[0])
         cut = (lambda x: x[:, :n]) if self.packed else (lambda x: x[:1])
-        rows = {f.name: cut(v) for f in dataclasses.fields(self)
-                if f.name not in ("seq_lens", "indices", "cu_seqlens") and (v := getattr(self, f.name)) is not None}
+        tree = ("node_ids", "node_position_ids", "node_index", "node_owned")  # the first sequence, as a plain row
+        rows = {f.name: cut(v) for f in dataclasses.fields(self) if f.name not in ("seq_lens", "indices", "cu_seqlens")
+                and f.name not in tree and (v := getattr(self, f.name)) is not None}
         rows["loss_mask"] = torch.zeros_like(rows["loss_mask"])
-        return dataclasses.replace(self, **rows, seq_lens=self.seq_lens[:1], indices=[],
+        return dataclasses.replace(self, **rows, **dict.fromkeys(tree), seq_lens=self.seq_lens[:1], indices=[],
                                    cu_seqlens=None if self.cu_seqlens is None else self.cu_seqlens[:2])
 
     @property
@@ -167,6 +187,47 @@ def pack_by_token_budget(lengths: Sequence[int], max_tokens_per_mb: int) -> list
     return [sorted(b) for b in bins]
 
 
+def pack_groups(lengths: Sequence[int], groups: Sequence[object], max_tokens_per_mb: int) -> list[list[int]]:
+    """`pack_by_token_budget` over whole groups (``lengths[i]`` summed per ``groups[i]``): the sequences that share
+    prefixes (a prompt's chains) land in one row, where `prefix_tree` computes their common prefixes once. A group
+    over the budget is packed sequence by sequence. Same guarantees: every index once, ascending within a bin."""
+    members: dict[object, list[int]] = {}
+    for i, g in enumerate(groups):
+        members.setdefault(g, []).append(i)
+    units = [m for m in members.values() if sum(max(int(lengths[i]), 1) for i in m) <= max_tokens_per_mb]
+    units += [[i] for m in members.values() if sum(max(int(lengths[i]), 1) for i in m) > max_tokens_per_mb for i in m]
+    sizes = [sum(max(int(lengths[i]), 1) for i in u) for u in units]
+    return [sorted(i for u in b for i in units[u]) for b in pack_by_token_budget(sizes, max_tokens_per_mb)]
+
+
+def prefix_tree(seqs: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The prefix tree of ``seqs``, nodes numbered in the order sequences first reach them.
+
+    Returns ``(node_ids, node_depth, node_index, owned)``: the token and depth of every node, the node of every
+    position of the concatenated sequences, and how many nodes each sequence adds. A sequence's new nodes are the
+    last ``owned[i]`` of its path (once it leaves the tree, every later prefix is new) and are numbered
+    consecutively, so the sequences' own nodes, in order, are all the nodes in order."""
+    children: dict[tuple[int, int], int] = {}
+    tokens: list[int] = []
+    index = np.empty(sum(len(s) for s in seqs), np.int64)
+    owned = np.zeros(len(seqs), np.int64)
+    at = 0
+    for i, seq in enumerate(seqs):
+        node, before = -1, len(tokens)
+        for tok in seq.tolist():
+            nxt = children.get((node, tok))
+            if nxt is None:
+                nxt = children[(node, tok)] = len(tokens)
+                tokens.append(tok)
+            index[at] = node = nxt
+            at += 1
+        owned[i] = len(tokens) - before
+    depth = np.concatenate([np.arange(len(s)) for s in seqs]) if len(seqs) else np.zeros(0, np.int64)
+    node_depth = np.zeros(len(tokens), np.int64)
+    node_depth[index] = depth
+    return np.array(tokens, np.int64), node_depth, index, owned
+
+
 def _columns(
     trajs: Sequence[Trajectory],
     idx: list[int],
@@ -233,10 +294,13 @@ def collate_packed(
     trajs: Sequence[Trajectory],
     indices: Sequence[int],
     advantages: Sequence[float | np.ndarray],
+    *,
+    share_prefixes: bool = False,
     **per_token: Optional[Sequence[float | np.ndarray]],
 ) -> MicroBatch:
     """Concatenate ``trajs[i] for i in indices`` into one padding-free row (see `MicroBatch`). Per-token values
-    follow `collate_padded`; the first token of every sequence is out of the loss."""
+    follow `collate_padded`; the first token of every sequence is out of the loss. ``share_prefixes``: attach the
+    row's prefix tree (`prefix_tree`), when it has fewer nodes than the row has tokens."""
     idx = list(indices)
     cols, lens = _columns(trajs, idx, advantages, per_token)
     if lens.min() < 1:
@@ -244,7 +308,13 @@ def collate_packed(
     cu = np.zeros(len(lens) + 1, np.int32)
     cu[1:] = np.cumsum(lens)
     cols["position_ids"] = np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(cu[:-1].astype(np.int64), lens)
-    return MicroBatch(**{k: torch.from_numpy(v).unsqueeze(0) for k, v in cols.items()},
+    tree: dict[str, torch.Tensor] = {}
+    if share_prefixes and len(idx) > 1:
+        ids, depth, index, owned = prefix_tree(np.split(cols["input_ids"], cu[1:-1]))
+        if len(ids) < len(index):
+            tree = {"node_ids": torch.from_numpy(ids).unsqueeze(0), "node_position_ids": torch.from_numpy(depth).unsqueeze(0),
+                    "node_index": torch.from_numpy(index), "node_owned": torch.from_numpy(owned)}
+    return MicroBatch(**{k: torch.from_numpy(v).unsqueeze(0) for k, v in cols.items()}, **tree,
                       attention_mask=None, seq_lens=torch.from_numpy(lens), indices=idx, cu_seqlens=torch.from_numpy(cu))
 
 
@@ -254,11 +324,13 @@ def build_micro_batches(
     advantages: Optional[Sequence[float | np.ndarray]] = None,
     *,
     packed: bool = False,
+    share_prefixes: bool = False,
     pad_token_id: int = 0,
     **per_token: Optional[Sequence[float | np.ndarray]],
 ) -> list[MicroBatch]:
     """Split ``trajs`` by token budget and collate each group (see module doc), right-padded or, with ``packed``,
-    bin-packed into padding-free rows. ``advantages`` defaults to 0."""
+    bin-packed into padding-free rows. ``advantages`` defaults to 0. ``share_prefixes`` (packed only): a group's
+    sequences (``group_id``) go into one row, with the row's prefix tree (`collate_packed`)."""
     if advantages is None:
         advantages = [0.0] * len(trajs)
     for k, v in {"advantages": advantages, **per_token}.items():
@@ -267,6 +339,9 @@ def build_micro_batches(
         if v is not None and len(v) != len(trajs):
             raise ValueError(f"{len(v)} {k} entries for {len(trajs)} trajectories")
     lengths = [len(t.input_ids) for t in trajs]
+    if packed and share_prefixes:
+        return [collate_packed(trajs, b, advantages, share_prefixes=True, **per_token)
+                for b in pack_groups(lengths, [t.group_id for t in trajs], max_tokens_per_mb)]
     if packed:
         return [collate_packed(trajs, b, advantages, **per_token)
                 for b in pack_by_token_budget(lengths, max_tokens_per_mb)]

@@ -49,7 +49,7 @@ from arl.api.engine import LossFn, LossWeightFn, TrainBatch
 from arl.config import DeepSpeedConfig, LoraConfig, LRSchedule, OptimizerConfig, PackedAttention
 from arl.learner.batching import MicroBatch, build_micro_batches
 from arl.learner.checkpoint import CHECKPOINT_STATE_FILE, replacing_file
-from arl.learner.packing import enable_varlen_attention, packed_forward_kwargs
+from arl.learner.packing import VARLEN_ATTENTION, enable_varlen_attention, packed_forward_kwargs
 from arl.learner.ppo import token_logprobs
 from arl.utils.net import free_port
 
@@ -186,8 +186,10 @@ class DeepSpeedEngine:
         self.cfg = deepspeed  # the section checked its own fields
         lr_fn = lr_lambda(optimizer.lr_schedule, optimizer.warmup_steps, total_optimizer_steps, optimizer.min_lr_ratio)
         self.version = int(version)
+        # a prefix tree needs the per-sequence attention of `arl.learner.packing` (flash attention keeps its own)
+        self.share_prefixes = False
         if deepspeed.packing and deepspeed.packed_attention == PackedAttention.varlen:
-            enable_varlen_attention(model)
+            self.share_prefixes = enable_varlen_attention(model) == VARLEN_ATTENTION and deepspeed.share_prefixes
         self.lora = lora is not None and lora.rank > 0
         if self.lora:
             from arl.learner.lora import wrap_lora
@@ -265,7 +267,7 @@ class DeepSpeedEngine:
         per_token = dict(batch.fields)
         adv = per_token.pop("advantages", None)
         built = build_micro_batches(batch.trajs, self.cfg.max_tokens_per_mb, adv, packed=self.cfg.packing,
-                                    pad_token_id=self.pad_token_id, **per_token)
+                                    share_prefixes=self.share_prefixes, pad_token_id=self.pad_token_id, **per_token)
         return [mb.to(self.device) for mb in built]
 
     def _equal_counts(self, mbs: list[MicroBatch]) -> list[MicroBatch]:
@@ -282,6 +284,9 @@ class DeepSpeedEngine:
             if self.cfg.packed_attention == PackedAttention.mask:  # transformers detects the restarts of position_ids
                 kw = {k: kw[k] for k in ("input_ids", "position_ids", "attention_mask")}
             out = module(**kw, use_cache=False)  # a cache would switch off transformers' packed detection
+            if mb.shares_prefixes:  # the tree's logits, back in the row's layout (a node's, at each of its positions)
+                logits = out.logits if hasattr(out, "logits") else out[0]
+                return logits.index_select(1, mb.node_index)
         else:
             # Right padding under a causal mask: no real token attends to a padding key (they all come after it),
             # so the padding mask changes nothing the loss or the logprobs read, while passing it makes transformers

@@ -13,6 +13,13 @@ How transformers 5 supports packed rows, and what this module adds:
   is ``sum(L_i^2)`` as in varlen flash attention, on any device. Its mask function returns None when there is no
   padding mask (nothing to materialise) and defers to the sdpa mask otherwise, so padded batches still work.
 
+Rows with shared prefixes (`MicroBatch.shares_prefixes`: a GRPO group's chains share their prompt and often their
+first turns) run the model on the row's prefix tree instead: each distinct prefix once, at its depth. The attention
+function gets ``arl_prefix_tree`` (`packed_forward_kwargs`): per sequence, its own nodes' queries attend to the keys
+of its ancestors and of its own nodes (every path gathered in one call per layer), causally (lower-right aligned). Every
+sequence sees exactly the keys it would see alone, so logits and gradients are the plain packed row's (up to float
+summation order: a shared node's gradient is the sum over the sequences that read it).
+
 `enable_varlen_attention(model)` switches a model whose implementation is sdpa or eager to ``arl_varlen`` (flash
 attention models keep theirs: they already read ``cu_seq_lens_*``). `packed_forward_kwargs(mb)` builds the model
 keyword arguments for a packed `MicroBatch`. The attention implementation is a runtime setting, not saved by
@@ -21,6 +28,7 @@ keyword arguments for a packed `MicroBatch`. The attention implementation is a r
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import torch
@@ -46,6 +54,9 @@ def _varlen_attention(
     functions: query ``[B, H, T, D]`` in, ``[B, T, H, D]`` out."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    tree = kwargs.pop("arl_prefix_tree", None)
+    if tree is not None and query.shape[0] == 1 and attention_mask is None:
+        return _tree_attention(module, query, key, value, tree, dropout=dropout, scaling=scaling, **kwargs), None
     cu = kwargs.pop("cu_seq_lens_q", None)
     for k in ("cu_seq_lens_k", "max_length_q", "max_length_k"):
         kwargs.pop(k, None)
@@ -66,6 +77,38 @@ def _varlen_attention(
                                       **kwargs)
         outs.append(o)
     return torch.cat(outs, dim=1), None
+
+
+@functools.lru_cache(maxsize=512)
+def _lower_right_causal(q_len: int, n_before: int, device: torch.device) -> torch.Tensor:
+    """``[1, 1, q_len, n_before + q_len]``: query ``j`` sees the ``n_before`` earlier keys and its own first ``j + 1``."""
+    return (torch.arange(n_before + q_len, device=device)[None, :]
+            <= n_before + torch.arange(q_len, device=device)[:, None])[None, None]
+
+
+def _tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    tree: tuple[list[int], torch.Tensor, list[int]], **kwargs: Any) -> torch.Tensor:
+    """Attention over a prefix tree's nodes (see the module doc): ``tree = (owned, paths, lengths)``, per sequence
+    the number of nodes it adds, every sequence's path (its node at each position, concatenated) and its length.
+    Shapes as `_varlen_attention`."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    owned, paths, lengths = tree
+    for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "is_causal"):
+        kwargs.pop(k, None)
+    # one gather per layer of every sequence's keys and values along its path: one scatter-add in the backward,
+    # no per-sequence concatenation
+    k_paths = key.index_select(2, paths).split(lengths, dim=2)
+    v_paths = value.index_select(2, paths).split(lengths, dim=2)
+    outs = []
+    for q, k, v in zip(query.split(owned, dim=2), k_paths, v_paths):
+        n_q, n_k = q.shape[2], k.shape[2]
+        if n_q == 0:  # a sequence that is a prefix of an earlier one: nothing of its own to compute
+            continue
+        mask = None if n_q == n_k else _lower_right_causal(n_q, n_k - n_q, q.device)
+        o, _ = sdpa_attention_forward(module, q, k, v, mask, is_causal=mask is None, **kwargs)
+        outs.append(o)
+    return torch.cat(outs, dim=1)
 
 
 def _varlen_mask(*args: Any, **kwargs: Any) -> Optional[torch.Tensor]:
@@ -105,6 +148,10 @@ def packed_forward_kwargs(mb: MicroBatch) -> dict[str, Any]:
     """Model keyword arguments for a packed micro-batch: restarting ``position_ids``, no attention mask, and the
     flash-attention varlen metadata (read by ``arl_varlen`` and by flash attention)."""
     assert mb.packed and mb.position_ids is not None and mb.cu_seqlens is not None
+    if mb.shares_prefixes:
+        assert mb.node_index is not None and mb.node_owned is not None
+        return {"input_ids": mb.node_ids, "position_ids": mb.node_position_ids, "attention_mask": None,
+                "arl_prefix_tree": (mb.node_owned.tolist(), mb.node_index, mb.seq_lens.tolist())}
     cu = mb.cu_seqlens.to(device=mb.input_ids.device, dtype=torch.int32)
     max_len = int(mb.seq_lens.max())
     return {

@@ -63,7 +63,8 @@ def test_minibatch_steps_equal_sequential_steps_on_the_parts():
     by_id = {id(t): v for t, v in zip(trajs, adv)}
     b.advantages = lambda bt: ([by_id[id(t)] for t in bt], 0)
     a.step(trajs)
-    for part in split_minibatches([len(t.input_ids) for t in trajs], 2):
+    assert a.group_minibatches  # whole groups per minibatch (the engine shares their prefixes)
+    for part in split_minibatches([len(t.input_ids) for t in trajs], 2, [t.group_id for t in trajs]):
         b.step([trajs[i] for i in part])
     wa, wb = a.engine.module.state_dict(), b.engine.module.state_dict()
     moved = False

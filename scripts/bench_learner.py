@@ -40,6 +40,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from arl.api.engine import TrainBatch  # noqa: E402
 from arl.api.types import Trajectory  # noqa: E402
 
 
@@ -236,10 +237,13 @@ def layout_work(lengths: np.ndarray, budget: int, minibatches: int = 1) -> dict[
 
 
 def default_run_batch(seed: int = 0, groups: int = 16, group_size: int = 8, p_correct: float = 0.45,
-                      turns: int = 3) -> list[Trajectory]:
+                      turns: int = 3, wrong_answers: int = 5) -> list[Trajectory]:
     """A batch shaped like the default run's: a+b prompts rendered by the tiny tokenizer's chat template, up to
     ``turns`` answers of the right length with the math agent's feedback turn between them, a turn correct with
-    probability ``p_correct`` (greedy accuracy at the start of RL is ~0.3-0.45)."""
+    probability ``p_correct`` (greedy accuracy at the start of RL is ~0.3-0.45). A wrong turn is one of
+    ``wrong_answers`` answers per prompt: a policy puts its mass on a few wrong answers, so a group's chains share
+    their first turns as often as in the run (its batches' prefix trees hold 1.57-1.83x fewer positions than their
+    tokens, 1.69x over the whole run, from the traces of a default run; this batch: ~1.7x)."""
     from arl.agents.common import encode_chat
     from arl.agents.math_multi_turn import DEFAULT_FEEDBACK
     from arl.data.arith import make_arith_splits
@@ -253,19 +257,24 @@ def default_run_batch(seed: int = 0, groups: int = 16, group_size: int = 8, p_co
     for g in range(groups):
         row = rows[int(rng.integers(len(rows)))]
         prompt = encode_chat(tok, [{"role": "user", "content": row["prompt"]}])
+        right = tok(row["answer"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        wrong = [list(rng.integers(5, len(tok), size=len(row["answer"]))) + [tok.eos_token_id]
+                 for _ in range(wrong_answers)]
         for k in range(group_size):
             ids, mask = list(prompt), [0] * len(prompt)
             for turn in range(turns):
-                answer = list(rng.integers(5, len(tok), size=len(row["answer"]))) + [tok.eos_token_id]
+                correct = rng.random() < p_correct
+                answer = right if correct else wrong[int(rng.integers(len(wrong)))]
                 ids, mask = ids + answer, mask + [1] * len(answer)
-                if rng.random() < p_correct or turn == turns - 1:
+                if correct or turn == turns - 1:
                     break
                 ids, mask = ids + feedback, mask + [0] * len(feedback)
             m = np.array(mask)
             lp = np.where(m > 0, -0.7 + rng.normal(0, 0.3, len(m)), 0.0)
             # the group's id, shared by its 8 chains: the group-normalised advantages are not all zero (as they
             # were with an id per trajectory), so the loss, its gradient and the clip are the run's
-            out.append(Trajectory(np.array(ids), m, lp, np.where(m > 0, 0, -1), float(rng.random() < 0.5), f"g{g}"))
+            reward = float(ids[-len(right):] == right)
+            out.append(Trajectory(np.array(ids), m, lp, np.where(m > 0, 0, -1), reward, f"g{g}"))
     return out
 
 
@@ -278,6 +287,15 @@ def forward_flops(model: torch.nn.Module, lengths: Sequence[int]) -> float:
     pairs = float(sum(n * (n + 1) / 2 for n in lengths))
     attention = 2 * 2 * pairs * cfg.hidden_size * cfg.num_hidden_layers
     return 2 * linear * tokens + attention
+
+
+def tree_forward_flops(model: torch.nn.Module, owned: Sequence[int], lengths: Sequence[int]) -> float:
+    """`forward_flops` of a prefix-tree row: the linear layers on its nodes only; each sequence's own nodes attend
+    to its whole path (its ancestors and the own nodes before them)."""
+    cfg = model.config
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    pairs = float(sum(o * (n - o) + o * (o + 1) / 2 for o, n in zip(owned, lengths)))
+    return 2 * linear * float(sum(owned)) + 2 * 2 * pairs * cfg.hidden_size * cfg.num_hidden_layers
 
 
 def matmul_rate(rows: int, hidden: int, inner: int, repeats: int = 50) -> float:
@@ -293,8 +311,9 @@ def matmul_rate(rows: int, hidden: int, inner: int, repeats: int = 50) -> float:
 
 
 def default_step(repeats: int) -> dict[str, Any]:
-    """The default run's learner step (its model shape, DeepSpeed and PPO settings: 4 minibatches) on
-    `default_run_batch`: seconds per step against the FLOP time of its work at the measured matmul rate."""
+    """The default run's learner step (its model shape, DeepSpeed and PPO settings: 4 minibatches, prefix sharing)
+    on `default_run_batch`, side by side with the same step on plain packed rows (``share_prefixes=False``):
+    seconds per step against the FLOP time of each one's work at the measured matmul rate."""
     from arl.api.staleness import StalenessPolicy
     from arl.config import DeepSpeedConfig, OptimizerConfig, PPOConfig
     from arl.learner.actor import PPOActor
@@ -303,19 +322,57 @@ def default_step(repeats: int) -> dict[str, Any]:
 
     model = build_tiny_model(len(build_char_tokenizer()))
     batches = [default_run_batch(seed) for seed in range(4)]
+    actors = {name: PPOActor(DeepSpeedEngine(copy.deepcopy(model), OptimizerConfig(),
+                                             DeepSpeedConfig(share_prefixes=name == "shared")),
+                             PPOConfig(), staleness=StalenessPolicy(2)) for name in ("shared", "plain")}
+    # the work: per minibatch, every linear layer on every position the model runs, plus causal attention (a tree
+    # node attends to its path), four times (proximal recompute, update forward, backward x 2)
+    actor = actors["shared"]
+    parts = actor.prepare(batches[0]).minibatches
+    work = {"plain": 0.0, "shared": 0.0}
+    for part in parts:
+        trajs = [batches[0][i] for i in part]
+        work["plain"] += 4 * forward_flops(model, [len(t.input_ids) for t in trajs])
+        mbs = actor.engine._micro_batches(TrainBatch(trajs))
+        work["shared"] += 4 * sum(tree_forward_flops(model, mb.node_owned.tolist(), mb.seq_lens.tolist())
+                                  if mb.shares_prefixes else forward_flops(model, mb.seq_lens.tolist()) for mb in mbs)
+    positions = sum(mb.computed_tokens for part in parts
+                    for mb in actor.engine._micro_batches(TrainBatch([batches[0][i] for i in part])))
+    steps = {name: iter(range(1 << 30)) for name in actors}
+    clip: dict[str, list[float]] = {name: [] for name in actors}
+
+    def one(name: str) -> Callable[[], Any]:
+        return lambda: clip[name].append(actors[name].step(batches[next(steps[name]) % len(batches)])["clip_frac"])
+
+    times = alternate({name: timed(one(name)) for name in actors}, repeats)
     lens = [len(t.input_ids) for t in batches[0]]
-    flops = 4 * forward_flops(model, lens)  # proximal recompute + update forward + backward (2x)
-    actor = PPOActor(DeepSpeedEngine(model, OptimizerConfig(), DeepSpeedConfig()), PPOConfig(),
-                     staleness=StalenessPolicy(2))
-    steps = iter(range(1 << 30))
-    clip: list[float] = []
-    times = alternate({"step": timed(lambda: clip.append(actor.step(batches[next(steps) % len(batches)])["clip_frac"]))},
-                      repeats)["step"]
     cfg = model.config
     rate = matmul_rate(sum(lens) // PPOConfig().minibatches, cfg.hidden_size, cfg.intermediate_size)
-    return {"tokens": sum(lens), "loss_tokens": int(sum(t.loss_mask.sum() for t in batches[0])), "flops": flops,
-            "matmul_flops_per_s": rate, "cpu": statistics.median(times["cpu"]),
-            "wall": statistics.median(times["wall"]), "clip_frac": statistics.fmean(clip)}
+    return {"tokens": sum(lens), "positions": positions, "loss_tokens": int(sum(t.loss_mask.sum() for t in batches[0])),
+            "flops": work["shared"], "flops_plain": work["plain"], "matmul_flops_per_s": rate,
+            "cpu": statistics.median(times["shared"]["cpu"]), "wall": statistics.median(times["shared"]["wall"]),
+            "cpu_plain": statistics.median(times["plain"]["cpu"]), "wall_plain": statistics.median(times["plain"]["wall"]),
+            "clip_frac": statistics.fmean(clip["shared"])}
+
+
+def print_default_step(repeats: int) -> dict[str, Any]:
+    """Section 3: time `default_step` and print its lines."""
+    from arl.config import PPOConfig
+
+    d = default_step(repeats)
+    flop_s, flop_plain = d["flops"] / d["matmul_flops_per_s"], d["flops_plain"] / d["matmul_flops_per_s"]
+    print(f"\n3. the default run's step (its model, DeepSpeed and PPO settings, {PPOConfig().minibatches} minibatches) "
+          f"on a batch shaped like its own: {d['tokens']:,} tokens ({d['loss_tokens']} generated), "
+          f"{d['positions']:,} positions run with shared prefixes; matmul rate {d['matmul_flops_per_s'] / 1e9:.0f} "
+          f"GFLOP/s; median of {repeats} steps, alternating:")
+    print(f"   shared prefixes (default): cpu {d['cpu']:.3f} s, wall {d['wall']:.3f} s, {d['flops'] / 1e9:.1f} GFLOP "
+          f"-> FLOP time {flop_s:.3f} s; clip_frac {d['clip_frac']:.4f} (mean: the clip binds)")
+    print(f"   plain packed rows:         cpu {d['cpu_plain']:.3f} s, wall {d['wall_plain']:.3f} s, "
+          f"{d['flops_plain'] / 1e9:.1f} GFLOP -> FLOP time {flop_plain:.3f} s")
+    print(f"prefix sharing: {d['cpu_plain'] / d['cpu']:.2f}x less CPU per step than plain packed rows")
+    print(f"learner step: {d['cpu']:.3f} s, {100 * d['cpu'] / flop_s:.0f}% of its FLOP time at the measured matmul "
+          f"rate ({100 * d['cpu'] / flop_plain:.0f}% of the plain rows' FLOP time)")
+    return {"default_step": {**d, "flop_seconds": flop_s, "flop_seconds_plain": flop_plain}}
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
@@ -338,11 +395,14 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     ap.add_argument("--no-breakdown", action="store_true", help="skip the profiled attention / other split")
     ap.add_argument("--tiny", action="store_true", help="tiny sizes (smoke test)")
     ap.add_argument("--json", default="", help="also write the results here")
+    ap.add_argument("--default-step-only", action="store_true", help="only section 3: the default run's step")
     args = ap.parse_args(argv)
     if args.tiny:
         args.seqs, args.groups, args.vocab, args.hidden, args.layers = 12, 3, 32, 32, 1
         args.prompt_len, args.gen_median, args.max_len, args.max_tokens_per_mb, args.repeats = [2, 4], 6.0, 64, 96, 1
     torch.set_num_threads(args.threads)
+    if args.default_step_only:
+        return print_default_step(args.repeats)
     from arl.config import DeepSpeedConfig, OptimizerConfig, PPOConfig
     from arl.learner.actor import PPOActor
     from arl.learner.deepspeed_engine import DeepSpeedEngine
@@ -442,16 +502,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         "deepspeed_s": med2["deepspeed"], "plain_s": med2["plain"], "deepspeed_over_plain": ratio,
         "raw": {"packing": times, "deepspeed_vs_plain": ds_plain},
     }
-    d = default_step(args.repeats)
-    flop_s = d["flops"] / d["matmul_flops_per_s"]
-    print(f"\n3. the default run's step (its model, DeepSpeed and PPO settings, {PPOConfig().minibatches} minibatches) "
-          f"on a batch shaped like its own: {d['tokens']:,} tokens ({d['loss_tokens']} generated), "
-          f"{d['flops'] / 1e9:.1f} GFLOP, matmul rate {d['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s -> FLOP time "
-          f"{flop_s:.3f} s; median of {args.repeats} steps: cpu {d['cpu']:.3f} s, wall {d['wall']:.3f} s; "
-          f"clip_frac {d['clip_frac']:.4f} (mean: the clip binds)")
-    print(f"learner step: {d['cpu']:.3f} s, {100 * d['cpu'] / flop_s:.0f}% of its FLOP time at the measured matmul "
-          "rate")
-    result["default_step"] = {**d, "flop_seconds": flop_s}
+    result.update(print_default_step(args.repeats))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

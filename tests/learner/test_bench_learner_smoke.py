@@ -35,6 +35,8 @@ def test_bench_learner_tiny(tmp_path, capsys):
     d = res["default_step"]
     assert d["flops"] > 0 and d["matmul_flops_per_s"] > 0 and d["cpu"] > 0 and d["loss_tokens"] > 0
     assert d["clip_frac"] > 0  # the groups' advantages are not all zero and the minibatches' clip binds
+    assert "x less CPU per step than plain packed rows" in text and d["cpu_plain"] > 0
+    assert d["positions"] < d["tokens"] and 0 < d["flops"] < d["flops_plain"]  # the prompts ran once per group
 
 
 def test_forward_flops_by_hand():
@@ -50,3 +52,6 @@ def test_forward_flops_by_hand():
     linear = 4 * 8 * 8 + 3 * 8 * 16 + 8 * 10  # q k v o, gate up down, the (tied) LM head
     # two sequences of 3 and 1 tokens: 4 tokens, 6 + 1 causal pairs
     assert mod.forward_flops(model, [3, 1]) == 2 * linear * 4 + 2 * 2 * 7 * 8 * 1
+    # a tree row: a sequence of 3 owning all its nodes, one of 4 owning its last 2 (2 ancestors): 5 nodes;
+    # pairs 6 + (2 * 2 + 3)
+    assert mod.tree_forward_flops(model, [3, 2], [3, 4]) == 2 * linear * 5 + 2 * 2 * 13 * 8 * 1

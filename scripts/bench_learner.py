@@ -416,7 +416,10 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
 
     def ds_actor(packing: bool) -> PPOActor:
         engine = DeepSpeedEngine(copy.deepcopy(base), OptimizerConfig(lr=1e-5, grad_clip=1.0),
-                                 DeepSpeedConfig(max_tokens_per_mb=args.max_tokens_per_mb, packing=packing))
+                                 # packing against padding alone: this batch's random prompts share nothing, and
+                                 # sharing would also place whole groups per minibatch (section 3 times sharing)
+                                 DeepSpeedConfig(max_tokens_per_mb=args.max_tokens_per_mb, packing=packing,
+                                                 share_prefixes=False))
         return PPOActor(engine, PPOConfig())
 
     packed, padded = ds_actor(packing=True), ds_actor(packing=False)

@@ -190,6 +190,10 @@ class DeepSpeedEngine:
         self.share_prefixes = False
         if deepspeed.packing and deepspeed.packed_attention == PackedAttention.varlen:
             self.share_prefixes = enable_varlen_attention(model) == VARLEN_ATTENTION and deepspeed.share_prefixes
+        # seeded before the adapters are made: their initialisation is the seed's, not the caller's RNG state
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
         self.lora = lora is not None and lora.rank > 0
         if self.lora:
             from arl.learner.lora import wrap_lora
@@ -202,9 +206,6 @@ class DeepSpeedEngine:
             # DeepSpeed 0.19.8 wraps bf16 + stage 0 + a client optimizer in FP16_UnfusedOptimizer, which
             # accumulates gradients in bf16; stage >= 1 uses fp32 gradient accumulation.
             logger.warning("bf16 with zero_stage=0 accumulates gradients in bf16; prefer zero_stage>=1 with bf16")
-        random.seed(seed)
-        np.random.seed(seed)
-        torch.manual_seed(seed)
 
         ensure_distributed()
         import deepspeed.comm as dist

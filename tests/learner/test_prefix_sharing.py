@@ -110,14 +110,20 @@ def _capture_grads(actor):
     orig = actor.engine.model_engine.step
 
     def step(*a, **kw):
-        grads.append({n: p.grad.detach().clone() for n, p in actor.engine.module.named_parameters()})
+        grads.append({n: p.grad.detach().clone() for n, p in actor.engine.module.named_parameters()
+                      if p.grad is not None})
         return orig(*a, **kw)
 
     actor.engine.model_engine.step = step
     return grads
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(minibatches=2, loss_agg="seq"), dict(max_tokens_per_mb=40, kv_heads=2)])
+LORA = pytest.param(dict(rank=4, alpha=8.0), marks=pytest.mark.skipif(
+    __import__("importlib").util.find_spec("peft") is None, reason="peft not installed"))
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(minibatches=2, loss_agg="seq"), dict(max_tokens_per_mb=40, kv_heads=2),
+                                LORA])
 def test_shared_prefixes_give_the_same_logprobs_loss_and_gradients(kw, monkeypatch):
     kw = dict(kw)
     base = _tiny(2, kv_heads=kw.pop("kv_heads", 4))
@@ -134,7 +140,8 @@ def test_shared_prefixes_give_the_same_logprobs_loss_and_gradients(kw, monkeypat
         positions.append(k["input_ids"].shape[1])
         return forward(*a, **k)
 
-    monkeypatch.setattr(shared.engine.module, "forward", spy)
+    inner = shared.engine.module
+    monkeypatch.setattr(inner, "forward", spy)
     lp_shared = shared.engine.forward_logprobs(TrainBatch(batch))
     assert sum(positions) < 0.8 * sum(len(t.input_ids) for t in batch)  # it did run fewer positions
     for a, b in zip(lp_plain, lp_shared):  # position 0 has no prefix: never read (the row's previous logits)

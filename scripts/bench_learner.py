@@ -330,14 +330,14 @@ def default_step(repeats: int) -> dict[str, Any]:
     actor = actors["shared"]
     parts = actor.prepare(batches[0]).minibatches
     work = {"plain": 0.0, "shared": 0.0}
+    positions = 0
     for part in parts:
         trajs = [batches[0][i] for i in part]
         work["plain"] += 4 * forward_flops(model, [len(t.input_ids) for t in trajs])
         mbs = actor.engine._micro_batches(TrainBatch(trajs))
         work["shared"] += 4 * sum(tree_forward_flops(model, mb.node_owned.tolist(), mb.seq_lens.tolist())
                                   if mb.shares_prefixes else forward_flops(model, mb.seq_lens.tolist()) for mb in mbs)
-    positions = sum(mb.computed_tokens for part in parts
-                    for mb in actor.engine._micro_batches(TrainBatch([batches[0][i] for i in part])))
+        positions += sum(mb.computed_tokens for mb in mbs)
     steps = {name: iter(range(1 << 30)) for name in actors}
     clip: dict[str, list[float]] = {name: [] for name in actors}
 

@@ -32,7 +32,7 @@ from arl.api.engine import TrainBatch, TrainEngine
 from arl.api.staleness import StalenessPolicy
 from arl.api.types import Trajectory
 from arl.config import LossAgg, PPOConfig
-from arl.learner.batching import MicroBatch
+from arl.learner.batching import MicroBatch, group_members
 from arl.learner.ppo import (
     decoupled_ppo_loss,
     discounted_turn_returns,
@@ -63,12 +63,8 @@ def split_minibatches(lengths: Sequence[int], k: int, groups: Optional[Sequence[
     the engine computes once per micro-batch (`DeepSpeedEngine.share_prefixes`)."""
     k = max(1, min(int(k), len(lengths)))
     units: list[list[int]] = [[i] for i in range(len(lengths))]
-    if groups is not None:
-        members: dict[object, list[int]] = {}
-        for i, g in enumerate(groups):
-            members.setdefault(g, []).append(i)
-        if len(members) >= k:
-            units = list(members.values())
+    if groups is not None and len(members := group_members(groups)) >= k:
+        units = members
     sizes = [sum(lengths[i] for i in u) for u in units]
     loads = [0] * k
     parts: list[list[int]] = [[] for _ in range(k)]

@@ -30,7 +30,7 @@ import torch
 from arl.api.types import Trajectory
 
 __all__ = ["PER_TOKEN", "MicroBatch", "split_by_token_budget", "collate_padded", "build_micro_batches",
-           "pack_by_token_budget", "collate_packed", "build_packed_micro_batches", "prefix_tree", "pack_groups"]
+           "pack_by_token_budget", "collate_packed", "build_packed_micro_batches", "prefix_tree", "group_members", "pack_groups"]
 
 
 PER_TOKEN = ("token_weights", "prox_logp", "ref_logp")  # optional float per-token fields of a MicroBatch
@@ -187,15 +187,26 @@ def pack_by_token_budget(lengths: Sequence[int], max_tokens_per_mb: int) -> list
     return [sorted(b) for b in bins]
 
 
+def group_members(groups: Sequence[object]) -> list[list[int]]:
+    """The indices of each group id in ``groups``, groups in order of first appearance, indices ascending."""
+    members: dict[object, list[int]] = {}
+    for i, g in enumerate(groups):
+        members.setdefault(g, []).append(i)
+    return list(members.values())
+
+
 def pack_groups(lengths: Sequence[int], groups: Sequence[object], max_tokens_per_mb: int) -> list[list[int]]:
     """`pack_by_token_budget` over whole groups (``lengths[i]`` summed per ``groups[i]``): the sequences that share
     prefixes (a prompt's chains) land in one row, where `prefix_tree` computes their common prefixes once. A group
     over the budget is packed sequence by sequence. Same guarantees: every index once, ascending within a bin."""
-    members: dict[object, list[int]] = {}
-    for i, g in enumerate(groups):
-        members.setdefault(g, []).append(i)
-    units = [m for m in members.values() if sum(max(int(lengths[i]), 1) for i in m) <= max_tokens_per_mb]
-    units += [[i] for m in members.values() if sum(max(int(lengths[i]), 1) for i in m) > max_tokens_per_mb for i in m]
+    whole: list[list[int]] = []
+    split: list[list[int]] = []
+    for m in group_members(groups):
+        if sum(max(int(lengths[i]), 1) for i in m) <= max_tokens_per_mb:
+            whole.append(m)
+        else:
+            split.extend([i] for i in m)
+    units = whole + split
     sizes = [sum(max(int(lengths[i]), 1) for i in u) for u in units]
     return [sorted(i for u in b for i in units[u]) for b in pack_by_token_budget(sizes, max_tokens_per_mb)]
 

@@ -285,9 +285,6 @@ class DeepSpeedEngine:
             if self.cfg.packed_attention == PackedAttention.mask:  # transformers detects the restarts of position_ids
                 kw = {k: kw[k] for k in ("input_ids", "position_ids", "attention_mask")}
             out = module(**kw, use_cache=False)  # a cache would switch off transformers' packed detection
-            if mb.shares_prefixes:  # the tree's logits, back in the row's layout (a node's, at each of its positions)
-                logits = out.logits if hasattr(out, "logits") else out[0]
-                return logits.index_select(1, mb.node_index)
         else:
             # Right padding under a causal mask: no real token attends to a padding key (they all come after it),
             # so the padding mask changes nothing the loss or the logprobs read, while passing it makes transformers
@@ -295,7 +292,9 @@ class DeepSpeedEngine:
             # work and a mask conversion per layer. Without it SDPA runs causal; padding positions' outputs differ
             # but are never read (off the loss mask, cut from the logprobs).
             out = module(input_ids=mb.input_ids, use_cache=False)
-        return out.logits if hasattr(out, "logits") else out[0]
+        logits = out.logits if hasattr(out, "logits") else out[0]
+        # a prefix tree's logits, back in the row's layout (a node's at each of its positions)
+        return logits.index_select(1, mb.node_index) if mb.shares_prefixes else logits
 
     def all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
         if self.world_size == 1:

@@ -94,8 +94,7 @@ def _tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     owned, paths, lengths = tree
-    for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "is_causal"):
-        kwargs.pop(k, None)
+    kwargs.pop("is_causal", None)  # set per sequence below
     # one gather per layer of every sequence's keys and values along its path: one scatter-add in the backward,
     # no per-sequence concatenation
     k_paths = key.index_select(2, paths).split(lengths, dim=2)

@@ -326,17 +326,21 @@ def default_step(repeats: int) -> dict[str, Any]:
                                              DeepSpeedConfig(share_prefixes=name == "shared")),
                              PPOConfig(), staleness=StalenessPolicy(2)) for name in ("shared", "plain")}
     # the work: per minibatch, every linear layer on every position the model runs, plus causal attention (a tree
-    # node attends to its path), four times (proximal recompute, update forward, backward x 2)
+    # node attends to its path), three times (update forward, backward x 2) and once more for the proximal
+    # recompute of every minibatch but the first (its proximal logprobs are its update forward's). The LM head is
+    # counted on every position (the engine runs it on the scored ones only: ~2% of the FLOPs, an upper bound)
     actor = actors["shared"]
     parts = actor.prepare(batches[0]).minibatches
     work = {"plain": 0.0, "shared": 0.0}
     positions = 0
-    for part in parts:
+    for j, part in enumerate(parts):
+        passes = 3 + (j > 0)
         trajs = [batches[0][i] for i in part]
-        work["plain"] += 4 * forward_flops(model, [len(t.input_ids) for t in trajs])
+        work["plain"] += passes * forward_flops(model, [len(t.input_ids) for t in trajs])
         mbs = actor.engine._micro_batches(TrainBatch(trajs))
-        work["shared"] += 4 * sum(tree_forward_flops(model, mb.node_owned.tolist(), mb.seq_lens.tolist())
-                                  if mb.shares_prefixes else forward_flops(model, mb.seq_lens.tolist()) for mb in mbs)
+        work["shared"] += passes * sum(tree_forward_flops(model, mb.node_owned.tolist(), mb.seq_lens.tolist())
+                                       if mb.shares_prefixes else forward_flops(model, mb.seq_lens.tolist())
+                                       for mb in mbs)
         positions += sum(mb.computed_tokens for mb in mbs)
     steps = {name: iter(range(1 << 30)) for name in actors}
     clip: dict[str, list[float]] = {name: [] for name in actors}

@@ -45,7 +45,9 @@ class TrainBatch:
         return TrainBatch([self.trajs[i] for i in idx], {k: [v[i] for i in idx] for k, v in self.fields.items()})
 
 
-# loss_fn(logits, micro_batch, denominator) -> scalar loss: the micro-batch's summed loss / denominator.
+# loss_fn(logits, micro_batch, denominator) -> scalar loss: the micro-batch's summed loss / denominator. The
+# micro-batch may be a view of the positions its loss mask scores and their predecessors (the logits align with it
+# as with a whole one): a loss reads logits and per-token fields under the loss mask only.
 LossFn = Callable[[Any, Any, float], Any]
 # loss_weight_fn(micro_batch) -> its share of the denominator (e.g. loss tokens, or scored sequences).
 LossWeightFn = Callable[[Any], float]
@@ -65,10 +67,11 @@ class TrainEngine(Protocol):
     rank: int
     world_size: int
 
-    def forward_logprobs(self, batch: TrainBatch, temperature: float = 1.0,
-                         reference: bool = False) -> list[np.ndarray]:
+    def forward_logprobs(self, batch: TrainBatch, temperature: float = 1.0, reference: bool = False,
+                         scored_only: bool = False) -> list[np.ndarray]:
         """Per-token logprobs of each trajectory (aligned with its input_ids) under the current weights (or the
-        frozen reference weights), no gradient."""
+        frozen reference weights), no gradient. ``scored_only``: the caller reads them only where the
+        trajectory's loss mask is set; elsewhere the engine may return 0 (and skip the work)."""
 
     def train_batch(self, batch: TrainBatch, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
         """Forward/backward over micro-batches, then one optimizer step. The denominator handed to `loss_fn` is

@@ -178,15 +178,19 @@ class PPOActor:
         saves one of the step's forward passes."""
         names = (["prox_logp"] if not self.ppo.naive_ppo else []) + (["ref_logp"] if self.ppo.kl_coef else [])
         out: dict[str, list[Any]] = {name: [None] * len(batch.data) for name in names}
-        for j, part in enumerate(batch.minibatches):  # per minibatch: the same micro-batches as its update
-            sub = TrainBatch([batch.data.trajs[i] for i in part])
-            for name in names:
-                if name == "prox_logp" and j == 0 and batch.prox_from_update:
-                    for i in part:  # a placeholder the loss replaces with its own logprobs
-                        out[name][i] = np.zeros(len(batch.data.trajs[i].input_ids), np.float32)
-                    continue
-                lps = self.engine.forward_logprobs(sub, self.temperature, reference=name == "ref_logp")
-                for i, lp in zip(part, lps):
+        trajs = batch.data.trajs
+        for name in names:
+            parts = list(batch.minibatches)
+            if name == "prox_logp" and batch.prox_from_update:
+                for i in parts.pop(0):  # a placeholder the loss replaces with its own logprobs
+                    out[name][i] = np.zeros(len(trajs[i].input_ids), np.float32)
+            # one call over the minibatches (whole groups each): the engine packs them into as few forwards as
+            # its token budget allows, rather than one forward (and its fixed cost) per minibatch
+            idx = [i for part in parts for i in part]
+            if idx:
+                lps = self.engine.forward_logprobs(TrainBatch([trajs[i] for i in idx]), self.temperature,
+                                                   reference=name == "ref_logp", scored_only=True)
+                for i, lp in zip(idx, lps):
                     out[name][i] = lp
         batch.data.fields.update(out)
 

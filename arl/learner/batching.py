@@ -30,7 +30,8 @@ import torch
 from arl.api.types import Trajectory
 
 __all__ = ["PER_TOKEN", "MicroBatch", "split_by_token_budget", "collate_padded", "build_micro_batches",
-           "pack_by_token_budget", "collate_packed", "build_packed_micro_batches", "prefix_tree", "group_members", "pack_groups"]
+           "pack_by_token_budget", "collate_packed", "build_packed_micro_batches", "prefix_tree", "group_members", "pack_groups",
+           "scored_view"]
 
 
 PER_TOKEN = ("token_weights", "prox_logp", "ref_logp")  # optional float per-token fields of a MicroBatch
@@ -117,6 +118,32 @@ class MicroBatch:
     def to(self, device: torch.device | str) -> "MicroBatch":
         return dataclasses.replace(self, **{f.name: v.to(device) for f in dataclasses.fields(self)
                                             if isinstance(v := getattr(self, f.name), torch.Tensor)})
+
+
+def scored_view(mb: MicroBatch) -> tuple[MicroBatch, torch.Tensor]:
+    """The positions of a packed row that a loss reads, as a packed micro-batch of their own, and those positions.
+
+    A loss reads the logits at every scored token's predecessor (they predict it) and the token's own fields, so
+    the view keeps each scored token and the position before it (a run of scored tokens and the one before the run):
+    `ppo.token_logprobs` on the view pairs every scored token with its predecessor's logits, as on the whole row.
+    Unscored positions stay in the forward (they are context) but need no logits, log-softmax or gradient there.
+    The view is packed (``seq_lens``: the kept positions per sequence, possibly 0) with no prefix tree; a row with
+    nothing scored keeps its first position, so an empty micro-batch still runs a (zero) loss."""
+    assert mb.packed and mb.input_ids.shape[0] == 1, "a view of a packed row"
+    scored = mb.loss_mask[0]
+    keep = scored.clone()
+    keep[:-1] |= scored[1:]
+    if not bool(keep.any()):
+        keep[0] = True
+    pos = keep.nonzero().squeeze(1)
+    seq = torch.repeat_interleave(torch.arange(len(mb.seq_lens), device=pos.device), mb.seq_lens.to(pos.device))
+    lens = torch.bincount(seq[pos], minlength=len(mb.seq_lens)).to(mb.seq_lens.dtype)
+    cu = torch.zeros(len(lens) + 1, dtype=mb.cu_seqlens.dtype, device=mb.cu_seqlens.device)
+    cu[1:] = lens.cumsum(0)
+    rows = {f.name: v[:, pos] for f in dataclasses.fields(mb)
+            if isinstance(v := getattr(mb, f.name), torch.Tensor) and v.dim() == 2 and v.shape == mb.loss_mask.shape}
+    tree = dict.fromkeys(("node_ids", "node_position_ids", "node_index", "node_owned"))
+    return dataclasses.replace(mb, **rows, **tree, seq_lens=lens, cu_seqlens=cu), pos
 
 
 def split_by_token_budget(lengths: Sequence[int], max_tokens_per_mb: int) -> list[list[int]]:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import json
 import logging
 import math
@@ -47,7 +48,7 @@ import torch
 
 from arl.api.engine import LossFn, LossWeightFn, TrainBatch
 from arl.config import DeepSpeedConfig, LoraConfig, LRSchedule, OptimizerConfig, PackedAttention
-from arl.learner.batching import MicroBatch, build_micro_batches
+from arl.learner.batching import MicroBatch, build_micro_batches, scored_view
 from arl.learner.checkpoint import CHECKPOINT_STATE_FILE, replacing_file
 from arl.learner.packing import VARLEN_ATTENTION, enable_varlen_attention, packed_forward_kwargs
 from arl.learner.ppo import token_logprobs
@@ -213,6 +214,8 @@ class DeepSpeedEngine:
         self._dist = dist
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
+        self.grad_clip = float(optimizer.grad_clip)
+        self._clips_itself = deepspeed.zero_stage == 0 and not deepspeed.bf16
         zero: dict[str, Any] = {"stage": deepspeed.zero_stage}
         if deepspeed.offload_optimizer:
             zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
@@ -221,7 +224,9 @@ class DeepSpeedEngine:
         self.ds_config: dict[str, Any] = {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,
-            "gradient_clipping": float(optimizer.grad_clip),
+            # ZeRO-0 fp32: the engine clips itself (`_optimizer_step`): DeepSpeed's clip would take a second norm
+            # over every gradient only to drop it (its client AdamW reports none)
+            "gradient_clipping": 0.0 if self._clips_itself else float(optimizer.grad_clip),
             "zero_optimization": zero,
             "bf16": {"enabled": bool(deepspeed.bf16)},
             # A client torch AdamW with ZeRO-Offload: allowed (DeepSpeedCPUAdam would JIT-compile an op).
@@ -230,6 +235,9 @@ class DeepSpeedEngine:
             "wall_clock_breakdown": False,
         }
         self.pad_token_id = int(getattr(getattr(model, "config", None), "pad_token_id", None) or 0)
+        # transformers' causal LMs run the LM head on a tensor of positions (`_forward_logits`); others give all
+        hf = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self._keeps_logits = "logits_to_keep" in inspect.signature(hf.forward).parameters
         # fused: one kernel over all parameters (CPU and CUDA) instead of a dozen small ops per tensor, which on a
         # small model cost more than the update itself
         adamw = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=optimizer.lr,
@@ -278,12 +286,25 @@ class DeepSpeedEngine:
             mbs = mbs + [mbs[0].empty_like() for _ in range(most - len(mbs))]
         return mbs
 
-    def _forward_logits(self, mb: MicroBatch, module: Any = None) -> torch.Tensor:
+    def _scored(self, mb: MicroBatch) -> tuple[MicroBatch, Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """What a loss reads of a packed row (`batching.scored_view`): the view, its row positions and the model
+        positions whose logits it needs (a prefix tree's nodes); a padded micro-batch is read whole."""
+        if not mb.packed:
+            return mb, None, None
+        view, pos = scored_view(mb)
+        return view, pos, (mb.node_index.index_select(0, pos) if mb.shares_prefixes else pos)
+
+    def _forward_logits(self, mb: MicroBatch, module: Any = None, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The logits of a micro-batch in its row layout, or with ``keep`` (a packed row's model positions, see
+        `_scored`) at those positions only: the LM head runs on them alone where the model takes a tensor
+        ``logits_to_keep`` (transformers' causal LMs)."""
         module = self.model_engine if module is None else module
         if mb.packed:
             kw = packed_forward_kwargs(mb)
             if self.cfg.packed_attention == PackedAttention.mask:  # transformers detects the restarts of position_ids
                 kw = {k: kw[k] for k in ("input_ids", "position_ids", "attention_mask")}
+            if keep is not None and self._keeps_logits:
+                kw["logits_to_keep"] = keep
             out = module(**kw, use_cache=False)  # a cache would switch off transformers' packed detection
         else:
             # Right padding under a causal mask: no real token attends to a padding key (they all come after it),
@@ -293,6 +314,8 @@ class DeepSpeedEngine:
             # but are never read (off the loss mask, cut from the logprobs).
             out = module(input_ids=mb.input_ids, use_cache=False)
         logits = out.logits if hasattr(out, "logits") else out[0]
+        if keep is not None:
+            return logits if self._keeps_logits else logits.index_select(1, keep)
         # a prefix tree's logits, back in the row's layout (a node's at each of its positions)
         return logits.index_select(1, mb.node_index) if mb.shares_prefixes else logits
 
@@ -305,18 +328,24 @@ class DeepSpeedEngine:
 
     # ------------------------------------------------------------------ forward / backward / step
     @torch.no_grad()
-    def forward_logprobs(self, batch: TrainBatch, temperature: float = 1.0,
-                         reference: bool = False) -> list[np.ndarray]:
+    def forward_logprobs(self, batch: TrainBatch, temperature: float = 1.0, reference: bool = False,
+                         scored_only: bool = False) -> list[np.ndarray]:
         """Token logprobs of each trajectory (aligned with input_ids, see `ppo.token_logprobs`) under the current
-        weights (or the frozen reference model), no grad, in eval mode like every forward of this engine."""
+        weights (or the frozen reference model), no grad, in eval mode like every forward of this engine.
+        ``scored_only``: only at the positions the trajectories' loss masks score (0 elsewhere; packed rows)."""
         if reference and not self.reference:
             raise ValueError("this engine keeps no reference model (build it with reference=True)")
         module = self.ref_model if reference and self.ref_model is not None else self.model_engine
         out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(batch)
         for mb in self._equal_counts(self._micro_batches(TrainBatch(batch.trajs))):  # only the tokens
+            view, pos, keep = self._scored(mb) if scored_only else (mb, None, None)
             with self._reference_context(reference):
-                logits = self._forward_logits(mb, module)
-            lp = token_logprobs(logits, mb.input_ids, temperature).cpu().numpy()
+                logits = self._forward_logits(mb, module, keep)
+            lp = token_logprobs(logits, view.input_ids, temperature)
+            if pos is not None:  # back to the row, 0 where nothing is scored (the kept predecessors included)
+                lp = torch.zeros(mb.input_ids.shape, dtype=lp.dtype, device=lp.device).index_copy_(
+                    1, pos, lp.masked_fill(~view.loss_mask, 0.0))
+            lp = lp.cpu().numpy()
             lens = mb.seq_lens.tolist()
             rows = np.split(lp[0], np.cumsum(lens)[:-1]) if mb.packed else [r[:n] for r, n in zip(lp, lens)]
             for i, row in zip(mb.indices, rows):
@@ -346,8 +375,9 @@ class DeepSpeedEngine:
         denominator = weight / self.world_size
         for i, mb in enumerate(mbs):
             self.model_engine.set_gradient_accumulation_boundary(i == len(mbs) - 1)
-            logits = self._forward_logits(mb)
-            loss = loss_fn(logits, mb, denominator)
+            view, _, keep = self._scored(mb)  # the loss reads scored positions only (`LossFn`)
+            logits = self._forward_logits(mb, keep=keep)
+            loss = loss_fn(logits, view, denominator)
             self.model_engine.backward(loss)
             del logits, loss
         return {"grad_norm": self._optimizer_step(), "lr": lr, "padded_tokens": float(padded),
@@ -356,9 +386,11 @@ class DeepSpeedEngine:
     def _optimizer_step(self) -> float:
         """engine.step() at a gradient accumulation boundary; returns the gradient norm before clipping."""
         manual = None
-        if self.cfg.zero_stage == 0 and not self.cfg.bf16:  # client AdamW exposes no norm; grads are all-reduced
-            manual = math.sqrt(sum(float(p.grad.detach().float().pow(2).sum())
-                                   for p in self.model_engine.module.parameters() if p.grad is not None))
+        if self._clips_itself:  # the gradients are all-reduced by now (DeepSpeed does it in the last backward)
+            grads = [p for p in self.model_engine.module.parameters() if p.grad is not None]
+            # clip_grad_norm_ with max_norm=inf measures without scaling (0 disables clipping, as in DeepSpeed)
+            norm = torch.nn.utils.clip_grad_norm_(grads, self.grad_clip if self.grad_clip > 0 else math.inf)
+            manual = float(norm)
         self.model_engine.step()
         norm = manual if manual is not None else self.model_engine.get_global_grad_norm()
         return float("nan") if norm is None else float(norm)

@@ -338,7 +338,7 @@ def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) 
         x = x / temperature
     targets = input_ids[..., 1:].long().unsqueeze(-1)
     lp = x.gather(-1, targets).squeeze(-1) - torch.logsumexp(x, dim=-1)
-    return torch.cat([torch.zeros_like(lp[..., :1]), lp], dim=-1)
+    return torch.cat([lp.new_zeros(lp.shape[:-1] + (1,)), lp], dim=-1)  # (a one-token row: lp is empty)
 
 
 def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:

@@ -39,8 +39,8 @@ class SimLearner:
     def step_seconds(self, tokens: int) -> float:
         return (self.sim.step_base_s + self.sim.s_per_token * tokens) * self.sim.time_scale
 
-    def forward_logprobs(self, batch: TrainBatch, temperature: float = 1.0,
-                         reference: bool = False) -> list[np.ndarray]:
+    def forward_logprobs(self, batch: TrainBatch, temperature: float = 1.0, reference: bool = False,
+                         scored_only: bool = False) -> list[np.ndarray]:
         return [t.logprobs for t in batch.trajs]
 
     def train_batch(self, batch: TrainBatch, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:

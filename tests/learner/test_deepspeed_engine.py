@@ -235,14 +235,19 @@ def test_save_load_restores_weights_optimizer_and_version(tmp_path):
     assert torch.equal(torch.rand(3), expected_rand)
 
 
-@pytest.mark.parametrize("kw", [dict(zero_stage=2, max_tokens_per_mb=12), dict(zero_stage=3, max_tokens_per_mb=12)])
+@pytest.mark.parametrize("kw", [dict(zero_stage=2, max_tokens_per_mb=12), dict(zero_stage=3, max_tokens_per_mb=12),
+                                dict(zero_stage=2, grad_clip=1e-3)])
 def test_zero_stages_match_stage0(kw, tmp_path):
+    """Stage 0 (fp32) clips in the engine, stages 1-3 in DeepSpeed: the same update, clipped or not."""
     base = tiny_model(11)
     batch = random_batch(seed=12)
-    ref = make_actor(copy.deepcopy(base), lr=1e-3)
+    clip = kw.get("grad_clip", 1.0)
+    ref = make_actor(copy.deepcopy(base), lr=1e-3, grad_clip=clip)
     lrn = make_actor(copy.deepcopy(base), lr=1e-3, **kw)
+    unclipped = make_actor(copy.deepcopy(base), lr=1e-3, grad_clip=0.0)
     for _ in range(2):
         m_ref, m = ref.step(batch), lrn.step(batch)
+        assert unclipped.step(batch)["grad_norm"] > clip  # the clip binds
         assert m["loss"] == pytest.approx(m_ref["loss"], rel=1e-4, abs=1e-6)
         assert m["grad_norm"] == pytest.approx(m_ref["grad_norm"], rel=1e-4)
     lrn.engine.export_weights(str(tmp_path / "z.safetensors"))
@@ -251,6 +256,8 @@ def test_zero_stages_match_stage0(kw, tmp_path):
     assert set(sd) == set(ref_sd)
     for k in ref_sd:
         torch.testing.assert_close(sd[k], ref_sd[k], rtol=1e-4, atol=1e-5)
+    un = unclipped.engine.module.state_dict()  # clipping changed the update (Adam's second step sees the scale)
+    assert any(not torch.allclose(un[k], ref_sd[k], rtol=1e-4, atol=1e-5) for k in ref_sd)
 
 
 def test_engine_start_builds_no_deepspeed_op(tmp_path):

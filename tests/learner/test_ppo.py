@@ -164,6 +164,8 @@ def test_token_logprobs_alignment_and_temperature():
     torch.testing.assert_close(lp_t, torch.tensor([[0.0, L(p1), L(p2)]]))
     ref = torch.log_softmax(logits[0, :-1] / 2.0, -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
     torch.testing.assert_close(lp_t[0, 1:], ref)
+    # a one-token row (a scored view of a micro-batch with nothing scored): its one position, 0
+    torch.testing.assert_close(token_logprobs(logits[:, :1], ids[:, :1]), torch.zeros(1, 1))
 
 
 def test_entropy_and_shift():

@@ -102,9 +102,16 @@ def test_first_minibatch_prox_comes_from_its_update_forward(kl_coef):
     own, sep = make_actor(copy.deepcopy(model), **kw), make_actor(copy.deepcopy(model), **kw)
     sep.engine.prox_from_update = False
     calls_own, calls_sep = _counting(own), _counting(sep)
+    first = len(own.prepare(trajs).minibatches[0])
+    forwards = []
+    inner = own.engine._forward_logits
+    own.engine._forward_logits = lambda mb, *a, **k: forwards.append(len(mb.indices)) or inner(mb, *a, **k)
     m_own, m_sep = own.step(trajs), sep.step(trajs)
-    ref = 2 if kl_coef else 1  # forwards per minibatch with a separate proximal forward
-    assert len(calls_sep) == 4 * ref and len(calls_own) == 4 * ref - 1
+    # the three minibatches' proximal logprobs in one forward (within the token budget), then four updates
+    assert len(forwards) == 1 + (1 if kl_coef else 0) + 4 and forwards[0] == len(trajs) - first
+    # one forward_logprobs call per kind of logprobs over every minibatch that needs them (the reference's too)
+    n = len(trajs)
+    assert calls_sep == [n] + ([n] if kl_coef else []) and calls_own == [n - first] + ([n] if kl_coef else [])
     for k in ("loss", "clip_frac", "approx_kl", "imp_weight_mean", "entropy", "grad_norm"):
         assert m_own[k] == pytest.approx(m_sep[k], rel=1e-4, abs=1e-6), k
     assert m_own["clip_frac"] > 0.0
@@ -113,4 +120,4 @@ def test_first_minibatch_prox_comes_from_its_update_forward(kl_coef):
     naive = make_actor(copy.deepcopy(model), **{**kw, "naive_ppo": True})
     calls_naive = _counting(naive)
     naive.step(trajs)
-    assert len(calls_naive) == (4 if kl_coef else 0)
+    assert calls_naive == ([n] if kl_coef else [])

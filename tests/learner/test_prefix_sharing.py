@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from arl.api.engine import TrainBatch
 from arl.api.types import Trajectory
 from arl.learner.actor import split_minibatches
-from arl.learner.batching import build_micro_batches, collate_packed, pack_groups, prefix_tree
+from arl.learner.batching import build_micro_batches, collate_packed, pack_groups, prefix_tree, scored_view
 
 torch.set_num_threads(1)
 
@@ -79,6 +79,26 @@ def test_collate_with_shared_prefixes_runs_fewer_positions():
                           share_prefixes=True)
     assert not lone.shares_prefixes
     assert not collate_packed(trajs, [0, 1], [0.0, 0.0], share_prefixes=True).empty_like().shares_prefixes
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_scored_view_pairs_every_scored_token_with_its_predecessor(share):
+    trajs = _grouped_batch(2)
+    adv = [float(i) for i in range(len(trajs))]
+    (mb,) = build_micro_batches(trajs, 10_000, adv, packed=True, share_prefixes=share)
+    view, pos = scored_view(mb)
+    lm = mb.loss_mask[0]
+    assert int(view.loss_mask.sum()) == int(lm.sum()) and len(pos) < mb.real_tokens
+    assert not view.shares_prefixes and view.packed and int(view.seq_lens.sum()) == len(pos)
+    for f in ("input_ids", "loss_mask", "logprobs", "advantages", "versions", "position_ids"):
+        assert torch.equal(getattr(view, f)[0], getattr(mb, f)[0, pos]), f
+    scored = view.loss_mask[0].nonzero().squeeze(1)
+    assert torch.equal(pos[scored - 1], pos[scored] - 1)  # the logits predicting each scored token are kept
+    # per sequence: its scored tokens (what sequence-level aggregation counts)
+    rows = view.loss_mask[0].split(view.seq_lens.tolist())
+    assert [int(r.sum()) for r in rows] == [int(r.sum()) for r in lm.split(mb.seq_lens.tolist())]
+    empty, p = scored_view(mb.empty_like())  # nothing scored: one position, no loss token
+    assert p.tolist() == [0] and int(empty.loss_mask.sum()) == 0
 
 
 def test_groups_stay_together():
@@ -156,3 +176,20 @@ def test_shared_prefixes_give_the_same_logprobs_loss_and_gradients(kw, monkeypat
     for gp, gs in zip(g_plain, g_shared):
         for n in gp:
             torch.testing.assert_close(gs[n], gp[n], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("keeps_logits", [True, False])
+def test_scored_only_logprobs_are_the_full_ones_under_the_loss_mask(keeps_logits):
+    """The engine's logprobs at scored positions only (the LM head on them alone, or, for a model without
+    ``logits_to_keep``, gathered from all logits) equal the full logprobs there and are 0 elsewhere."""
+    batch = _grouped_batch(4)
+    actor = make_actor(_tiny(3), lr=1e-3)
+    assert actor.engine._keeps_logits
+    actor.engine._keeps_logits = keeps_logits
+    full = actor.engine.forward_logprobs(TrainBatch(batch))
+    part = actor.engine.forward_logprobs(TrainBatch(batch), scored_only=True)
+    for t, a, b in zip(batch, full, part):
+        m = t.loss_mask.astype(bool)
+        m[0] = False
+        np.testing.assert_allclose(b[m], a[m], rtol=1e-5, atol=1e-6)
+        assert not b[~m].any()

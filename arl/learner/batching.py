@@ -35,6 +35,7 @@ __all__ = ["PER_TOKEN", "MicroBatch", "split_by_token_budget", "collate_padded",
 
 
 PER_TOKEN = ("token_weights", "prox_logp", "ref_logp")  # optional float per-token fields of a MicroBatch
+TREE_FIELDS = ("node_ids", "node_position_ids", "node_index", "node_owned")  # a packed row's prefix tree
 
 
 @dataclasses.dataclass
@@ -100,11 +101,11 @@ class MicroBatch:
         does the same number of backward passes)."""
         n = int(self.seq_lens[0])
         cut = (lambda x: x[:, :n]) if self.packed else (lambda x: x[:1])
-        tree = ("node_ids", "node_position_ids", "node_index", "node_owned")  # the first sequence, as a plain row
+        # the first sequence, as a plain row
         rows = {f.name: cut(v) for f in dataclasses.fields(self) if f.name not in ("seq_lens", "indices", "cu_seqlens")
-                and f.name not in tree and (v := getattr(self, f.name)) is not None}
+                and f.name not in TREE_FIELDS and (v := getattr(self, f.name)) is not None}
         rows["loss_mask"] = torch.zeros_like(rows["loss_mask"])
-        return dataclasses.replace(self, **rows, **dict.fromkeys(tree), seq_lens=self.seq_lens[:1], indices=[],
+        return dataclasses.replace(self, **rows, **dict.fromkeys(TREE_FIELDS), seq_lens=self.seq_lens[:1], indices=[],
                                    cu_seqlens=None if self.cu_seqlens is None else self.cu_seqlens[:2])
 
     @property
@@ -140,10 +141,9 @@ def scored_view(mb: MicroBatch) -> tuple[MicroBatch, torch.Tensor]:
     lens = torch.bincount(seq[pos], minlength=len(mb.seq_lens)).to(mb.seq_lens.dtype)
     cu = torch.zeros(len(lens) + 1, dtype=mb.cu_seqlens.dtype, device=mb.cu_seqlens.device)
     cu[1:] = lens.cumsum(0)
-    rows = {f.name: v[:, pos] for f in dataclasses.fields(mb)
-            if isinstance(v := getattr(mb, f.name), torch.Tensor) and v.dim() == 2 and v.shape == mb.loss_mask.shape}
-    tree = dict.fromkeys(("node_ids", "node_position_ids", "node_index", "node_owned"))
-    return dataclasses.replace(mb, **rows, **tree, seq_lens=lens, cu_seqlens=cu), pos
+    rows = {f.name: v[:, pos] for f in dataclasses.fields(mb) if f.name not in TREE_FIELDS
+            and isinstance(v := getattr(mb, f.name), torch.Tensor) and v.shape == mb.loss_mask.shape}
+    return dataclasses.replace(mb, **rows, **dict.fromkeys(TREE_FIELDS), seq_lens=lens, cu_seqlens=cu), pos
 
 
 def split_by_token_budget(lengths: Sequence[int], max_tokens_per_mb: int) -> list[list[int]]:

@@ -389,8 +389,7 @@ class DeepSpeedEngine:
         if self._clips_itself:  # the gradients are all-reduced by now (DeepSpeed does it in the last backward)
             grads = [p for p in self.model_engine.module.parameters() if p.grad is not None]
             # clip_grad_norm_ with max_norm=inf measures without scaling (0 disables clipping, as in DeepSpeed)
-            norm = torch.nn.utils.clip_grad_norm_(grads, self.grad_clip if self.grad_clip > 0 else math.inf)
-            manual = float(norm)
+            manual = float(torch.nn.utils.clip_grad_norm_(grads, self.grad_clip if self.grad_clip > 0 else math.inf))
         self.model_engine.step()
         norm = manual if manual is not None else self.model_engine.get_global_grad_norm()
         return float("nan") if norm is None else float(norm)

@@ -5,7 +5,10 @@
     _, reward, terminated, truncated, info = await env.step("19")   # 1.0, True, False, {"correct": True, ...}
 
 The reward function runs off the event loop, in a shared pool of daemon threads, under `asyncio.wait_for`;
-a timeout or an exception gives reward 0.0 and the error in `info["error"]`; `step` never raises.
+a timeout or an exception gives reward 0.0 and the error in `info["error"]`; `step` never raises. A function
+marked with `@inline_reward` (a pure check that takes microseconds on any input, such as the built-in
+`exact_number_match`) is called on the event loop instead: the hop to a pool thread and back costs ~50x the check
+itself, and the default run makes hundreds of checks a training step.
 One env instance holds one reference answer: use one instance per prompt (`make_env("math")` is cheap).
 
 A hung reward function cannot be killed (it is a thread); its worker is written off and a replacement is
@@ -49,6 +52,19 @@ def _to_number(s: str) -> Optional[Decimal]:
     return d if d.is_finite() else None
 
 
+def inline_reward(fn: RewardFn) -> RewardFn:
+    """Mark `fn` as safe to call on the event loop: pure, and bounded to microseconds for any completion (linear
+    work on the text, no I/O, no model, no parser that can blow up). Anything else stays unmarked: it runs in the
+    pool, under the env's timeout."""
+    fn.__arl_inline__ = True  # type: ignore[attr-defined]
+    return fn
+
+
+def is_inline_reward(fn: Any) -> bool:
+    return getattr(fn, "__arl_inline__", False) is True
+
+
+@inline_reward
 def exact_number_match(completion: str, answer: str) -> float:
     """1.0 if the first number stated in `completion` (special tokens and whitespace stripped) equals `answer`
     numerically, else 0.0. `answer` may be an int or decimal string ("19", "19.0")."""
@@ -194,6 +210,7 @@ class MathEnv(EnvironmentService):
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"MathEnv timeout must be > 0 seconds, got {timeout!r}")
         self.reward_fn = resolve_reward_fn(reward_fn)
+        self._inline = is_inline_reward(self.reward_fn)
         self.timeout = float(timeout)
         self.correct_threshold = float(correct_threshold)
         self.answer: Optional[str] = None
@@ -204,6 +221,8 @@ class MathEnv(EnvironmentService):
         return None, {}
 
     async def _call(self, completion: str, answer: str) -> Any:
+        if self._inline:
+            return self.reward_fn(completion, answer)
         if inspect.iscoroutinefunction(self.reward_fn):
             try:
                 return await asyncio.wait_for(self.reward_fn(completion, answer), self.timeout)

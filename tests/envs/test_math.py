@@ -1,10 +1,11 @@
 import asyncio
+import threading
 import time
 
 import pytest
 
 from arl.api import ENVS, make_env
-from arl.envs.math import MathEnv, exact_number_match
+from arl.envs.math import MathEnv, exact_number_match, inline_reward, is_inline_reward
 
 
 def slow_reward(completion, answer):
@@ -48,10 +49,39 @@ async def test_hanging_reward_times_out_quickly():
     assert time.perf_counter() - t0 < 1.5
     assert r == 0.0 and term is False and "timed out" in info["error"]
     # the pool still serves other checks while that thread hangs
-    ok = MathEnv(timeout=2.0)
+    ok = MathEnv(reward_fn=lambda c, a: exact_number_match(c, a), timeout=2.0)
     await ok.reset(options={"answer": "1"})
     results = await asyncio.gather(*(ok.step("1") for _ in range(8)))
     assert all(x[1] == 1.0 for x in results)
+
+
+@pytest.mark.asyncio
+async def test_inline_rewards_run_on_the_loop_others_in_the_pool():
+    threads: dict[str, int] = {}
+
+    def pooled(c, a):
+        threads["pooled"] = threading.get_ident()
+        return 1.0
+
+    @inline_reward
+    def inline(c, a):
+        threads["inline"] = threading.get_ident()
+        return 1.0
+
+    @inline_reward
+    def inline_bad(c, a):
+        raise ValueError("bad check")
+
+    assert is_inline_reward(exact_number_match) and not is_inline_reward(pooled)
+    for fn in (pooled, inline):
+        env = MathEnv(reward_fn=fn)
+        await env.reset(options={"answer": "1"})
+        assert (await env.step("1"))[1] == 1.0
+    assert threads["inline"] == threading.get_ident() != threads["pooled"]
+    env = MathEnv(reward_fn=inline_bad)  # a marked function that raises is still isolated: reward 0, the error said
+    await env.reset(options={"answer": "1"})
+    _, r, _, _, info = await env.step("1")
+    assert r == 0.0 and "ValueError: bad check" in info["error"]
 
 
 @pytest.mark.asyncio

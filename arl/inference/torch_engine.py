@@ -6,16 +6,18 @@ Why it is built this way:
   background thread, so none of them needs a lock against another; callers (asyncio loops in any thread) only
   touch a small lock-protected queue and get their answer through ``loop.call_soon_threadsafe``. Torch releases
   the GIL inside its kernels, so the caller's event loop keeps running while a step computes.
-* **Continuous batching with a padded, batched HF ``DynamicCache``.** At every step the running sequences decode
-  one token together; newcomers are prefilled together (left-padded, one forward) and their KV is then joined to
-  the running batch by left-padding both caches to a common length and concatenating on the batch dimension.
-  Finished sequences leave at once (index-select on the batch dimension, then the columns that are padding for
-  every remaining row are trimmed). An attention mask marks padding and explicit ``position_ids`` give every row
-  its own positions, so a sequence produces the same tokens alone or batched. This uses only the public model
-  forward (``input_ids, attention_mask, position_ids, past_key_values``), so it works with any HF causal LM with
-  full attention (Llama, Qwen2/3, Mistral without sliding window, ...) and needs no custom kernels. The cost is
-  padding compute and a cache concat per step (DynamicCache grows by ``torch.cat``), acceptable for the small
-  models and contexts this engine serves; large GPU deployments use the SGLang backend.
+* **Continuous batching with a padded, batched HF cache.** At every step the running sequences decode one token
+  together; newcomers are prefilled together (left-padded, one forward) and their KV is then written into the
+  running batch's spare rows, right-aligned with it. Finished sequences leave at once (the last rows move into
+  their places, then the columns that are padding for every remaining row are dropped from the view). The running
+  batch lives in `arl.inference.running_kv.RunningKV`: buffers with spare rows and columns, so a decode step writes
+  its column in place and a join or an exit copies only the rows that arrive or move, not the whole cache. An
+  attention mask marks padding and explicit ``position_ids`` give every row its own positions, so a sequence
+  produces the same tokens alone or batched. This uses only the public model forward (``input_ids,
+  attention_mask, position_ids, past_key_values``) with a cache layer of our own, so it works with any HF causal
+  LM with full attention (Llama, Qwen2/3, Mistral without sliding window, ...) and needs no custom kernels. The
+  cost is padding compute, acceptable for the small models and contexts this engine serves; large GPU
+  deployments use the SGLang backend.
 * **n samples share one prefill**: the prompt is run once and its KV rows are repeated n times.
 * **A prefix KV cache** (``prefix_cache_tokens``, `arl.inference.prefix_cache`): a finished sequence's KV is kept
   (LRU, within a token budget), and a later request whose ids extend it (the next turn of a multi-turn chat: the
@@ -61,6 +63,7 @@ from transformers import DynamicCache
 
 from arl.api.types import GenerateRequest, GenerateResponse, GenerationConfig, SampleOutput
 from arl.inference.prefix_cache import KV, Entry, PrefixCache, Storage
+from arl.inference.running_kv import RunningKV
 from arl.inference.requests import ENGINE_CLOSED, check_limits, check_request, refusal
 from arl.weights.adapter import adapter_expected, is_adapter, merged_weight, split_payload
 
@@ -192,8 +195,7 @@ class TorchEngine:
 
         # Batch state: touched only by the decode thread.
         self._rows: list[_Row] = []
-        self._cache: Optional[DynamicCache] = None
-        self._mask: Optional[torch.Tensor] = None  # [B, T] long, 1 = real token, 0 = left padding
+        self._kv: Optional[RunningKV] = None  # the rows' KV and mask ([B, T] long, 1 = real token, 0 = left padding)
         self._prefix: Optional[PrefixCache] = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
         self._weights_epoch = 0  # bumped by every weight update: KV of an older epoch is never reused
 
@@ -470,14 +472,12 @@ class TorchEngine:
         return out.logits[:, -1, :].float()
 
     def _decode(self) -> None:
-        rows = self._rows
-        assert self._cache is not None and self._mask is not None
+        rows, kv = self._rows, self._kv
+        assert kv is not None
         dev = self.device
         input_ids = torch.tensor([[r.ids[-1]] for r in rows], dtype=torch.long, device=dev)
         position_ids = torch.tensor([[r.cached_len] for r in rows], dtype=torch.long, device=dev)
-        mask = torch.cat([self._mask, torch.ones(len(rows), 1, dtype=self._mask.dtype, device=dev)], dim=1)
-        self._mask = mask
-        logits = self._forward(input_ids, mask, position_ids, self._cache)
+        logits = self._forward(input_ids, kv.decode_mask(), position_ids, kv.cache)
         self._n["decode_forwards"] += 1
         self._emit(rows, logits)
 
@@ -567,23 +567,11 @@ class TorchEngine:
         return logits, cache, real.long()
 
     def _join(self, rows: list[_Row], cache: DynamicCache, mask: torch.Tensor) -> None:
-        """Concatenate the newcomers' KV rows to the running batch (left-padding both to a common length)."""
-        if not self._rows or self._cache is None or self._mask is None:
-            self._rows, self._cache, self._mask = rows, cache, mask
+        """Add the newcomers' KV rows to the running batch (`RunningKV`: written into its spare rows)."""
+        if not self._rows or self._kv is None:
+            self._rows, self._kv = rows, RunningKV(cache, mask, max_rows=self.max_batch_size)
             return
-        width = max(self._mask.shape[1], mask.shape[1])
-
-        def stack(old: torch.Tensor, new: torch.Tensor, dim: int) -> torch.Tensor:
-            """`old` rows above `new` rows, both left-padded with zeros to `width` along the sequence dim `dim`."""
-            return torch.cat([F.pad(x, (0, 0) * (-1 - dim) + (width - x.shape[dim], 0)) for x in (old, new)])
-
-        new_kv = [(stack(o.keys, n.keys, -2), stack(o.values, n.values, -2))
-                  for o, n in zip(self._cache.layers, cache.layers)]
-        new_mask = stack(self._mask, mask, -1)
-        # commit only once everything was built
-        for layer, (k, v) in zip(self._cache.layers, new_kv):
-            layer.keys, layer.values = k, v
-        self._mask = new_mask
+        self._kv.join(cache, mask)
         self._rows = self._rows + rows
 
     def _evict(self) -> None:
@@ -619,8 +607,9 @@ class TorchEngine:
         """Keep the KV of the finished rows `finished` (all computed under the current weights) in the prefix
         cache: one gather per layer for those it does not cover yet, each entry a view of it. A failure here only
         loses the reuse, never a request."""
-        prefix, cache, mask = self._prefix, self._cache, self._mask
-        assert prefix is not None and cache is not None and mask is not None
+        prefix, kv = self._prefix, self._kv
+        assert prefix is not None and kv is not None
+        cache, mask = kv.cache, kv.mask
         try:
             rows = [(i, self._rows[i]) for i in finished]
             items = [(i, r, r.owner.prompt + r.ids[:-1]) for i, r in rows]
@@ -642,21 +631,18 @@ class TorchEngine:
             self._n["prefix_store_failed"] += 1
 
     def _select_rows(self, keep: list[int]) -> None:
-        """Keep only rows `keep` (index-select the batch dim) and trim columns that are padding for every row."""
-        rows = self._rows
+        """Keep only rows `keep` (the last rows move into the leaving rows' places) and drop the columns that are
+        padding for every row left."""
         if not keep:
             self._reset_batch()
             return
-        assert self._cache is not None and self._mask is not None
-        kept_rows = [rows[i] for i in keep]
-        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
-        start = self._mask.shape[1] - max(r.cached_len for r in kept_rows)  # columns that are padding for all
-        self._mask = self._mask.index_select(0, idx)[:, start:]
-        _map_kv(self._cache, lambda x: x.index_select(0, idx)[:, :, start:])
-        self._rows = kept_rows
+        assert self._kv is not None
+        rows = self._rows
+        order = self._kv.select(keep, max(rows[i].cached_len for i in keep))
+        self._rows = [rows[i] for i in order]
 
     def _reset_batch(self) -> None:
-        self._rows, self._cache, self._mask = [], None, None
+        self._rows, self._kv = [], None
 
     # ---- sampling
 
@@ -730,7 +716,7 @@ class TorchEngine:
             cmds, self._commands = self._commands, []
             self._ack_pause_locked()
             rows, self._rows = self._rows, []
-            self._cache, self._mask = None, None
+            self._kv = None
         for r in rows:  # running requests keep their samples so far
             if not r.owner.responded:
                 r.owner.samples[r.index] = r.to_sample(r.finish or "abort")

@@ -198,6 +198,10 @@ class TorchEngine:
         self._kv: Optional[RunningKV] = None  # the rows' KV and mask ([B, T] long, 1 = real token, 0 = left padding)
         self._prefix: Optional[PrefixCache] = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
         self._weights_epoch = 0  # bumped by every weight update: KV of an older epoch is never reused
+        # A prefill forward's own cost, in prompt tokens, for `length_groups`: ~2.5-3 ms of HF's Python per forward
+        # against ~22 us a padded token for the tiny model on this CPU (DESIGN.md's machine); on a GPU a token costs
+        # far less than a launch, so only gross padding (one long prompt among many short ones) is split there.
+        self._prefill_fixed = 128 if self.device.type == "cpu" else 4096
 
         # LoRA (adapter payloads, `arl.weights.adapter`): the base tensor of every weight an adapter was merged
         # into, so each version merges into the base (not into the previous merge) and a full update un-merges
@@ -482,7 +486,6 @@ class TorchEngine:
         self._emit(rows, logits)
 
     def _prefill_and_join(self, reqs: list[_Request]) -> None:
-        dev = self.device
         # the prompts to prefill: with the prefix cache on, requests of this step with the same ids share one (as
         # the n samples of one request do), and each starts from the longest prefix the cache holds
         slot: list[int] = []
@@ -500,6 +503,20 @@ class TorchEngine:
             matches = [self._prefix.lookup(r.prompt, r.prompt_len - 1) for r in uniq]
         for r, j in zip(reqs, slot):
             r.epoch, r.source = self._weights_epoch, matches[j][0]
+        # one forward per run of similar lengths: a forward pads every row to its longest (a 50-token prompt that
+        # missed the cache among 20-token feedback turns would make every row 50 wide)
+        for group in length_groups([r.prompt_len - n for r, (_, n) in zip(uniq, matches)], self._prefill_fixed):
+            local = {j: i for i, j in enumerate(group)}
+            members = [(r, local[j]) for r, j in zip(reqs, slot) if j in local]
+            self._prefill_group([uniq[j] for j in group], [matches[j] for j in group], members)
+
+    def _prefill_group(self, uniq: list[_Request], matches: list[tuple[Optional[Entry], int]],
+                       members: list[tuple[_Request, int]]) -> None:
+        """One prefill forward over the distinct prompts `uniq` (each from its cached prefix, `matches`), then
+        the rows of every request in `members` (request, index of its prompt in `uniq`) emitted and joined."""
+        dev = self.device
+        reqs = [r for r, _ in members]
+        slot = [j for _, j in members]
         if any(n for _, n in matches):
             logits, cache, mask = self._prefill_suffixes(uniq, matches)
         else:
@@ -818,6 +835,31 @@ def left_pad(seqs: Sequence[Sequence[int]], pad_id: int,
         mask[i, width - len(s):] = 1
     ids, mask = ids.to(device), mask.to(device)
     return ids, mask, (mask.cumsum(-1) - 1).clamp_(min=0)
+
+
+def length_groups(lengths: Sequence[int], fixed: int) -> list[list[int]]:
+    """Indices of `lengths` (prompt tokens to prefill) split into forwards that minimise the padded work: the sum
+    over forwards of `fixed` (a forward's own cost, in tokens) plus rows x the longest row. Each forward takes a
+    run of the sorted distinct lengths (the best split always does); dynamic programming over those runs."""
+    by_len: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        by_len.setdefault(int(n), []).append(i)
+    distinct = sorted(by_len)
+    best = [0.0] + [float("inf")] * len(distinct)  # best[j]: cost of the j shortest distinct lengths
+    cut = [0] * (len(distinct) + 1)
+    for j in range(1, len(distinct) + 1):
+        rows = 0
+        for i in range(j, 0, -1):  # a forward over distinct lengths i..j, all padded to distinct[j - 1]
+            rows += len(by_len[distinct[i - 1]])
+            cost = best[i - 1] + fixed + rows * distinct[j - 1]
+            if cost < best[j]:
+                best[j], cut[j] = cost, i - 1
+    groups: list[list[int]] = []
+    j = len(distinct)
+    while j > 0:
+        groups.append([i for n in distinct[cut[j]:j] for i in by_len[n]])
+        j = cut[j]
+    return groups[::-1]
 
 
 def _check_attention_supported(config: Any, max_context_len: int) -> None:

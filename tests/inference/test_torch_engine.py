@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import itertools
 import logging
 from pathlib import Path
 from typing import Optional
@@ -585,3 +586,26 @@ def test_agenerate_from_another_thread_loop(model):
     asyncio.run(engine.close())
     for r in results:
         assert r is not None and r.error is None and len(r.samples[0].output_ids) == 7
+
+
+def test_length_groups_split_only_where_padding_costs_more_than_a_forward():
+    from arl.inference.torch_engine import length_groups
+
+    def cost(lengths, groups, fixed):
+        return sum(fixed + len(g) * max(lengths[i] for i in g) for g in groups)
+
+    assert length_groups([20] * 10, 128) == [list(range(10))]
+    lengths = [20] * 12 + [50]  # one cache miss among feedback turns: 13 x 50 padded vs 12 x 20 + 50 in two
+    groups = length_groups(lengths, 128)
+    assert groups == [list(range(12)), [12]]
+    assert length_groups(lengths, 10**6) == [list(range(13))]  # a forward dearer than any padding: one forward
+    rng = np.random.default_rng(0)
+    for _ in range(50):  # the split is the cheapest of all splits into runs of the sorted lengths
+        lengths = rng.integers(1, 60, size=int(rng.integers(1, 9))).tolist()
+        groups = length_groups(lengths, 40)
+        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+        best = min(cost(lengths, [order[a:b] for a, b in zip((0,) + cuts, cuts + (len(order),))], 40)
+                   for k in range(len(order))
+                   for cuts in itertools.combinations(range(1, len(order)), k))
+        assert cost(lengths, groups, 40) == best

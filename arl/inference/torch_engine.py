@@ -57,7 +57,6 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers import DynamicCache
 

@@ -20,8 +20,10 @@ VENV=${ARL_SGLANG_VENV:-$HOME/.cache/arl/venv-sglang}
 SGLANG_VERSION=${ARL_SGLANG_VERSION:-0.5.23}
 
 # Pure-Python (or CPU-wheel) runtime dependencies of sglang's HTTP server + scheduler on the generate path.
+# soundfile stays at 0.13.1: its manylinux wheel carries libsndfile; 0.14.0 is a pure wheel that needs the system's
+# libsndfile1, which a fresh machine lacks (CI failed on it: OSError at `import soundfile` in sglang's start-up).
 DEPS=(
-  "transformers==5.19.0" dill soundfile "tokenizers==0.23.2" safetensors numpy aiohttp fastapi "uvicorn>=0.51" uvloop orjson
+  "transformers==5.19.0" dill "soundfile==0.13.1" "tokenizers==0.23.2" safetensors numpy aiohttp fastapi "uvicorn>=0.51" uvloop orjson
   msgspec pydantic python-multipart pyzmq psutil requests setproctitle pybase64 partial_json_parser
   "prometheus-client>=0.20.0" packaging regex tqdm pillow einops interegular "xgrammar==0.2.7"
   "llguidance>=1.7.6,<2.0.0" "openai==2.8.0" "openai-harmony==0.0.4" "anthropic>=0.20.0" tiktoken

@@ -425,6 +425,9 @@ class LoraConfig:
                          "(pip install 'arl[lora]') and trains only the adapters.")
     alpha: float = field(16.0, "LoRA alpha: the update is scaled by alpha / rank.")
     dropout: float = field(0.0, "LoRA dropout (in [0, 1); the learner runs in eval mode, so it is inactive).")
+    lr_scale: float = field(10.0, "The adapters train at learner.optimizer.lr x lr_scale (modules_to_save at "
+                                  "learner.optimizer.lr): adapters want about 10x full fine-tuning's rate "
+                                  "(docs/learner.md, LoRA). 1: the same rate.")
     target_modules: list[str] = field(help="Module names (suffixes, as peft matches them) that get adapters.",
                                       factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     modules_to_save: list[str] = field(help="Modules trained in full beside the adapters (e.g. [lm_head]); their "
@@ -436,6 +439,7 @@ class LoraConfig:
              f"learner.lora.rank must be an int >= 0 (0: off), got {self.rank!r}"),
             (self.alpha > 0, f"learner.lora.alpha must be > 0, got {self.alpha}"),
             (0.0 <= self.dropout < 1.0, f"learner.lora.dropout must be in [0, 1), got {self.dropout}"),
+            (self.lr_scale > 0, f"learner.lora.lr_scale must be > 0, got {self.lr_scale}"),
             (self.rank == 0 or len(self.target_modules) > 0, "learner.lora.target_modules must name a module"),
         ])
 

@@ -17,7 +17,7 @@ from arl.config import LoraConfig
 from arl.utils.optional import import_optional
 from arl.weights.adapter import target_problems, to_payload
 
-__all__ = ["wrap_lora", "reference_context", "adapter_payload", "is_lora"]
+__all__ = ["wrap_lora", "param_groups", "reference_context", "adapter_payload", "is_lora"]
 
 
 def wrap_lora(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
@@ -33,6 +33,19 @@ def wrap_lora(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
                              target_modules=list(lora.target_modules),
                              modules_to_save=list(lora.modules_to_save) or None, bias="none", task_type="CAUSAL_LM")
     return peft.get_peft_model(model, config)
+
+
+def param_groups(model: torch.nn.Module, lr: float, lr_scale: float) -> list[dict[str, Any]]:
+    """The optimizer's parameter groups of a wrapped `model`: the adapters at ``lr * lr_scale``, trained
+    ``modules_to_save`` copies at ``lr``. Why two rates: an adapter's update is a low-rank product that starts from
+    zero (B = 0), so it moves the weights far less per step than full fine-tuning does at the same rate; a module
+    trained in full is full fine-tuning and keeps its rate."""
+    adapters, full = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (adapters if ".lora_" in name else full).append(p)
+    groups = [{"params": adapters, "lr": lr * lr_scale}]
+    return groups + ([{"params": full, "lr": lr}] if full else [])
 
 
 def is_lora(model: Any) -> bool:

@@ -57,9 +57,9 @@ def make_learner(args: argparse.Namespace):
     model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
                                          pad_token_id=0))
-    # --lora-rank r: LoRA adapters on q/k/v/o (a higher lr, so the adapters move visibly in a few steps)
+    # --lora-rank r: LoRA adapters on q/k/v/o (at 1e-3 x learner.lora.lr_scale 10, so they move visibly in a few steps)
     rank = int(getattr(args, "lora_rank", 0) or 0)
-    return make_actor(model, lr=1e-2 if rank else 1e-3, seed=0, zero_stage=args.zero_stage, lr_schedule="cosine",
+    return make_actor(model, lr=1e-3, seed=0, zero_stage=args.zero_stage, lr_schedule="cosine",
                       warmup_steps=1, total_steps=args.steps, max_tokens_per_mb=args.max_tokens_per_mb, rank=rank)
 
 

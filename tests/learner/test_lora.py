@@ -32,7 +32,7 @@ import _train_fixed as tf  # noqa: E402
 
 def _lora_actor(**kw):
     kw.setdefault("rank", 4)
-    kw.setdefault("lr", 1e-2)
+    kw.setdefault("lr", 1e-3)  # the adapters' rate: 1e-2 (learner.lora.lr_scale 10)
     return make_actor(tiny_model(0), seed=0, **kw)
 
 
@@ -55,6 +55,26 @@ def test_only_the_adapters_train_and_hold_optimizer_state():
         key = key if key in sd else key.replace(".weight", ".base_layer.weight")
         assert torch.equal(sd[key], v), k
     assert any(sd[n].abs().sum() > 0 for n in trainable if ".lora_B." in n)  # B left zero: it learned
+
+
+def test_adapters_train_at_lr_times_lr_scale_and_modules_to_save_at_lr():
+    lrn = _lora_actor(lr=2e-3, modules_to_save=["lm_head"])
+    groups = lrn.engine.optimizer.param_groups
+    named = {id(p): n for n, p in lrn.engine.module.named_parameters()}
+    assert [g["lr"] for g in groups] == pytest.approx([2e-2, 2e-3])
+    assert groups[0]["params"] and all(".lora_" in named[id(p)] for p in groups[0]["params"])
+    assert groups[1]["params"] and all("modules_to_save" in named[id(p)] for p in groups[1]["params"])
+    assert lrn.step(random_batch(0))["lr"] == pytest.approx(2e-2)  # the metric is the adapters' rate
+    # lr_scale=1: one rate, the first adapter step the same size as at 10x with a tenth of the rate (Adam's first
+    # step is lr * sign(g)), so the scale is exactly a rate multiplier
+    steps = []
+    for lr, scale in ((1e-3, 10.0), (1e-2, 1.0)):
+        a = _lora_actor(lr=lr, lr_scale=scale)
+        before = {n: p.detach().clone() for n, p in a.engine.module.named_parameters() if p.requires_grad}
+        a.step(random_batch(0))
+        steps.append({n: p.detach() - before[n] for n, p in a.engine.module.named_parameters() if p.requires_grad})
+    for n in steps[0]:
+        torch.testing.assert_close(steps[0][n], steps[1][n])
 
 
 def test_reference_logprobs_with_the_adapter_disabled_equal_the_base_model():
@@ -167,6 +187,7 @@ def test_config_refuses_bad_lora_settings_by_name(tmp_path):
     cases = [
         (["learner.lora.rank=-1"], "learner.lora.rank must be an int >= 0"),
         (["learner.lora.rank=8", "learner.lora.alpha=0"], "learner.lora.alpha must be > 0"),
+        (["learner.lora.rank=8", "learner.lora.lr_scale=0"], "learner.lora.lr_scale must be > 0"),
         (["learner.lora.rank=8", "learner.lora.target_modules=[]"], "learner.lora.target_modules must name"),
         (["learner.lora.rank=8", "learner.backend=sim"], "needs a learner that trains a model"),
     ]

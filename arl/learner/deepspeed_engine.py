@@ -196,7 +196,7 @@ class DeepSpeedEngine:
         np.random.seed(seed)
         torch.manual_seed(seed)
         self.lora = lora is not None and lora.rank > 0
-        params: Any = None
+        params: list[Any]  # AdamW's parameters or groups: the trainable ones at one rate, or LoRA's two groups
         if self.lora:
             from arl.learner.lora import param_groups, wrap_lora
 
@@ -204,6 +204,8 @@ class DeepSpeedEngine:
             params = param_groups(model, optimizer.lr, lora.lr_scale)
             logger.info("LoRA: adapters train at lr %g (learner.optimizer.lr %g x learner.lora.lr_scale %g)",
                         optimizer.lr * lora.lr_scale, optimizer.lr, lora.lr_scale)
+        else:
+            params = [p for p in model.parameters() if p.requires_grad]
         self.reference = bool(reference)
         self.ref_model = (copy.deepcopy(model).eval().requires_grad_(False)  # varlen too
                           if reference and not self.lora else None)
@@ -244,7 +246,6 @@ class DeepSpeedEngine:
         self._keeps_logits = "logits_to_keep" in inspect.signature(hf.forward).parameters
         # fused: one kernel over all parameters (CPU and CUDA) instead of a dozen small ops per tensor, which on a
         # small model cost more than the update itself
-        params = params or [p for p in model.parameters() if p.requires_grad]
         adamw = torch.optim.AdamW(params, lr=optimizer.lr,
                                   betas=tuple(optimizer.betas), weight_decay=optimizer.weight_decay, fused=True)
         self.model_engine, self.optimizer, _, self.lr_scheduler = ds.initialize(

@@ -343,8 +343,9 @@ class PPOConfig:
                                 "learner.lora the base model with the adapters disabled (no copy).")
     kl_estimator: KLEstimator = field(KLEstimator.k1, "KL estimator: 'k1' (logp - ref) or 'k3' "
                                                       "(exp(ref-logp) - (ref-logp) - 1).")
-    turn_discount: Optional[float] = field(None, "Per-turn advantages from turn_rewards with this discount "
-                                                 "(null: one advantage per trajectory from its reward).")
+    turn_discount: Optional[float] = field(None, "Per-turn advantages from turn_rewards with this discount for "
+                                                 "every trajectory (null: as each trajectory's agent says in its "
+                                                 "turn_discount; none said: one advantage per trajectory).")
     stale_tokens: StaleTokens = field(StaleTokens.keep, "Tokens older than v - eta at consumption: 'keep', 'drop' "
                                                         "or 'downweight'.")
     stale_token_decay: float = field(0.5, "downweight: weight decay ** (lag - eta) for stale tokens (in [0, 1]).")

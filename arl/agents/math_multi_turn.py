@@ -6,6 +6,9 @@ context (loss_mask 0). Generated tokens, including the eos they end with, stay e
 them: the history is never decoded and re-encoded.
 
 reward = turn_discount ** t if the chat is solved at turn t (0-based; 1.0 for a first-turn success), else 0.0.
+Credit (`credit_per_turn`, default): each answer is judged on its own, so each turn's tokens are credited by that
+turn's reward alone (`Trajectory.turn_discount = 0`): a wrong answer is not reinforced by the retry that fixed it,
+which matters because the evaluation scores first answers. `credit_per_turn=False`: every token shares `reward`.
 termination: "solved" | "max_turns" | "length" (a wrong answer cut by max_new_tokens, or no room left under
 `max_total_tokens`) | "abort" (the engine aborted the request).
 """
@@ -26,7 +29,7 @@ DEFAULT_FEEDBACK = "Wrong, try again."
 class MathMultiTurnAgent(Agent):
     def __init__(self, tokenizer: Any, gconfig: GenerationConfig, group_size: int = 8, num_turns: int = 3,
                  turn_discount: float = 0.9, feedback: str = DEFAULT_FEEDBACK, filter_uniform_groups: bool = True,
-                 max_total_tokens: Optional[int] = None) -> None:
+                 max_total_tokens: Optional[int] = None, credit_per_turn: bool = True) -> None:
         check_int("group_size", group_size)
         check_int("num_turns", num_turns)
         if not 0.0 < turn_discount <= 1.0:
@@ -37,6 +40,9 @@ class MathMultiTurnAgent(Agent):
         self.turn_discount = float(turn_discount)
         self.filter_uniform_groups = filter_uniform_groups
         self.max_total_tokens = max_total_tokens
+        if not isinstance(credit_per_turn, bool):
+            raise ValueError(f"credit_per_turn must be true or false, got {credit_per_turn!r}")
+        self.credit_per_turn = credit_per_turn
         self.gconfig = agent_gconfig(gconfig, tokenizer, n=1)
         # "<|user|>Wrong, try again.<|assistant|>" with the tiny tokenizer; tokenised once, appended as-is.
         self.feedback_ids = encode_chat(tokenizer, [{"role": "user", "content": feedback}], add_generation_prompt=True)
@@ -83,7 +89,8 @@ class MathMultiTurnAgent(Agent):
                                 "termination": termination, "prompt_id": pid}
         if errors:
             meta["reward_errors"] = errors
-        return b.build(reward=reward, group_id=group_id, turn_rewards=turn_rewards, metadata=meta)
+        return b.build(reward=reward, group_id=group_id, turn_rewards=turn_rewards, metadata=meta,
+                       turn_discount=0.0 if self.credit_per_turn else None)
 
     async def collect_trajectory(self, prompt: dict[str, Any], env: EnvironmentService, obs_queue: asyncio.Queue,
                                  act_queue: asyncio.Queue) -> list[Trajectory]:

@@ -56,6 +56,18 @@ def one_reward(value: Any, what: str = "reward") -> float:
     return _reward_number(items[0] if items is not None else value, finite=False)
 
 
+def checked_turn_discount(value: Any) -> Optional[float]:
+    """`Trajectory.turn_discount` as the learner takes it: None, or a number in [0, 1]. ValueError otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"Trajectory.turn_discount must be a number in [0, 1] or None, got {value!r:.60}")
+    gamma = float(value)
+    if not 0.0 <= gamma <= 1.0:  # NaN fails this too
+        raise ValueError(f"Trajectory.turn_discount must be in [0, 1], got {gamma}")
+    return gamma
+
+
 def check_reward(value: Any) -> float | list[float]:
     """An environment's reward as `step` may return it: one finite number, or (AReaL's stateless envs, whose
     ``step((qid, answers))`` rewards every answer) a non-empty flat sequence of finite numbers, one per answer.
@@ -173,6 +185,11 @@ class Trajectory:
     """One sequence the learner trains on, tokens exactly as generated or inserted.
 
     `logprobs` and `versions` are defined where `loss_mask` is 1 (elsewhere 0 and -1).
+
+    `turn_discount` is the agent's word on how its `turn_rewards` credit its turns: each turn's tokens get the
+    reward-to-go ``G_t = r_t + turn_discount * G_{t+1}`` (0: each turn by its own reward, for turns that are each a
+    whole answer judged on its own; near 1: env steps toward a final reward). None: every token shares `reward`.
+    `learner.ppo.turn_discount`, when set, overrides it for every trajectory.
     """
 
     input_ids: np.ndarray
@@ -183,6 +200,7 @@ class Trajectory:
     group_id: str
     turn_rewards: list[float] = dataclasses.field(default_factory=list)
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    turn_discount: Optional[float] = None
 
     def __post_init__(self) -> None:
         self.input_ids = as_int32(self.input_ids)
@@ -199,6 +217,7 @@ class Trajectory:
         # for the learner's validation to refuse with the trajectory's index. A turn's reward is taken the same way.
         self.reward = one_reward(self.reward, "Trajectory.reward")
         self.turn_rewards = [one_reward(r, "Trajectory.turn_rewards") for r in self.turn_rewards]
+        self.turn_discount = checked_turn_discount(self.turn_discount)
 
     @property
     def num_generated(self) -> int:

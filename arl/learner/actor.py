@@ -9,7 +9,8 @@ One batch, in the order the learner loop calls the phases (every rank runs them 
    KL penalty), so every minibatch shares one proximal policy (the first minibatch's come from its own update
    forward where the engine's forwards are one computation: ``prox_from_update``);
 3. `compute_advantages`: GRPO advantages from ``traj.reward`` grouped by ``traj.group_id``, broadcast over each
-   trajectory's loss tokens (or per-turn advantages with ``turn_discount``);
+   trajectory's loss tokens (or per-turn advantages where the agent's ``Trajectory.turn_discount`` or
+   ``ppo.turn_discount`` asks for them);
 4. `ppo_update`: one ``engine.train_batch`` (optimizer step) per minibatch with the decoupled PPO loss of
    `arl.learner.ppo`, then ``version += 1``; returns the step's statistics, reduced over ranks.
 
@@ -49,11 +50,11 @@ from arl.utils.timer import PhaseTimer
 
 __all__ = ["PPOActor", "PPOBatch", "METRIC_KEYS", "split_minibatches"]
 
-# What `ppo_update` reports for an engine that computes a loss (plus turn_reward_mismatch with turn_discount).
+# What `ppo_update` reports for an engine that computes a loss.
 METRIC_KEYS = ("loss", "reward_mean", "reward_std", "adv_abs_mean", "clip_frac", "imp_weight_mean", "capped_frac",
                "approx_kl", "entropy", "grad_norm", "n_seqs", "n_tokens", "head_offpolicyness",
                "tail_offpolicyness", "step_seconds", "tokens_per_s", "lr", "dual_clip_frac", "kl_ref",
-               "stale_token_frac", "pad_frac")
+               "stale_token_frac", "pad_frac", "turn_reward_mismatch")
 
 
 def split_minibatches(lengths: Sequence[int], k: int, groups: Optional[Sequence[object]] = None) -> list[list[int]]:
@@ -197,32 +198,38 @@ class PPOActor:
     def compute_advantages(self, batch: PPOBatch) -> None:
         adv, mismatched = self.advantages(batch.received)
         batch.data.fields["advantages"] = adv
-        if self.ppo.turn_discount is not None:
-            batch.stats.add("turn_reward_mismatch", mismatched)
+        batch.stats.add("turn_reward_mismatch", mismatched)  # every step: all ranks reduce the same names
 
     def advantages(self, trajs: Sequence[Trajectory]) -> tuple[list[Any], int]:
-        """Per-trajectory advantages (scalars, or per-token arrays with turn-level discount) and the number of
-        trajectories whose turn rewards did not match their turns (they fall back to ``reward`` for every turn)."""
+        """Per-trajectory advantages and the number of trajectories whose turn rewards did not match their turns
+        (they fall back to ``reward`` for every turn).
+
+        A group is credited per turn (one float32 array per trajectory) when ``ppo.turn_discount`` is set, or else
+        when its agent set ``Trajectory.turn_discount``; otherwise by one scalar per trajectory (GRPO)."""
         gids = [t.group_id for t in trajs]
+        gammas = [self.ppo.turn_discount if self.ppo.turn_discount is not None else t.turn_discount for t in trajs]
+        per_turn_groups = {g for g, gamma in zip(gids, gammas) if gamma is not None}
         rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
-        if self.ppo.turn_discount is None:
-            return group_advantages(rewards, gids, std_norm=self.ppo.adv_std_norm).tolist(), 0
+        out: list[Any] = group_advantages(rewards, gids, std_norm=self.ppo.adv_std_norm).tolist()
+        turn_idx = [i for i, g in enumerate(gids) if g in per_turn_groups]
+        if not turn_idx:
+            return out, 0
         returns, segs, mismatched = [], [], 0
-        for t in trajs:
+        for i in turn_idx:
+            t, gamma = trajs[i], gammas[i]
             sg = turn_segments(t.loss_mask)
             segs.append(sg)
-            if sg and len(t.turn_rewards) == len(sg):
-                returns.append(discounted_turn_returns(t.turn_rewards, self.ppo.turn_discount))
+            if gamma is not None and sg and len(t.turn_rewards) == len(sg):
+                returns.append(discounted_turn_returns(t.turn_rewards, gamma))
             else:
                 mismatched += int(bool(sg))
                 returns.append(np.full(max(len(sg), 1), t.reward, np.float64))
-        per_turn = turn_level_advantages(returns, gids, std_norm=self.ppo.adv_std_norm)
-        out = []
-        for t, sg, a in zip(trajs, segs, per_turn):
-            tok = np.zeros(len(t.input_ids), np.float32)
+        per_turn = turn_level_advantages(returns, [gids[i] for i in turn_idx], std_norm=self.ppo.adv_std_norm)
+        for i, sg, a in zip(turn_idx, segs, per_turn):
+            tok = np.zeros(len(trajs[i].input_ids), np.float32)
             for (s, e), val in zip(sg, a):
                 tok[s:e] = val
-            out.append(tok)
+            out[i] = tok
         return out, mismatched
 
     def ppo_update(self, batch: PPOBatch) -> dict[str, float]:

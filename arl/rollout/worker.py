@@ -21,7 +21,7 @@ from typing import Any, Awaitable, Callable, Optional, Sequence
 import numpy as np
 
 from arl.api.agent import Agent, EnvironmentService
-from arl.api.types import GenerateResponse, Trajectory, one_reward
+from arl.api.types import GenerateResponse, Trajectory, checked_turn_discount, one_reward
 from arl.rollout.client import InferenceClient, to_request
 from arl.rollout.env_groups import EnvGroupSpec
 from arl.rollout.filters import apply_filters
@@ -173,6 +173,7 @@ def wire_ready(t: Trajectory) -> None:
     (a number or a one-element sequence), metadata without numpy types. ValueError/TypeError: the agent's bug."""
     t.reward = one_reward(t.reward, "Trajectory.reward")
     t.turn_rewards = [one_reward(r, "Trajectory.turn_rewards") for r in t.turn_rewards]
+    t.turn_discount = checked_turn_discount(t.turn_discount)
     if not isinstance(t.metadata, dict):
         raise TypeError(f"Trajectory.metadata must be a dict, got {type(t.metadata).__name__}")
     t.metadata = plain(t.metadata)

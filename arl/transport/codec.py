@@ -21,7 +21,8 @@ Typed messages (``encode`` takes, ``decode`` returns, the dataclass from ``arl.a
                                    "output_versions": arr[int32], "finish_reason"}], "error": str | None}
     "traj"      list[Trajectory]  [{"input_ids": arr[int32], "loss_mask": arr[int8], "logprobs": arr[float32],
                                    "versions": arr[int32], "reward": float, "group_id": str,
-                                   "turn_rewards": [float], "metadata": {str: msgpack-safe}}]  (non-empty group)
+                                   "turn_rewards": [float], "metadata": {str: msgpack-safe},
+                                   "turn_discount": float in [0, 1] | None}]  (non-empty group)
 
 Control messages (``CONTROL_TYPES``) carry a plain map with str keys, validated only as a map; ``None`` encodes as
 ``{}``.
@@ -41,7 +42,8 @@ from typing import Any, Optional
 import msgpack
 import numpy as np
 
-from arl.api.types import FINISH_REASONS, GenerateRequest, GenerateResponse, GenerationConfig, SampleOutput, Trajectory
+from arl.api.types import (FINISH_REASONS, GenerateRequest, GenerateResponse, GenerationConfig, SampleOutput, Trajectory,
+                           checked_turn_discount)
 from arl.transport.replay import STAMP_SIZE, ReplayGuard, fresh_stamp
 
 __all__ = ["PROTOCOL_VERSION", "DEFAULT_MAX_BYTES", "TAG_SIZE", "TYPED_TYPES", "CONTROL_TYPES", "ENV_TYPES",
@@ -258,7 +260,7 @@ def _gen_resp_in(p: Any) -> GenerateResponse:
 
 # --------------------------------------------------------------------------------------------- traj
 
-_TRAJ_KEYS = frozenset({*_TRAJ_ARRAYS, "reward", "group_id", "turn_rewards", "metadata"})
+_TRAJ_KEYS = frozenset({*_TRAJ_ARRAYS, "reward", "group_id", "turn_rewards", "metadata", "turn_discount"})
 _META_SCALARS = (str, int, float, bool, type(None))
 
 
@@ -308,7 +310,8 @@ def _traj_out(group: Any) -> list:
             raise TypeError("Trajectory.metadata must be a dict")
         _check_tree(t.metadata, "metadata", TypeError, (list, tuple))
         out.append({**_arrays_out(t, _TRAJ_ARRAYS), "reward": float(t.reward), "group_id": t.group_id,
-                    "turn_rewards": turn_rewards, "metadata": t.metadata})
+                    "turn_rewards": turn_rewards, "metadata": t.metadata,
+                    "turn_discount": checked_turn_discount(t.turn_discount)})
     return out
 
 
@@ -324,7 +327,17 @@ def _one_traj_in(p: Any) -> Trajectory:
     _check_tree(meta, "metadata", MalformedMessage, (list,))
     return _build(Trajectory, {**arrays, "reward": _float(p["reward"], "reward"),
                                "group_id": _str(p["group_id"], "group_id"),
-                               "turn_rewards": [_float(r, "turn_rewards") for r in tr], "metadata": meta})
+                               "turn_rewards": [_float(r, "turn_rewards") for r in tr], "metadata": meta,
+                               "turn_discount": _turn_discount(p["turn_discount"])})
+
+
+def _turn_discount(obj: Any) -> Optional[float]:
+    if obj is not None and type(obj) not in (float, int):
+        raise MalformedMessage("turn_discount: expected a number or nil")
+    try:
+        return checked_turn_discount(obj)
+    except ValueError as e:
+        raise MalformedMessage(str(e)) from None
 
 
 def _traj_in(p: Any) -> list[Trajectory]:

@@ -155,6 +155,7 @@ async def test_multi_turn(reorder):
     assert sorted(eng.per_session.values()) == [1, 2, 3, 3]
     assert [t.reward for t in trajs] == pytest.approx([1.0, 0.9, 0.0, 0.81])
     assert [t.turn_rewards for t in trajs] == [[1.0], [0.0, 1.0], [0.0, 0.0, 0.0], [0.0, 0.0, 1.0]]
+    assert all(t.turn_discount == 0.0 for t in trajs)  # each answer credited by its own turn's reward
     assert [t.metadata["termination"] for t in trajs] == ["solved", "solved", "max_turns", "solved"]
     assert [t.metadata["turns"] for t in trajs] == [1, 2, 3, 3]
     assert [t.metadata["first_correct"] for t in trajs] == [True, False, False, False]
@@ -190,6 +191,11 @@ async def test_multi_turn_greedy_single_chain_and_filters():
     assert await FakeEngine(always("19")).drive(MathMultiTurnAgent(TOK, GCONF, group_size=3)) == []
     assert len(await FakeEngine(always("19")).drive(
         MathMultiTurnAgent(TOK, GCONF, group_size=3, filter_uniform_groups=False))) == 3
+    (shared,) = await FakeEngine(always("18")).drive(MathMultiTurnAgent(TOK, greedy, group_size=1,
+                                                                       credit_per_turn=False))
+    assert shared.turn_discount is None  # every token shares the chat's reward
+    with pytest.raises(ValueError, match="credit_per_turn"):
+        MathMultiTurnAgent(TOK, GCONF, credit_per_turn="no")
 
 
 @pytest.mark.asyncio

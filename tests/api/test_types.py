@@ -36,6 +36,16 @@ def test_trajectory_length_mismatch():
         Trajectory([1, 2], [0], [0, 0], [0, 0], 0.0, "g")
 
 
+def test_trajectory_turn_discount_is_none_or_in_unit_interval():
+    args = ([1, 2], [0, 1], [0, -1], [-1, 0], 1.0, "g")
+    assert Trajectory(*args).turn_discount is None
+    assert Trajectory(*args, turn_discount=0).turn_discount == 0.0
+    assert Trajectory(*args, turn_discount=np.float32(0.5)).turn_discount == 0.5
+    for bad in (-0.1, 1.5, float("nan"), "0.5", True):
+        with pytest.raises(ValueError, match="turn_discount"):
+            Trajectory(*args, turn_discount=bad)
+
+
 def test_sample_output_bad_finish_reason():
     with pytest.raises(ValueError, match="finish_reason"):
         SampleOutput([1], [0.0], [0], "done")

@@ -146,6 +146,48 @@ def test_turn_level_discount_advantages():
     assert m2["turn_reward_mismatch"] == 1.0 and math.isfinite(m2["loss"])
 
 
+def _two_turn(reward: float, turn_rewards: list, gid: str, gamma=None) -> Trajectory:
+    # turn 1 = tokens 5, 6 | context 3 | turn 2 = token 7
+    return Trajectory([1, 2, 5, 6, 3, 7], [0, 0, 1, 1, 0, 1], [0, 0, -3, -3, 0, -3], [-1, -1, 0, 0, -1, 0], reward,
+                      gid, turn_rewards=turn_rewards, turn_discount=gamma)
+
+
+def test_the_agents_turn_discount_credits_its_turns_unless_the_config_overrides_it():
+    lrn = make_actor(tiny(5), lr=1e-3)
+    # group g: a retry that fixed a wrong first answer (reward 0.9, turns (0, 1)) and a first-answer success
+    # (one turn); the agent says each turn is judged on its own (gamma 0). Returns: A (0, 1), B (1):
+    # baseline = mean first-turn return 0.5, pooled std of (0, 1, 1) = sqrt(2/9)
+    a = _two_turn(0.9, [0.0, 1.0], "g", gamma=0.0)
+    b = Trajectory([1, 2, 5], [0, 0, 1], [0, 0, -3], [-1, -1, 0], 1.0, "g", turn_rewards=[1.0], turn_discount=0.0)
+    # group h: no word from its agent -> one scalar per trajectory, as GRPO
+    c, d = _two_turn(0.9, [0.0, 1.0], "h"), _two_turn(0.0, [0.0, 0.0], "h")
+    adv, mismatched = lrn.advantages([a, b, c, d])
+    s = math.sqrt(2 / 9)
+    assert mismatched == 0
+    np.testing.assert_allclose(adv[0], [0, 0, -0.5 / s, -0.5 / s, 0, 0.5 / s], rtol=1e-4)  # the wrong answer is pushed down
+    np.testing.assert_allclose(adv[1], [0, 0, 0.5 / s], rtol=1e-4)
+    assert np.isscalar(adv[2]) and np.isscalar(adv[3]) and adv[2] == pytest.approx(-adv[3]) and adv[2] > 0
+    # the config's discount wins over the agent's, and applies to every trajectory with turn rewards
+    adv2, _ = make_actor(tiny(5), lr=1e-3, turn_discount=1.0).advantages([a, b, c, d])
+    assert all(not np.isscalar(x) for x in adv2)
+    assert adv2[2][2] == pytest.approx(adv2[2][5]) and adv2[2][2] > 0  # reward-to-go 1 at both of C's turns
+    np.testing.assert_allclose(adv2[0], 0.0, atol=1e-6)  # A and B are now worth the same at every turn
+    # without any agent's word the default is unchanged: scalars only
+    adv3, _ = lrn.advantages([c, d])
+    assert all(np.isscalar(x) for x in adv3)
+
+
+def test_a_group_credited_per_turn_counts_its_mismatched_trajectory():
+    lrn = make_actor(tiny(5), lr=1e-3)
+    ok = _two_turn(0.9, [0.0, 1.0], "g", gamma=0.0)
+    bad = _two_turn(0.0, [0.0], "g", gamma=0.0)  # one turn reward for two turns: its scalar reward for both
+    other = _two_turn(0.0, [0.0, 0.0], "g")  # no word from its agent, in a group credited per turn: same fallback
+    adv, mismatched = lrn.advantages([ok, bad, other])
+    assert mismatched == 2 and all(not np.isscalar(x) for x in adv)
+    m = lrn.step([ok, bad, other])
+    assert m["turn_reward_mismatch"] == 2.0 and math.isfinite(m["loss"])
+
+
 @pytest.mark.parametrize("zero_stage", [0, 2])
 def test_lr_schedule_warmup_then_cosine(zero_stage):
     base = tiny(6)

@@ -98,7 +98,10 @@ def test_traj_round_trip():
             assert getattr(b, f).dtype == getattr(a, f).dtype
             np.testing.assert_array_equal(getattr(b, f), getattr(a, f))
         assert (b.reward, b.group_id, b.turn_rewards, b.metadata) == (a.reward, a.group_id, a.turn_rewards, a.metadata)
-        assert b.num_generated == a.num_generated
+        assert b.num_generated == a.num_generated and b.turn_discount is None
+    tagged = _traj(4)
+    tagged.turn_discount = 0.0
+    assert decode(encode("traj", [tagged]))[1][0].turn_discount == 0.0
 
 
 def test_traj_metadata_tuple_becomes_list():
@@ -244,6 +247,9 @@ MALFORMED.update(
         "traj reward bool": _traj_wire(reward=True),
         "traj group_id int": _traj_wire(group_id=1),
         "traj turn_rewards str": _traj_wire(turn_rewards=["a"]),
+        "traj turn_discount str": _traj_wire(turn_discount="0"),
+        "traj turn_discount above 1": _traj_wire(turn_discount=2.0),
+        "traj turn_discount nan": _traj_wire(turn_discount=float("nan")),
         "traj metadata bytes": _traj_wire(metadata={"b": b"x"}),
         "traj metadata list": _traj_wire(metadata=[1]),
         "traj metadata deep": _traj_wire(metadata=_nested(40)),

@@ -50,7 +50,7 @@ __all__ = ["PROTOCOL_VERSION", "DEFAULT_MAX_BYTES", "TAG_SIZE", "TYPED_TYPES", "
            "MESSAGE_TYPES",
            "MalformedMessage", "ReplayedMessage", "encode", "decode"]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: "traj" carries turn_discount (a peer of another version is refused by name, not by keys)
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 TAG_SIZE = 32  # HMAC-SHA256 digest size
 

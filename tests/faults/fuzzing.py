@@ -67,7 +67,8 @@ def malformed_frame(kind: str, target: str, rng: random.Random, max_bytes: int) 
         good = _valid_frame(target, rng)
         return [good[: rng.randrange(0, len(good))]]
     if kind == "version":
-        v = rng.choice([0, 2, 99, -1, "1", 1.0, None])
+        v = rng.choice([PROTOCOL_VERSION - 1, PROTOCOL_VERSION + 1, 99, -1, str(PROTOCOL_VERSION),
+                        float(PROTOCOL_VERSION), None])
         body = msgpack.unpackb(_valid_frame(target, rng), raw=False)
         body["v"] = v
         return [msgpack.packb(body, use_bin_type=True)]

@@ -88,7 +88,21 @@ def start_run(run_root: str, cache: str, extra: list[str], cwd: str = ROOT,
     with open(err_path, "w") as err:
         proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=err, text=True, env=full_env)
     proc.stderr_path = err_path  # type: ignore[attr-defined]
+    _STARTED.append(proc)
     return proc, os.path.join(run_root, "run")
+
+
+_STARTED: list[subprocess.Popen] = []
+
+
+def stop_runs_left_running() -> int:
+    """Stop (SIGINT: the launcher stops its roles) every run `start_run` started that is still running: a test
+    that fails before its `finish` (a held run never ends by itself) must not leave processes behind."""
+    left = [p for p in _STARTED if p.poll() is None]
+    for p in left:
+        stop(p)
+    _STARTED.clear()
+    return len(left)
 
 
 def launcher_log(proc: subprocess.Popen) -> str:

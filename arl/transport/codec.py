@@ -332,10 +332,10 @@ def _one_traj_in(p: Any) -> Trajectory:
 
 
 def _turn_discount(obj: Any) -> Optional[float]:
-    if obj is not None and type(obj) not in (float, int):
-        raise MalformedMessage("turn_discount: expected a number or nil")
+    """nil, or a number (`_float`'s exact types) in [0, 1]."""
+    gamma = None if obj is None else _float(obj, "turn_discount")
     try:
-        return checked_turn_discount(obj)
+        return checked_turn_discount(gamma)
     except ValueError as e:
         raise MalformedMessage(str(e)) from None
 

@@ -77,6 +77,9 @@ class Hold:
         open(self.flag, "w").close()
 
 
+_STARTED: list[subprocess.Popen] = []  # every launcher start_run started, for stop_runs_left_running
+
+
 def start_run(run_root: str, cache: str, extra: list[str], cwd: str = ROOT,
               env: Optional[dict[str, str]] = None) -> tuple[subprocess.Popen, str]:
     """Start the launcher; its stderr (the controller's log) goes to a file that `launcher_log` reads while it
@@ -90,9 +93,6 @@ def start_run(run_root: str, cache: str, extra: list[str], cwd: str = ROOT,
     proc.stderr_path = err_path  # type: ignore[attr-defined]
     _STARTED.append(proc)
     return proc, os.path.join(run_root, "run")
-
-
-_STARTED: list[subprocess.Popen] = []
 
 
 def stop_runs_left_running() -> int:

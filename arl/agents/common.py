@@ -7,7 +7,7 @@ import contextlib
 import logging
 import uuid
 import weakref
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from arl.api import GenerateRequest, GenerateResponse, GenerationConfig, Trajectory
 
@@ -95,9 +95,11 @@ class QueueClient:
     logged and dropped.
     """
 
-    def __init__(self, obs_queue: asyncio.Queue, act_queue: asyncio.Queue) -> None:
-        self.obs_queue = obs_queue
-        self.act_queue = act_queue
+    def __init__(self, obs_queue: asyncio.Queue, act_queue: asyncio.Queue, *, weak: bool = False) -> None:
+        # `weak`: the client does not keep its queues alive, so a cache keyed by the queue (`queue_client`) lets go
+        # of it with the group; each call holds its queues for as long as it runs.
+        self._obs: Callable[[], Optional[asyncio.Queue]] = weakref.ref(obs_queue) if weak else (lambda: obs_queue)
+        self._act: Callable[[], Optional[asyncio.Queue]] = weakref.ref(act_queue) if weak else (lambda: act_queue)
         self._pending: dict[str, asyncio.Future] = {}
         self._reader: Optional[asyncio.Task] = None
         self._idle: Optional[asyncio.Handle] = None  # the scheduled stop of an idle reader
@@ -107,14 +109,17 @@ class QueueClient:
             raise TypeError(f"generate() takes a GenerateRequest, got {type(req).__name__}")
         if req.qid in self._pending:
             raise ValueError(f"qid {req.qid!r} is already in flight on this queue pair; qids must be unique")
-        direct = getattr(self.obs_queue, "generate", None)
+        obs, act = self.obs_queue, self.act_queue  # held for the call (a weak client's queues may go otherwise)
+        if obs is None or act is None:
+            raise RuntimeError("this QueueClient's queue pair no longer exists")
+        direct = getattr(obs, "generate", None)
         if direct is not None:  # the rollout worker's queue answers directly (arl.api.agent.Agent)
             return await direct(req)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
         self._pending[req.qid] = fut
         try:
-            await self.obs_queue.put(req)
+            await obs.put(req)
             if self._idle is not None:
                 self._idle.cancel()
                 self._idle = None
@@ -134,9 +139,18 @@ class QueueClient:
             self._reader.cancel()
             self._reader = None
 
+    @property
+    def obs_queue(self) -> Optional[asyncio.Queue]:
+        return self._obs()
+
+    @property
+    def act_queue(self) -> Optional[asyncio.Queue]:
+        return self._act()
+
     async def _read(self) -> None:
-        while self._pending:
-            resp = await self.act_queue.get()
+        act = self.act_queue  # a pending call holds it, so it is alive while there is anything to read
+        while self._pending and act is not None:
+            resp = await act.get()
             if not isinstance(resp, GenerateResponse):
                 err = TypeError(f"act_queue delivered {type(resp).__name__}, expected GenerateResponse")
                 for f in self._pending.values():
@@ -159,14 +173,20 @@ class QueueClient:
                 await self._reader
 
 
+# Weak both ways: the key is the act queue and the client holds its queues weakly, so an entry goes with its group's
+# queue pair (a client holding them strongly once kept every group's queues, timeline and engine log alive).
 _CLIENTS: "weakref.WeakKeyDictionary[asyncio.Queue, QueueClient]" = weakref.WeakKeyDictionary()
 
 
 def queue_client(obs_queue: asyncio.Queue, act_queue: asyncio.Queue) -> QueueClient:
-    """The one QueueClient of this queue pair (keyed by `act_queue`)."""
+    """The one QueueClient of this queue pair (keyed by `act_queue`), shared by the chains that use the pair so one
+    reader hands out their responses. The rollout worker's obs queue answers directly and needs no shared reader:
+    its client is not cached."""
+    if getattr(obs_queue, "generate", None) is not None:
+        return QueueClient(obs_queue, act_queue)
     client = _CLIENTS.get(act_queue)
     if client is None or client.obs_queue is not obs_queue:
-        client = QueueClient(obs_queue, act_queue)
+        client = QueueClient(obs_queue, act_queue, weak=True)
         _CLIENTS[act_queue] = client
     return client
 

@@ -36,6 +36,9 @@ from arl.api import EnvironmentService, GenerateRequest, GenerateResponse, Gener
 
 REASONS = ("no_score", "timeout", "refused", "error")
 _ids = itertools.count()
+# where a field goes in the rendered prompt, split out before encoding (NUL: in no template or chat template)
+_FIELD = "\x00arl-judge-field-{}\x00"
+_FIELD_RE = re.compile("\x00arl-judge-field-([0-2])\x00")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,12 +94,22 @@ class Judge:
         self.gconfig = GenerationConfig(max_new_tokens=settings.max_new_tokens, greedy=True, stop_token_ids=stop)
         self.stats: collections.Counter = collections.Counter()  # calls, scored, failures by reason, ms
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, template: str, question: str, answer: str, reference: str) -> list[int]:
+        """The prompt's ids: the template (and chat template) encoded as usual, the three fields encoded with special
+        tokens split, so an answer that spells `<|im_end|>` ... `<|im_start|>assistant` stays text and cannot open a
+        judge turn of its own. The fields are encoded apart from the template and their ids concatenated."""
+        text = template.format(question=_FIELD.format(0), answer=_FIELD.format(1), reference=_FIELD.format(2))
         if self.settings.chat and self.settings.mode == "generative":
-            rendered = self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                          add_generation_prompt=True, tokenize=False)
-            return list(self.tokenizer.encode(rendered, add_special_tokens=False))
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                      add_generation_prompt=True, tokenize=False)
+        fields = (question, answer, reference)
+        ids: list[int] = []
+        for i, part in enumerate(_FIELD_RE.split(text)):
+            if i % 2:
+                ids += self.tokenizer.encode(fields[int(part)], add_special_tokens=False, split_special_tokens=True)
+            elif part:
+                ids += self.tokenizer.encode(part, add_special_tokens=False)
+        return ids
 
     def to_reward(self, score: float) -> float:
         s = self.settings
@@ -112,9 +125,8 @@ class Judge:
         detail = ""
         try:
             template = s.template if s.mode == "generative" else s.classifier_template
-            req = GenerateRequest(qid=f"judge-{next(_ids)}", input_ids=self.encode(fill(template, question, answer,
-                                                                                       reference)),
-                                  gconfig=self.gconfig)
+            req = GenerateRequest(qid=f"judge-{next(_ids)}",
+                                  input_ids=self.encode(template, question, answer, reference), gconfig=self.gconfig)
             resp = await asyncio.wait_for(self._generate(req), s.timeout)
             if resp.error is not None or not resp.samples:
                 reason, detail = "refused", str(resp.error)[:300]

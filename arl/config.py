@@ -99,8 +99,10 @@ class EnvConfig:
     servers: int = field(0, "Env-server processes hosting the envs (one session per env instance, rollout workers "
                             "reach them over ZMQ); 0: envs live inside the rollout workers.")
     call_timeout: float = field(0.0, "env servers: seconds one env call may take at the server before it is "
-                                     "abandoned and its session closed; 0: 0.9 x rollout.env_timeout.")
-    session_lease_s: float = field(600.0, "env servers: a session idle this long is closed.")
+                                     "abandoned and its session closed; 0: 0.9 x rollout.env_timeout; must be < "
+                                     "rollout.env_timeout.")
+    session_lease_s: float = field(600.0, "env servers: a session idle this long is closed; must exceed two "
+                                          "request deadlines (a turn's generation).")
     max_restarts: int = field(3, "env servers: most restarts of env servers in one run; one more failure stops it.")
     heartbeat_timeout: float = field(60.0, "env servers: one silent this long is restarted (its sessions' groups "
                                            "are dropped).")
@@ -752,6 +754,7 @@ def validate(cfg: Any) -> None:
     checks += [(name == "jsonl" or name in TRACKERS, f"loggers: {TRACKERS.unknown(name)}") for name in cfg.loggers]
     checks += [(False, p) for p in lora_problems(cfg)]
     checks += [(False, p) for p in judge_problems(cfg)]
+    checks += [(False, p) for p in timeout_problems(cfg)]
     _require(checks)
     if rc.num_env_groups > 0:  # env groups: partition and per-worker capacity, before any process starts
         try:
@@ -858,6 +861,26 @@ def rollout_deadlines(cfg: ExperimentConfig) -> tuple[float, float, float]:
         return base, per_token, float(rc.trajectory_timeout)
     request = base + per_token * cfg.gen.max_new_tokens
     return base, per_token, agent_turns(cfg) * (2 * request + 2 * float(rc.env_timeout))
+
+
+def timeout_problems(cfg: ExperimentConfig) -> list[str]:
+    """Env-server timeouts that contradict the rollout workers' deadlines (start-up refusals naming both keys)."""
+    if cfg.env.servers <= 0 or cfg.rollout.env_timeout <= 0 or cfg.env.session_lease_s <= 0:
+        return []  # no env servers: neither is used (bad signs are refused by validate's own checks)
+    rc, ec, out = cfg.rollout, cfg.env, []
+    base, per_token, _ = rollout_deadlines(cfg)
+    request = base + per_token * cfg.gen.max_new_tokens
+    if ec.session_lease_s <= 2 * request:  # a turn's generation: two attempts, as the auto trajectory deadline counts
+        how = (f"rollout.request_timeout={rc.request_timeout:g}" if rc.request_timeout > 0 else
+               f"{AUTO_REQUEST_BASE_S:g} s + rollout.timeout_per_token_s={rc.timeout_per_token_s:g} x "
+               f"gen.max_new_tokens={cfg.gen.max_new_tokens}")
+        out.append(f"env.session_lease_s={ec.session_lease_s:g} must exceed the longest wait of one turn's generation, "
+                   f"2 attempts x the request deadline ({how}) = {2 * request:.0f} s: an env session idle that long is "
+                   f"closed under a slow turn; raise env.session_lease_s or lower the request deadline")
+    if ec.call_timeout > 0 and ec.call_timeout >= rc.env_timeout:
+        out.append(f"env.call_timeout={ec.call_timeout:g} must be < rollout.env_timeout={rc.env_timeout:g}: the env "
+                   f"server must give up on a call before the rollout worker does (0: 0.9 x rollout.env_timeout)")
+    return out
 
 
 def agent_turns(cfg: ExperimentConfig) -> int:
@@ -988,6 +1011,6 @@ def resolve_threads(cfg: ExperimentConfig, role: str) -> int:
 __all__ = [
     "ExperimentConfig", "ConfigError", "parse_overrides", "split_experiment", "format_help", "import_user_modules",
     "to_yaml", "resolve_threads", "weights_backend", "weights_settings", "shared_gpu", "resolve_weights",
-    "rollout_deadlines", "agent_turns", "judge_workers", "judge_problems", "DictConfig", "partition_groups",
-    "worker_groups", "check_env_capacity",
+    "rollout_deadlines", "timeout_problems", "agent_turns", "judge_workers", "judge_problems", "DictConfig",
+    "partition_groups", "worker_groups", "check_env_capacity",
 ]

@@ -136,3 +136,39 @@ def test_unknown_backend_and_logger_names_list_the_registered_ones():
         with pytest.raises(ConfigError) as e:
             parse_overrides(ExperimentConfig, [override])
         assert str(e.value) == message
+
+
+def test_env_server_timeouts_that_contradict_the_rollout_deadlines_are_refused_naming_both_keys():
+    """An env session idle past env.session_lease_s is closed: a turn that waits on a long generation (two attempts
+    of the request deadline, 60 s + 0.1 s x gen.max_new_tokens each) must not find it gone. A server call timeout
+    past rollout.env_timeout lets the rollout worker give up while the server keeps working."""
+    from arl.builtin import load_builtins
+
+    load_builtins()
+    with pytest.raises(ConfigError) as e:  # 2 x (60 + 0.1 x 8192) = 1758 s > 600 s
+        parse_overrides(ExperimentConfig, ["env.servers=1", "gen.max_new_tokens=8192"])
+    msg = str(e.value)
+    assert "env.session_lease_s=600" in msg and "gen.max_new_tokens=8192" in msg and "1758" in msg, msg
+    assert "rollout.timeout_per_token_s" in msg, msg
+    with pytest.raises(ConfigError, match=r"env.session_lease_s=100 .*rollout.request_timeout=60"):
+        parse_overrides(ExperimentConfig, ["env.servers=1", "rollout.request_timeout=60", "env.session_lease_s=100"])
+    ok = parse_overrides(ExperimentConfig, ["env.servers=1", "gen.max_new_tokens=8192", "env.session_lease_s=1800"])
+    assert ok.env.session_lease_s == 1800
+    # without env servers the lease is not used: no refusal
+    assert parse_overrides(ExperimentConfig, ["gen.max_new_tokens=8192"]).env.servers == 0
+    with pytest.raises(ConfigError, match=r"env.call_timeout=90 .*rollout.env_timeout=60"):
+        parse_overrides(ExperimentConfig, ["env.servers=1", "env.call_timeout=90"])
+    with pytest.raises(ConfigError, match=r"env.call_timeout=60 .*rollout.env_timeout=60"):
+        parse_overrides(ExperimentConfig, ["env.servers=1", "env.call_timeout=60"])
+    assert parse_overrides(ExperimentConfig, ["env.servers=1", "env.call_timeout=50"]).env.call_timeout == 50
+
+
+def test_the_default_and_shipped_experiments_pass_the_timeout_checks():
+    from arl.cli import load_config
+    from experiments import MODULES
+
+    names = ["async-ppo-math", "tool-calc", "gsm8k", "openai-math", "openai-tool-calc", "openai-framework"]
+    for name in names:
+        for extra in ([], ["env.servers=1"]):
+            load_config([f"experiment={name}", *extra], MODULES)
+    load_config([], MODULES)  # the default experiment

@@ -5,7 +5,8 @@ Concat mode: a request whose messages continue an earlier turn (that turn's mess
 messages it was answered with, compared by role, content and tool calls) is sent to the engine as that turn's
 prompt ids + the ids the policy generated for that answer (exactly, with their eos) + only the new messages,
 rendered by the chat template after an assistant turn (`ObservationEncoder`). A request that continues nothing
-(the agent summarised, truncated, edited or dropped history) is rendered whole as the root of a new segment,
+(the agent summarised, truncated, edited or dropped history; also when it starts with a later request's messages
+but not with one of that request's answers: the later answer was edited or dropped) is rendered whole as the root of a new segment,
 trained as its own sequence, and counted in `mismatches` (`endpoint_prefix_mismatch`): it is never silently
 re-tokenised into the old one. A request that repeats an earlier turn's messages exactly (a retry) reuses that
 turn's prompt ids.
@@ -144,6 +145,7 @@ class Session:
         tools_key = json.dumps(tools or [], sort_keys=True)
         history = (tools_key, keys)
         best: Optional[tuple[Turn, int]] = None
+        longest = 0  # the most messages of an earlier request that this one starts with
         for turn in reversed(self.turns):
             t_tools, t_keys = turn.history if isinstance(turn.history, tuple) else (None, None)
             if t_tools != tools_key or t_keys is None:
@@ -151,12 +153,16 @@ class Session:
             n = len(t_keys)
             if keys == t_keys:  # the same request again (a retry): same ids, a sibling of that turn
                 return turn.prompt_ids, history, turn.parent
-            if len(keys) > n and keys[:n] == t_keys and (best is None or n > len(best[0].history[1])):
-                for i, c in enumerate(turn.choices):
-                    if c.key == keys[n]:
-                        best = (turn, i)
-                        break
-        if best is not None:
+            if len(keys) > n and keys[:n] == t_keys:
+                longest = max(longest, n)
+                if best is None or n > len(best[0].history[1]):
+                    for i, c in enumerate(turn.choices):
+                        if c.key == keys[n]:
+                            best = (turn, i)
+                            break
+        # a later request it starts with, whose answer it does not carry on with: the agent edited or dropped that
+        # answer (rewrote its history), so it continues nothing rather than an earlier turn with the edit slipped in
+        if best is not None and longest <= len(best[0].history[1]):
             turn, i = best
             new = template_messages(messages[len(turn.history[1]) + 1:])
             ids = np.concatenate([turn.prompt_ids, turn.choices[i].sample.output_ids,

@@ -62,3 +62,29 @@ def test_message_keys_ignore_ids_and_compare_tool_arguments_as_objects():
     assert message_key(a) == message_key(b) != message_key(c)
     assert message_key({"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}) == \
         message_key({"role": "user", "content": "ab"})
+
+
+def test_an_edited_later_answer_is_a_prefix_mismatch_not_a_quiet_continuation_of_an_earlier_turn():
+    """Turn 3 repeats turn 2's messages but replaces turn 2's answer: it rewrote history (the docs' prefix mismatch),
+    so it starts a new segment, rendered whole, and is counted, rather than continuing turn 1 with the edited answer
+    slipped in among the 'new' messages."""
+    s, log = Session("k", TOK), EngineLog()
+    u1, u2, u3 = ({"role": "user", "content": c} for c in ("1+1=", "no", "again"))
+    a1 = answer(s, log, [u1], "3")
+    answer(s, log, [u1, a1, u2], "4")
+    edited = {"role": "assistant", "content": "2"}
+    answer(s, log, [u1, a1, u2, edited, u3], "5")
+    assert s.mismatches == 1 and s.turns[2].mismatch and s.turns[2].parent is None
+    assert s.turns[2].prompt_ids.tolist() == enc("<|user|>1+1=<|assistant|>3<eos><|user|>no<|assistant|>2<eos>"
+                                                 "<|user|>again<|assistant|>")
+    # dropping the later answer altogether is the same rewrite
+    answer(s, log, [u1, a1, u2, u3], "6")
+    assert s.mismatches == 2 and s.turns[3].parent is None
+    # a branch from an earlier answer that no later turn repeated is still a plain continuation
+    answer(s, log, [u1, a1, u3], "7")
+    assert s.mismatches == 2 and s.turns[4].parent == (s.turns[0], 0)
+    trajs = s.trajectories(1.0, "g")
+    assert sorted((t.metadata["turns"], t.metadata["endpoint_prefix_mismatch"]) for t in trajs) == \
+        [(1, 1), (1, 1), (2, 0), (2, 0)]
+    for t in trajs:
+        verify_trajectory(t, log)

@@ -191,6 +191,11 @@ def queue_client(obs_queue: asyncio.Queue, act_queue: asyncio.Queue) -> QueueCli
     return client
 
 
+def live_queue_clients() -> int:
+    """Cached clients of plain queue pairs alive now (the rollout worker's heartbeat shows it: it must not grow)."""
+    return len(_CLIENTS)
+
+
 async def generate(obs_queue: asyncio.Queue, act_queue: asyncio.Queue, req: GenerateRequest) -> GenerateResponse:
     """Send `req` and await its response (matched by qid). Raises RuntimeError if the engine reports an error."""
     resp = await queue_client(obs_queue, act_queue).generate(req)

@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional, Protocol
 
 from arl.report.page import ReportBuilder
 from arl.report.traces import TraceWriter
+from arl.utils.proc import rss_mib
 
 logger = logging.getLogger("arl.controller")
 
@@ -201,6 +202,47 @@ def _env_counts(rollout_stats: dict) -> dict:
     return {k: v for k, v in dict(rollout_stats.get("env") or {}).items() if k != "env_calls_in_flight"}
 
 
+class MemoryTrack:
+    """Each role's resident memory (the `rss_mib` of its heartbeats, and the controller's own) at a few points of the
+    run: the first step, the first step past a quarter of the run (after warm-up: caches and pools are full by
+    then), the newest, and the largest seen. O(roles), whatever the run's length: a record per step would itself
+    grow. The growth from the quarter to the end is what a leak shows as."""
+
+    def __init__(self, total_steps: int) -> None:
+        self.quarter_step = max(1, total_steps // 4)
+        self.roles: dict[str, dict[str, float]] = {}
+        self.largest = ""
+
+    def note(self, step: int, role_stats: dict) -> dict[str, float]:
+        now: dict[str, float] = {}
+        own = rss_mib()
+        if own is not None:
+            now["controller"] = own
+        for (role, index), st in sorted(role_stats.items()):
+            v = st.get("rss_mib")
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                now[f"{role}{index}"] = float(v)
+        for name, v in now.items():
+            r = self.roles.setdefault(name, {"first": v, "first_step": step, "max": v})
+            if "quarter" not in r and step >= self.quarter_step:
+                r["quarter"], r["quarter_step"] = v, step
+            r["end"], r["end_step"], r["max"] = v, step, max(r["max"], v)
+        if now:
+            name = max(now, key=lambda k: now[k])
+            self.largest = f"{name} {now[name]:.0f}M"
+        return now
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """Per role: MiB at the first step, at a quarter, at the end, the max, and `growth_pct` (end over quarter)."""
+        out = {}
+        for name, r in sorted(self.roles.items()):
+            row = dict(r)
+            if r.get("quarter"):
+                row["growth_pct"] = round(100.0 * (r["end"] / r["quarter"] - 1.0), 1)
+            out[name] = row
+        return out
+
+
 class Reporter:
     """Counts of the run (groups by outcome, faults) and the records written about it."""
 
@@ -225,6 +267,7 @@ class Reporter:
         self._postfix: dict = {}
         self._drops_text = ""
         self._drops_shown_at = -1e9
+        self.memory = MemoryTrack(total_steps)
 
     def elapsed(self) -> float:
         return self.clock() - self.t_start
@@ -279,9 +322,11 @@ class Reporter:
     def train(self, version: int, metrics: dict, role_stats: dict) -> None:
         """The learner published `version`: one train record, and the progress bar moves."""
         self.step = version
+        rss = self.memory.note(version, role_stats)
         self.write({"type": "train", "step": version, "version": version, "elapsed": self.elapsed(),
                     "inference_idle_frac": self.inference_idle_fraction(role_stats),
-                    "groups": dict(self.group_reasons), **metrics, "rollout": self.take_traj_means()}, version)
+                    "groups": dict(self.group_reasons), **metrics, "rollout": self.take_traj_means(),
+                    "rss_mib": rss}, version)
         envs = [st for (role, _), st in role_stats.items() if role == "env"]
         self._env_text = f"{len(envs)} up, {sum(int(st.get('sessions', 0)) for st in envs)} sessions" if envs else ""
         self._update_progress(version, metrics)
@@ -325,6 +370,8 @@ class Reporter:
         acc = next((e["first_acc"] for _, e in sorted(self.evals.items(), reverse=True) if e), float("nan"))  # newest
         self._postfix = dict(v=version, reward=f"{metrics.get('reward_mean', float('nan')):.3f}",
                              acc=f"{acc:.3f}", stale=metrics.get("head_offpolicyness"))
+        if self.memory.largest:  # the role holding the most memory now: a leak shows as a number that climbs
+            self._postfix["rss"] = self.memory.largest
         if getattr(self, "_env_text", ""):  # env servers (env.servers > 0)
             self._postfix["envs"] = self._env_text
         bar.set_postfix(**self._postfix, **({"dropped": self._drops_text} if self._drops_text else {}),
@@ -396,7 +443,8 @@ class Reporter:
                "accepted_trajectories": self.accepted_trajectories, "lost_in_flight_groups": self.lost_groups,
                "running_groups": running_groups, "rollout_restarts": rollout_restarts,
                "inference_restarts": inference_restarts, "learner": {k: ls.get(k) for k in LEARNER_KEYS},
-               "env": dict(env), "requests": dict(requests), "transport": transport, "faults": list(self.faults)}
+               "env": dict(env), "requests": dict(requests), "transport": transport, "faults": list(self.faults),
+               "memory": self.memory.summary()}
         if env_servers or env_restarts:
             out["env_servers"], out["env_restarts"] = env_servers, env_restarts
         if judge:
@@ -436,6 +484,7 @@ class Reporter:
             "groups": dict(self.group_reasons),
             "lost_inference": sorted(lost_inference),
             "seconds": self.elapsed(),
+            "memory": self.memory.summary(),
         }
 
     def final_report(self) -> None:

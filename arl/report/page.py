@@ -1,9 +1,9 @@
 """The run report: run_dir/report.html, one self-contained page (inline CSS, JS and SVG; nothing fetched from the
 network), plus run_dir/curves.png when matplotlib is installed.
 
-The page shows curves of held-out accuracy, reward, staleness, throughput, inference-server busy and learner idle
-(from metrics.jsonl) and a trajectory browser over traces.jsonl (filter by reward, termination and outcome;
-generated tokens told apart from context by colour). Its data is one JSON object embedded in the page
+The page shows curves of held-out accuracy, reward, staleness, throughput, inference-server busy, learner idle and
+each role's resident memory (from metrics.jsonl) and a trajectory browser over traces.jsonl (filter by reward,
+termination and outcome; generated tokens told apart from context by colour). Its data is one JSON object embedded in the page
 (`<script id="arl-data" type="application/json">`), which `report_data` builds and the tests read back.
 
 The controller rebuilds the page at each evaluation (in a thread, `ReportBuilder.request`) and the page and
@@ -75,6 +75,18 @@ CHARTS: list[tuple[str, str, str, str, list[tuple[str, Callable[[dict], Optional
 ]
 
 
+def memory_chart(trains: list[dict]) -> dict[str, Any]:
+    """Resident memory per role process over the steps (train records' `rss_mib`): a curve that climbs with the work
+    done is a leak, one that flattens after warm-up is not."""
+    roles = sorted({k for r in trains if isinstance(r.get("rss_mib"), dict) for k in r["rss_mib"]})
+    series = []
+    for role in roles:
+        pts = [[int(r["step"]), v] for r in trains if (v := _get(r, f"rss_mib/{role}")) is not None]
+        if pts:
+            series.append({"label": role, "points": sorted(pts, key=lambda p: p[0])})
+    return {"id": "memory", "title": "Memory per role (RSS)", "ylabel": "MiB", "series": series}
+
+
 def pick_traces(traces: list[dict], limit: int) -> list[dict]:
     """The newest `limit` traces, half of the room kept for sampled ones (filtered groups can outnumber them many
     times over), in file order."""
@@ -102,6 +114,7 @@ def report_data(run_dir: str, max_traces: int = MAX_TRACES) -> dict[str, Any]:
             if pts:
                 out_series.append({"label": label, "points": pts})
         charts.append({"id": cid, "title": title, "ylabel": ylabel, "series": out_series})
+    charts.append(memory_chart([r for r in records if r.get("type") == "train" and _num(r.get("step")) is not None]))
     evals = [{"step": int(r["step"]), "first_acc": _num(r.get("first_acc")), "solved_acc": _num(r.get("solved_acc")),
               "n": r.get("n"), "seconds": _num(r.get("seconds"))}
              for r in records if r.get("type") == "eval" and _num(r.get("step")) is not None]

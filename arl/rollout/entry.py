@@ -10,7 +10,7 @@ from typing import Any, Awaitable, Callable, Optional
 
 from arl.config import ExperimentConfig, rollout_deadlines
 from arl.transport.control import ControlChannel, RoleParts, aclose, make_socket
-from arl.transport.messages import Eval, EvalDone, Heartbeat, Lookup, SendControl, WorkerBack, WorkerLost
+from arl.transport.messages import Eval, EvalDone, Lookup, SendControl, WorkerBack, WorkerLost
 from arl.transport.sockets import Dealer, Push
 
 logger = logging.getLogger("arl.worker")
@@ -176,7 +176,7 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
         result = await worker.evaluate(msg.version, msg.max_prompts)
         # fresh counters first (same socket, so they arrive first): the eval record carries this worker's stats as
         # of the evaluation, not a heartbeat up to a second old (a short run can finish within one heartbeat)
-        await ctl.post(Heartbeat(role="rollout", index=index, stats=stats()))
+        await ctl.post(ctl.beat(stats()))
         await ctl.post(EvalDone.from_payload(result))
 
     async def on_worker_lost(msg: WorkerLost) -> None:  # the controller dropped an inference server: re-route

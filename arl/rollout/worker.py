@@ -20,6 +20,7 @@ from typing import Any, Awaitable, Callable, Optional, Sequence
 
 import numpy as np
 
+from arl.agents.common import live_queue_clients
 from arl.api.agent import Agent, EnvironmentService
 from arl.api.types import GenerateResponse, Trajectory, checked_turn_discount, one_reward
 from arl.rollout.client import InferenceClient, to_request
@@ -444,7 +445,8 @@ class RolloutWorker:
     def heartbeat_stats(self) -> dict:
         return {
             "prompt_position": getattr(self._prompts, "position", None),  # a restarted worker resumes here
-            "running": len(self._running),
+            "running": len(self._running),  # live groups: with queue_clients, flat in a long run (no leak)
+            "queue_clients": live_queue_clients(),
             "wanted": self._wanted,
             **{k: int(v) for k, v in self.stats.items()},
             "drop_reasons": dict(self.drop_reasons),

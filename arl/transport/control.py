@@ -15,6 +15,7 @@ from typing import Any, Awaitable, Callable, Optional, TypeVar
 from arl.transport.messages import ControlMessage, Error, Heartbeat, Register, parse
 from arl.transport.security import advertised_address, effective_bind_host
 from arl.transport.sockets import Dealer, bind_random
+from arl.utils.proc import rss_mib
 
 logger = logging.getLogger("arl.worker")
 
@@ -93,10 +94,16 @@ class ControlChannel:
             logger.exception("handler for %s failed", msg_type)
             await self.post(Error(message=f"{self.role}{self.index}: {msg_type} failed: {e}"))
 
+    def beat(self, stats: dict, index: Optional[int] = None) -> Heartbeat:
+        """A heartbeat as this role (or as hosted inference server `index`) carrying `stats` and the process's
+        resident memory (`rss_mib`), which the controller records per role."""
+        return Heartbeat(role=self.role, index=self.index if index is None else index,
+                         stats={**stats, "rss_mib": rss_mib()})
+
     async def heartbeat(self, stats: Callable[[], dict], index: Optional[int] = None) -> None:
         """Heartbeat as this role (or as hosted inference server `index`) every HEARTBEAT_SECONDS."""
         while True:
-            await self.post(Heartbeat(role=self.role, index=self.index if index is None else index, stats=stats()))
+            await self.post(self.beat(stats(), index))
             await asyncio.sleep(HEARTBEAT_SECONDS)
 
 

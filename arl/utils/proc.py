@@ -6,7 +6,7 @@ import ctypes
 import os
 import signal
 import sys
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 _PR_SET_PDEATHSIG = 1
 
@@ -48,3 +48,20 @@ def signal_group(pid: int, sig: int) -> None:
             os.kill(pid, sig)
         except ProcessLookupError:
             pass
+
+
+_SELF: Any = None
+
+
+def rss_mib() -> Optional[float]:
+    """This process's resident memory in MiB (None where psutil cannot read it): every heartbeat carries it, so a
+    role whose memory grows with the work done shows in the run's records long before it runs out."""
+    global _SELF
+    try:
+        import psutil
+
+        if _SELF is None or _SELF.pid != os.getpid():  # a forked child asks about itself, not its parent
+            _SELF = psutil.Process()
+        return round(_SELF.memory_info().rss / 2**20, 1)
+    except Exception:  # noqa: BLE001 - no psutil, or a platform it cannot read: the heartbeat goes without it
+        return None

@@ -269,3 +269,32 @@ def test_a_lost_rollout_worker_the_learner_catching_up_and_the_summary():
     s = r.summary(run_dir="/r", steps=2, lost_inference={1})
     assert s["evals"] == {2: (0.5, 0.75)} and s["lost_inference"] == [1] and s["steps"] == 2
     assert s["groups"] == {"accepted": 2, "lost_worker_died": 3}
+
+
+def test_memory_per_role_in_train_records_progress_and_summary():
+    sink = ListSink()
+    r = Reporter([sink], total_steps=8)
+    for step, (roll, learn) in enumerate([(200.0, 900.0), (260.0, 905.0), (300.0, 910.0), (303.0, 908.0),
+                                          (306.0, 920.0), (330.0, 915.0), (310.0, 912.0), (315.0, 911.0)], start=1):
+        r.train(step, {}, {("rollout", 0): {"rss_mib": roll}, ("learner", 0): {"rss_mib": learn},
+                           ("inference", 0): {"busy_s": 1.0}})  # a heartbeat without it: no entry
+    train = sink.logged[0][0]
+    assert train["rss_mib"]["rollout0"] == 200.0 and "inference0" not in train["rss_mib"]
+    assert train["rss_mib"]["controller"] > 0  # the controller's own process
+    assert r.memory.largest.startswith("learner0 ")
+    mem = r.summary(run_dir="x", steps=8, lost_inference=[])["memory"]
+    # a quarter of 8 steps: step 2 is the baseline the end is compared with (warm-up before it)
+    assert mem["rollout0"] == {"first": 200.0, "first_step": 1, "quarter": 260.0, "quarter_step": 2, "end": 315.0,
+                               "end_step": 8, "max": 330.0, "growth_pct": 21.2}
+    assert mem["learner0"]["growth_pct"] == 0.7
+    assert r.accounting(role_stats={}, steps=8, running_groups=0, failure=None, rollout_restarts=0,
+                        inference_restarts=0, transport={})["memory"] == mem
+
+
+def test_memory_track_stays_small_over_a_long_run():
+    r = Reporter([], total_steps=100_000)
+    for step in range(1, 5001):
+        r.memory.note(step, {("rollout", 0): {"rss_mib": 250.0 + step % 7}})
+    assert set(r.memory.roles) == {"controller", "rollout0"}
+    row = r.memory.roles["rollout0"]  # a few numbers per role, no per-step list
+    assert set(row) == {"first", "first_step", "max", "end", "end_step"} and row["end_step"] == 5000

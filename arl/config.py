@@ -822,9 +822,14 @@ def lora_problems(cfg: ExperimentConfig) -> list[str]:
     if cfg.inference.backend not in LORA_INFERENCE_BACKENDS:
         out.append(f"learner.lora.rank > 0: inference.backend={cfg.inference.backend} cannot serve LoRA adapters "
                    f"(these can: {', '.join(LORA_INFERENCE_BACKENDS)})")
-    if cfg.inference.backend == "sglang" and cfg.weights.transport != "disk":
-        out.append("learner.lora.rank > 0 with inference.backend=sglang needs weights.transport=disk (SGLang loads "
-                   "each version's adapter from a folder, /load_lora_adapter)")
+    from arl.weights.strategy import TRANSPORTS
+
+    if cfg.inference.backend == "sglang" and cfg.weights.transport in TRANSPORTS:  # an unknown name: weights_problems
+        folders = [n for n in TRANSPORTS.names() if TRANSPORTS.get(n).carries_folders]
+        if cfg.weights.transport not in folders:
+            out.append(f"learner.lora.rank > 0 with inference.backend=sglang needs a weights.transport that carries "
+                       f"each version as a folder (SGLang loads each version's adapter from one, /load_lora_adapter); "
+                       f"weights.transport={cfg.weights.transport} does not; these do: {', '.join(folders)}")
     if cfg.inference.backend == "sglang" and lora.modules_to_save:
         out.append("learner.lora.modules_to_save with inference.backend=sglang: SGLang's adapters cannot carry "
                    "fully trained modules")

@@ -110,6 +110,7 @@ class DiskLink:
 
 class DiskTransport(Transport):
     name = "disk"
+    carries_folders = True
 
     def learner(self, *, weights_dir: str, keep_versions: int, host: str, secret: Optional[bytes], device: Any,
                 skip_names: Callable[[], Iterable[str]]) -> DiskLearner:

@@ -125,6 +125,9 @@ class Transport:
     subclass registered under its `name` overrides what it needs."""
 
     name = ""
+    # each version reaches the inference servers as a folder they load by path (SGLang loads a LoRA adapter only
+    # so, /load_lora_adapter); a transport that streams tensors leaves it False
+    carries_folders = False
 
     def __init__(self, settings: WeightsSettings) -> None:
         self.settings = settings

@@ -236,3 +236,27 @@ async def test_the_learner_loop_publishes_through_the_transport():
     assert [p["path"] for t, p in sent if t == "weights_published"] == ["pigeon:1", "pigeon:2"]
     assert side.published == [(1, {"version": 1}), (2, {"version": 2})]
     assert w.heartbeat_stats()["pigeons_sent"] == 2
+
+
+class FolderPigeon(Pigeon):
+    """A pigeon that carries each version as a folder the server loads by path."""
+
+    name = f"{NAME}-folders"
+    carries_folders = True
+
+
+TRANSPORTS.register(FolderPigeon.name, FolderPigeon)
+
+
+def test_lora_with_sglang_asks_the_transport_whether_it_carries_folders():
+    """SGLang loads each version's LoRA adapter from a folder: the config asks the transport whether it delivers
+    one (`Transport.carries_folders`), not which transport it is, so a registered one that does is accepted."""
+    lora = ["inference.backend=sglang", "learner.lora.rank=8", "learner.backend=deepspeed"]
+    assert make_transport(WeightsSettings("disk")).carries_folders
+    assert not make_transport(WeightsSettings("broadcast")).carries_folders
+    assert parse_overrides(ExperimentConfig, [*lora, f"weights.transport={FolderPigeon.name}"]).learner.lora.rank == 8
+    for name in (NAME, "broadcast"):
+        with pytest.raises(ConfigError, match=rf"inference.backend=sglang needs a weights.transport that carries each "
+                                              rf"version as a folder.*weights.transport={name} does not.*disk"):
+            parse_overrides(ExperimentConfig, [*lora, f"weights.transport={name}"])
+    assert parse_overrides(ExperimentConfig, [*lora, "weights.transport=disk"]).weights.transport == "disk"

@@ -14,8 +14,10 @@ Why it is built this way:
   versions); a KV from old weights is never reused.
 * **Bounded by tokens, least recently used first.** The sequences that finish in one engine step are copied out
   of the batch together (one gather per layer, not one copy per sequence: per-sequence copies cost as much as the
-  prefill they save on a small model), into a `Storage` their entries view; the budget counts every storage's
-  whole size for as long as one of its entries lives, so what the cache holds in memory never exceeds it. An
+  prefill they save on a small model), packed end to end without padding, into a `Storage` their entries view;
+  the budget counts every storage's whole size for as long as one of its entries lives, so what the cache holds
+  in memory never exceeds it. A storage larger than the budget is never admitted (it would evict every entry,
+  then itself): the engine packs a step's sequences into storages of at most the budget each. An
   entry whose ids are a prefix of another's is dominated (every lookup matches the longer one at least as far),
   so it is dropped when its extension is stored, and a dominated newcomer is not stored at all.
 """
@@ -134,10 +136,10 @@ class PrefixCache:
                storage: Optional[Storage] = None) -> bool:
         """Store `ids` with their `kv` (per layer [1, heads, len(ids), head_dim] tensors the cache may keep; views
         of `storage`, which the budget counts whole; None: they are their own storage of len(ids) tokens), unless
-        an entry already covers them or they exceed the budget; drop `replaces` (the entry the sequence was
-        prefilled from) when `ids` extend it. Returns whether they were stored."""
-        if not 0 < len(ids) <= self.max_tokens:
-            return False
+        an entry already covers them or they (or their storage) exceed the budget; drop `replaces` (the entry the
+        sequence was prefilled from) when `ids` extend it. Returns whether they were stored."""
+        if not 0 < len(ids) <= self.max_tokens or (storage is not None and storage.tokens > self.max_tokens):
+            return False  # what would not fit the budget alone would evict every entry, then itself
         ids = tuple(ids)  # a tuple of ints: not tracked by the garbage collector
         hashes = block_hashes(ids, len(ids))
         covering, n = self._longest(ids, len(ids), hashes)

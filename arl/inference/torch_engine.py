@@ -621,27 +621,47 @@ class TorchEngine:
 
     def _store(self, finished: list[int]) -> None:
         """Keep the KV of the finished rows `finished` (all computed under the current weights) in the prefix
-        cache: one gather per layer for those it does not cover yet, each entry a view of it. A failure here only
-        loses the reuse, never a request."""
+        cache: for those it does not cover yet, one gather per layer packs their real tokens end to end (no
+        padding) into a storage of at most the budget, each entry a view of it. A failure here only loses the
+        reuse, never a request.
+
+        Why packed storages, not a copy per entry: a copy per entry costs 2 x layers copies per row (as much as
+        the prefill it saves on a small model), a packed storage 2 x layers gathers per step; a storage over the
+        budget would evict every entry and then itself, so a step whose rows together exceed it fills several."""
         prefix, kv = self._prefix, self._kv
         assert prefix is not None and kv is not None
-        cache, mask = kv.cache, kv.mask
+        cache = kv.cache
         try:
             rows = [(i, self._rows[i]) for i in finished]
             items = [(i, r, r.owner.prompt + r.ids[:-1]) for i, r in rows]
-            items = [(i, r, ids) for i, r, ids in items if not prefix.covers(ids)]
-            if not items:
-                return
-            width = max(len(ids) for _, _, ids in items)
-            idx = torch.tensor([i for i, _, _ in items], dtype=torch.long, device=self.device)
-            start = mask.shape[1] - width
-            block = [(layer.keys[:, :, start:].index_select(0, idx), layer.values[:, :, start:].index_select(0, idx))
-                     for layer in cache.layers]
-            storage = Storage(len(items) * width)
-            for j, (_, r, ids) in enumerate(items):
-                cut = width - len(ids)
-                prefix.insert(ids, [(k[j:j + 1, :, cut:], v[j:j + 1, :, cut:]) for k, v in block], r.owner.source,
-                              storage)
+            items = [(i, r, ids) for i, r, ids in items if not prefix.covers(ids)]  # each fits the budget alone
+            chunks: list[list[tuple[int, _Row, list[int]]]] = []
+            size = prefix.max_tokens
+            for item in items:
+                if size + len(item[2]) > prefix.max_tokens:
+                    chunks.append([])
+                    size = 0
+                chunks[-1].append(item)
+                size += len(item[2])
+            width = kv.width  # each row's real tokens are its last columns
+            for chunk in chunks:
+                total = sum(len(ids) for _, _, ids in chunk)
+                lens = torch.tensor([len(ids) for _, _, ids in chunk], dtype=torch.long, device=self.device)
+                row_idx = torch.tensor([i for i, _, _ in chunk], dtype=torch.long,
+                                       device=self.device).repeat_interleave(lens, output_size=total)
+                # token t of the packed storage: its row's column width - len + (t - the row's offset)
+                shift = (width - lens.cumsum(0)).repeat_interleave(lens, output_size=total)
+                col_idx = torch.arange(total, device=self.device) + shift
+                # [tokens, heads, head_dim] per layer, seen as [1, heads, tokens, head_dim]
+                block = [(layer.keys[row_idx, :, col_idx].permute(1, 0, 2)[None],
+                          layer.values[row_idx, :, col_idx].permute(1, 0, 2)[None]) for layer in cache.layers]
+                storage = Storage(total)
+                off = 0
+                for _, r, ids in chunk:
+                    n = len(ids)
+                    prefix.insert(ids, [(k[:, :, off:off + n], v[:, :, off:off + n]) for k, v in block],
+                                  r.owner.source, storage)
+                    off += n
         except Exception:  # noqa: BLE001
             logger.exception("%s: storing finished sequences in the prefix cache failed", self.name)
             self._n["prefix_store_failed"] += 1

@@ -231,3 +231,50 @@ def test_entries_sharing_a_storage_count_it_whole_while_one_lives():
     assert cache.insert(c, fake_kv(10))  # 110 > 100: the least recently used (b) goes, and with it the storage
     assert cache.lookup(b + [0], limit=25) == (None, 0)
     assert cache.tokens == 50 and len(cache) == 2
+
+
+def test_a_storage_larger_than_the_budget_is_not_admitted_and_evicts_nothing():
+    from arl.inference.prefix_cache import Storage
+
+    cache = PrefixCache(max_tokens=100)
+    kept = [5] * 20
+    assert cache.insert(kept, fake_kv(20))
+    wide = Storage(6 * 30)  # six rows of one step copied out padded to the widest: 180 > 100
+    assert not cache.insert([6] * 25, fake_kv(25), storage=wide)
+    assert len(cache) == 1 and cache.tokens == 20 and cache.lookup(kept + [0], limit=20)[1] == 20
+    assert wide.live == 0
+
+
+@pytest.mark.asyncio
+async def test_rows_finishing_in_one_step_stay_cached_when_together_they_exceed_the_budget():
+    """Six rows finish in one step, each fits the budget but not all of them together: the cache keeps some of
+    them (within the budget), and their next turns reuse them with the outputs of the engine without a cache."""
+    budget = 100
+    on = make_engine(make_model(0), prefix_cache_tokens=budget)
+    off = make_engine(make_model(0))
+    gconfig = GenerationConfig(n=1, max_new_tokens=6, greedy=True)
+
+    async def one_step(engine: TorchEngine, prompts: list[list[int]]) -> list:
+        await engine.pause()  # every request joins in one step (so they finish in one step)
+        tasks = [asyncio.create_task(engine.agenerate(GenerateRequest(
+            qid=str(i), input_ids=np.asarray(p, np.int32), gconfig=gconfig))) for i, p in enumerate(prompts)]
+        await await_until(lambda: engine.stats()["waiting"] == len(prompts))
+        await engine.resume()
+        return [ok(r).samples[0] for r in await asyncio.gather(*tasks)]
+
+    first = [prompt(i, 20 + i).tolist() for i in range(6)]  # 20..25 tokens, + 5 generated: 25..30 cached
+    try:
+        outs = [await one_step(engine, first) for engine in (on, off)]
+        st = on.stats()
+        assert st["prefix_stored"] >= 1 and st["prefix_cache_entries"] >= 1, st
+        assert 0 < st["prefix_cache_tokens"] <= budget
+        nexts = [p + s.output_ids.tolist() + prompt(100 + i, 5).tolist()
+                 for i, (p, s) in enumerate(zip(first, outs[0]))]
+        got, want = await one_step(on, nexts), await one_step(off, nexts)
+        assert on.stats()["prefix_hits"] >= 1
+        for g, w in zip(got, want, strict=True):
+            assert g.output_ids.tolist() == w.output_ids.tolist()
+            np.testing.assert_allclose(g.output_logprobs, w.output_logprobs, atol=1e-5, rtol=0)
+    finally:
+        await on.close()
+        await off.close()

@@ -787,7 +787,6 @@ class TorchEngine:
         An adapter payload is merged instead (`_prepare_adapter`)."""
         if is_adapter(loaded):
             return self._prepare_adapter(loaded, source)
-        self._lora_base = {}  # a full state dict: the new base (nothing left to un-merge)
         with torch.inference_mode(False), torch.no_grad():
             params = self.model.state_dict(keep_vars=True)
             present = {t.data_ptr() for k, t in params.items() if k in loaded}  # a tied alias in the file counts
@@ -809,6 +808,9 @@ class TorchEngine:
                     continue
                 done.add(id(tgt))
                 pairs.append((tgt, src.to(device=tgt.device, dtype=tgt.dtype).contiguous()))
+        # accepted: a full state dict is the new base (nothing left to un-merge); a refused one left the base kept,
+        # so the next adapter still merges into the base, not onto the weights merged last
+        self._lora_base = {}
         return source, pairs
 
     def _prepare_adapter(self, loaded: dict[str, torch.Tensor], source: str) -> _Prepared:

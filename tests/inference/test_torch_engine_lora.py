@@ -74,3 +74,23 @@ async def test_adapter_versions_merge_into_the_base_and_a_full_update_unmerges(t
     s = ok(await engine.agenerate(req("b", p, greedy=True, max_new_tokens=8))).samples[0]
     await engine.close()
     assert s.output_ids.tolist() == greedy_reference(want3, p, 8)
+
+
+@pytest.mark.asyncio
+async def test_a_refused_full_payload_keeps_the_lora_base():
+    """A full state dict that does not fit is refused whole, the kept base with it: the next adapter still merges
+    into the base, not onto the weights the previous adapter merged into."""
+    base = make_model(0)
+    _, pay1 = adapted(base, 1)
+    want2, pay2 = adapted(base, 2)
+    engine = make_engine(copy.deepcopy(base))
+    try:
+        await engine.update_weights_from_tensors(dict(pay1), version=1)
+        partial = {k: v.clone() for k, v in base.state_dict().items() if "layers.1." not in k}
+        with pytest.raises(ValueError, match="do not match the model"):
+            await engine.update_weights_from_tensors(partial, version=2)
+        await engine.update_weights_from_tensors(dict(pay2), version=3)
+        for name, w in want2.state_dict().items():
+            torch.testing.assert_close(engine.model.state_dict()[name], w, rtol=1e-5, atol=1e-5)
+    finally:
+        await engine.close()

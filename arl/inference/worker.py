@@ -28,7 +28,8 @@ class InferenceWorker:
         self._send = send_control
         self._inflight: dict[tuple[bytes, str], asyncio.Task] = {}  # (peer, wire id) -> the task answering it
         self._t0 = time.monotonic()
-        self._target_version = -1  # newest version being loaded or loaded
+        self._target_version = -1  # newest version being loaded (or queued to load) or loaded
+        self._load_lock = asyncio.Lock()  # one weight load at a time on this engine
         self.stats = {"requests": 0, "bad_requests": 0, "updates": 0, "update_ms_last": 0.0, "aborted": 0,
                       "abort_unknown": 0, "update_failures": 0}
 
@@ -93,28 +94,43 @@ class InferenceWorker:
     async def update_weights(self, version: int, path: str) -> None:
         """Load `version`, unless it is not newer than the loaded or loading one: a duplicate or late update
         must never take the weights backwards (it is dropped without an ack). A load that raises is acked with
-        its `error` (the weights stay as they were)."""
+        its `error` (the weights stay as they were).
+
+        One load at a time on this engine: the control channel runs each message's handler as its own task, and
+        with several servers in a process one server's message loads every one of them, so v6 can arrive while
+        v5 loads. Loads run in arrival order (newest last), one still queued when a newer version is already
+        served is skipped, and the ack names the version the engine serves once its load is done."""
         if version <= max(int(self.engine.version), self._target_version):
             logger.info("ignored update_weights v%d: v%d is loaded or loading", version,
                         max(int(self.engine.version), self._target_version))
             return
         self._target_version = version
+        async with self._load_lock:
+            if version <= int(self.engine.version):  # a load before it served this version or a newer one
+                logger.info("skipped update_weights v%d: v%d is loaded", version, int(self.engine.version))
+                return
+            await self._load(version, path)
+
+    async def _load(self, version: int, path: str) -> None:
         t0 = time.perf_counter()
         try:  # a broadcast sends the newest the learner holds: at least `version`
-            version = await self.weights.load(version, path)
-            self._target_version = max(self._target_version, version)
+            await self.weights.load(version, path)
         except Exception as e:  # noqa: BLE001 - acked as failed: the controller retries it or fails this server
-            # the weights are those it had: the same version may be sent again and must then load
-            self._target_version = int(self.engine.version)
+            # the weights are those it had: the same version may be sent again and must then load (unless a newer
+            # one is queued behind this one: that one loads next)
+            if self._target_version == version:
+                self._target_version = int(self.engine.version)
             self.stats["update_failures"] += 1
             logger.exception("loading weights v%d from %s failed", version, self.weights.source(path))
             await self._send(WeightsLoaded(version=version, index=self.index, error=f"{type(e).__name__}: {e}"[:1000]))
             return
+        served = int(self.engine.version)
+        self._target_version = max(self._target_version, served)
         ms = (time.perf_counter() - t0) * 1000
         self.stats["updates"] += 1
         self.stats["update_ms_last"] = ms
-        logger.info("loaded weights v%d from %s in %.1f ms", version, self.weights.source(path), ms)
-        await self._send(WeightsLoaded(version=version, index=self.index, ms=ms))
+        logger.info("loaded weights v%d from %s in %.1f ms", served, self.weights.source(path), ms)
+        await self._send(WeightsLoaded(version=served, index=self.index, ms=ms))
 
     def heartbeat_stats(self) -> dict:
         engine_stats = getattr(self.engine, "stats", None)

@@ -132,3 +132,81 @@ async def test_a_failed_load_is_acked_as_failed_and_the_same_version_loads_on_re
     await w.update_weights(2, "/v2")  # the controller's retry
     assert engine.version == 2 and acks[-1][0] == "weights_loaded" and "error" not in acks[-1][1]
     assert acks[-1][1]["version"] == 2 and w.stats["updates"] == 1
+
+
+class GatedEngine:
+    """Each load waits for its version's gate, then swaps its weights in; records how many ran at once."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.gates: dict[int, asyncio.Event] = {}
+        self.started: list[int] = []
+        self.running = 0
+        self.most_at_once = 0
+
+    async def update_weights(self, source: str, version: int) -> None:
+        self.started.append(version)
+        self.running += 1
+        self.most_at_once = max(self.most_at_once, self.running)
+        try:
+            await self.gates.setdefault(version, asyncio.Event()).wait()
+            self.version = version
+        finally:
+            self.running -= 1
+
+
+@pytest.mark.asyncio
+async def test_loads_run_one_at_a_time_and_the_newest_is_served_and_acked_last():
+    """servers_per_process > 1: v6 reaches a server (through another server's message) while it still loads v5,
+    and v6 finishes reading first. The loads run one after the other, the engine ends on v6, and each ack names
+    the version the engine served when it was sent."""
+    from tests.waiting import await_until
+
+    engine, acks = GatedEngine(), []
+
+    async def send(msg_type: str, payload: dict) -> None:
+        acks.append((payload["version"], engine.version))
+
+    w = InferenceWorker(index=0, engine=engine, router=None, send_control=typed(send))  # type: ignore[arg-type]
+    v5 = asyncio.create_task(w.update_weights(5, "/v5"))
+    await await_until(lambda: engine.started == [5])
+    v6 = asyncio.create_task(w.update_weights(6, "/v6"))
+    await asyncio.sleep(0.01)
+    engine.gates.setdefault(6, asyncio.Event()).set()  # v6 is ready first
+    await asyncio.sleep(0.01)
+    engine.gates.setdefault(5, asyncio.Event()).set()
+    await asyncio.gather(v5, v6)
+    assert engine.most_at_once == 1
+    assert engine.version == 6
+    assert acks == [(5, 5), (6, 6)]
+
+
+class NewerLoader:
+    """A transport's side that loads the newest version it holds (as `broadcast` does), whatever was asked."""
+
+    def __init__(self, engine: GatedEngine, newest: int) -> None:
+        self.engine, self.newest = engine, newest
+        self.handlers: dict = {}
+
+    def source(self, path: str) -> str:
+        return path
+
+    async def load(self, version: int, path: str) -> int:
+        await self.engine.update_weights(path, self.newest)
+        return version  # reports the version asked: the ack must still name the one served
+
+
+@pytest.mark.asyncio
+async def test_the_ack_names_the_version_served_and_an_older_queued_load_is_skipped():
+    engine, acks = GatedEngine(), []
+    for v in (3, 4):
+        engine.gates[v] = asyncio.Event()
+        engine.gates[v].set()
+
+    async def send(msg_type: str, payload: dict) -> None:
+        acks.append(payload["version"])
+
+    w = InferenceWorker(index=0, engine=engine, router=None, send_control=typed(send),  # type: ignore[arg-type]
+                        weights=NewerLoader(engine, 4))  # type: ignore[arg-type]
+    await asyncio.gather(w.update_weights(2, "/v2"), w.update_weights(3, "/v3"))
+    assert engine.version == 4 and engine.started == [4] and acks == [4]

@@ -1,6 +1,7 @@
 """The controller's health loop, apart from its message handling: every 0.2 s it looks for role processes that
 exited, missed a registration deadline or went silent, and for a run that makes no progress; it carries out what
-the supervisor decides about a lost process (`recovery.plan_failure`) or stops the run with the reason.
+the supervisor decides about a lost process (`recovery.plan_failure`) or stops the run with the reason, and
+brings a restarted server back into the rollout workers' routing (`rejoined`, `weight_actions`).
 
 It holds no socket: what it must send (grants, `worker_lost`, a version that became live) goes through the
 `Sends` the controller shell gives it.
@@ -20,7 +21,7 @@ from arl.controller.recovery import EnvLost, Fatal, InferenceLost, RolloutLost, 
 from arl.controller.peers import Peers
 from arl.controller.reporting import ProgressWatch, Reporter
 from arl.controller.supervision import RoleLauncher, Supervisor
-from arl.controller.weight_sync import WeightSync
+from arl.controller.weight_sync import Action, GiveUp, Rejoin, WeightSync
 from arl.transport import messages as m
 from arl.utils.proc import tail
 
@@ -146,3 +147,22 @@ class Health:
         if isinstance(plan, InferenceLost):  # a version only it had not acked is live now (the run may end)
             await self.sends.advance()
         return True
+
+    async def rejoined(self, role: str, index: int, address: str) -> None:
+        """Restarted server `role` `index` is back at `address`: the rollout workers route to it again."""
+        self.reporter.event("worker_back", role=role, server=index, address=address)
+        await self.sends.tell_rollouts(m.WorkerBack(role=role, index=index, address=address))
+
+    async def weight_actions(self, actions: list[Action]) -> None:
+        """`WeightSync`'s actions besides its sends: a restarted inference server that caught up rejoins; one that
+        cannot load weights is handled as the failure of its process (restarted, dropped, or the run stops)."""
+        for a in actions:
+            if isinstance(a, Rejoin):
+                self.sup.heard(("inference", a.server), time.monotonic())
+                address = self.roster.addresses["inference"][a.server]
+                logger.warning("inference server %d is back (at %s) with version %s", a.server, address, a.version)
+                await self.rejoined("inference", a.server, address)
+            elif isinstance(a, GiveUp):
+                why = f"could not load weights v{a.version} ({a.attempts} tries in a row): {a.error}"
+                if not await self.on_failure(self.sup.process_of("inference", a.server), why):
+                    self.fail(f"inference server {a.server} {why}")

@@ -6,7 +6,8 @@ heartbeats, deadlines, restart policy; `EvalSchedule`: which versions are evalua
 `Reporter`: records and accounting), helped by `Peers` (router identities, addresses) and `GroupOutcomes`
 (where a group's end is booked), and maps their actions to sends. The weight transport's controller side
 (`arl.weights.strategy`) says which messages move weights; `Health` (`health.py`) is the watch loop that finds
-lost, late or silent processes and a run without progress, and carries out what the supervisor decides. Control
+lost, late or silent processes and a run without progress, carries out what the supervisor decides and brings
+restarted servers back into the routing. Control
 traffic is request/response over one ROUTER socket (the roles hold DEALERs); each message is parsed into its
 typed form (`arl.transport.messages`). Commands to a role are sent to its ROUTER identity, so they are never lost
 to a PUB/SUB slow joiner.
@@ -31,7 +32,7 @@ from arl.controller.peers import Peers, Refusals
 from arl.controller.reporting import JsonlSink, MetricsSink, ProgressWatch, Reporter
 from arl.transport.security import advertised_address
 from arl.controller.supervision import RoleLauncher, Supervisor
-from arl.controller.weight_sync import Action, GiveUp, Rejoin, Send, WeightSync
+from arl.controller.weight_sync import Action, Send, WeightSync
 from arl.report.page import ReportBuilder
 from arl.report.traces import TraceWriter
 from arl.api.staleness import StalenessPolicy
@@ -231,8 +232,7 @@ class Controller:
         if msg.role == "inference":
             await self._apply(self.weights.registered(msg.index))  # a restarted server catches up, then rejoins
         if msg.role in ("env", "judge") and restarted and msg.address:  # the rollout workers route to it again
-            self.reporter.event("worker_back", role=msg.role, server=msg.index, address=msg.address)
-            await self.tell_rollouts(m.WorkerBack(role=msg.role, index=msg.index, address=msg.address))
+            await self.health.rejoined(msg.role, msg.index, msg.address)
         await self._answer_lookups()
         await self._maybe_start()
         if restarted and key == ("rollout", 0):  # evaluations it was running died with it: ask again
@@ -300,28 +300,15 @@ class Controller:
             await self._send_to(("rollout", index), m.GateGrant(n=n))  # type: ignore[arg-type]
 
     async def _apply(self, actions: list[Action]) -> None:
-        # the weight transport's messages for the sends (an action list never mixes sends with the others)
-        await self._send_all(self.weights_link.updates([a for a in actions if isinstance(a, Send)], self.peers.__contains__))
-        for a in actions:
-            if isinstance(a, Rejoin):
-                await self._rejoin(a)
-            elif isinstance(a, GiveUp):  # handled as the failure of its process: restarted, dropped or fatal
-                why = f"could not load weights v{a.version} ({a.attempts} tries in a row): {a.error}"
-                if not await self.health.on_failure(self.sup.process_of("inference", a.server), why):
-                    self.fail(f"inference server {a.server} {why}")
+        """The weight transport's messages for the sends, then the other actions (`Health.weight_actions`)."""
+        sends = [a for a in actions if isinstance(a, Send)]  # an action list never mixes sends with the others
+        await self._send_all(self.weights_link.updates(sends, self.peers.__contains__))
+        await self.health.weight_actions(actions)
 
     async def _send_all(self, messages: list[tuple[Key, str, dict]]) -> None:
         """Send what the weight transport asks for, typed (a bad message of its own raises here)."""
         for key, msg_type, payload in messages:
             await self._send_to(key, m.parse(msg_type, payload))
-
-    async def _rejoin(self, a: Rejoin) -> None:
-        """Route to restarted server `a.server` again: the rollout workers connect to its new address."""
-        self.sup.heard(("inference", a.server), time.monotonic())
-        address = self.roster.addresses["inference"][a.server]
-        logger.warning("inference server %d is back (at %s) with version %s", a.server, address, a.version)
-        self.reporter.event("worker_back", role="inference", server=a.server, address=address)
-        await self.tell_rollouts(m.WorkerBack(role="inference", index=a.server, address=address))
 
     async def advance(self) -> None:
         """A newer version is live on every server in the ack set: the gate moves on; evaluate if due."""

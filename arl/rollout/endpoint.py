@@ -25,6 +25,7 @@ import json
 import logging
 import secrets
 import time
+import weakref
 from typing import Any, Awaitable, Callable, Optional
 
 import numpy as np
@@ -119,7 +120,9 @@ class EndpointServer:
         self.parser = get_parser(parser)
         self.model_name = model_name
         self.sessions: dict[str, SessionHandle] = {}
-        self._ended: collections.OrderedDict[str, SessionHandle] = collections.OrderedDict()
+        # an ended session's key -> a weak reference to its handle: enough to answer and count a late call (on the
+        # handle too while its agent still holds it) without keeping every turn's ids, samples and group client
+        self._ended: collections.OrderedDict[str, weakref.ref[SessionHandle]] = collections.OrderedDict()
         self._max_ended = max_ended
         self._runner: Optional[web.AppRunner] = None
         self._starting: Optional[asyncio.Task] = None
@@ -201,7 +204,7 @@ class EndpointServer:
         if h is None:
             return
         h.session.ended = True
-        self._ended[key] = h
+        self._ended[key] = weakref.ref(h)
         while len(self._ended) > self._max_ended:
             self._ended.popitem(last=False)
 
@@ -231,9 +234,10 @@ class EndpointServer:
                                status=404, code="session_not_found")
         h = self.sessions.get(key)
         if h is None:
-            ended = self._ended.get(key)
-            if ended is not None:
-                ended.late_calls += 1
+            if key in self._ended:
+                ended = self._ended[key]()
+                if ended is not None:  # its agent still holds it: the group is dropped for the late call
+                    ended.late_calls += 1
                 self.stats["late_calls"] += 1
                 raise RequestError(f"session {key} has ended", status=404, code="session_ended")
             self.stats["unknown_session"] += 1

@@ -4,7 +4,9 @@ errors; and the token-exact sessions behind it (continuation and mismatch segmen
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
+import weakref
 
 import aiohttp
 import numpy as np
@@ -257,6 +259,29 @@ async def test_unknown_and_ended_sessions_are_404_and_late_calls_counted(server)
         with pytest.raises(openai.NotFoundError) as e:
             await c.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}])
     assert e.value.code == "session_ended" and h.late_calls == 1 and server.stats["late_calls"] == 1
+
+
+async def test_ended_sessions_keep_no_handle_but_late_calls_are_still_404_and_counted(server):
+    """An ended session keeps only what counting its late calls needs: its handle (every turn's ids, the samples,
+    and through `generate` the group's client) is freed once the agent lets go of it."""
+    engine = FakeEngine(*["ok"] * 4)
+    refs, ended = [], []
+    for _ in range(4):
+        h = server.open_session(engine.generate)
+        async with client_for(server, h) as c:
+            await c.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}])
+        server.end_session(h.key)
+        refs += [weakref.ref(h), weakref.ref(h.session), weakref.ref(h.session.turns[0])]
+        ended.append((server.session_url(h), server.api_key(h)))
+        del h, c
+    gc.collect()
+    assert [r() for r in refs] == [None] * len(refs)
+    for url, key in ended:
+        async with openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0) as c:
+            with pytest.raises(openai.NotFoundError) as e:
+                await c.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}])
+        assert e.value.code == "session_ended"
+    assert server.stats["late_calls"] == 4 and len(engine.requests) == 4
 
 
 async def test_bearer_session_key_and_models(server):

@@ -293,7 +293,7 @@ class RolloutConfig:
                                             "groups filtered for equal rewards do not count). 0: never.")
     endpoint_port: int = field(0, "Port of each rollout worker's OpenAI-compatible endpoint (agents registered as "
                                   "async functions, docs/openai_endpoint.md); 0: a free port. It binds on bind_host "
-                                  "(loopback by default); with several rollout workers keep 0.")
+                                  "(loopback by default); rollout worker i listens on endpoint_port + i.")
     trace_rate: float = field(0.05, "Share of prompt groups written to traces.jsonl (decoded turns, versions, "
                                     "timings); groups an error or a filter touched are always traced.")
 
@@ -733,6 +733,9 @@ def validate(cfg: Any) -> None:
         (cfg.gen.max_new_tokens >= 1, "gen.max_new_tokens must be >= 1"),
         (cfg.gen.temperature > 0, "gen.temperature must be > 0"),
         (0.0 <= rc.trace_rate <= 1.0, "rollout.trace_rate must be in [0, 1]"),
+        (rc.endpoint_port == 0 or 0 < rc.endpoint_port <= 65536 - rc.num_workers,
+         f"rollout.endpoint_port must be 0 (a free port) or a port with endpoint_port + rollout.num_workers - 1 <= "
+         f"65535 (rollout worker i listens on endpoint_port + i), got {rc.endpoint_port} with {rc.num_workers}"),
         (min(rc.request_timeout, rc.trajectory_timeout, rc.timeout_per_token_s) >= 0,
          "rollout.request_timeout, rollout.trajectory_timeout and rollout.timeout_per_token_s must be >= 0"),
         (rc.max_no_progress_s >= 0 and rc.max_consecutive_drops >= 0,

@@ -107,12 +107,15 @@ class EndpointServer:
         secret: the run's secret; when set, every request's API key must equal it.
         parser: the tool-call parser (a name in `arl.tools.parsers.PARSERS`).
         model_name: the model id `/v1/models` lists (any model name is accepted in requests).
+        vocab_size: token ids of a `/v1/completions` prompt must be below it (400 otherwise, not the engine's
+            refusal); None: the tokenizer's length.
     """
 
     def __init__(self, tokenizer: Any, gconfig: GenerationConfig, max_context_len: int, host: str = "127.0.0.1",
                  port: int = 0, secret: Optional[str] = None, parser: str = "hermes",
-                 model_name: str = "arl-policy", max_ended: int = 100_000) -> None:
+                 model_name: str = "arl-policy", max_ended: int = 100_000, vocab_size: Optional[int] = None) -> None:
         self.tokenizer = tokenizer
+        self.vocab_size = int(vocab_size) if vocab_size else len(tokenizer)
         self.gconfig = gconfig
         self.max_context_len = int(max_context_len)
         self.host, self.port = host, int(port)
@@ -261,6 +264,8 @@ class EndpointServer:
             body = await request.json(loads=json.loads)
         except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
             raise RequestError(f"the body is not valid JSON: {e}") from None
+        except RecursionError:  # the parser's own limit (~1000 levels): a hostile body, not a server fault
+            raise RequestError("the body's JSON is nested too deeply") from None
         if not isinstance(body, dict):
             raise RequestError("the body must be a JSON object")
         unknown = sorted(set(body) - allowed)
@@ -492,9 +497,14 @@ class EndpointServer:
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
                 prompt = prompt[0]
             ok_ids = isinstance(prompt, list) and prompt and all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt)
             if not (isinstance(prompt, str) and prompt) and not ok_ids:
                 raise RequestError("prompt must be a non-empty string or list of token ids (one prompt)", "prompt")
+            if ok_ids:  # before they become int32 (2**31 would overflow) or reach the engine (which refuses them)
+                bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
+                if bad is not None:
+                    raise RequestError(f"prompt token ids must be in [0, {self.vocab_size}) (the model's "
+                                       f"vocabulary), got {bad}", "prompt")
             stream = self._stream_flag(body)
             ids, history, parent = h.session.completion_prompt(prompt)
             stop_ids, stop_texts = self._stops(body)

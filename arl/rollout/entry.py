@@ -28,8 +28,9 @@ class AgentParts:
     endpoint: Any = None  # the OpenAI-compatible endpoint (`arl.rollout.endpoint`) when the agent is a function
 
 
-def agent_parts(cfg: ExperimentConfig) -> AgentParts:
-    """The tokenizer of `model.path`, the data splits and the agent factories (training and greedy evaluation)."""
+def agent_parts(cfg: ExperimentConfig, index: int = 0) -> AgentParts:
+    """The tokenizer of `model.path`, the data splits and the agent factories (training and greedy evaluation) of
+    rollout worker `index`."""
     from arl.api.registry import AGENTS, make_env
     from arl.api.types import GenerationConfig
     from transformers import PreTrainedTokenizerFast
@@ -50,7 +51,7 @@ def agent_parts(cfg: ExperimentConfig) -> AgentParts:
     group_size = cfg.rollout.group_size or cfg.agent.group_size  # env group size = trajectories per prompt
 
     if inspect.iscoroutinefunction(agent_cls):  # an async function written against the OpenAI API: the endpoint's
-        return _endpoint_parts(cfg, agent_cls, tok, gconfig, group_size, list(train_rows), list(test_rows))
+        return _endpoint_parts(cfg, agent_cls, tok, gconfig, group_size, list(train_rows), list(test_rows), index)
 
     def make_agent() -> Any:
         return construct(agent_cls, tokenizer=tok, gconfig=gconfig, group_size=group_size, **cfg.agent.args)
@@ -64,9 +65,10 @@ def agent_parts(cfg: ExperimentConfig) -> AgentParts:
 
 
 def _endpoint_parts(cfg: ExperimentConfig, fn: Any, tok: Any, gconfig: Any, group_size: int, train_rows: list[dict],
-                    test_rows: list[dict]) -> AgentParts:
+                    test_rows: list[dict], index: int = 0) -> AgentParts:
     """AgentParts of an OpenAI-API agent function: one endpoint per rollout worker, on the role's bind host (loopback
-    by default) and `rollout.endpoint_port`, its API key the run's secret when there is one."""
+    by default) and `rollout.endpoint_port` + `index` (one fixed port for every worker would refuse all but the
+    first), its API key the run's secret when there is one."""
     from arl.agents.common import agent_gconfig
     from arl.rollout.endpoint import EndpointServer
     from arl.rollout.openai_agent import EndpointAgent
@@ -75,8 +77,9 @@ def _endpoint_parts(cfg: ExperimentConfig, fn: Any, tok: Any, gconfig: Any, grou
 
     secret = SOCKET_OPTIONS.get("secret")
     server = EndpointServer(tok, agent_gconfig(gconfig, tok), cfg.inference.max_context_len,
-                            host=effective_bind_host(cfg.bind_host), port=cfg.rollout.endpoint_port,
-                            secret=secret.decode() if isinstance(secret, bytes) else secret)
+                            host=effective_bind_host(cfg.bind_host),
+                            port=endpoint_port(cfg.rollout.endpoint_port, index),
+                            secret=secret.decode() if isinstance(secret, bytes) else secret, vocab_size=len(tok))
     args = dict(cfg.agent.args)
     filter_uniform = bool(args.pop("filter_uniform_groups", False))
 
@@ -87,6 +90,11 @@ def _endpoint_parts(cfg: ExperimentConfig, fn: Any, tok: Any, gconfig: Any, grou
         return EndpointAgent(fn, server, 1, greedy=True, args=args)
 
     return AgentParts(tok, train_rows, test_rows, group_size, make_agent, make_eval_agent, endpoint=server)
+
+
+def endpoint_port(base: int, index: int) -> int:
+    """Rollout worker `index`'s endpoint port: `base` + `index` (0: a free port, for every worker)."""
+    return base + index if base else 0
 
 
 def inference_client(cfg: ExperimentConfig, dealers: list[Any]) -> Any:
@@ -146,7 +154,7 @@ def rollout_worker(cfg: ExperimentConfig, parts: AgentParts, client: Any, *, ind
 async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, run_dir: str) -> RoleParts:
     from arl.rollout.worker import PromptStream
 
-    parts = agent_parts(cfg)
+    parts = agent_parts(cfg, index)
     addrs = await ctl.request(Lookup(role="rollout", index=index), "addresses", cfg.startup_timeout)
     push = make_socket(Push).connect(addrs["learner"])
     prompts = PromptStream(parts.train_rows, seed=cfg.seed, shard=index, num_shards=cfg.rollout.num_workers)

@@ -190,7 +190,7 @@ def run(path: str, argv: Sequence[str]) -> dict:
             base = base if os.path.isfile(os.path.join(base, "config.json")) else cfg.model.path
             tmp = tempfile.mkdtemp(prefix="arl-eval-model-")
             model_dir = export_final(merge_payload(base_state_dict(base), read_peft_folder(target.path)), base,
-                                     os.path.join(tmp, "model"), gen=dataclasses.asdict(cfg.gen))
+                                     os.path.join(tmp, "model"), gen=dataclasses.asdict(cfg.gen), lora_merge=True)
             assert model_dir is not None
             with contextlib.suppress(OSError, ValueError, TypeError):
                 with open(os.path.join(target.path, EXPORT_INFO_FILE)) as f:

@@ -68,7 +68,8 @@ from arl.weights.adapter import adapter_expected, is_adapter, merged_weight, spl
 
 logger = logging.getLogger("arl.inference")
 
-_Prepared = tuple[str, list[tuple[torch.nn.Parameter, torch.Tensor]]]  # (source, [(parameter, new tensor)])
+# (source, [(parameter, new tensor)]); a parameter's name instead: a tied weight that gets its own tensor (`_untie`)
+_Prepared = tuple[str, list[tuple[torch.nn.Parameter | str, torch.Tensor]]]
 _Command = tuple[_Prepared, int, asyncio.AbstractEventLoop, asyncio.Future]  # a weight update: (weights, version, ...)
 
 
@@ -205,6 +206,9 @@ class TorchEngine:
         # LoRA (adapter payloads, `arl.weights.adapter`): the base tensor of every weight an adapter was merged
         # into, so each version merges into the base (not into the previous merge) and a full update un-merges
         self._lora_base: dict[str, torch.Tensor] = {}
+        # a tied weight an adapter payload changed on one side (`modules_to_save=[lm_head]` on a model whose head is
+        # its input embedding): that name -> a name it was tied to, which kept the base tensor (`_untie`)
+        self._untied: dict[str, str] = {}
 
         # Answers produced during a step, posted once the step's counters are updated.
         self._outbox: list[tuple[asyncio.AbstractEventLoop, asyncio.Future, GenerateResponse]] = []
@@ -412,6 +416,9 @@ class TorchEngine:
         try:
             with torch.inference_mode(False), torch.no_grad():
                 for param, new in prepared[1]:
+                    if isinstance(param, str):
+                        self._untie(param, new)
+                        continue
                     retired.append(param.data)
                     param.data = new
         except Exception as e:  # noqa: BLE001 - reported to the caller of update_weights
@@ -427,6 +434,21 @@ class TorchEngine:
         logger.info("%s: loaded %d tensors from %s in %.3fs, version %d (%d rows kept in flight)",
                     self.name, len(prepared[1]), source, self._n["last_update_s"], version, len(self._rows))
         _post(loop, fut, retired)
+
+    def _untie(self, name: str, new: torch.Tensor) -> None:
+        """Give the tied weight `name` its own parameter holding `new`; the names it was tied to keep the old one.
+
+        Why: with `modules_to_save` (or an adapter) on one side of a tie, peft trains its own copy of that module
+        while the other side (the input embedding for a saved `lm_head`) stays the base, so the learner's policy
+        is untied; writing the shared parameter would change both sides here and serve another policy."""
+        old = self.model.get_parameter(name)
+        tied = [n for n, p in self.model.named_parameters(remove_duplicate=False) if p is old and n != name]
+        owner, _, attr = name.rpartition(".")
+        setattr(self.model.get_submodule(owner), attr, torch.nn.Parameter(new, requires_grad=old.requires_grad))
+        if tied:
+            self._untied[name] = tied[0]
+        logger.info("%s: %s gets its own tensor (it was tied to %s): the payload changes it alone", self.name, name,
+                    ", ".join(tied))
 
     def _step(self, newcomers: list[_Request]) -> None:
         """One decode step for the running rows, then the newcomers' prefill and join.
@@ -787,6 +809,9 @@ class TorchEngine:
         An adapter payload is merged instead (`_prepare_adapter`)."""
         if is_adapter(loaded):
             return self._prepare_adapter(loaded, source)
+        for name, tied in self._untied.items():  # a tied model's file may name one side; the other is an alias
+            if name not in loaded and tied in loaded:
+                loaded[name] = loaded[tied]
         with torch.inference_mode(False), torch.no_grad():
             params = self.model.state_dict(keep_vars=True)
             present = {t.data_ptr() for k, t in params.items() if k in loaded}  # a tied alias in the file counts
@@ -816,8 +841,9 @@ class TorchEngine:
     def _prepare_adapter(self, loaded: dict[str, torch.Tensor], source: str) -> _Prepared:
         """Any thread: an adapter payload as new tensors for the weights it adapts, each ``base + B @ A`` merged
         into a copy (decode then runs plain weights: no adapter kernels, the same speed), the base kept the first
-        time a weight is adapted; ``modules_to_save`` tensors replace theirs. Raises (the model is untouched) when
-        the payload does not fit the model."""
+        time a weight is adapted; ``modules_to_save`` tensors replace theirs. A weight tied to another (a tied
+        ``lm_head``) gets its own tensor, the other keeping the base, as peft's copy leaves it on the learner.
+        Raises (the model is untouched) when the payload does not fit the model."""
         with torch.inference_mode(False), torch.no_grad():
             params = self.model.state_dict(keep_vars=True)
             expected, problems = adapter_expected(params, {k: tuple(v.shape) for k, v in loaded.items()})
@@ -826,15 +852,21 @@ class TorchEngine:
             if problems:
                 raise ValueError(f"adapter in {source} does not fit the model: {'; '.join(problems[:10])}")
             adapters, full = split_payload(loaded)
-            pairs: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+            names_of: dict[int, int] = collections.Counter(id(t) for t in params.values())
+
+            def target(name: str) -> torch.nn.Parameter | str:
+                """A weight tied to another gets its own tensor (peft changes only the side it wraps)."""
+                return name if names_of[id(params[name])] > 1 else params[name]
+
+            pairs: list[tuple[torch.nn.Parameter | str, torch.Tensor]] = []
             for name, (a, b) in adapters.items():
                 param = params[name]
                 base = self._lora_base.get(name)
                 if base is None:  # the weights served until now are the base: keep a copy to merge into
                     base = self._lora_base[name] = param.data.detach().clone()
-                pairs.append((param, merged_weight(base, a, b)))
+                pairs.append((target(name), merged_weight(base, a, b)))
             for name, src in full.items():
-                pairs.append((params[name], src.to(device=params[name].device, dtype=params[name].dtype).contiguous()))
+                pairs.append((target(name), src.to(device=params[name].device, dtype=params[name].dtype).contiguous()))
         return source, pairs
 
 

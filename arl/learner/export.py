@@ -100,6 +100,19 @@ def _generation_config(model_dir: str, gen: Optional[Mapping[str, Any]]) -> dict
     return out
 
 
+def _tied_apart(model: Any, sd: dict[str, torch.Tensor]) -> bool:
+    """Whether `sd` holds different tensors under names `model` ties: a LoRA run's merge, where peft trained its
+    own copy of one side (``modules_to_save=[lm_head]``) and the other kept the base."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    for group in names.values():
+        present = [n for n in group if n in sd]
+        if any(not torch.equal(sd[n], sd[present[0]]) for n in present[1:]):
+            return True
+    return False
+
+
 def _untie(model: Any, sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], set[str]]:
     """Drop the copies of tied parameters (lm_head = embeddings) from `sd`: the learner's state dict holds each as
     its own tensor, the folder keeps one. Returns the dict and the names dropped or not needed; refuses tied
@@ -150,12 +163,14 @@ def _copy_tokenizer(model_dir: str, out: str) -> list[str]:
 
 
 def export_final(weights: Weights, model_dir: str, out_dir: str, *, gen: Optional[Mapping[str, Any]] = None,
-                 version: Optional[int] = None) -> Optional[str]:
+                 version: Optional[int] = None, lora_merge: bool = False) -> Optional[str]:
     """Write `out_dir` as a ``save_pretrained`` folder: the model of `model_dir` (config, architecture) with
     `weights`, the tokenizer files of `model_dir`, and ``generation_config.json`` from `gen` (the run's ``gen.*``
     settings: temperature, top_p, top_k, max_new_tokens). `version` (default: the one in a weights file's
     metadata) goes into ``arl_export.json``. Returns `out_dir`, or None on a rank that holds no
-    weights (see `load_weights`)."""
+    weights (see `load_weights`). Tied parameters whose tensors differ are refused, except with `lora_merge`
+    (`weights` is a base with a LoRA payload merged in, `merge_payload`): there peft trained its own copy of one
+    side (``modules_to_save=[lm_head]``) and the other kept the base, so the folder is written untied."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     sd = load_weights(weights)
@@ -169,6 +184,11 @@ def export_final(weights: Weights, model_dir: str, out_dir: str, *, gen: Optiona
         config.dtype = next(iter(float_dtypes))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
+    if lora_merge and _tied_apart(model, sd):
+        for c in {id(c): c for c in (config, config.get_text_config(decoder=True))}.values():
+            c.tie_word_embeddings = False
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
     sd, tied = _untie(model, sd)
     expected = set(model.state_dict())
     missing, unexpected = expected - set(sd) - tied, set(sd) - expected
@@ -215,7 +235,7 @@ def export_final_lora(weights: Weights, model_dir: str, out_dir: str, *, gen: Op
             json.dump(_generation_config(model_dir, gen), f, indent=2)
         if merge:
             export_final(merge_payload(base_state_dict(model_dir), payload), model_dir, os.path.join(tmp, "merged"),
-                         gen=gen, version=version)
+                         gen=gen, version=version, lora_merge=True)
         info = {"version": version, "base_model": os.path.abspath(model_dir), "payload": "lora",
                 "merged": "merged" if merge else None,
                 "weights": os.path.abspath(weights) if isinstance(weights, (str, os.PathLike)) else None}

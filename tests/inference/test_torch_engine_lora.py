@@ -94,3 +94,27 @@ async def test_a_refused_full_payload_keeps_the_lora_base():
             torch.testing.assert_close(engine.model.state_dict()[name], w, rtol=1e-5, atol=1e-5)
     finally:
         await engine.close()
+
+
+@pytest.mark.asyncio
+async def test_a_saved_tied_head_gets_its_own_tensor_and_a_full_update_of_the_tied_model_still_loads():
+    base = make_model(0, tie=True)
+    _, pay = adapted(base, 1)
+    head = torch.randn(base.lm_head.weight.shape, generator=torch.Generator().manual_seed(2))
+    engine = make_engine(copy.deepcopy(base))
+    embed0 = engine.model.model.embed_tokens.weight.detach().clone()
+    try:
+        await engine.update_weights_from_tensors({**pay, "lm_head.weight": head.clone()}, version=1)
+        assert torch.equal(engine.model.lm_head.weight, head)
+        assert torch.equal(engine.model.model.embed_tokens.weight, embed0)  # the base, as peft's copy leaves it
+        await engine.update_weights_from_tensors({**pay, "lm_head.weight": head * 2}, version=2)
+        assert torch.equal(engine.model.lm_head.weight, head * 2)
+        assert torch.equal(engine.model.model.embed_tokens.weight, embed0)
+        # a full state dict of the tied model names the embedding only (the head is its alias): both get it
+        other = make_model(5, tie=True)
+        full = {k: v.clone() for k, v in other.state_dict().items() if k != "lm_head.weight"}
+        await engine.update_weights_from_tensors(full, version=3)
+        for name, w in other.state_dict().items():
+            torch.testing.assert_close(engine.model.state_dict()[name], w, rtol=0, atol=0)
+    finally:
+        await engine.close()

@@ -216,3 +216,75 @@ def test_the_default_learner_and_engines_never_import_peft():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(HERE))))
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("tie,saved", [(True, ["lm_head"]), (True, ["embed_tokens"]),
+                                       (True, ["embed_tokens", "lm_head"]), (False, ["lm_head"])])
+async def test_modules_to_save_on_a_tied_model_serves_the_policy_the_learner_trains(tmp_path, tie, saved):
+    """A tied model (the default tiny one is) with a `modules_to_save` side of the tie: peft trains its own copy
+    of that module while the other side keeps the base tensor, so the engine must change only the side the payload
+    names. Its logprobs after the adapter update equal the learner model's."""
+    import numpy as np
+
+    from arl.inference.torch_engine import TorchEngine
+    from arl.weights.adapter import LORA_A
+    from tests.inference.test_torch_engine import req
+
+    model = tiny_model(0, tie=tie)
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tie
+    lrn = make_actor(model, seed=0, rank=4, lr=1e-3, alpha=8.0, modules_to_save=saved)
+    module = lrn.engine.module
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # the adapters and the saved copies move away from the base
+        for name, p in module.named_parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=g) * (0.5 if ".lora_" in name else 0.2))
+    path = str(tmp_path / "v1.safetensors")
+    lrn.engine.export_weights(path)
+    sent = load_file(path)
+    assert is_adapter(sent) and any(k.endswith(LORA_A) for k in sent)
+    assert {k for k in sent if not (k.endswith(LORA_A) or k.endswith(LORA_B))} == \
+        {{"lm_head": "lm_head.weight", "embed_tokens": "model.embed_tokens.weight"}[s] for s in saved}
+
+    engine = TorchEngine(tiny_model(0, tie=tie), pad_token_id=0, eos_token_id=None, max_batch_size=4,
+                         max_context_len=64)
+    try:
+        await engine.update_weights(path, version=1)
+        ids = np.random.RandomState(0).randint(1, 32, size=9).astype(np.int32)
+        resp = await engine.agenerate(req("a", ids, greedy=True, max_new_tokens=6))
+        assert resp.error is None, resp.error
+        s = resp.samples[0]
+    finally:
+        await engine.close()
+    seq = torch.tensor([[*ids.tolist(), *s.output_ids.tolist()]])
+    module.eval()
+    with torch.no_grad():
+        logits = module(input_ids=seq).logits[0, len(ids) - 1:-1].float()
+    want = torch.log_softmax(logits, -1).gather(1, torch.tensor(s.output_ids.tolist())[:, None]).squeeze(1)
+    np.testing.assert_allclose(s.output_logprobs, want.numpy(), atol=1e-4, rtol=0)
+
+
+def test_merged_export_of_a_saved_tied_head_keeps_head_and_embedding_apart(tmp_path):
+    """`export.merge_lora` on a tied model with `modules_to_save=[lm_head]`: the merged folder unties them in its
+    config, so it loads as the policy the learner trained (head: the saved copy, embedding: the base)."""
+    from transformers import AutoModelForCausalLM
+
+    from arl.learner.export import export_final_lora
+    from arl.models.tiny import build_char_tokenizer, build_tiny_model, save_model_dir
+
+    tok = build_char_tokenizer()
+    base_dir = save_model_dir(build_tiny_model(len(tok)), tok, str(tmp_path / "base"))
+    base = AutoModelForCausalLM.from_pretrained(base_dir)
+    assert base.lm_head.weight is base.model.embed_tokens.weight
+    head = torch.randn(base.lm_head.weight.shape, generator=torch.Generator().manual_seed(3))
+    a = torch.randn(4, base.config.hidden_size) * 0.1
+    b = torch.randn(base.config.hidden_size, 4) * 0.1
+    payload = {"model.layers.0.self_attn.q_proj" + LORA_A: a, "model.layers.0.self_attn.q_proj" + LORA_B: b,
+               "lm_head.weight": head}
+    out = export_final_lora(payload, base_dir, str(tmp_path / "final"), merge=True)
+    merged = AutoModelForCausalLM.from_pretrained(os.path.join(out, "merged"))
+    torch.testing.assert_close(merged.lm_head.weight, head, rtol=0, atol=0)
+    torch.testing.assert_close(merged.model.embed_tokens.weight, base.model.embed_tokens.weight, rtol=0, atol=0)
+    q = base.model.layers[0].self_attn.q_proj.weight
+    torch.testing.assert_close(merged.model.layers[0].self_attn.q_proj.weight, q + b @ a, rtol=1e-5, atol=1e-6)

@@ -6,8 +6,10 @@ rollout worker's own event loop (no second loop, no thread, no ASGI stack betwee
 client), and it streams server-sent events with a plain `StreamResponse`. FastAPI/uvicorn would add a server loop
 of its own and two packages to the default install for nothing this endpoint needs.
 
-A request names its session in the URL path (`/sessions/<key>/v1/...`) or, without a run secret, in the Bearer
-token; with a run secret the API key must be the secret. Each request becomes one `GenerateRequest` sent through
+A request names its session in the URL path (`/sessions/<key>/v1/...`) or by its API key alone, which must be that
+session's own bearer token (random, minted when the session opens, dead when it ends): a token opens one session's
+URLs and nothing else, and the run's secret (which signs every ZMQ frame) never reaches the endpoint, an agent or
+an HTTP header. Each request becomes one `GenerateRequest` sent through
 the session's `generate` (the group's obs queue: the inference client with its least-load routing, sticky
 sessions, deadlines, aborts; the group was admitted by the staleness gate before any session existed), and the
 token bookkeeping is `arl.rollout.sessions.Session`'s (token-exact concat mode). `stream=true` is answered as
@@ -19,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import hashlib
 import hmac
 import itertools
 import json
@@ -76,6 +79,16 @@ class SessionHandle:
     greedy: bool = False
     late_calls: int = 0  # calls after the session ended (the agent's group is dropped for them)
     calls: int = 0
+    token: str = dataclasses.field(default="", repr=False)  # the API key that opens this session (and no other)
+
+
+def _bytes(token: str) -> bytes:
+    return token.encode("utf-8", "replace")  # a header may carry anything: compared as bytes, never raises
+
+
+def _digest(token: str) -> bytes:
+    """What an ended session keeps of its token: enough to tell its late calls from anyone else's."""
+    return hashlib.sha256(_bytes(token)).digest()
 
 
 def _number(body: dict, name: str, lo: float, hi: float, lo_open: bool = False) -> Optional[float]:
@@ -104,7 +117,6 @@ class EndpointServer:
         gconfig: the run's sampling settings (eos among its stop ids); a request's fields override them.
         max_context_len: prompt + new tokens of one request at most (400 context_length_exceeded beyond).
         host, port: where to listen (port 0: a free one).
-        secret: the run's secret; when set, every request's API key must equal it.
         parser: the tool-call parser (a name in `arl.tools.parsers.PARSERS`).
         model_name: the model id `/v1/models` lists (any model name is accepted in requests).
         vocab_size: token ids of a `/v1/completions` prompt must be below it (400 otherwise, not the engine's
@@ -112,20 +124,21 @@ class EndpointServer:
     """
 
     def __init__(self, tokenizer: Any, gconfig: GenerationConfig, max_context_len: int, host: str = "127.0.0.1",
-                 port: int = 0, secret: Optional[str] = None, parser: str = "hermes",
+                 port: int = 0, parser: str = "hermes",
                  model_name: str = "arl-policy", max_ended: int = 100_000, vocab_size: Optional[int] = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = int(vocab_size) if vocab_size else len(tokenizer)
         self.gconfig = gconfig
         self.max_context_len = int(max_context_len)
         self.host, self.port = host, int(port)
-        self.secret = secret or None
         self.parser = get_parser(parser)
         self.model_name = model_name
         self.sessions: dict[str, SessionHandle] = {}
-        # an ended session's key -> a weak reference to its handle: enough to answer and count a late call (on the
-        # handle too while its agent still holds it) without keeping every turn's ids, samples and group client
-        self._ended: collections.OrderedDict[str, weakref.ref[SessionHandle]] = collections.OrderedDict()
+        # an ended session's key -> its token's digest and a weak reference to its handle: enough to answer and count
+        # an authenticated late call (on the handle too while its agent still holds it) without keeping every
+        # turn's ids, samples and group client
+        self._ended: collections.OrderedDict[str, tuple[bytes, weakref.ref[SessionHandle]]] = \
+            collections.OrderedDict()
         self._max_ended = max_ended
         self._runner: Optional[web.AppRunner] = None
         self._starting: Optional[asyncio.Task] = None
@@ -190,14 +203,16 @@ class EndpointServer:
 
             # one timeout for every phase: the SDK's default 5 s to connect is too short for a loaded worker whose
             # event loop accepts connections between other work (the trajectory deadline bounds the whole call)
-            self._openai = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=self.secret or "arl",
+            # its own key opens nothing: each session's copy carries that session's token
+            self._openai = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="none",
                                               max_retries=0, timeout=600.0)
         return self._openai
 
     # -- sessions ----------------------------------------------------------------------------------------------
     def open_session(self, generate: Generate, greedy: bool = False) -> SessionHandle:
-        key = secrets.token_hex(12)
-        h = SessionHandle(key, Session(key, self.tokenizer), generate, greedy)
+        key = secrets.token_hex(12)  # not secret: trajectories and the inference servers' sticky routing carry it
+        h = SessionHandle(key, Session(key, self.tokenizer), generate, greedy,
+                          token=f"{key}.{secrets.token_urlsafe(32)}")  # 256 random bits after the key it names
         self.sessions[key] = h
         self.stats["sessions"] += 1
         return h
@@ -207,7 +222,7 @@ class EndpointServer:
         if h is None:
             return
         h.session.ended = True
-        self._ended[key] = weakref.ref(h)
+        self._ended[key] = (_digest(h.token), weakref.ref(h))
         while len(self._ended) > self._max_ended:
             self._ended.popitem(last=False)
 
@@ -215,45 +230,43 @@ class EndpointServer:
         return f"{self.url}/sessions/{h.key}/v1"
 
     def api_key(self, h: SessionHandle) -> str:
-        return self.secret or h.key
+        return h.token
 
-    def _auth(self, request: web.Request) -> str:
-        """The request's API key (Bearer token or x-api-key); with a run secret it must be the secret (401)."""
-        auth = request.headers.get("Authorization", "")
-        token = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
-        if self.secret is not None and not hmac.compare_digest(token.encode(), self.secret.encode()):
-            self.stats["refused_auth"] += 1
-            raise RequestError("invalid API key (with a run secret the API key must be the secret)",
-                               status=401, code="invalid_api_key")
-        return token
+    def _refused(self) -> RequestError:
+        self.stats["refused_auth"] += 1
+        return RequestError("invalid API key: it must be the token of the session (the api_key its agent was given)",
+                            status=401, code="invalid_api_key")
 
     def _session(self, request: web.Request) -> SessionHandle:
-        token = self._auth(request)
-        key = request.match_info.get("session")
-        if key is None and self.secret is None:
-            key = token
-        if not key:
-            raise RequestError("no session: put it in the path (/sessions/<key>/v1/...) or the Bearer token",
-                               status=404, code="session_not_found")
+        """The session in the path, else the one the API key (Bearer or x-api-key) names; the key must be that
+        session's token (401), compared in constant time. An ended session's token gets 404 `session_ended`."""
+        auth = request.headers.get("Authorization", "")
+        token = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
+        in_path = request.match_info.get("session")
+        key = in_path or token.partition(".")[0]
         h = self.sessions.get(key)
-        if h is None:
-            if key in self._ended:
-                ended = self._ended[key]()
-                if ended is not None:  # its agent still holds it: the group is dropped for the late call
-                    ended.late_calls += 1
-                self.stats["late_calls"] += 1
-                raise RequestError(f"session {key} has ended", status=404, code="session_ended")
-            self.stats["unknown_session"] += 1
-            raise RequestError("unknown session", status=404, code="session_not_found")
-        return h
+        if h is not None:
+            if not hmac.compare_digest(_bytes(token), _bytes(h.token)):
+                raise self._refused()
+            return h
+        if key in self._ended:
+            digest, ref = self._ended[key]
+            if not hmac.compare_digest(_digest(token), digest):
+                raise self._refused()
+            ended = ref()
+            if ended is not None:  # its agent still holds it: the group is dropped for the late call
+                ended.late_calls += 1
+            self.stats["late_calls"] += 1
+            raise RequestError(f"session {key} has ended", status=404, code="session_ended")
+        if not in_path:  # the key names no session: it is no key of this endpoint
+            raise self._refused()
+        self.stats["unknown_session"] += 1
+        raise RequestError("unknown session", status=404, code="session_not_found")
 
     # -- handlers ----------------------------------------------------------------------------------------------
     async def _models(self, request: web.Request) -> web.StreamResponse:
         try:
-            if request.match_info.get("session"):
-                self._session(request)
-            else:
-                self._auth(request)
+            self._session(request)
         except RequestError as e:
             return e.response()
         return web.json_response({"object": "list", "data": [

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import os
 from typing import Any, Awaitable, Callable, Optional
 
 from arl.config import ExperimentConfig, rollout_deadlines
@@ -68,18 +69,18 @@ def _endpoint_parts(cfg: ExperimentConfig, fn: Any, tok: Any, gconfig: Any, grou
                     test_rows: list[dict], index: int = 0) -> AgentParts:
     """AgentParts of an OpenAI-API agent function: one endpoint per rollout worker, on the role's bind host (loopback
     by default) and `rollout.endpoint_port` + `index` (one fixed port for every worker would refuse all but the
-    first), its API key the run's secret when there is one."""
+    first). Each session has its own bearer token: the run's secret is neither the endpoint's key nor left in the
+    environment that the agent functions' subprocesses inherit."""
     from arl.agents.common import agent_gconfig
     from arl.rollout.endpoint import EndpointServer
     from arl.rollout.openai_agent import EndpointAgent
-    from arl.transport.control import SOCKET_OPTIONS
-    from arl.transport.security import effective_bind_host
+    from arl.transport.security import SECRET_ENV, effective_bind_host
 
-    secret = SOCKET_OPTIONS.get("secret")
+    # the role read it into SOCKET_OPTIONS at start-up; user agent code runs in this process from here on
+    os.environ.pop(SECRET_ENV, None)
     server = EndpointServer(tok, agent_gconfig(gconfig, tok), cfg.inference.max_context_len,
                             host=effective_bind_host(cfg.bind_host),
-                            port=endpoint_port(cfg.rollout.endpoint_port, index),
-                            secret=secret.decode() if isinstance(secret, bytes) else secret, vocab_size=len(tok))
+                            port=endpoint_port(cfg.rollout.endpoint_port, index), vocab_size=len(tok))
     args = dict(cfg.agent.args)
     filter_uniform = bool(args.pop("filter_uniform_groups", False))
 

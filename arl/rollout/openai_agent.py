@@ -3,7 +3,7 @@
     async def run(client: openai.AsyncOpenAI, prompt: dict, env) -> float | dict | None
 
 (or taking `base_url` / `api_key` instead of `client`, for code that builds its own client or runs a subprocess
-with OPENAI_BASE_URL / OPENAI_API_KEY), is run by `EndpointAgent`: one session of the rollout worker's endpoint
+with OPENAI_BASE_URL / OPENAI_API_KEY; the key is the session's own token, never the run's secret), is run by `EndpointAgent`: one session of the rollout worker's endpoint
 (`arl.rollout.endpoint`) per trajectory, `group_size` sessions per prompt forming the group. The reward is the
 function's return value: a number, or a dict with "reward" (its other keys become trajectory metadata); None
 takes it from `env.step(<the last answer's text>)`. Every generated token is recorded by the session

@@ -241,7 +241,8 @@ async def test_bad_requests_get_openai_errors_naming_the_field(server):
             await c.chat.completions.create(model="m", messages=[{"role": "wizard", "content": "q"}])
         assert e.value.body["param"] == "messages"
     async with aiohttp.ClientSession() as http:
-        async with http.post(server.session_url(h) + "/chat/completions", data=b"{nope") as r:
+        async with http.post(server.session_url(h) + "/chat/completions", data=b"{nope",
+                             headers={"Authorization": f"Bearer {server.api_key(h)}"}) as r:
             body = await r.json()
             assert r.status == 400 and body["error"]["type"] == "invalid_request_error"
     assert engine.requests == []  # nothing bad reached the engine
@@ -284,37 +285,68 @@ async def test_ended_sessions_keep_no_handle_but_late_calls_are_still_404_and_co
     assert server.stats["late_calls"] == 4 and len(engine.requests) == 4
 
 
-async def test_bearer_session_key_and_models(server):
-    """Without a run secret the session may be the API key (OPENAI_BASE_URL=<server>/v1, OPENAI_API_KEY=<key>)."""
+async def test_bearer_token_alone_names_the_session_and_models(server):
+    """The session's token names its session without the path (OPENAI_BASE_URL=<server>/v1, OPENAI_API_KEY=<token>)."""
     engine = FakeEngine("hi")
     h = server.open_session(engine.generate)
-    async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=h.key, max_retries=0) as c:
+    async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=server.api_key(h), max_retries=0) as c:
         r = await c.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}])
         assert r.choices[0].message.content == "hi"
         models = await c.models.list()
         assert [m.id for m in models.data] == ["arl-policy"]
 
 
-async def test_with_a_run_secret_the_api_key_must_match():
-    s = EndpointServer(TOK, GenerationConfig(max_new_tokens=8, stop_token_ids=[EOS]), 256, secret="s" * 20)
+async def test_a_session_token_opens_only_its_own_session_until_it_ends(server):
+    engine = FakeEngine("a", "b", "c")
+    h1, h2 = server.open_session(engine.generate), server.open_session(engine.generate)
+    t1, t2 = server.api_key(h1), server.api_key(h2)
+    assert t1 != t2 and len(t1) > 60 and h1.key not in (t1.partition(".")[2], t2.partition(".")[2])
+    assert h1.token not in repr(h1)  # not in a log line that prints the handle
+    msgs = [{"role": "user", "content": "q"}]
+
+    async def ask(url: str, key: str):
+        async with openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0) as c:
+            return await c.chat.completions.create(model="m", messages=msgs)
+
+    assert (await ask(server.session_url(h1), t1)).choices[0].message.content == "a"
+    for url, key in [(server.session_url(h2), t1),  # another session's token
+                     (server.session_url(h2), h2.key),  # the session key alone (it is no secret: trajectories carry it)
+                     (server.session_url(h2), t2.partition(".")[0] + "." + t1.partition(".")[2]),  # spliced
+                     (server.session_url(h2), "sk-" + "x" * 40)]:
+        with pytest.raises(openai.AuthenticationError) as e:
+            await ask(url, key)
+        assert e.value.body["type"] == "invalid_request_error" and e.value.code == "invalid_api_key", key
+    async with aiohttp.ClientSession() as http:  # no API key at all
+        async with http.post(server.session_url(h2) + "/chat/completions", json={"messages": msgs}) as r:
+            assert r.status == 401 and (await r.json())["error"]["code"] == "invalid_api_key"
+    assert len(engine.requests) == 1 and server.stats["refused_auth"] == 5
+    assert (await ask(server.url + "/v1", t2)).choices[0].message.content == "b"  # t2 still opens h2
+    server.end_session(h1.key)
+    for url in (server.session_url(h1), server.url + "/v1"):
+        with pytest.raises(openai.NotFoundError) as e:
+            await ask(url, t1)
+        assert e.value.code == "session_ended"
+    assert server.stats["late_calls"] == 2 and len(engine.requests) == 2
+
+
+async def test_the_endpoint_knows_no_run_secret():
+    """The run's secret authenticates ZMQ frames; the endpoint neither takes it nor accepts it as a key."""
+    import inspect
+
+    assert "secret" not in inspect.signature(EndpointServer).parameters
+    s = EndpointServer(TOK, GenerationConfig(max_new_tokens=8, stop_token_ids=[EOS]), 256)
     await s.start()
     try:
-        engine = FakeEngine("ok")
-        h = s.open_session(engine.generate)
-        async with openai.AsyncOpenAI(base_url=s.session_url(h), api_key="wrong", max_retries=0) as c:
+        h = s.open_session(FakeEngine("ok").generate)
+        async with openai.AsyncOpenAI(base_url=s.session_url(h), api_key="s" * 20, max_retries=0) as c:
             with pytest.raises(openai.AuthenticationError):
                 await c.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}])
-        async with openai.AsyncOpenAI(base_url=s.url + "/v1", api_key=h.key, max_retries=0) as c:
-            with pytest.raises(openai.AuthenticationError):  # the key alone is no longer enough
-                await c.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}])
-        async with openai.AsyncOpenAI(base_url=s.session_url(h), api_key=s.api_key(h), max_retries=0) as c:
-            r = await c.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}])
-        assert r.choices[0].message.content == "ok" and engine.requests
-        async with openai.AsyncOpenAI(base_url=s.url + "/v1", api_key=s.secret, max_retries=0) as c:
-            assert [m.id for m in (await c.models.list()).data] == ["arl-policy"]  # no session needed to list
         async with openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="wrong", max_retries=0) as c:
             with pytest.raises(openai.AuthenticationError):
                 await c.models.list()
+        async with openai.AsyncOpenAI(base_url=s.url + "/v1", api_key=s.api_key(h), max_retries=0) as c:
+            assert [m.id for m in (await c.models.list()).data] == ["arl-policy"]
+        assert s.openai_client().api_key not in (s.api_key(h), h.key)  # the shared client opens nothing itself
     finally:
         await s.close()
 

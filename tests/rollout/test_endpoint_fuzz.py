@@ -60,8 +60,10 @@ async def server():
     await s.close()
 
 
-async def post(http: aiohttp.ClientSession, url: str, data: bytes) -> tuple[int, Any]:
-    async with http.post(url, data=data, headers={"Content-Type": "application/json"}) as r:
+async def post(http: aiohttp.ClientSession, url: str, data: bytes, key: str) -> tuple[int, Any]:
+    """POST `data` with the session's token `key` as the API key."""
+    async with http.post(url, data=data, headers={"Content-Type": "application/json",
+                                                  "Authorization": f"Bearer {key}"}) as r:
         text = await r.text()
         try:
             return r.status, json.loads(text)
@@ -80,11 +82,11 @@ async def test_completion_ids_beyond_int32_or_the_vocabulary_are_400_naming_prom
     url = server.session_url(h) + "/completions"
     async with aiohttp.ClientSession() as http:
         for ids in ([5, 2 ** 31], [2 ** 63 + 1], [VOCAB], [5, VOCAB + 1000]):
-            status, body = await post(http, url, json.dumps({"prompt": ids}).encode())
+            status, body = await post(http, url, json.dumps({"prompt": ids}).encode(), server.api_key(h))
             assert status == 400, (ids, status, body)
             assert body["error"]["param"] == "prompt" and body["error"]["type"] == "invalid_request_error"
             assert str(VOCAB) in body["error"]["message"]
-        status, body = await post(http, url, json.dumps({"prompt": [5, VOCAB - 1]}).encode())
+        status, body = await post(http, url, json.dumps({"prompt": [5, VOCAB - 1]}).encode(), server.api_key(h))
         assert status == 200, body
     assert engine.refused == []  # nothing bad reached the engine
 
@@ -98,10 +100,11 @@ async def test_deeply_nested_json_is_400_not_500(server, depth):
                           ("/completions", '{"prompt": "a", "metadata": ' + deep(depth, '{"a": ', "}")[:-depth]
                            + "1" + "}" * depth + "}"),
                           ("/completions", deep(depth))]:
-            status, body = await post(http, server.session_url(h) + path, doc.encode())
+            status, body = await post(http, server.session_url(h) + path, doc.encode(), server.api_key(h))
             assert status == 400, (path, status, str(body)[:200])
             assert body["error"]["type"] == "invalid_request_error"
-        status, body = await post(http, server.session_url(h) + "/completions", b'{"prompt": "1+1="}')
+        status, body = await post(http, server.session_url(h) + "/completions", b'{"prompt": "1+1="}',
+                                  server.api_key(h))
         assert status == 200, body
 
 
@@ -172,7 +175,8 @@ async def fuzz_round(server: EndpointServer, http: aiohttp.ClientSession, rng: r
         h = rng.choice(handles)
         chat = rng.random() < 0.6
         base = server.session_url(h) if rng.random() < 0.95 else server.url + "/sessions/" + "f" * 24 + "/v1"
-        status, answer = await post(http, base + ("/chat/completions" if chat else "/completions"), body(rng, chat))
+        status, answer = await post(http, base + ("/chat/completions" if chat else "/completions"), body(rng, chat),
+                                    server.api_key(h))
         statuses[status] = statuses.get(status, 0) + 1
         assert status in (200, 400, 404), (i, status, str(answer)[:300])
         if status != 200:
@@ -203,7 +207,8 @@ async def test_fuzzed_bodies_never_get_a_500_and_the_server_goes_on_bounded():
             # a normal request still works after all of it
             h = s.open_session(engine.generate)
             status, answer = await post(http, s.session_url(h) + "/chat/completions",
-                                        json.dumps({"messages": [{"role": "user", "content": "1+1="}]}).encode())
+                                        json.dumps({"messages": [{"role": "user", "content": "1+1="}]}).encode(),
+                                        s.api_key(h))
             assert status == 200 and answer["choices"][0]["message"]["content"] == "ok", answer
             s.end_session(h.key)
     finally:

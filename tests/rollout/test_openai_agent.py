@@ -5,6 +5,9 @@ token ledger, and a group that raises, hangs or calls after its session ended is
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import sys
 
 import numpy as np
 import openai
@@ -196,3 +199,57 @@ async def test_the_tool_examples_run_a_tool_loop_token_exactly(server, example):
         verify_trajectory(t, log)
         assert t.reward == 1.0 and t.metadata["tool_calls"] == 1 and t.metadata["turns"] == 2
         assert t.metadata["endpoint_prefix_mismatch"] == 0
+
+
+async def test_the_agent_never_sees_the_run_secret(monkeypatch):
+    """Built as a rollout worker builds it (`_endpoint_parts`, the role's secret in SOCKET_OPTIONS and ARL_SECRET in
+    its environment): what the agent gets (api_key, base_url, the client's headers) and the environment of a
+    subprocess it starts hold a per-session token, never the secret; and the secret opens no session."""
+    from arl.config import ExperimentConfig
+    from arl.rollout.entry import _endpoint_parts
+    from arl.transport.control import SOCKET_OPTIONS
+
+    secret = "run-secret-" + os.urandom(8).hex()
+    monkeypatch.setitem(SOCKET_OPTIONS, "secret", secret.encode())
+    monkeypatch.setenv("ARL_SECRET", secret)
+    seen: list[dict] = []
+
+    async def agent(client, base_url: str, api_key: str, prompt: dict) -> float:
+        env = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key}
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-c", "import json, os; print(json.dumps("
+                                                    "dict(os.environ)))", env=env, stdout=asyncio.subprocess.PIPE)
+        out, _ = await proc.communicate()
+        seen.append({"api_key": api_key, "base_url": base_url, "auth": dict(client.auth_headers),
+                     "headers": {k: str(v) for k, v in client.default_headers.items()}, "child_env": json.loads(out)})
+        r = await client.chat.completions.create(model="x", messages=[{"role": "user", "content": "12+7="}])
+        async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as own:
+            await own.chat.completions.create(model="x", messages=[{"role": "user", "content": "12+7="},
+                                                                   r.choices[0].message.model_dump(exclude_none=True),
+                                                                   {"role": "user", "content": "again"}])
+        return 1.0
+
+    parts = _endpoint_parts(ExperimentConfig(), agent, TOK, GenerationConfig(max_new_tokens=8, stop_token_ids=[EOS]),
+                            2, [dict(PROMPT)], [])
+    server, received = parts.endpoint, []
+    opened = server._session
+
+    def recording(request):  # every request's headers, as the endpoint received them
+        received.append(dict(request.headers))
+        return opened(request)
+
+    server._session = recording
+    try:
+        trajs, log, client = await run(parts.make_agent())
+        assert len(received) == 4 and all(secret not in json.dumps(h) for h in received)
+        h = server.open_session(Client().generate)
+        async with openai.AsyncOpenAI(base_url=server.session_url(h), api_key=secret, max_retries=0) as forged:
+            with pytest.raises(openai.AuthenticationError):  # and the secret opens no session
+                await forged.chat.completions.create(model="x", messages=[{"role": "user", "content": "q"}])
+    finally:
+        await server.close()
+    assert len(trajs) == 2 and len(client.requests) == 4 and len(seen) == 2
+    assert seen[0]["api_key"] != seen[1]["api_key"]
+    for s in seen:
+        assert secret not in json.dumps(s), [k for k, v in s["child_env"].items() if secret in v]
+        assert s["child_env"]["OPENAI_API_KEY"] == s["api_key"] and s["auth"]["Authorization"].endswith(s["api_key"])
+    assert server.stats["refused_auth"] == 1

@@ -296,6 +296,10 @@ class RolloutConfig:
                                   "(loopback by default); rollout worker i listens on endpoint_port + i.")
     trace_rate: float = field(0.05, "Share of prompt groups written to traces.jsonl (decoded turns, versions, "
                                     "timings); groups an error or a filter touched are always traced.")
+    loop_block_warn_s: float = field(1.0, "Warn, naming the agent and the loop thread's stack, and count it in the "
+                                          "heartbeat, when a rollout worker's event loop does not run for this many "
+                                          "seconds (a synchronous call in an agent: openai.OpenAI instead of "
+                                          "AsyncOpenAI, time.sleep). 0: no watchdog.")
 
 
 class LossAgg(enum.StrEnum):
@@ -733,6 +737,7 @@ def validate(cfg: Any) -> None:
         (cfg.gen.max_new_tokens >= 1, "gen.max_new_tokens must be >= 1"),
         (cfg.gen.temperature > 0, "gen.temperature must be > 0"),
         (0.0 <= rc.trace_rate <= 1.0, "rollout.trace_rate must be in [0, 1]"),
+        (rc.loop_block_warn_s >= 0, "rollout.loop_block_warn_s must be >= 0 (0: no loop watchdog)"),
         (rc.endpoint_port == 0 or 0 < rc.endpoint_port <= 65536 - rc.num_workers,
          f"rollout.endpoint_port must be 0 (a free port) or a port with endpoint_port + rollout.num_workers - 1 <= "
          f"65535 (rollout worker i listens on endpoint_port + i), got {rc.endpoint_port} with {rc.num_workers}"),

@@ -14,6 +14,7 @@ from arl.controller.admission import Admission
 from arl.controller.reporting import Reporter
 from arl.controller.supervision import RoleLauncher, Supervisor
 from arl.learner.checkpoint import CHECKPOINT_SUBDIR, latest_checkpoint
+from arl.rollout.loop_watchdog import blocked_loop_note
 
 logger = logging.getLogger("arl.controller")
 
@@ -29,6 +30,11 @@ async def investigate_silence(key: Key, silent_s: float, *, sup: Supervisor, lau
     waiting = str(role_stats.get(key, {}).get("waiting_on") or "unknown (it never said)")
     why = (f"role {role}{index} sent no heartbeat for {silent_s:.0f}s "
            f"(timeout {sup.heartbeat_timeouts[role]:g}s); it was last waiting on: {waiting}")
+    # a rollout worker whose event loop is blocked sends nothing that could say so; its loop watchdog's warning in
+    # its log does (read before the stack dump below adds to the log)
+    blocked = blocked_loop_note(launcher.log_path(name)) if role == "rollout" else ""
+    if blocked:
+        why += f"; its log says: {blocked}"
     logger.error("%s", why)
     state, dump = "?", ""
     if launcher.alive(name):
@@ -40,7 +46,7 @@ async def investigate_silence(key: Key, silent_s: float, *, sup: Supervisor, lau
         else:
             logger.error("%s (process state %s) wrote no stack dump within %gs", name, state, stack_dump_wait)
     reporter.fault("heartbeat_timeout", role=f"{role}{index}", process=name, silent_s=silent_s,
-                   waiting_on=waiting, process_state=state, stacks_dumped=bool(dump))
+                   waiting_on=waiting, process_state=state, stacks_dumped=bool(dump), loop_blocked=blocked or None)
     return why
 
 

@@ -113,7 +113,7 @@ def rollout_worker(cfg: ExperimentConfig, parts: AgentParts, client: Any, *, ind
                    push_group: Callable[[Any], Awaitable[None]], env_client: Any = None) -> Any:
     """Rollout worker `index`, as the run and `arl.evaluate` build it; with `env_client` (env.servers > 0) every
     env instance is a session on an env server (`arl.rollout.env_server.RemoteEnv`)."""
-    from arl.api.registry import make_env
+    from arl.api.registry import AGENTS, make_env
     from arl.rollout.env_groups import worker_spec
     from arl.rollout.worker import RolloutWorker
 
@@ -123,6 +123,7 @@ def rollout_worker(cfg: ExperimentConfig, parts: AgentParts, client: Any, *, ind
         def make_env(name: str, **args: Any) -> Any:  # noqa: F811 - the same factory, served remotely
             return RemoteEnv(env_client, name, args)
     rc = cfg.rollout
+    agent = AGENTS.get(cfg.agent.name)  # named by the loop watchdog when it blocks the event loop
     return RolloutWorker(
         index=index,
         make_agent=parts.make_agent,
@@ -149,6 +150,8 @@ def rollout_worker(cfg: ExperimentConfig, parts: AgentParts, client: Any, *, ind
         verify_token_ledger=rc.verify_token_ledger,
         tokenizer=parts.tokenizer,  # trajectory traces decode with it
         trace_rate=rc.trace_rate,
+        agent_name=f"'{cfg.agent.name}' ({getattr(agent, '__module__', '?')}.{getattr(agent, '__qualname__', agent)})",
+        loop_block_s=rc.loop_block_warn_s,
     )
 
 

@@ -27,6 +27,7 @@ from arl.rollout.client import InferenceClient, to_request
 from arl.rollout.env_groups import EnvGroupSpec
 from arl.rollout.filters import apply_filters
 from arl.rollout.ledger import EngineLog, TokenLedgerError, verify_trajectory
+from arl.rollout.loop_watchdog import LoopWatchdog
 from arl.rollout.guards import EnvCallError, GuardedEnv, call_with_deadline
 from arl.rollout.staleness import make_group_id
 from arl.transport.messages import Count, Error, GateAcquire, GroupDone, SendControl
@@ -210,8 +211,12 @@ class RolloutWorker:
                  eval_concurrency: int = 64, seed: int = 0, env_timeout: Optional[float] = None,
                  env_groups: Optional[EnvGroupSpec] = None, filter_void_turns: bool = False,
                  filter_uniform_groups: bool = False, verify_token_ledger: bool = False, tokenizer: Any = None,
-                 trace_rate: float = 0.0) -> None:
+                 trace_rate: float = 0.0, agent_name: str = "", loop_block_s: float = 1.0) -> None:
         self.index = index
+        # a thread that names the agent when the event loop (every group, the client, the endpoint) stops running
+        # for more than loop_block_s (0: none); started with the acquire loop
+        self._agent_name, self._loop_block_s = agent_name, loop_block_s
+        self._watchdog: Optional[LoopWatchdog] = None
         self._make_agent, self._make_eval_agent, self._make_env = make_agent, make_eval_agent, make_env
         self._prompts = prompts
         self._test_rows = list(test_rows)
@@ -270,8 +275,15 @@ class RolloutWorker:
         self._running.discard(t)
         self._wake.set()
 
+    def start_watchdog(self) -> None:
+        """Start the loop watchdog on the running loop (idempotent; none when loop_block_s is 0)."""
+        if self._watchdog is None and self._loop_block_s > 0:
+            self._watchdog = LoopWatchdog(self._loop_block_s, label=f"rollout{self.index}", agent=self._agent_name)
+            self._watchdog.start()
+
     async def acquire_loop(self) -> None:
         """Keep asking the controller's staleness gate for as many groups as this worker has room for."""
+        self.start_watchdog()
         while True:
             want = self._capacity - len(self._running) - self._wanted
             if want > 0:
@@ -456,14 +468,16 @@ class RolloutWorker:
             "waiting_on": self.waiting_on(),
             "admission_p99_ms": self.admission.quantile(0.99) * 1000 if self.admission.total else None,
             "admission_hist": self.admission.to_list(),
+            **({"loop_watchdog": self._watchdog.stats()} if self._watchdog is not None else {}),
         }
 
     def waiting_on(self) -> str:
         """What this worker waits for, for the controller's log if it goes silent."""
         outstanding = len(getattr(self._client, "_pending", ()))
+        blocked = self._watchdog.summary() if self._watchdog is not None else ""
         return (f"{len(self._running)} groups running ({outstanding} inference requests outstanding, "
                 f"{self.env_stats['env_calls_in_flight']} env calls in flight); "
-                f"{self._wanted} groups awaiting a gate grant")
+                f"{self._wanted} groups awaiting a gate grant" + (f"; {blocked}" if blocked else ""))
 
     async def close(self) -> None:
         for t in list(self._running):
@@ -471,3 +485,5 @@ class RolloutWorker:
         await asyncio.gather(*self._running, return_exceptions=True)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._env_pool.close(), 5.0)
+        if self._watchdog is not None:
+            self._watchdog.close()

@@ -65,12 +65,20 @@ class Health:
                 return False
         now = time.monotonic()
         given_up, failure = self.sup.deadlines(now, self.names, self.roster.has_process)
+        if failure:  # restarted roles that did not come back: why, where the launcher knows (waiting for resources)
+            failure += "".join(f"; {why}" for why in map(self.launcher.pending, self.sup.late(now)) if why)
         for name in given_up:  # a restarted inference process that did not come back: the run goes on without it
-            reason = f"did not register within {self.sup.startup_timeout}s of its restart"
+            why = self.launcher.pending(name)
+            reason = f"did not register within {self.sup.startup_timeout}s of its restart{f'; {why}' if why else ''}"
             give_up(name, sup=self.sup, weights=self.weights)
             self.launcher.kill(name)
-            logger.error("restarted inference process %s %s; the run goes on without it", name, reason)
+            # servers in the run, or coming back
+            left = (set(range(self.sup.num_inference)) - self.weights.lost) | self.weights.rejoining
+            logger.error("restarted inference process %s %s; %s", name, reason,
+                         "the run goes on without it" if left else "no inference server is left")
             self.reporter.event("fault", kind="inference_restart_failed", role=name, reason=reason)
+            if not left and not failure:  # nothing would generate again: stop now, with why
+                failure = f"no inference server is left: restarted inference process {name} {reason}"
         if failure:
             self.fail(failure)
         if failure or not self.progressing(now):

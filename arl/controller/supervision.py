@@ -69,6 +69,10 @@ class RoleLauncher(Protocol):
     def where(self, name: str) -> dict[str, Any]:
         """Where process `name` runs, for its `role_placed` record ({} when there is nothing to say: one host)."""
 
+    def pending(self, name: str) -> str:
+        """Why process `name`, (re)started, is not running yet, in plain words ('' when there is nothing to say):
+        Ray's restart waiting for resources. Never waits (the controller's event loop calls it)."""
+
     def close(self) -> None:
         """The run is over: release what the launcher holds beyond its processes (Ray: actors, placement groups,
         the connection). Called once, after `terminate_all`."""

@@ -92,6 +92,9 @@ class LocalLauncher:
     def where(self, name: str) -> dict[str, Any]:
         return {}  # every role runs on this host: nothing to record
 
+    def pending(self, name: str) -> str:
+        return ""  # a local process starts at once
+
     def close(self) -> None:
         """Nothing is held beyond the processes (`terminate_all` ended them; PR_SET_PDEATHSIG backs it up)."""
 

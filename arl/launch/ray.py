@@ -36,7 +36,7 @@ from arl.launch.local import LocalLauncher
 
 logger = logging.getLogger("arl.launch")
 
-__all__ = ["RayLauncher", "RoleHost", "RolePlacementError", "bundle_for"]
+__all__ = ["RayLauncher", "RoleHost", "RolePlacementError", "bundle_for", "describe_pending"]
 
 _LOG_CHUNK = 1 << 20
 _COPY_ROUNDS = 8  # chunks one pump round copies per role: up to 8 MiB per role per round
@@ -44,6 +44,11 @@ FINAL_LOG_MAX = 64 << 20  # a role's end: at most this much of what its node sti
 PYTHON = "{python}"  # in a role's argv: the Python of its node's Ray workers (the driver's may live elsewhere)
 _NOT_CUSTOM = ("CPU", "GPU", "memory", "object_store_memory")
 _NODE_ID_LABEL = "ray.io/node-id"  # the label Ray gives every node: its id
+PENDING_NOTICE_S = 3.0  # a restart not placed this long after it was asked for is said on the console, with why
+# Ray's scheduling state of a pending placement group (`placement_group_table`'s stats), in plain words
+_SCHEDULING = {"INFEASIBLE": "no live node has that much, even idle",
+               "NO_RESOURCES": "no live node has that much free now",
+               "QUEUED": "queued behind other placement groups"}
 
 
 _HOW_TO_FIT = ("Ray's CPUs are scheduling tokens, not cores: lower ray.cpus_per_inference, ray.cpus_per_rollout or "
@@ -191,6 +196,23 @@ def plain_resources(resources: Mapping[str, float]) -> str:
     return ", ".join(f"{keep[k]:g} {k}" for k in order) or "nothing"
 
 
+def describe_pending(name: str, bundles: Sequence[Mapping[str, float]], state: str,
+                     nodes: Sequence[tuple[str, Mapping[str, float], Optional[Mapping[str, float]]]]) -> str:
+    """Why `name`'s placement group waits, in plain words: what it asks, Ray's scheduling state, and what each
+    live node has (`nodes`: (label, resources in all, resources free or None when unknown))."""
+    def node(label: str, total: Mapping[str, float], free: Optional[Mapping[str, float]]) -> str:
+        has = plain_resources(total)
+        if free is None:
+            return f"{label} {has}"
+        return f"{label} {has} ({plain_resources({k: free.get(k, 0.0) for k in total})} free)"
+
+    asked = " and ".join(plain_resources(b) for b in bundles)
+    said = f"{state} ({_SCHEDULING[state]})" if state in _SCHEDULING else (state or "nothing")
+    each = " | ".join(node(*n) for n in nodes) or "no live node"
+    return (f"{name} is waiting to be placed: it asks {asked}{' on one node' if len(bundles) == 1 else ''}; Ray says "
+            f"{said}; live nodes: {each}. {_HOW_TO_FIT}")
+
+
 @dataclasses.dataclass
 class _Host:
     """One process of a role: its actor, placement group and the driver-side copy of its log."""
@@ -220,6 +242,7 @@ class _Role:
     expected_exit: bool = False
     starting: Optional[threading.Thread] = None  # a restart being placed and started (off the caller's thread)
     start_failed: str = ""  # why the last restart could not be started (reported by `dead` as an exit)
+    pending: str = ""  # why its restart waits to be placed (`describe_pending`), while it does
 
 
 class RayLauncher:
@@ -301,7 +324,7 @@ class RayLauncher:
         role = self.roles[name]
         if role.starting is not None and role.starting.is_alive():
             raise RuntimeError(f"{name} is already being restarted")
-        role.expected_exit, role.start_failed = False, ""
+        role.expected_exit, role.start_failed, role.pending = False, "", ""
         # copying the rest of the old process's log, ending its actor and placing the new group make several
         # round trips to Ray (seconds when a node is gone): not on the caller's (the controller's event loop) thread
         role.starting = threading.Thread(target=self._restart, args=(role,), name=f"arl-ray-restart-{name}",
@@ -322,8 +345,8 @@ class RayLauncher:
             if role.expected_exit:
                 self.kill(role.name)
                 return
+            self._await_placement(role)
             for r, h in enumerate(role.hosts):  # where it landed, for its role_placed record (or None if pending)
-                ray.wait([h.pg.ready()], timeout=min(30.0, self.startup_timeout))
                 h.where = self._node_of(h.pg, r) or h.where
         except Exception as e:  # noqa: BLE001 - the controller hears of it as an exit (`dead`) and applies its policy
             logger.exception("restarting %s failed", role.name)
@@ -364,6 +387,51 @@ class RayLauncher:
                 logger.info("started %s on node %s (%s), bundle %s, log %s", h.name, h.where.get("node_ip"),
                             h.where.get("node_id", "")[:12], h.bundle, h.log_path)
         role.hosts = hosts
+
+    def _await_placement(self, role: _Role) -> None:
+        """Wait (the restart's thread) until `role`'s placement group is placed, it is killed, or startup_timeout
+        passed. Not placed after PENDING_NOTICE_S: say why on the console and keep it in `role.pending` (refreshed
+        while it waits), where the controller reads it when the restart does not register in time."""
+        import ray
+
+        ready_ref, deadline = role.hosts[0].pg.ready(), time.monotonic() + self.startup_timeout
+        ready, _ = ray.wait([ready_ref], timeout=min(PENDING_NOTICE_S, self.startup_timeout))
+        said: Optional[str] = None  # Ray's scheduling state last said on the console
+        seen = 0.0
+        while not ready and not role.expected_exit and not self._stop.is_set() and time.monotonic() < deadline:
+            if time.monotonic() - seen > 5.0:
+                state, role.pending, seen = *self._why_pending(role), time.monotonic()
+                if state != said:  # first, or Ray's reason changed
+                    logger.warning("%s", role.pending)
+                    said = state
+            ready, _ = ray.wait([ready_ref], timeout=1.0)
+        if ready and said is not None:
+            logger.warning("%s is placed now", role.name)
+        if ready:
+            role.pending = ""
+
+    def _why_pending(self, role: _Role) -> tuple[str, str]:
+        """(Ray's scheduling state, `describe_pending`) of `role`'s placement group, from what Ray says now."""
+        import ray
+
+        try:
+            stats = ray.util.placement_group_table(role.hosts[0].pg)
+            state = str((stats.get("stats") or {}).get("scheduling_state") or stats.get("state") or "")
+        except Exception:  # noqa: BLE001 - said as unknown
+            state = ""
+        try:  # Ray has no public per-node view of free resources (2.60); without it only the totals are said
+            from ray._private.state import available_resources_per_node
+
+            free: Optional[dict] = available_resources_per_node()
+        except Exception:  # noqa: BLE001
+            free = None
+        nodes = [(f"{n.get('NodeManagerAddress')} ({str(n.get('NodeID'))[:12]}):", n.get("Resources", {}),
+                  None if free is None else free.get(n.get("NodeID"), {})) for n in ray.nodes() if n.get("Alive")]
+        return state, describe_pending(role.name, [h.bundle for h in role.hosts], state, nodes)
+
+    def pending(self, name: str) -> str:
+        role = self.roles.get(name)
+        return role.pending if role is not None and not role.expected_exit else ""
 
     def _files(self) -> dict[str, bytes]:
         path = os.path.join(self.run_dir, "config.yaml") if self.run_dir else ""

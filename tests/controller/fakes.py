@@ -31,6 +31,7 @@ class FakeLauncher:
         self.expected: set[str] = set()
         self.spawns: list[str] = []
         self.killed: list[str] = []
+        self.waiting: dict[str, str] = {}  # name -> why its start waits (`pending`)
 
     def abort(self) -> None:
         self.aborted = True
@@ -80,6 +81,9 @@ class FakeLauncher:
 
     def where(self, name: str) -> dict[str, Any]:
         return {}
+
+    def pending(self, name: str) -> str:
+        return self.waiting.get(name, "")
 
     def close(self) -> None:
         self.closed = True

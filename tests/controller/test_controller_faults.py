@@ -196,6 +196,40 @@ async def test_restarted_inference_that_never_registers_is_given_up(tmp_path):
 
 
 @pytest.mark.asyncio
+async def test_a_last_inference_server_whose_restart_waits_to_be_placed_stops_the_run_with_why(tmp_path):
+    """The only inference server's node was lost and its restart cannot be placed (the launcher says why: `pending`).
+    Past startup_timeout the run stops at once with that reason, instead of going on with no server until the
+    no-progress watch gives up minutes later; a late restarted rollout worker's failure carries its reason too."""
+    ctl = make_controller(tmp_path, num_inference=1, num_rollout=1, tolerate_inference_loss=True,
+                          restart_inference=True, startup_timeout=30)
+    await ctl._dispatch(b"i0", "register", {"role": "inference", "index": 0, "address": "tcp://a:0"})
+    await ctl._dispatch(b"r0", "register", {"role": "rollout", "index": 0})
+    await ctl._dispatch(b"L", "register", {"role": "learner", "index": 0, "address": "tcp://l:1"})
+    ctl.launcher.exit("inference0", -9)
+    assert await ctl.health.check() and ctl.sup.inference_restarts == 1 and ctl.weights.rejoining == {0}
+    why = "inference0 is waiting to be placed: it asks 3 CPU on one node; Ray says INFEASIBLE"
+    ctl.launcher.waiting["inference0"] = why
+    ctl.sup.restarted_at["inference0"] -= 31
+    assert not await ctl.health.check()
+    assert "no inference server is left" in ctl._failure and why in ctl._failure, ctl._failure
+    assert why in records(tmp_path)[-1]["reason"] and records(tmp_path)[-1]["kind"] == "inference_restart_failed"
+    ctl.reporter.close()
+
+    (tmp_path / "b").mkdir()
+    ctl = make_controller(tmp_path / "b", num_rollout=1, startup_timeout=30)
+    await ctl._dispatch(b"i0", "register", {"role": "inference", "index": 0, "address": "tcp://a:0"})
+    await ctl._dispatch(b"r0", "register", {"role": "rollout", "index": 0})
+    await ctl._dispatch(b"L", "register", {"role": "learner", "index": 0, "address": "tcp://l:1"})
+    ctl.launcher.exit("rollout0", -9)
+    assert await ctl.health.check() and ctl.sup.restarts == 1
+    ctl.launcher.waiting["rollout0"] = "rollout0 is waiting to be placed: it asks 2 CPU"
+    ctl.sup.restarted_at["rollout0"] -= 31
+    assert not await ctl.health.check()
+    assert "['rollout0']" in ctl._failure and "it asks 2 CPU" in ctl._failure, ctl._failure
+    ctl.reporter.close()
+
+
+@pytest.mark.asyncio
 async def test_every_group_dropped_for_one_reason_stops_the_run(tmp_path, capsys):
     ctl = make_controller(tmp_path, max_consecutive_drops=3, progress=True)
     for r in (0, 1):

@@ -100,6 +100,18 @@ def test_the_run_is_checked_against_the_cluster_and_a_local_ray_fits_it() -> Non
                             "node_b": 1.0, "GPU": 1.0, "bundle_group_abc": 1000.0}) == "4 CPU, 1 GPU, 1 node_b"
 
 
+def test_a_pending_placement_is_described_in_plain_words() -> None:
+    from arl.launch.ray import describe_pending
+
+    nodes = [("10.0.0.1 (abc):", {"CPU": 2.0, "node_a": 1.0, "CPU_group_x": 2.0}, {"node_a": 1.0}),
+             ("10.0.0.2 (def):", {"CPU": 2.0}, None)]
+    text = describe_pending("inference0", [{"CPU": 1.0}], "NO_RESOURCES", nodes)
+    assert text.startswith("inference0 is waiting to be placed: it asks 1 CPU on one node; Ray says NO_RESOURCES "
+                           "(no live node has that much free now); live nodes: 10.0.0.1 (abc): 2 CPU, 1 node_a "
+                           "(0 CPU, 1 node_a free) | 10.0.0.2 (def): 2 CPU. "), text
+    assert "Ray says SOMETHING_NEW;" in describe_pending("x", [{"CPU": 1.0}], "SOMETHING_NEW", [])
+
+
 ray = pytest.importorskip("ray")
 
 
@@ -389,6 +401,40 @@ def test_a_restart_keeps_off_a_node_that_stopped_answering(tmp_path, cluster):
         again = launcher.where("inference0")
         assert again["node_id"] != first["node_id"] and again["node_resources"] == ["node_a"], again
         assert "node_b" not in launcher.roles["inference0"].hosts[0].bundle
+    finally:
+        launcher.close()
+    wait_until(lambda: cluster_leftovers(cluster) == ([], []), 30, "no actor or placement group left")
+
+
+def test_a_restart_that_cannot_be_placed_says_why_within_seconds(tmp_path, cluster, caplog):
+    """A restart whose placement group stays pending (here it asks 3 CPUs, more than either 2-CPU node has) is said
+    on the console within seconds, not only as a registration timeout: the resources it asks, Ray's reason and what
+    each live node has; `pending` hands the same words to the controller, which stops the run with them after
+    startup_timeout (tests/controller/test_controller_faults.py)."""
+    import logging
+
+    from arl.launch.ray import RayLauncher
+
+    cfg = RayConfig(address=cluster.address, placement={"inference": {"node_a": 0.01}})
+    launcher = RayLauncher(cfg, startup_timeout=60, run_dir=str(tmp_path), log_poll_s=0.1)
+    log = tmp_path / "logs" / "inference0.log"
+    try:
+        launcher.spawn("inference0", SLEEPER, str(log))
+        assert launcher.pending("inference0") == ""
+        wait_until(lambda: "hello from" in log.read_text(), 60, "inference0's log to reach the run directory")
+        launcher.kill("inference0")
+        wait_until(lambda: not launcher.alive("inference0"), 30, "inference0 to die")
+        cfg.cpus_per_inference = 3.0  # its restart asks more than any node has
+        with caplog.at_level(logging.WARNING, logger="arl.launch"):
+            launcher.respawn("inference0")
+            wait_until(lambda: launcher.pending("inference0"), 30, "the restart's pending reason")
+        why = launcher.pending("inference0")
+        assert "inference0 is waiting to be placed: it asks 3 CPU, 0.01 node_a" in why, why
+        assert "Ray says INFEASIBLE" in why, why
+        assert "2 CPU, 1 node_a" in why and "2 CPU, 1 node_b" in why and "free" in why and "_group_" not in why, why
+        assert why in caplog.text
+        assert launcher.alive("inference0") and launcher.dead() == []  # still being placed: not an exit
+        launcher.kill("inference0")  # the controller gives up on it
     finally:
         launcher.close()
     wait_until(lambda: cluster_leftovers(cluster) == ([], []), 30, "no actor or placement group left")

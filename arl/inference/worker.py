@@ -114,7 +114,7 @@ class InferenceWorker:
     async def _load(self, version: int, path: str) -> None:
         t0 = time.perf_counter()
         try:  # a broadcast sends the newest the learner holds: at least `version`
-            await self.weights.load(version, path)
+            loaded = await self.weights.load(version, path)
         except Exception as e:  # noqa: BLE001 - acked as failed: the controller retries it or fails this server
             # the weights are those it had: the same version may be sent again and must then load (unless a newer
             # one is queued behind this one: that one loads next)
@@ -124,7 +124,8 @@ class InferenceWorker:
             logger.exception("loading weights v%d from %s failed", version, self.weights.source(path))
             await self._send(WeightsLoaded(version=version, index=self.index, error=f"{type(e).__name__}: {e}"[:1000]))
             return
-        served = int(self.engine.version)
+        # what the engine serves now; a transport whose engine does not count versions reports it by its return
+        served = max(int(loaded), int(self.engine.version))
         self._target_version = max(self._target_version, served)
         ms = (time.perf_counter() - t0) * 1000
         self.stats["updates"] += 1

@@ -84,6 +84,9 @@ def test_hung_env_blocked_loop_and_hung_reward(tmp_path, model_cache):
     log = log_text(run_dir, "rollout0")
     dump = log[log.index("most recent call first"):]
     assert "hang_env.py" in dump and "in step" in dump
+    # ... and its loop watchdog had named the blocked line, which the controller's message quotes
+    assert "event loop blocked" in silent["loop_blocked"] and "hang_env.py" in silent["loop_blocked"]
+    assert "its log says: event loop blocked" in err and "time.sleep(3600)" in log
     # 3. the hung reward function: timed out, named, its stack shown; reward 0 and counted
     assert "reward function hang_env:slow_reward timed out after 0.5s" in log
     assert "time.sleep(6)" in log

@@ -34,6 +34,7 @@ from arl.api.staleness import StalenessPolicy
 from arl.api.types import Trajectory
 from arl.learner.validation import group_problem
 from arl.transport.messages import Count, GroupReceived, GroupsDropped, SendControl, WeightsPublished
+from arl.utils.idset import CounterIdSet
 from arl.utils.timer import PhaseTimer
 from arl.weights.disk import DiskLearner
 from arl.weights.strategy import Export, LearnerSide
@@ -105,9 +106,10 @@ class LearnerWorker:
         self.groups_consumed = 0
         self.data_position: dict[str, int] = {}  # rollout worker index -> next prompt-stream position
         self.vocab_size = vocab_size
-        self._trained_ids: set[str] = set()
-        # every group id ever received (checkpointed): a replayed `traj` is refused, even after a restart
-        self._received_ids: set[str] = set()
+        self._trained_ids = CounterIdSet()
+        # every group id ever received (checkpointed): a replayed `traj` is refused, even after a restart; a bit a
+        # group (CounterIdSet), not a string: the sets of a run of days stay small, and so does its checkpoint
+        self._received_ids = CounterIdSet()
         self._last_replay_log = -1e9
         self._in_step = 0  # groups of the step being trained (taken from the buffer, not yet counted as trained)
         self._last_invalid_log = -1e9
@@ -125,14 +127,15 @@ class LearnerWorker:
             if msg_type != "traj" or not group:
                 continue
             ids = _group_ids(group)
-            if ids & self._received_ids:  # a replay (or a sender's bug): never trained, no budget returned
+            seen = self._received_ids.intersection(ids)
+            if seen:  # a replay (or a sender's bug): never trained, no budget returned
                 self.stats["replayed_groups"] += 1
                 if time.monotonic() - self._last_replay_log >= 1.0:
                     self._last_replay_log = time.monotonic()
                     logger.warning("refused a group whose id was received before (%s); %d so far",
-                                   sorted(ids & self._received_ids)[:3], self.stats["replayed_groups"])
+                                   sorted(seen)[:3], self.stats["replayed_groups"])
                 continue
-            self._received_ids |= ids
+            self._received_ids.update(ids)
             problem = group_problem(group, vocab_size=self.vocab_size, version=self.engine.version)
             if problem is not None:  # never train on it; give its budget back like a stale drop
                 self.stats["invalid_groups"] += 1
@@ -187,14 +190,14 @@ class LearnerWorker:
         counters = {k: v for k, v in self.stats.items() if isinstance(v, (int, float))}  # staleness, accounting
         return {"groups_consumed": self.groups_consumed, "data_position": dict(self.data_position),
                 "batch_size": self.batch_size, "counters": counters,
-                "received_group_ids": sorted(self._received_ids)}
+                "received_group_ids": self._received_ids.to_state()}
 
     def restore(self, state: dict) -> None:
         """Take back `checkpoint_state()` after the engine loaded its checkpoint."""
         self.groups_consumed = int(state.get("groups_consumed", 0))
         self.data_position = {str(k): int(v) for k, v in dict(state.get("data_position", {})).items()}
         self.stats.update({k: v for k, v in dict(state.get("counters", {})).items() if k in self.stats})
-        self._received_ids = {str(i) for i in state.get("received_group_ids", [])}
+        self._received_ids = CounterIdSet.from_state(state.get("received_group_ids"))
 
     async def resume(self) -> Optional[int]:
         """Load the latest checkpoint under ``checkpoint_dir`` (engine state, then `restore`) and publish its
@@ -289,10 +292,10 @@ class LearnerWorker:
     def _count_trained(self, batch: list[Trajectory]) -> None:
         """Count what a finished step trained on; a group id seen in an earlier step counts as trained twice."""
         ids = _group_ids(batch)
-        twice = len(ids & self._trained_ids)
+        twice = len(self._trained_ids.intersection(ids))
         if twice:
             logger.error("%d groups of this batch were trained on before", twice)
-        self._trained_ids |= ids
+        self._trained_ids.update(ids)
         self._in_step = 0
         self.stats["trained_twice"] += twice
         self.stats["trained_groups"] += len(ids)

@@ -27,15 +27,19 @@ class Admission:
     cannot keep the run from admitting its last groups.
     """
 
-    def __init__(self, gate: StalenessGate, max_remembered: int = 1 << 16) -> None:
+    def __init__(self, gate: StalenessGate, max_remembered: int = 1 << 16, max_closed: int = 1 << 12) -> None:
         self.gate = gate
         self.is_open = False
         self.held: collections.Counter = collections.Counter()
         self._wants: collections.deque[list] = collections.deque()  # [worker, remaining]
         self.incarnation: dict[Hashable, str] = {}  # the process whose groups `held[w]` counts (from acquire)
-        self._groups: collections.OrderedDict[str, tuple[str, Hashable, int]] = collections.OrderedDict()  # `_note`
+        # how far each group got (`_note`): open ones wait for their other half (group_done or the learner's
+        # receipt, seconds apart); closed ones are kept only to refuse a duplicate, the newest `max_closed` of them,
+        # so the controller's memory stays flat over a run of days (all in one map it filled for 65,536 groups)
+        self._groups: collections.OrderedDict[str, tuple[str, Hashable, int]] = collections.OrderedDict()
+        self._closed: collections.OrderedDict[str, Hashable] = collections.OrderedDict()
         self._lost: collections.Counter = collections.Counter()  # (w, incarnation) -> groups released as lost
-        self.max_remembered = max_remembered
+        self.max_remembered, self.max_closed = max_remembered, max_closed
 
     def open(self) -> list[Grant]:
         self.is_open = True
@@ -52,11 +56,11 @@ class Admission:
     def group_done(self, worker: Hashable, accepted: bool, group_id: Optional[str] = None) -> list[Grant]:
         """A group `worker` held finished; ValueError if it holds none or reported this one before (a late or
         duplicate report). A group the learner's receipt settled already is not settled again."""
-        if group_id is not None and group_id in self._groups:
-            state, holder, _ = self._groups[group_id]
+        if group_id is not None and (group_id in self._groups or group_id in self._closed):
+            state, holder, _ = self._groups.get(group_id, ("closed", None, 0))
             if state != "received" or holder != worker:
                 raise ValueError(f"group_done for group {group_id!r} again")
-            self._groups[group_id] = ("closed", worker, 0)
+            self._note(group_id, "closed", worker)
             return []
         if self.held[worker] <= 0:
             raise ValueError(f"group_done from {worker!r}, which holds no running group")
@@ -71,10 +75,10 @@ class Admission:
         whatever happens to the worker. Returns 'known' (its group_done came first, or a duplicate receipt),
         'settled' (running: accepted now; its group_done will not settle it again), 'reclaimed' (its worker died
         and it was released as lost: accepted now) or 'unknown' (no group of this run's workers)."""
-        if group_id in self._groups:
-            state, holder, _ = self._groups[group_id]
+        if group_id in self._groups or group_id in self._closed:
+            state, holder, _ = self._groups.get(group_id, ("closed", None, 0))
             if state == "done":
-                self._groups[group_id] = ("closed", holder, 0)
+                self._note(group_id, "closed", holder)
             return "known"
         if incarnation == self.incarnation.get(worker) and self.held[worker] > 0:
             self.held[worker] -= 1
@@ -91,6 +95,12 @@ class Admission:
     def _note(self, group_id: str, state: str, worker: Hashable, n_traj: int = 0) -> None:
         """Remember how far group `group_id` got ('done': group_done came, 'received': its receipt came, 'closed':
         both, or it was rejected); the oldest are forgotten beyond `max_remembered` (both come within seconds)."""
+        if state == "closed":
+            self._groups.pop(group_id, None)
+            self._closed[group_id] = worker
+            while len(self._closed) > self.max_closed:
+                self._closed.popitem(last=False)
+            return
         self._groups[group_id] = (state, worker, int(n_traj))
         while len(self._groups) > self.max_remembered:
             self._groups.popitem(last=False)
@@ -121,7 +131,7 @@ class Admission:
         they were accepted; returns their trajectory counts, for the accounting."""
         mine = [(g, n) for g, (state, w, n) in self._groups.items() if state == "received" and w == worker]
         for g, _ in mine:
-            self._groups[g] = ("closed", worker, 0)
+            self._note(g, "closed", worker)
         return [n for _, n in mine]
 
     def waiting(self) -> int:

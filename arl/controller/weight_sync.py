@@ -49,7 +49,7 @@ class WeightSync:
 
     def __init__(self, num_servers: int, initial_version: int = 0, max_load_attempts: int = 3) -> None:
         self.num_servers = num_servers
-        self.published: dict[int, str] = {}  # version -> weights path
+        self.published: dict[int, str] = {}  # the newest version -> its weights path
         self.acked = [initial_version] * num_servers  # newest version each server reported loaded
         self.sent = [initial_version] * num_servers  # newest version each server was told to load
         self.lost: set[int] = set()  # out of the ack set (dead, or restarted and not caught up yet)
@@ -83,9 +83,9 @@ class WeightSync:
     # -- events ----------------------------------------------------------------------------------------------
     def publish(self, version: int, path: str) -> list[Action]:
         """The learner exported `version`: send it to every server in the ack set that is not busy loading."""
-        self.published[version] = path
-        if version != self.newest:
+        if self.published and version < max(self.published):
             return []  # an older version arriving late: the newest supersedes it
+        self.published = {version: path}  # only the newest is ever sent: one entry, not one per step of the run
         return [a for i in self.alive() if (a := self._offer(i)) is not None]
 
     def loaded(self, server: int, version: int) -> list[Action]:

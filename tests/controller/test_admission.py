@@ -100,3 +100,24 @@ def test_a_group_pushed_by_a_worker_that_died_before_group_done_counts_as_accept
     # a receipt that comes after the worker was declared lost reclaims one of its released groups
     assert a.received(0, "aa", "w0.aag1", 3) == "reclaimed" and a.gate.accepted == 2 and a.gate.capacity() == 0
     assert a.received(0, "aa", "w0.aag2", 3) == "unknown"  # it never held a third
+
+
+def test_settled_groups_are_forgotten_after_a_while_open_ones_are_not():
+    a = make(batch_size=1, eta=1_000_000, max_concurrent=1 << 20)
+    a.max_closed = 64
+    a.open()
+    a.acquire(0, 1_000, incarnation="aa")
+    assert a.received(0, "aa", "w0.aag0", 2) == "settled"  # open: its group_done is still to come
+    for n in range(1, 1_000):  # both halves of 999 groups, either order
+        gid = f"w0.aag{n}"
+        if n % 2:
+            a.group_done(0, True, gid)
+            assert a.received(0, "aa", gid, 2) == "known"
+        else:
+            assert a.received(0, "aa", gid, 2) == "settled"
+            a.group_done(0, True, gid)
+    assert len(a._groups) == 1 and len(a._closed) == 64  # memory: the open one and the newest closed ones
+    with pytest.raises(ValueError):  # a recent duplicate is still refused
+        a.group_done(0, True, "w0.aag999")
+    assert a.received(0, "aa", "w0.aag998", 2) == "known"
+    assert a.group_done(0, True, "w0.aag0") == [] and a.gate.accepted == 1_000  # the open one settled once

@@ -178,3 +178,12 @@ def test_a_failed_load_is_retried_with_the_newest_then_given_up():
     # a lost server's reports are ignored
     ws.lose([1])
     assert ws.load_failed(1, 3, "e") == []
+
+
+def test_only_the_newest_path_is_kept_over_a_long_run():
+    ws = WeightSync(1)
+    for v in range(1, 5_001):
+        ws.publish(v, f"/w/{v}")
+        ws.loaded(0, v)
+    assert ws.published == {5000: "/w/5000"} and ws.newest == 5000
+    assert ws.publish(4_999, "/w/old") == [] and ws.published == {5000: "/w/5000"}

@@ -89,8 +89,9 @@ class SimEngine:
 
     def __init__(self, config: Optional[SimEngineConfig] = None, *, max_batch_size: int = 256,
                  max_context_len: int = 32768, eos_token_id: Optional[int] = None, version: int = 0, seed: int = 0,
-                 workload_seed: int = 0, max_sessions: int = 100_000, name: str = "sim") -> None:
-        """`config`: the latency and output-length model (`inference.sim`); the rest is per run and per server."""
+                 workload_seed: int = 0, max_sessions: int = 16_384, name: str = "sim") -> None:
+        """`config`: the latency and output-length model (`inference.sim`); the rest is per run and per server.
+        `max_sessions`: sessions whose cached prefix is modelled (LRU), as a server's cache holds the recent ones."""
         self.config = config if config is not None else SimEngineConfig()
         check_limits(max_batch_size, max_context_len)  # the config section checked itself (SimEngineConfig)
         self.name = name
@@ -166,8 +167,13 @@ class SimEngine:
             t0 = loop.time()
             pause = self.config.update_pause_s * self.config.time_scale
             self._advance(t0)
-            self._upd_clock = np.append(self._upd_clock, self._clock)
-            self._upd_version = np.append(self._upd_version, np.int32(version))
+            if self._upd_clock[-1] == self._clock:  # updates between two steps: only the last one stamps tokens
+                self._upd_version[-1] = version
+            else:
+                self._upd_clock = np.append(self._upd_clock, self._clock)
+                self._upd_version = np.append(self._upd_version, np.int32(version))
+            if len(self._upd_clock) > 256:  # forget updates before the oldest running sample's start
+                self._forget_old_updates()
             self._hold_until = max(self._hold_until, t0 + pause)
             self._reschedule(t0)
             if pause > 0:
@@ -337,6 +343,13 @@ class SimEngine:
                         self._sessions.popitem(last=False)
                 if not r.future.done():
                     r.future.set_result(GenerateResponse(qid=r.qid, samples=list(r.samples)))
+
+    def _forget_old_updates(self) -> None:
+        """Keep the update points a running sample may still be stamped from (the last one at or before its start,
+        and every later one): the list would otherwise grow by one per weight update for the whole run."""
+        oldest = min((r.starts[i] for _, _, r, i in self._heap if not r.cancelled), default=self._clock)
+        keep = max(0, int(np.searchsorted(self._upd_clock, oldest + _EPS, side="right")) - 1)
+        self._upd_clock, self._upd_version = self._upd_clock[keep:], self._upd_version[keep:]
 
     def _sample(self, r: _SimRequest, i: int, length: int, finish: str) -> SampleOutput:
         rng = r.rng

@@ -75,12 +75,13 @@ class InferenceClient:
         dealers: one connected DEALER per inference worker (index = worker index).
         request_timeout: seconds one attempt may wait for its answer, plus `timeout_per_token` seconds per token
             of the request's ``max_new_tokens``.
-        max_sessions: sticky sessions remembered (LRU).
+        max_sessions: sticky sessions remembered (LRU): well above the sessions alive at once (one per running
+            trajectory); a forgotten one only loses its stickiness. Bounded so a long run's worker stays flat.
         max_attempts: sends of one request in all (a timed-out attempt is re-sent to another live worker while
             attempts remain; re-sends after a worker is lost do not count).
     """
 
-    def __init__(self, dealers: list[Any], request_timeout: float = 60.0, max_sessions: int = 100_000,
+    def __init__(self, dealers: list[Any], request_timeout: float = 60.0, max_sessions: int = 16_384,
                  max_attempts: int = 2, timeout_per_token: float = 0.0) -> None:
         if not dealers:
             raise ValueError("InferenceClient needs at least one inference worker")

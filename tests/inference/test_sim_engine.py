@@ -121,6 +121,34 @@ async def test_update_mid_request_stamps_new_version(tmp_path):
 
 
 @pytest.mark.asyncio
+async def test_many_updates_keep_a_running_sample_stamped_and_the_update_list_short(tmp_path):
+    weights = tmp_path / "w.safetensors"
+    weights.write_bytes(b"x")
+    e = SimEngine(SimEngineConfig(len_median=20_000, len_sigma=0.0, time_scale=1.0, step_base_s=5e-4,
+                                  step_per_token_s=0.0, prefill_per_token_s=0.0, update_pause_s=0.0))
+    task = asyncio.create_task(e.agenerate(req(max_new=100_000)))
+    await wait_for_steps(e, 3)
+    await e.pause()
+    await e.update_weights(str(weights), 1)  # the running sample started before it: versions 0, then 1
+    await e.resume()
+    await wait_for_steps(e, 6)
+    await e.pause()
+    for v in range(2, 600):  # updates between two decode steps: only the last one stamps tokens
+        await e.update_weights(str(weights), v)
+    assert len(e._upd_clock) == 3  # -inf (version 0), version 1's step, version 599's
+    e.config.time_scale = 1e-3
+    await e.resume()
+    v = (await task).samples[0].output_versions
+    assert v[0] == 0 and 1 in v and v[-1] == 599 and (np.diff(v) >= 0).all()
+    e.config.time_scale = 1.0
+    for v in range(600, 900):  # one update per decode step, nothing running: old points are forgotten
+        await e.update_weights(str(weights), v)
+        await asyncio.sleep(0.001)
+    assert len(e._upd_clock) <= 257 and e._upd_version[-1] == 899
+    await e.close()
+
+
+@pytest.mark.asyncio
 async def test_update_pause_counts_and_stalls(tmp_path):
     weights = tmp_path / "w"
     weights.write_bytes(b"x")

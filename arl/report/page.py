@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from arl.report.traces import read_jsonl
+from arl.report.traces import read_jsonl, tail_jsonl
 
 logger = logging.getLogger("arl.report")
 
@@ -120,8 +120,9 @@ def report_data(run_dir: str, max_traces: int = MAX_TRACES) -> dict[str, Any]:
              for r in records if r.get("type") == "eval" and _num(r.get("step")) is not None]
     summary = next((r for r in reversed(records) if r.get("type") == "summary"), None)
     trains = [r for r in records if r.get("type") == "train"]
-    all_traces = read_jsonl(os.path.join(run_dir, "traces.jsonl"))
-    traces = pick_traces(all_traces, max_traces)
+    # the newest traces only (a day's traces.jsonl is not parsed at every evaluation): enough to pick from
+    recent, n_traces = tail_jsonl(os.path.join(run_dir, "traces.jsonl"), 8 * max_traces)
+    traces = pick_traces(recent, max_traces)
     return {
         "run": os.path.basename(os.path.normpath(run_dir)),
         "built": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -133,7 +134,7 @@ def report_data(run_dir: str, max_traces: int = MAX_TRACES) -> dict[str, Any]:
                                                 "accepted_trajectories", "rollout_restarts", "inference_restarts")}
         if summary else None,
         "faults": sum(1 for r in records if r.get("type") == "fault"),
-        "traces_total": len(all_traces),
+        "traces_total": n_traces,
         "traces": traces,
     }
 

@@ -19,6 +19,7 @@ Traces travel to the controller with the group's `group_done` message and the co
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -305,6 +306,30 @@ class TraceWriter:
         if self._f is not None:
             self._f.close()
             self._f = None
+
+
+def tail_jsonl(path: str, last: int) -> tuple[list[dict], int]:
+    """The `last` records of a jsonl file (all when `last` <= 0) and how many lines it has, holding only those
+    lines: the report is rebuilt at every evaluation, and parsing all of a run's traces.jsonl each time made the
+    controller's memory grow with the file (~5x its size at each build)."""
+    if not os.path.exists(path):
+        return [], 0
+    lines: collections.deque[bytes] = collections.deque(maxlen=last if last > 0 else None)
+    n = 0
+    with open(path, "rb") as f:
+        for line in f:
+            if line.strip():
+                n += 1
+                lines.append(line)
+    out = []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out, n
 
 
 def read_jsonl(path: str, last: int = 0) -> list[dict]:

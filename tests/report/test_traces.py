@@ -188,3 +188,16 @@ def test_writer_appends_whole_lines_and_reader_skips_a_torn_one(tmp_path) -> Non
     assert [t["step"] for t in read_jsonl(path)] == [1, 1, 2]
     assert [t["step"] for t in read_jsonl(path, last=1)] == [2]
     assert w.written == 3
+
+
+def test_tail_jsonl_holds_only_the_newest_lines_and_counts_all(tmp_path):
+    from arl.report.traces import tail_jsonl
+
+    path = tmp_path / "t.jsonl"
+    with open(path, "w") as f:
+        for i in range(1000):
+            f.write(json.dumps({"i": i}) + "\n")
+        f.write("\n{torn")  # a blank line is not counted, a torn last line is counted but not returned
+    recs, n = tail_jsonl(str(path), 10)
+    assert n == 1001 and [r["i"] for r in recs] == list(range(991, 1000))
+    assert len(tail_jsonl(str(path), 0)[0]) == 1000 and tail_jsonl(str(tmp_path / "none"), 5) == ([], 0)

@@ -19,7 +19,6 @@ trajectory that was never trained) raises `ReplayError` with what is missing; no
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any, Callable, Optional
 
@@ -97,9 +96,6 @@ class ReplayRun:
                 f"{run_dir} has no recorded batches ({BATCHES_SUBDIR}/manifest.json is missing): the run trained "
                 f"with learner.record_batches={str(cfg.learner.record_batches).lower()}; rerun it with "
                 "learner.record_batches=true")
-        if cfg.learner.num_ranks != 1:
-            raise ReplayError(f"the run trained on learner.num_ranks={cfg.learner.num_ranks} ranks; a replay runs "
-                              "one rank (its float sums would differ from the run's)")
         return cls(run_dir, cfg, manifest, settings_hash(replay_settings(cfg)))
 
     # -- what is on disk ---------------------------------------------------------------------------------------
@@ -177,6 +173,9 @@ def replay_steps(run_dir: str, start: int, end: int, log: Callable[[str], None] 
     if end <= start:
         raise ReplayError(f"--to v{end} must be after --from v{start}")
     run = ReplayRun.open(run_dir)
+    if run.cfg.learner.num_ranks != 1:
+        raise ReplayError(f"the run trained on learner.num_ranks={run.cfg.learner.num_ranks} ranks; a replay runs "
+                          "one rank, whose gradient sums would differ from the run's (--trajectory works)")
     ckpt = run.require_checkpoint(start, "--from")
     run.require_checkpoint(end, "--to")
     batches = [run.batch(v) for v in range(start + 1, end + 1)]  # all of them read and checked before training
@@ -356,7 +355,3 @@ def format_rescore(r: RescoreResult, worst: int = 5) -> str:
         lines.append(f"  position {t.position} token {t.token} v{t.version}: engine {t.engine_logprob:.6f} "
                      f"learner {t.learner_logprob:.6f} |diff| {t.diff:.3g}")
     return "\n".join(lines)
-
-
-def as_json(obj: Any) -> str:
-    return json.dumps(dataclasses.asdict(obj), default=float)

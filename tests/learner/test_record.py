@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from arl.api.types import Trajectory
-from arl.config import ExperimentConfig
+from arl.config import ConfigError, ExperimentConfig, validate
 from arl.learner.record import (
     MANIFEST_FILE,
     BatchRecorder,
@@ -174,6 +174,15 @@ def test_the_worker_records_each_batch_as_the_actor_gets_it(tmp_path):
         for a, c in zip([t for g in groups[2 * (v - 1):2 * v] for t in g], b.trajs):
             _same(a, c)
     rec.close()
+
+
+def test_recording_needs_a_learner_that_trains_a_model():
+    cfg = ExperimentConfig()
+    cfg.learner.record_batches, cfg.learner.backend = True, "sim"
+    with pytest.raises(ConfigError, match="learner.record_batches needs a learner that trains a model"):
+        validate(cfg)
+    cfg.learner.backend = "deepspeed"
+    validate(cfg)
 
 
 def test_recording_off_writes_nothing(tmp_path):

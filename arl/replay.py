@@ -297,12 +297,15 @@ def rescore(run_dir: str, trajectory: str, log: Callable[[str], None] = print) -
     from arl.learner.entry import learner_actor
 
     run = ReplayRun.open(run_dir)
-    group, _, index = trajectory.partition("#")
-    if index and not index.isdigit():
-        raise ReplayError(f"--trajectory is <group id> or <group id>#<k>, got {trajectory!r}")
-    trace = _trace_of(run_dir, group)
-    newest = (trace.get("versions") or [0, 0])[-1] if trace else 0
-    trained_in, hits = _find(run, group, int(newest) + 1)  # trained in a step after its newest token's version
+    # group ids hold '#' themselves (the rollout worker's do): the whole string is a group id first, then
+    # <group>#<k>
+    head, sep, tail = trajectory.rpartition("#")
+    for group, index in [(trajectory, "")] + ([(head, tail)] if sep and tail.isdigit() else []):
+        trace = _trace_of(run_dir, group)
+        newest = (trace.get("versions") or [0, 0])[-1] if trace else 0
+        trained_in, hits = _find(run, group, int(newest) + 1)  # trained in a step after its newest token's version
+        if hits:
+            break
     if not hits:
         seen = (f"traces.jsonl has it (outcome {trace.get('outcome')!r}) but no recorded batch trained it: only "
                 "trained trajectories are recorded" if trace else "it is in no recorded batch and not in traces.jsonl")

@@ -82,7 +82,7 @@ def run_dir(tmp_path_factory) -> str:
     w.buffer.extend(_group(rng, f"w0-a-{g}", vocab) for g in range(2 * BATCH))
     asyncio.run(w.train())
     # step 3: a group whose tokens came from v1 and v2, logprobs as the learner computes them under each
-    group = _group(rng, "w0-a-target", vocab, versions=(1, 2))
+    group = _group(rng, "w0-a-target:1+2#abc", vocab, versions=(1, 2))  # ids hold a # (as the rollout worker's do)
     lps = {}
     for v in (1, 2):
         actor.engine.load(os.path.join(run, "checkpoints"), tag=f"v{v}")
@@ -91,7 +91,10 @@ def run_dir(tmp_path_factory) -> str:
         t.logprobs[:] = np.where(t.versions == 1, lp1, np.where(t.versions == 2, lp2, 0.0))
     target = group[1]
     target.logprobs[np.flatnonzero(target.loss_mask)[-1]] += PERTURBED
-    w.buffer.extend([_group(rng, "w0-a-other", vocab, versions=(2,)), group])
+    other = _group(rng, "", vocab, versions=(2,))
+    for t in other:
+        t.group_id = "w0-a-other:3+4#77"  # ends in '#<digits>', as a rollout group id may
+    w.buffer.extend([other, group])
     w.total_steps = STEPS
     asyncio.run(w.train())
     w.recorder.close()
@@ -144,27 +147,33 @@ def test_a_replay_that_differs_is_reported_not_hidden(run_dir, tmp_path):
 
 
 def test_rescore_compares_engine_and_learner_logprobs_per_token(run_dir):
-    results = rescore(run_dir, "w0-a-target:g#1", log=lambda s: None)
+    results = rescore(run_dir, "w0-a-target:1+2#abc:g#1", log=lambda s: None)
     assert len(results) == 1
     r = results[0]
-    assert r.trajectory == "w0-a-target:g#1" and r.trained_in == 3 and r.versions == [1, 2]
+    assert r.trajectory == "w0-a-target:1+2#abc:g#1" and r.trained_in == 3 and r.versions == [1, 2]
     worst = r.worst(1)[0]
     assert worst.diff == pytest.approx(PERTURBED, abs=1e-5)
     assert sorted(t.diff for t in r.tokens)[-2] < 1e-5  # every other token: the learner's own logprob
     assert r.mean_diff == pytest.approx(PERTURBED / len(r.tokens), abs=1e-5)
     assert f"|diff| {worst.diff:.3g}" in format_rescore(r)
+    # a group id ending in '#<digits>' is a group id first: all its trajectories, then #k picks one
+    whole = rescore(run_dir, "w0-a-other:3+4#77", log=lambda s: None)
+    assert [x.trajectory for x in whole] == [f"w0-a-other:3+4#77#{k}" for k in range(GROUP)]
+    assert all(x.versions == [2] and x.max_diff > 0.01 for x in whole)  # their made-up logprobs
+    assert [x.trajectory for x in rescore(run_dir, "w0-a-other:3+4#77#2", log=lambda s: None)] == [
+        "w0-a-other:3+4#77#2"]
 
 
 def test_rescore_with_weights_files_when_the_checkpoint_is_gone(run_dir, tmp_path):
     copy = str(tmp_path / "run")
     shutil.copytree(run_dir, copy)
     shutil.rmtree(os.path.join(copy, "checkpoints", "v1"))  # v1's weights file is still there
-    r = rescore(copy, "w0-a-target:g#1", log=lambda s: None)[0]
+    r = rescore(copy, "w0-a-target:1+2#abc:g#1", log=lambda s: None)[0]
     assert r.worst(1)[0].diff == pytest.approx(PERTURBED, abs=1e-5)
     os.unlink(os.path.join(copy, "weights", "v1.safetensors"))
     with pytest.raises(ReplayError, match=r"no weights of version v1 are kept \(checkpoints: v2, v3; weights "
                                           r"files: v2, v3\)"):
-        rescore(copy, "w0-a-target:g#1", log=lambda s: None)
+        rescore(copy, "w0-a-target:1+2#abc:g#1", log=lambda s: None)
 
 
 def test_bad_input_names_what_is_missing(run_dir, tmp_path):
@@ -185,7 +194,7 @@ def test_bad_input_names_what_is_missing(run_dir, tmp_path):
     with pytest.raises(ReplayError, match="'w0-a-nothing': it is in no recorded batch and not in traces.jsonl"):
         rescore(copy, "w0-a-nothing")
     with pytest.raises(ReplayError, match="#5 is out of range"):
-        rescore(run_dir, "w0-a-target:g#5")
+        rescore(run_dir, "w0-a-target:1+2#abc:g#5")
     shutil.rmtree(os.path.join(copy, "batches"))
     with pytest.raises(ReplayError, match=r"has no recorded batches \(batches/manifest.json is missing\): the run "
                                           r"trained with learner.record_batches=true"):
@@ -209,4 +218,4 @@ def test_a_run_of_another_config_is_refused_by_name(run_dir, tmp_path):
                                           r"learner.optimizer.lr: 0.0001 -> 0.001"):
         replay_steps(copy, 1, 2)
     with pytest.raises(ReplayError, match="another config"):
-        rescore(copy, "w0-a-target:g#1")
+        rescore(copy, "w0-a-target:1+2#abc:g#1")

@@ -54,7 +54,8 @@ def test_replay_a_recorded_run(tmp_path):
     trained = {t.group_id for v in range(1, STEPS + 1) for t in read_batch(batch_path(batches, v)).trajs}
     traced = [t for t in read_jsonl(os.path.join(run, "traces.jsonl")) if t["group"] in trained]
     assert traced, "no traced trajectory was trained"
-    r = _replay(run, "--trajectory", f"{traced[0]['group']}#0")
+    traced.sort(key=lambda t: -max(t["versions"] or [0]))  # the newest policy's, where any is past v0
+    r = _replay(run, "--trajectory", f"{traced[0]['group']}#0")  # rollout group ids hold a '#' themselves
     assert r.returncode == 0, r.stdout + r.stderr[-4000:]
     print(r.stdout)
     m = re.search(r"(\d+) tokens, \|engine - learner\| logprob max (\S+), mean (\S+)", r.stdout)

@@ -474,6 +474,10 @@ class LearnerConfig:
     checkpoint_every: int = field(50, "Checkpoint (model, optimizer, scheduler, RNG, data position) every N steps "
                                       "and after the last one, under <run>/checkpoints (0: never).")
     keep_checkpoints: int = field(2, "Checkpoints kept in the run directory.")
+    record_batches: bool = field(False, "Write every trained batch (token ids, loss masks, behaviour logprobs, "
+                                        "versions, rewards, group ids, in order) to <run>/batches/v<N>.npz, so "
+                                        "scripts/replay.py can re-train steps between two kept checkpoints bit for "
+                                        "bit or re-score a trajectory; off: nothing is recorded.")
     ppo: PPOConfig = field(factory=PPOConfig)
     optimizer: OptimizerConfig = field(factory=OptimizerConfig)
     deepspeed: DeepSpeedConfig = field(factory=DeepSpeedConfig)
@@ -720,6 +724,8 @@ def validate(cfg: Any) -> None:
         (lc.batch_size >= lc.num_ranks,
          "learner.batch_size must be >= learner.num_ranks (every rank trains on whole prompt groups)"),
         (lc.checkpoint_every >= 0, "learner.checkpoint_every must be >= 0"),
+        (not (lc.record_batches and lc.backend == "sim"),
+         "learner.record_batches needs a learner that trains a model (learner.backend=sim trains none)"),
         (rc.num_workers >= 1, "rollout.num_workers must be >= 1"),
         (rc.max_concurrent_rollouts >= 1, "rollout.max_concurrent_rollouts must be >= 1"),
         (rc.env_timeout > 0, "rollout.env_timeout must be > 0"),

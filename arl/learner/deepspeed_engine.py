@@ -476,11 +476,12 @@ class DeepSpeedEngine:
                 shutil.rmtree(os.path.join(path, old), ignore_errors=True)
         return os.path.join(path, tag)
 
-    def load(self, path: str) -> dict:
-        """Load the checkpoint ``latest`` points to under ``path`` (weights, optimizer, LR scheduler, version,
-        RNG). Returns the ``client_state`` given to `save` (empty for older checkpoints). Collective."""
+    def load(self, path: str, tag: Optional[str] = None) -> dict:
+        """Load the checkpoint ``latest`` points to under ``path`` (or the one named ``tag``, ``v<version>``: a
+        replay starts from an older one) -- weights, optimizer, LR scheduler, version, RNG. Returns the
+        ``client_state`` given to `save` (empty for older checkpoints). Collective."""
         # LoRA: the checkpoint holds the trainable parameters only; the base comes from the model folder
-        load_path, client = self.model_engine.load_checkpoint(path, load_module_strict=not self.lora)
+        load_path, client = self.model_engine.load_checkpoint(path, tag=tag, load_module_strict=not self.lora)
         if load_path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint found under {path!r}")
         client = client or {}

@@ -76,6 +76,7 @@ async def run_learner(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
         keep_checkpoints=lc.keep_checkpoints,
         vocab_size=vocab_size(cfg) if real else None,
         export_final=write_final if real else None,
+        recorder=batch_recorder(cfg, run_dir) if real and lc.record_batches else None,
     )
 
     # the controller's prune_weights: no server reads versions below msg.below again
@@ -87,9 +88,21 @@ async def run_learner(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
     coros = [worker.receive(), worker.train(), ctl.heartbeat(worker.heartbeat_stats),
              *weights_side.coroutines()]
     cleanups = [aclose(pull), weights_side.close()]
+    if worker.recorder is not None:
+        cleanups.append(asyncio.to_thread(worker.recorder.close))
     if leader is not None:
         cleanups.append(asyncio.to_thread(leader.stop))  # release the follower ranks
     return coros, cleanups
+
+
+def batch_recorder(cfg: ExperimentConfig, run_dir: str) -> Any:
+    """`learner.record_batches`: the writer of ``<run>/batches`` (`arl.learner.record`), with the settings a replay
+    must match and this process's torch thread count (a CPU replay needs the same)."""
+    import torch
+
+    from arl.learner.record import BATCHES_SUBDIR, BatchRecorder, replay_settings
+
+    return BatchRecorder(os.path.join(run_dir, BATCHES_SUBDIR), replay_settings(cfg), torch.get_num_threads())
 
 
 def vocab_size(cfg: ExperimentConfig) -> Optional[int]:

@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional
 from arl.api.engine import TrainEngine
 from arl.api.staleness import StalenessPolicy
 from arl.api.types import Trajectory
+from arl.learner.record import BatchRecorder
 from arl.learner.validation import group_problem
 from arl.transport.messages import Count, GroupReceived, GroupsDropped, SendControl, WeightsPublished
 from arl.utils.idset import CounterIdSet
@@ -80,11 +81,13 @@ class LearnerWorker:
         vocab_size: Optional[int] = None,
         engine: Optional[TrainEngine] = None,
         export_final: Optional[Callable[[Any, int], Any]] = None,
+        recorder: Optional[BatchRecorder] = None,
     ) -> None:
         """`staleness`: the run's rule, the one the actor masks tokens by (the default has no bound): buffered
         groups it calls stale are dropped before a batch is taken. `weights`: how each version reaches inference, the
         learner's side of a transport (`arl.weights.strategy.LearnerSide`); without one, files under `weights_dir`
-        (`arl.weights.disk`), the newest `keep_versions` always kept."""
+        (`arl.weights.disk`), the newest `keep_versions` always kept. `recorder`: writes every batch as the actor
+        gets it (`learner.record_batches`, `arl.learner.record`), so the run can be replayed."""
         self.actor = actor  # prepare / compute_logp / compute_advantages / ppo_update (`PPOActor`, `RankLeader`)
         self.engine: Any = engine if engine is not None else actor.engine  # version, save / load / export_weights
         self.pull = pull
@@ -120,6 +123,7 @@ class LearnerWorker:
         self._step_cpu = 0.0
         self._process_cpu = time.process_time()
         self.export_final = export_final  # called with the last step's weights (file or state dict) and version
+        self.recorder = recorder
 
     async def receive(self) -> None:
         while True:
@@ -210,6 +214,8 @@ class LearnerWorker:
         state = await asyncio.to_thread(self.engine.load, self.checkpoint_dir)
         self.restore(state or {})
         v = self.engine.version
+        if self.recorder is not None:  # a crashed incarnation's batches past the checkpoint are trained afresh
+            self.recorder.forget_after(v)
         await self.weights.publish(v, await self._export())  # a restarted run's inference workers get these
         logger.info("resumed from checkpoint v%d (%d groups consumed, data position %s)", v, self.groups_consumed,
                     self.data_position)
@@ -236,6 +242,8 @@ class LearnerWorker:
             self.waiting_on = f"train step {self.engine.version + 1} ({len(trajs)} trajectories)"
             self._in_step = len(_group_ids(trajs))
             self._step_cpu = 0.0
+            if self.recorder is not None:  # as the actor gets it; encoded and written by the recorder's thread
+                await asyncio.to_thread(self.recorder.record, self.engine.version, trajs)
             batch = await self._phase(self.actor.prepare, trajs)  # per-token staleness, weights, minibatches
             await self._phase(self.actor.compute_logp, batch)  # proximal logprobs, before any update
             await self._phase(self.actor.compute_advantages, batch)  # group-normalised rewards
@@ -244,6 +252,8 @@ class LearnerWorker:
             export = await self._export()  # the new weights, for the inference workers
             metrics = self._step_metrics(metrics, trajs, self.timer.pop(), stale_tokens)
             await self.maybe_checkpoint(force=self.engine.version >= self.total_steps)
+            if self.recorder is not None and self.engine.version >= self.total_steps:  # the last batch on disk
+                await asyncio.to_thread(self.recorder.flush)
             if self.export_final is not None and self.engine.version >= self.total_steps:  # before the run can end
                 await asyncio.to_thread(self.export_final, export.weights, self.engine.version)
             # publish: the controller sends the weights to inference, reopens the gate and schedules evaluation

@@ -26,7 +26,7 @@ import math
 import os
 import random
 import time
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import numpy as np
 
@@ -308,10 +308,23 @@ class TraceWriter:
             self._f = None
 
 
+def _records(lines: Iterable[Union[str, bytes]]) -> list[dict]:
+    """The map records among jsonl `lines`; a torn line (a crash or a write in progress) or a non-map is skipped."""
+    out = []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
+
+
 def tail_jsonl(path: str, last: int) -> tuple[list[dict], int]:
-    """The `last` records of a jsonl file (all when `last` <= 0) and how many lines it has, holding only those
-    lines: the report is rebuilt at every evaluation, and parsing all of a run's traces.jsonl each time made the
-    controller's memory grow with the file (~5x its size at each build)."""
+    """The records among the `last` non-blank lines of a jsonl file (all when `last` <= 0) and how many such lines
+    it has, holding only those lines: the report is rebuilt at every evaluation, and parsing all of a run's
+    traces.jsonl each time made the controller's memory grow with the file (~5x its size at each build)."""
     if not os.path.exists(path):
         return [], 0
     lines: collections.deque[bytes] = collections.deque(maxlen=last if last > 0 else None)
@@ -321,15 +334,7 @@ def tail_jsonl(path: str, last: int) -> tuple[list[dict], int]:
             if line.strip():
                 n += 1
                 lines.append(line)
-    out = []
-    for line in lines:
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict):
-            out.append(rec)
-    return out, n
+    return _records(lines), n
 
 
 def read_jsonl(path: str, last: int = 0) -> list[dict]:
@@ -337,13 +342,6 @@ def read_jsonl(path: str, last: int = 0) -> list[dict]:
     missing file is empty, and a torn line (a crash or a write in progress) or a non-map line is skipped."""
     if not os.path.exists(path):
         return []
-    out = []
     with open(path) as f:
-        for line in f:
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(rec, dict):
-                out.append(rec)
+        out = _records(f)
     return out[-last:] if last > 0 else out

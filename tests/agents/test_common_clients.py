@@ -6,30 +6,23 @@ from __future__ import annotations
 import asyncio
 import gc
 
-import numpy as np
 import pytest
 
 from arl.agents.common import QueueClient, generate, queue_client
-from arl.api import Agent, GenerateRequest, GenerateResponse, SampleOutput, Trajectory
+from arl.api import Agent, GenerateRequest, GenerateResponse
 from arl.report.traces import GroupTimeline
 from arl.rollout.ledger import EngineLog
 from arl.rollout.worker import run_agent
+from tests.rollout.test_run_agent import EchoClient as RunAgentEcho, _traj
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
 
 
-class EchoClient:
+class EchoClient(RunAgentEcho):
+    """run_agent's echo client, taking the `info` a traced request passes."""
+
     async def generate(self, req: GenerateRequest, info: dict | None = None) -> GenerateResponse:
-        await asyncio.sleep(0)
-        ids = np.asarray(req.input_ids, np.int32)[::-1].copy()
-        s = SampleOutput(ids, np.full(len(ids), -0.5, np.float32), np.zeros(len(ids), np.int32), "stop")
-        return GenerateResponse(qid=req.qid, samples=[s])
-
-
-def _traj(resp: GenerateResponse) -> Trajectory:
-    ids = resp.samples[0].output_ids
-    n = len(ids)
-    return Trajectory(ids, np.ones(n, np.int8), np.zeros(n, np.float32), np.zeros(n, np.int32), 1.0, "g")
+        return await super().generate(req)
 
 
 class HelperAgent(Agent):

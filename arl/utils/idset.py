@@ -23,10 +23,17 @@ class CounterIdSet:
 
     def __init__(self, ids: Iterable[str] = (), max_counter: int = 1 << 24) -> None:
         self._bits: dict[str, bytearray] = {}
+        self._count: dict[str, int] = {}  # ids in each prefix's bitmap
         self._other: set[str] = set()
         self._len = 0
         self.max_counter = max_counter  # a bitmap is at most max_counter / 8 bytes (2 MiB)
         self.update(ids)
+
+    def _room(self, prefix: str) -> int:
+        """How far `prefix`'s bitmap may reach: 64 counter values per id it holds, plus 8,192. A worker's counters
+        are dense (most of its groups reach the learner), so its bitmap keeps up; scattered large counters (a
+        peer's bug, a fuzzer) stay strings, as many as were sent, instead of a bitmap each."""
+        return 8192 + 64 * self._count.get(prefix, 0)
 
     def _split(self, id_: str) -> Union[tuple[str, int], None]:
         m = _TAIL.fullmatch(id_)
@@ -43,23 +50,24 @@ class CounterIdSet:
             return id_ in self._other
         bits = self._bits.get(key[0])
         byte, bit = divmod(key[1], 8)
-        return bits is not None and byte < len(bits) and bool(bits[byte] >> bit & 1)
+        return (bits is not None and byte < len(bits) and bool(bits[byte] >> bit & 1)) or id_ in self._other
 
     def add(self, id_: str) -> bool:
         """Add `id_`; True if it was not in the set."""
+        if id_ in self:
+            return False
         key = self._split(id_)
-        if key is None:
-            if id_ in self._other:
-                return False
+        bits = self._bits.get(key[0]) if key is not None else None
+        if key is None or (key[1] >= self._room(key[0]) and (bits is None or key[1] >= 8 * len(bits))):
             self._other.add(id_)
         else:
-            bits = self._bits.setdefault(key[0], bytearray())
-            byte, bit = divmod(key[1], 8)
+            prefix, n = key
+            bits = self._bits.setdefault(prefix, bytearray())
+            byte, bit = divmod(n, 8)
             if byte >= len(bits):
                 bits.extend(bytes(max(byte + 1 - len(bits), len(bits))))  # doubling: amortised O(1) per id
-            if bits[byte] >> bit & 1:
-                return False
             bits[byte] |= 1 << bit
+            self._count[prefix] = self._count.get(prefix, 0) + 1
         self._len += 1
         return True
 
@@ -99,7 +107,8 @@ class CounterIdSet:
             for prefix, blob in dict(state.get("bits") or {}).items():
                 bits = bytearray(zlib.decompress(base64.b64decode(blob)))
                 out._bits[str(prefix)] = bits
-                out._len += sum(bin(v).count("1") for v in bits)
+                out._count[str(prefix)] = n = sum(bin(v).count("1") for v in bits)
+                out._len += n
             out.update(state.get("other") or [])
         elif state:
             out.update(state)

@@ -42,3 +42,19 @@ def test_checkpoint_form_round_trips_and_reads_the_old_list():
     assert len(json.dumps(CounterIdSet(f"w0.a1g{n}" for n in range(50_000)).to_state())) < 200  # compressed
     assert set(CounterIdSet.from_state(["w0.t1g0", "x"])) == {"w0.t1g0", "x"}  # a checkpoint of the old form
     assert len(CounterIdSet.from_state(None)) == 0
+
+
+def test_scattered_large_counters_stay_strings_not_a_bitmap_each():
+    rng = random.Random(1)
+    s = CounterIdSet()
+    hostile = {f"w{i}.{rng.getrandbits(32):08x}g{rng.randrange(1 << 23, 1 << 24)}" for i in range(2000)}
+    s.update(hostile)
+    assert s.nbytes() == 0 and len(s) == len(hostile) and set(s) == hostile  # no 2000 bitmaps of ~2 MiB
+    for n in range(20_000):  # a real worker's dense counters still go to its bitmap as they grow
+        s.add(f"w0.ab12g{n}")
+    assert s.nbytes() <= 2 * 20_000 // 8 + 8192 and len(s) == len(hostile) + 20_000
+    assert "w0.ab12g19999" in s and "w0.ab12g20000" not in s
+    s.add("w0.ab12g900000")  # far past the room: a string, still a member, counted once
+    assert "w0.ab12g900000" in s and not s.add("w0.ab12g900000") and len(s) == len(hostile) + 20_001
+    back = CounterIdSet.from_state(json.loads(json.dumps(s.to_state())))
+    assert set(back) == set(s)

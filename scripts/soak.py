@@ -52,12 +52,12 @@ def overrides(a: argparse.Namespace, agent: str, run_root: str) -> list[str]:
     return ["agent.args.filter_uniform_groups=false", *common]
 
 
-def rss_series(samples: list[dict], t0: float) -> dict[str, list[tuple[float, float]]]:
-    """Role process -> [(seconds since t0, RSS bytes)] from the monitor's process samples."""
+def rss_series(samples: list[dict]) -> dict[str, list[tuple[float, float]]]:
+    """Role process -> [(monotonic time, RSS bytes)] from the monitor's process samples."""
     out: dict[str, list[tuple[float, float]]] = {}
     for s in samples:
         for name, p in s.get("procs", {}).items():
-            out.setdefault(name, []).append((s["t"] - t0, float(p["rss"])))
+            out.setdefault(name, []).append((s["t"], float(p["rss"])))
     return out
 
 
@@ -65,7 +65,7 @@ def growth(samples: list[dict], warm_t: float) -> dict[str, dict[str, float]]:
     """Per role: RSS (MiB) at the end of warm-up (the last sample before `warm_t`), the largest after, and the
     growth in percent."""
     out = {}
-    for name, pts in rss_series(samples, 0.0).items():
+    for name, pts in rss_series(samples).items():
         before = [v for t, v in pts if t <= warm_t]
         after = [v for t, v in pts if t > warm_t]
         if not before or not after:
@@ -106,13 +106,12 @@ def soak(a: argparse.Namespace, agent: str, root: str) -> dict[str, Any]:
     t_warm = warm_time(samples, a.warmup, started)
     g = growth(samples, t_warm)
     acc = rec.summary.get("groups", {}) if rec.summary else {}
-    summary_path = os.path.join(run_dir, "metrics.jsonl")
     final = next((m for m in reversed(rec.metrics) if m.get("type") == "summary"), {})
     worst = max(g.items(), key=lambda kv: kv[1]["growth_pct"]) if g else ("none", {"growth_pct": float("nan")})
     done = sum(int(v) for v in acc.values()) or started
     return {"agent": agent, "groups": done, "wall_s": wall, "error": rec.error, "growth": g, "worst": worst,
             "outcomes": acc, "restarts": {k: final.get(k) for k in ("rollout_restarts", "inference_restarts")},
-            "lost_accepted_groups": final.get("lost_accepted_groups"), "metrics": summary_path}
+            "lost_accepted_groups": final.get("lost_accepted_groups"), "metrics": os.path.join(run_dir, "metrics.jsonl")}
 
 
 def main(argv: list[str] | None = None) -> int:

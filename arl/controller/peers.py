@@ -15,6 +15,8 @@ import os
 import time
 from typing import Any, Callable, Container, Optional
 
+from arl.data.position import DataPosition
+
 logger = logging.getLogger("arl.controller")
 
 Key = tuple[str, int]  # (role, index)
@@ -40,10 +42,10 @@ class Refusals:
 
 class Peers:
     def __init__(self, *, num_inference: int, num_rollout: int, process_of: Callable[[str, int], str],
-                 path: str = "", prompt_positions: Optional[dict[int, int]] = None, num_env: int = 0,
+                 path: str = "", prompt_positions: Optional[dict[int, Any]] = None, num_env: int = 0,
                  num_judge: int = 0) -> None:
         """`process_of(role, index)` names the process hosting a role; `path`: addresses.json ('' writes none);
-        `prompt_positions`: rollout worker -> prompt stream position (a resumed run's)."""
+        `prompt_positions`: rollout worker -> data position (`DataPosition` state: a resumed run's)."""
         self.limits = {"inference": num_inference, "learner": 1, "rollout": num_rollout, "env": num_env,
                        "judge": num_judge}
         self.process_of, self.path = process_of, path
@@ -114,11 +116,17 @@ class Peers:
                 and None not in self.addresses.get("env", ()) and None not in self.addresses.get("judge", ()))
 
     def note_position(self, index: int, position: Any) -> None:
-        """Rollout worker `index` reported its prompt stream `position`: a restart continues from there."""
-        if isinstance(position, int):
-            self.positions[index] = max(self.positions.get(index, 0), position)
+        """Rollout worker `index` reported which of its prompts ended (a `DataPosition` state): a restart of it
+        draws again the ones that had not (its groups in flight die with it). A malformed report is ignored."""
+        try:
+            reported = DataPosition.from_state(position)
+            known = DataPosition.from_state(self.positions.get(index, 0))
+        except ValueError:
+            return
+        if len(reported) >= len(known):  # a report from before a resume's position reached the worker: ignored
+            self.positions[index] = position
 
-    def prompt_position(self, role: str, index: int) -> Optional[int]:
+    def prompt_position(self, role: str, index: int) -> Any:
         return self.positions.get(index) if role == "rollout" else None
 
     def write(self, controller: str) -> None:

@@ -67,7 +67,7 @@ class Controller:
         self.start_version = v = int(resume.get("version", 0))
         self.admission = resumed_admission(resume, batch_size=batch_size, policy=staleness,
                                            max_concurrent=max_concurrent_rollouts, total_steps=total_train_steps)
-        positions = {int(k): int(p) for k, p in dict(resume.get("data_position", {})).items()}
+        positions = {int(k): p for k, p in dict(resume.get("data_position", {})).items()}
         self.roster = Peers(num_inference=supervisor.num_inference, num_rollout=supervisor.num_rollout,
                                  process_of=supervisor.process_of, path=os.path.join(run_dir, "addresses.json"),
                                  prompt_positions=positions, num_env=supervisor.num_env,

@@ -263,13 +263,20 @@ def resume_state(cfg: ExperimentConfig, run_dir: str) -> Optional[dict]:
         raise RunFailed(f"recover=auto: the checkpoint was trained with learner.batch_size="
                         f"{state['batch_size']}, this run has {cfg.learner.batch_size}")
     positions = dict(state.get("data_position", {}))
+    from arl.data.position import DataPosition
+
+    for k, p in positions.items():
+        try:
+            DataPosition.from_state(p)
+        except ValueError as e:
+            raise RunFailed(f"recover=auto: the checkpoint's data position of rollout worker {k}: {e}") from None
     if any(int(k) >= cfg.rollout.num_workers for k in positions):
         logger.warning("recover=auto: the checkpoint has prompt positions for rollout workers %s but the run has "
                        "%d; prompt streams are sharded differently now and restart", sorted(positions),
                        cfg.rollout.num_workers)
         state["data_position"] = {}
     logger.info("recover=auto: resuming at version %d (data position %s)", state["version"],
-                state.get("data_position"))
+                {k: DataPosition.from_state(p) for k, p in state.get("data_position", {}).items()})
     return state
 
 

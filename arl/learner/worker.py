@@ -7,18 +7,15 @@ several ranks put a `arl.learner.ranks.RankLeader` in front of both.
 
 Checkpoint and resume. Every ``checkpoint_every`` steps (and after the last one) the engine saves weights,
 optimizer, LR scheduler and RNG, plus `checkpoint_state()`: groups consumed, the data position and the staleness
-counters. The data position is, per rollout worker, one past the highest prompt-stream position among the groups
-the learner has consumed (rollout workers stamp ``metadata["prompt_pos"] = [worker, position]`` on every
-trajectory). On resume the learner loads the checkpoint, the controller's gate starts at its version with
-``version * B`` groups accepted, and each rollout worker's prompt stream seeks to its position.
-
-What "no accepted trajectory trained twice or skipped" means here: a trajectory counts as accepted once a step
-that made it into a checkpoint trained on it. Those are never trained again (trajectories are not persisted and
-their prompts lie behind the resume position). Groups that were in flight at the crash -- being generated, sitting
-in the learner's buffer, or consumed by steps after the last checkpoint -- are lost like groups dropped for
-staleness: their prompts at or past the resume position are drawn again and sampled afresh; those behind it (they
-started before a younger consumed group) are skipped, as filtered or stale-dropped prompts are in a run without a
-crash.
+counters. The data position is exact (`arl.data.position.DataPosition`, per rollout worker): the prompt-stream
+positions whose groups were trained, or dropped by a counted rule (stale or invalid here, filtered or failed at the
+rollout worker, which tells the learner with a `prompt_settled` notice on the trajectory socket). Rollout workers
+stamp ``metadata["prompt_pos"] = [worker, position]`` on every trajectory. On resume the learner loads the
+checkpoint, the controller's gate starts at its version with ``version * B`` groups accepted, and each rollout
+worker's prompt stream draws again every position the checkpoint did not settle (groups in flight, buffered here,
+or trained by steps after the checkpoint), then goes on: no prompt skipped, none trained twice. A group whose
+prompt is already settled or buffered here (a restarted rollout worker's re-draw racing its predecessor's push) is
+dropped as ``duplicate_prompt``, counted, its budget returned.
 """
 
 from __future__ import annotations
@@ -32,9 +29,10 @@ from typing import Any, Callable, Optional
 from arl.api.engine import TrainEngine
 from arl.api.staleness import StalenessPolicy
 from arl.api.types import Trajectory
+from arl.data.position import DataPosition
 from arl.learner.record import BatchRecorder
 from arl.learner.validation import group_problem
-from arl.transport.messages import Count, GroupReceived, GroupsDropped, SendControl, WeightsPublished
+from arl.transport.messages import Count, GroupReceived, GroupsDropped, PromptSettled, SendControl, WeightsPublished
 from arl.utils.idset import CounterIdSet
 from arl.utils.timer import PhaseTimer
 from arl.weights.disk import DiskLearner
@@ -60,6 +58,18 @@ def _group_ids(trajs: list[Trajectory]) -> set[str]:
 def _group_of(group: list[Trajectory]) -> str:
     """The rollout worker's id of one group."""
     return str(group[0].group_id).split(":", 1)[0]
+
+
+def _prompt_of(group: list[Trajectory]) -> Optional[tuple[str, int]]:
+    """(rollout worker, prompt-stream position) a group was drawn at, from its ``prompt_pos`` stamp (None: none)."""
+    pos = group[0].metadata.get("prompt_pos") if group else None
+    if isinstance(pos, (list, tuple)) and len(pos) == 2:
+        try:
+            w, p = int(pos[0]), int(pos[1])
+        except (TypeError, ValueError):
+            return None
+        return (str(w), p) if w >= 0 and p >= 0 else None
+    return None
 
 
 class LearnerWorker:
@@ -102,12 +112,14 @@ class LearnerWorker:
         self.stats = {"groups_received": 0, "trajectories_received": 0, "steps": 0, "idle_seconds": 0.0,
                       "train_seconds": 0.0, "staleness_violations": 0, "stale_groups_dropped": 0,
                       "trained_groups": 0, "trained_trajectories": 0, "stale_trajectories_dropped": 0,
-                      "invalid_groups": 0, "trained_twice": 0, "replayed_groups": 0}
+                      "invalid_groups": 0, "trained_twice": 0, "replayed_groups": 0,
+                      "duplicate_prompts": 0, "prompts_settled_by_rollout": 0}
         self.checkpoint_dir = checkpoint_dir
         self.checkpoint_every = max(0, int(checkpoint_every))
         self.keep_checkpoints = max(1, int(keep_checkpoints))
         self.groups_consumed = 0
-        self.data_position: dict[str, int] = {}  # rollout worker index -> next prompt-stream position
+        self.data_position: dict[str, DataPosition] = {}  # rollout worker index -> its settled prompt positions
+        self._buffered_pos: dict[str, set[int]] = {}  # prompt positions of the buffered groups
         self.vocab_size = vocab_size
         self._trained_ids = CounterIdSet()
         # every group id ever received (checkpointed): a replayed `traj` is refused, even after a restart; a bit a
@@ -128,6 +140,9 @@ class LearnerWorker:
     async def receive(self) -> None:
         while True:
             msg_type, group = await self.pull.recv()
+            if msg_type == "prompt_settled":
+                self._rollout_settled(group)
+                continue
             if msg_type != "traj" or not group:
                 continue
             ids = _group_ids(group)
@@ -147,8 +162,18 @@ class LearnerWorker:
                     self._last_invalid_log = time.monotonic()
                     logger.warning("dropped an invalid trajectory group (%s); %d so far", problem,
                                    self.stats["invalid_groups"])
+                self._settle(_prompt_of(group))
                 await self._send(GroupsDropped(n=Count(1), reason="invalid", group_ids=[_group_of(group)]))
                 continue
+            prompt = _prompt_of(group)
+            if prompt is not None and self._prompt_taken(*prompt):  # its prompt ended once already
+                self.stats["duplicate_prompts"] += 1
+                logger.warning("dropped a group of prompt %s of rollout worker %s: that prompt was settled or is "
+                               "buffered already (%d so far)", prompt[1], prompt[0], self.stats["duplicate_prompts"])
+                await self._send(GroupsDropped(n=Count(1), reason="duplicate_prompt", group_ids=[_group_of(group)]))
+                continue
+            if prompt is not None:
+                self._buffered_pos.setdefault(prompt[0], set()).add(prompt[1])
             self.buffer.append(group)
             self.stats["groups_received"] += 1
             self.stats["trajectories_received"] += len(group)
@@ -162,6 +187,9 @@ class LearnerWorker:
             keep = [g for g in self.buffer if not self.staleness.group_is_stale(g, self.engine.version)]
             if len(keep) < len(self.buffer):
                 dropped = len(self.buffer) - len(keep)
+                for g in self.buffer:
+                    if self.staleness.group_is_stale(g, self.engine.version):
+                        self._settle(_prompt_of(g))  # dropped by rule: a resume does not draw it again
                 self.stats["stale_groups_dropped"] += dropped
                 self.stats["stale_trajectories_dropped"] += sum(map(len, self.buffer)) - sum(map(len, keep))
                 self.buffer = collections.deque(keep)
@@ -180,26 +208,45 @@ class LearnerWorker:
 
     def _note_consumed(self, group: list[Trajectory]) -> None:
         self.groups_consumed += 1
-        pos = group[0].metadata.get("prompt_pos") if group else None
-        if isinstance(pos, (list, tuple)) and len(pos) == 2:
-            try:
-                w, p = str(int(pos[0])), int(pos[1])
-            except (TypeError, ValueError):
-                return
-            self.data_position[w] = max(self.data_position.get(w, 0), p + 1)
+        self._settle(_prompt_of(group))
+
+    def _settle(self, prompt: Optional[tuple[str, int]]) -> None:
+        """Book prompt (worker, position) as settled: trained, or dropped by a counted rule."""
+        if prompt is None:
+            return
+        w, p = prompt
+        self._buffered_pos.get(w, set()).discard(p)
+        self.data_position.setdefault(w, DataPosition()).settle(p)
+
+    def _prompt_taken(self, worker: str, position: int) -> bool:
+        return position in self.data_position.get(worker, ()) or position in self._buffered_pos.get(worker, ())
+
+    def _rollout_settled(self, payload: Any) -> None:
+        """A rollout worker dropped a group by a counted rule (`PromptSettled`): its prompt is settled."""
+        try:
+            msg = PromptSettled.from_payload(payload)
+        except ValueError as e:
+            logger.warning("ignored a bad prompt_settled notice: %s", e)
+            return
+        if msg.worker >= 0 and msg.position >= 0:
+            self.stats["prompts_settled_by_rollout"] += 1
+            self._settle((str(msg.worker), msg.position))
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def checkpoint_state(self) -> dict:
         """What a resume needs besides the engine's own state (JSON-safe)."""
         counters = {k: v for k, v in self.stats.items() if isinstance(v, (int, float))}  # staleness, accounting
-        return {"groups_consumed": self.groups_consumed, "data_position": dict(self.data_position),
+        positions = {w: d.to_state() for w, d in self.data_position.items()}
+        return {"groups_consumed": self.groups_consumed, "data_position": positions,
                 "batch_size": self.batch_size, "counters": counters,
                 "received_group_ids": self._received_ids.to_state()}
 
     def restore(self, state: dict) -> None:
         """Take back `checkpoint_state()` after the engine loaded its checkpoint."""
         self.groups_consumed = int(state.get("groups_consumed", 0))
-        self.data_position = {str(k): int(v) for k, v in dict(state.get("data_position", {})).items()}
+        self.data_position = {str(k): DataPosition.from_state(v)
+                              for k, v in dict(state.get("data_position", {})).items()}
+        self._buffered_pos = {}
         self.stats.update({k: v for k, v in dict(state.get("counters", {})).items() if k in self.stats})
         self._received_ids = CounterIdSet.from_state(state.get("received_group_ids"))
 

@@ -110,7 +110,8 @@ def inference_client(cfg: ExperimentConfig, dealers: list[Any]) -> Any:
 
 def rollout_worker(cfg: ExperimentConfig, parts: AgentParts, client: Any, *, index: int, prompts: Any,
                    capacity: int, send_control: SendControl,
-                   push_group: Callable[[Any], Awaitable[None]], env_client: Any = None) -> Any:
+                   push_group: Callable[[Any], Awaitable[None]], env_client: Any = None,
+                   push_settled: Optional[Callable[[Any], Awaitable[None]]] = None) -> Any:
     """Rollout worker `index`, as the run and `arl.evaluate` build it; with `env_client` (env.servers > 0) every
     env instance is a session on an env server (`arl.rollout.env_server.RemoteEnv`)."""
     from arl.api.registry import AGENTS, make_env
@@ -134,6 +135,7 @@ def rollout_worker(cfg: ExperimentConfig, parts: AgentParts, client: Any, *, ind
         client=client,
         send_control=send_control,
         push_group=push_group,
+        push_settled=push_settled,
         capacity=capacity,
         trajectory_timeout=rollout_deadlines(cfg)[2],
         eval_concurrency=cfg.eval.concurrency,
@@ -174,6 +176,7 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
     per_worker = max(1, cfg.rollout.max_concurrent_rollouts // cfg.rollout.num_workers)
     worker = rollout_worker(cfg, parts, client, index=index, prompts=prompts, capacity=per_worker,
                             send_control=ctl.post, push_group=lambda group: push.send("traj", group),
+                            push_settled=lambda msg: push.send(msg.TYPE, msg.to_payload()),
                             env_client=env_client)
 
     stats = worker.heartbeat_stats
@@ -213,9 +216,13 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
     ctl.handlers.update(gate_grant=lambda msg: worker.on_grant(msg.n), eval=on_eval, worker_lost=on_worker_lost,
                         worker_back=on_worker_back)
     ack = await ctl.register(cfg.startup_timeout)
-    if ack.get("prompt_position"):  # resuming a run: continue this worker's prompt stream where it stood
-        prompts.seek(int(ack["prompt_position"]))
-        logger.info("rollout%d: prompt stream resumes at position %d", index, prompts.position)
+    if ack.get("prompt_position"):  # resuming a run or restarted: re-draw what had not settled, then go on
+        try:
+            worker.rewind_prompts(ack["prompt_position"])
+        except ValueError as e:
+            raise RuntimeError(f"rollout{index}: the controller sent a bad prompt position: {e}") from None
+        logger.info("rollout%d: prompt stream resumes: %d prompts drawn again, then position %d", index,
+                    prompts.redraws, prompts.position)
     closers = [worker.close(), client.close(), aclose(push)] + ([env_client.close()] if env_client else [])
     if judge_client is not None:
         closers.insert(1, judge_client.close())

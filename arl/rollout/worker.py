@@ -21,6 +21,7 @@ from typing import Any, Awaitable, Callable, Optional, Sequence
 import numpy as np
 
 from arl.agents.common import live_queue_clients
+from arl.data.position import DataPosition
 from arl.api.agent import Agent, EnvironmentService
 from arl.api.types import GenerateResponse, Trajectory, checked_turn_discount, one_reward
 from arl.rollout.client import InferenceClient, to_request
@@ -30,7 +31,7 @@ from arl.rollout.ledger import EngineLog, TokenLedgerError, verify_trajectory
 from arl.rollout.loop_watchdog import LoopWatchdog
 from arl.rollout.guards import EnvCallError, GuardedEnv, call_with_deadline
 from arl.rollout.staleness import make_group_id
-from arl.transport.messages import Count, Error, GateAcquire, GroupDone, SendControl
+from arl.transport.messages import Count, Error, GateAcquire, GroupDone, PromptSettled, SendControl
 from arl.report.traces import GroupTimeline, TraceSampler, group_traces
 from arl.utils.errors import describe_error, exception_text
 from arl.utils.histogram import LogHistogram
@@ -42,8 +43,9 @@ logger = logging.getLogger("arl.rollout")
 class PromptStream:
     """Endless shuffled passes over the training rows; each worker takes every k-th row of a pass.
 
-    Pass ``e`` is shuffled by its own RNG seeded with ``(seed, e)``, so the stream can jump to any position
-    (`seek`, used when a run resumes from a checkpoint or a rollout worker restarts) without replaying it.
+    Pass ``e`` is shuffled by its own RNG seeded with ``(seed, e)``, so any position's row is known without
+    replaying the stream: a resumed run `restore`s the checkpoint's exact data position (`DataPosition`) and draws
+    its unsettled positions again first, then fresh ones from one past the highest settled.
     """
 
     def __init__(self, rows: Sequence[dict], seed: int, shard: int = 0, num_shards: int = 1) -> None:
@@ -52,34 +54,57 @@ class PromptStream:
         self._rows = list(rows)
         self._shard, self._num_shards = shard, num_shards
         self._seed = seed
-        self._it: Any = iter(())
-        self.epoch = 0
-        self.position = 0  # prompts drawn so far: the data position a checkpoint records
+        self._orders: dict[int, list[int]] = {}  # the last two passes' orders (a re-draw may reach back one)
+        self._per_pass = len(self._pass(0))
+        self._redraw: collections.deque[int] = collections.deque()  # unsettled positions a restore draws first
+        self.position = 0  # the next fresh position (every position below it was drawn)
 
     def _pass(self, epoch: int) -> list[int]:
-        order = list(range(len(self._rows)))
-        random.Random(f"{self._seed}:{epoch}").shuffle(order)
-        return order[self._shard :: self._num_shards] or order
+        order = self._orders.get(epoch)
+        if order is None:
+            order = list(range(len(self._rows)))
+            random.Random(f"{self._seed}:{epoch}").shuffle(order)
+            order = order[self._shard :: self._num_shards] or order
+            if len(self._orders) >= 2:
+                self._orders.pop(next(iter(self._orders)))
+            self._orders[epoch] = order
+        return order
+
+    def row(self, position: int) -> dict:
+        """The row drawn at `position`."""
+        epoch, offset = divmod(int(position), self._per_pass)
+        return self._rows[self._pass(epoch)[offset]]
+
+    def restore(self, state: Any, drawn: Sequence[int] = ()) -> None:
+        """Continue from a data position (`DataPosition.from_state`'s forms; a bare int: every position below it
+        was drawn): its unsettled positions are drawn first, in order, then fresh ones. `drawn`: positions whose
+        groups are still running here (a rewind while they run): not drawn again."""
+        done = DataPosition.from_state(state)
+        running = {int(p) for p in drawn}
+        self.position = max([done.next_fresh, *(p + 1 for p in running)])
+        self._redraw = collections.deque(p for p in done.unsettled(self.position) if p not in running)
 
     def seek(self, position: int) -> None:
         """Continue as if ``position`` prompts had been drawn."""
         if position < 0:
             raise ValueError(f"prompt position must be >= 0, got {position}")
-        per_pass = len(self._pass(0))
-        epoch, offset = divmod(int(position), per_pass)
-        mine = self._pass(epoch)
-        self._it = (self._rows[i] for i in mine[offset:])
-        self.epoch = epoch + 1
-        self.position = int(position)
+        self.restore(int(position))
+
+    @property
+    def redraws(self) -> int:
+        """Positions still to be drawn again (a restore's)."""
+        return len(self._redraw)
+
+    def draw(self) -> tuple[int, dict]:
+        """(position, row) of the next prompt."""
+        if self._redraw:
+            p = self._redraw.popleft()
+        else:
+            p, self.position = self.position, self.position + 1
+        return p, self.row(p)
 
     def __next__(self) -> dict:
-        self.position += 1
-        try:
-            return next(self._it)
-        except StopIteration:  # the next pass (never empty: see _pass)
-            self._it = (self._rows[i] for i in self._pass(self.epoch))
-            self.epoch += 1
-            return next(self._it)
+        return self.draw()[1]
 
 
 class _ObsQueue(asyncio.Queue):
@@ -211,7 +236,10 @@ class RolloutWorker:
                  eval_concurrency: int = 64, seed: int = 0, env_timeout: Optional[float] = None,
                  env_groups: Optional[EnvGroupSpec] = None, filter_void_turns: bool = False,
                  filter_uniform_groups: bool = False, verify_token_ledger: bool = False, tokenizer: Any = None,
-                 trace_rate: float = 0.0, agent_name: str = "", loop_block_s: float = 1.0) -> None:
+                 trace_rate: float = 0.0, agent_name: str = "", loop_block_s: float = 1.0,
+                 push_settled: Optional[Callable[[PromptSettled], Awaitable[None]]] = None) -> None:
+        """`push_settled`: tells the learner (on the trajectory socket) that a group was dropped here by a counted
+        rule, so its prompt is settled in the learner's checkpoint and a resume does not draw it again."""
         self.index = index
         # a thread that names the agent when the event loop (every group, the client, the endpoint) stops running
         # for more than loop_block_s (0: none); started with the acquire loop
@@ -223,6 +251,11 @@ class RolloutWorker:
         self._client = client
         self._send = send_control
         self._push = push_group
+        self._push_settled = push_settled
+        # prompt positions whose groups ended here (pushed or dropped): what a restart of this worker, sent it back
+        # by the controller from the heartbeats, does not draw again; and the positions of the running groups
+        self._ended = DataPosition()
+        self._running_pos: dict[asyncio.Task, int] = {}
         self._timeout = trajectory_timeout
         self._eval_concurrency = eval_concurrency
         self._seed = seed
@@ -266,13 +299,22 @@ class RolloutWorker:
                 entry[1] -= 1
                 if entry[1] == 0:
                     self._acquires.popleft()
-            prompt = next(self._prompts)
-            t = asyncio.create_task(self._run_group(prompt, self._prompts.position - 1, wait))
+            pos, prompt = self._prompts.draw()
+            t = asyncio.create_task(self._run_group(prompt, pos, wait))
             self._running.add(t)
+            self._running_pos[t] = pos
             t.add_done_callback(self._group_finished)
+
+    def rewind_prompts(self, state: Any) -> None:
+        """Continue the prompt stream from data position `state` (a resume's, a restart's, a rolled-back
+        learner's checkpoint): its unsettled positions are drawn again, except those of groups running here."""
+        drawn = sorted(self._running_pos.values())
+        self._prompts.restore(state, drawn)
+        self._ended = DataPosition.from_state(state)
 
     def _group_finished(self, t: asyncio.Task) -> None:
         self._running.discard(t)
+        self._running_pos.pop(t, None)
         self._wake.set()
 
     def start_watchdog(self) -> None:
@@ -360,6 +402,7 @@ class RolloutWorker:
         accepted = reason == "accepted"
         if not accepted:
             self.drop_reasons[reason] += 1
+        await self._settle(prompt_pos, reason)
         self.stats["groups_" + ("accepted" if accepted else "dropped")] += 1
         done = GroupDone(accepted=accepted, reason=reason, group_id=gid, n_traj=len(trajs),
                          reward_sum=_reward_sum(trajs), seconds=timer.pop()["group"],
@@ -369,6 +412,21 @@ class RolloutWorker:
                               prompt.get("id"))
         done.traces = traces or None
         await self._report(done)
+
+    async def _settle(self, prompt_pos: int, reason: str) -> None:
+        """The group of `prompt_pos` ended (pushed or dropped): booked here, and a drop is told to the learner,
+        whose checkpoint settles it (a pushed group is settled when the learner trains it)."""
+        if prompt_pos < 0:
+            return
+        self._ended.settle(prompt_pos)
+        if reason == "accepted" or self._push_settled is None:
+            return
+        try:
+            await self._push_settled(PromptSettled(worker=self.index, position=prompt_pos, reason=reason[:100]))
+        except Exception as e:  # noqa: BLE001 - the drop is still counted; a resume would draw the prompt again
+            self.stats["settle_notice_errors"] += 1
+            logger.warning("could not tell the learner that prompt %d was dropped: %s: %s", prompt_pos,
+                           type(e).__name__, e)
 
     async def _report(self, done: GroupDone) -> None:
         """Send a group's group_done; if it cannot go as it is (traces or stats the wire cannot carry, a frame over
@@ -456,7 +514,7 @@ class RolloutWorker:
 
     def heartbeat_stats(self) -> dict:
         return {
-            "prompt_position": getattr(self._prompts, "position", None),  # a restarted worker resumes here
+            "prompt_position": self._ended.to_state(),  # a restarted worker draws again what had not ended
             "running": len(self._running),  # live groups: with queue_clients, flat in a long run (no leak)
             "queue_clients": live_queue_clients(),
             "wanted": self._wanted,

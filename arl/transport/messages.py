@@ -97,7 +97,8 @@ class Register(ControlMessage):
 
 class Ack(ControlMessage):
     ok: bool = True
-    prompt_position: Optional[int] = None
+    # rollout: where its prompt stream continues (a `DataPosition` state, or an int from before that form)
+    prompt_position: Any = None
 
 
 class Heartbeat(ControlMessage):
@@ -239,6 +240,16 @@ class WorkerBack(ControlMessage):
     role: str
     index: int
     address: str
+
+
+class PromptSettled(ControlMessage):
+    """Rollout worker -> learner, on the trajectory push socket: the group of prompt-stream `position` of rollout
+    worker `worker` was dropped by a counted rule (`reason`), so the learner's checkpoint books the prompt as
+    settled (`arl.data.position`) and a resume does not draw it again."""
+
+    worker: int
+    position: int
+    reason: str = ""
 
 
 class Shutdown(ControlMessage):

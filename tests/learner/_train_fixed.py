@@ -87,9 +87,10 @@ async def run_worker(args: argparse.Namespace) -> None:
         v = await worker.resume()
         print(f"resumed at version {v}, {worker.groups_consumed} groups consumed, position {worker.data_position}",
               flush=True)
-    # the prompt stream resumes at the recorded data position
-    start = worker.data_position.get("0", 0)
-    worker.buffer.extend(groups[start:])
+    # the prompt stream resumes at the recorded data position (these groups are trained in order: no gaps)
+    done = worker.data_position.get("0")
+    assert done is None or not done.above, done
+    worker.buffer.extend(groups[done.low if done is not None else 0:])
     if args.hang_after:
         worker.total_steps = args.hang_after
         await worker.train()

@@ -11,6 +11,8 @@ import sys
 import time
 
 import pytest
+
+from arl.data.position import DataPosition
 import torch
 
 pytest.importorskip("deepspeed")
@@ -64,7 +66,8 @@ def test_resume_in_process_matches_straight_run(tmp_path):
     state = read_checkpoint_state(ckpt)
     counters = state.pop("counters")
     assert state.pop("received_group_ids") == {"bits": {}, "other": []}  # put in the buffer, not received
-    assert state == {"version": 2, "groups_consumed": 8, "data_position": {"0": 8}, "batch_size": tf.BATCH}
+    assert state == {"version": 2, "groups_consumed": 8, "data_position": {"0": {"low": 8, "above": []}},
+                     "batch_size": tf.BATCH}
     assert counters["stale_groups_dropped"] == 0 and counters["steps"] == 2
     w1.stats["stale_groups_dropped"] = 99  # not in the checkpoint: must not survive the crash
     del first, w1
@@ -72,10 +75,10 @@ def test_resume_in_process_matches_straight_run(tmp_path):
     resumed = tf.make_learner(Args())  # fresh weights, optimizer, scheduler
     w2 = _worker(resumed, tmp_path / "c", total=4, every=2, ckpt=ckpt)
     assert asyncio.run(w2.resume()) == 2
-    assert resumed.version == 2 and w2.groups_consumed == 8 and w2.data_position == {"0": 8}
+    assert resumed.version == 2 and w2.groups_consumed == 8 and w2.data_position == {"0": DataPosition(8)}
     assert w2.stats["stale_groups_dropped"] == 0
     assert os.path.exists(tmp_path / "c" / "weights" / "v2.safetensors")  # for the inference workers
-    w2.buffer.extend(groups[w2.data_position["0"]:])
+    w2.buffer.extend(groups[w2.data_position["0"].low:])
     asyncio.run(w2.train())
     assert resumed.version == 4
     a, b = _weights(straight), _weights(resumed)

@@ -4,11 +4,12 @@ Why: a run that diverged is only debuggable if its steps can be re-run exactly; 
 checkpoint, re-trains the recorded batches and compares with a later checkpoint bit for bit, or re-scores one
 trajectory under the weights that generated it (`arl.learner.replay`).
 
-What is recorded is the batch exactly as the actor receives it (`PPOActor.prepare`'s input, after the worker's
-FIFO grouping and stale-group drop, before the actor's per-token staleness, weights, minibatch split and every
-forward): per trajectory its token ids, loss mask, behaviour logprobs, per-token versions, reward, turn rewards,
-turn discount and group id, in batch order, and the policy version the step starts from. Everything the actor
-computes from these is a function of them, the weights and the config, so nothing else is needed.
+What is recorded is the batch exactly as the actor receives it (`PPOActor.prepare`'s input, after the worker's FIFO
+grouping and stale-group drop, before the actor's per-token staleness, weights, minibatch split and every forward):
+per trajectory its token ids, loss mask, behaviour logprobs, per-token versions, reward, turn rewards, turn
+discount, group id and prompt position (rollout worker, position), in batch order, and the policy version the step
+starts from. Everything the actor computes from these is a function of them, the weights and the config, so nothing
+else is needed.
 
 Layout under ``<run>/batches/``: ``v<N>.npz`` is the batch that trained version N-1 into version N (checkpoints
 are named the same way), one ``np.savez_compressed`` file per step with the arrays of the batch concatenated
@@ -116,7 +117,17 @@ def encode_batch(version: int, trajs: Sequence[Trajectory], config_hash: str = "
         "turn_discount": np.array([np.nan if t.turn_discount is None else t.turn_discount for t in trajs],
                                   np.float64),
         "group_id": np.array([str(t.group_id) for t in trajs], dtype=np.str_),
+        # [rollout worker, prompt-stream position] per trajectory ([-1, -1]: none): which prompts a step trained
+        "prompt_pos": np.array([_prompt_pos(t) for t in trajs], np.int64).reshape(len(trajs), 2),
     }
+
+
+def _prompt_pos(t: Trajectory) -> list[int]:
+    pos = t.metadata.get("prompt_pos")
+    try:
+        return [int(pos[0]), int(pos[1])] if isinstance(pos, (list, tuple)) and len(pos) == 2 else [-1, -1]
+    except (TypeError, ValueError):
+        return [-1, -1]
 
 
 def decode_batch(arrays: Any) -> RecordedBatch:
@@ -127,6 +138,7 @@ def decode_batch(arrays: Any) -> RecordedBatch:
     off, toff = arrays["offsets"], arrays["turn_offsets"]
     ids, mask, lp, ver = (arrays[k] for k in ("input_ids", "loss_mask", "logprobs", "versions"))
     reward, tr, disc, gids = arrays["reward"], arrays["turn_rewards"], arrays["turn_discount"], arrays["group_id"]
+    pos = arrays["prompt_pos"] if "prompt_pos" in getattr(arrays, "files", arrays) else None
     trajs = []
     for i in range(len(off) - 1):
         a, b = int(off[i]), int(off[i + 1])
@@ -135,6 +147,8 @@ def decode_batch(arrays: Any) -> RecordedBatch:
                                 reward=float(reward[i]), group_id=str(gids[i]),
                                 turn_rewards=[float(r) for r in tr[int(toff[i]):int(toff[i + 1])]],
                                 turn_discount=None if np.isnan(d) else d))
+        if pos is not None and int(pos[i][1]) >= 0:
+            trajs[-1].metadata["prompt_pos"] = [int(pos[i][0]), int(pos[i][1])]
     return RecordedBatch(int(arrays["version"]), trajs, str(arrays["config_hash"]))
 
 

@@ -193,3 +193,13 @@ def test_recording_off_writes_nothing(tmp_path):
     w.buffer.append([_traj(rng, "w0-x-0:0")])
     asyncio.run(w.train())
     assert w.recorder is None and sorted(os.listdir(tmp_path)) == ["weights"]
+
+
+def test_a_batch_keeps_each_trajectorys_prompt_position(tmp_path):
+    from arl.learner.record import read_batch, write_batch
+
+    trajs = [Trajectory(input_ids=[1, 2, 3], loss_mask=[0, 1, 1], logprobs=[0, -1.0, -1.0], versions=[-1, 0, 0],
+                        reward=1.0, group_id=f"w0.ag{i}:0", metadata={"prompt_pos": [1, 40 + i]} if i else {})
+             for i in range(3)]
+    back = read_batch(write_batch(str(tmp_path), 0, trajs)).trajs
+    assert [t.metadata.get("prompt_pos") for t in back] == [None, [1, 41], [1, 42]]

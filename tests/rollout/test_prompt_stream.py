@@ -31,3 +31,29 @@ def test_passes_cover_the_shard_and_seek_is_cheap():
     assert far.position == 10**12 and isinstance(next(far), dict)
     with pytest.raises(ValueError):
         far.seek(-1)
+
+
+@pytest.mark.parametrize("shard,num_shards", [(0, 1), (1, 3)])
+def test_restore_draws_exactly_the_unsettled_positions_again_then_fresh_ones(shard, num_shards):
+    rows = [{"id": i} for i in range(7)]
+    full = PromptStream(rows, seed=5, shard=shard, num_shards=num_shards)
+    seq = [full.draw() for _ in range(30)]
+    assert [p for p, _ in seq] == list(range(30))
+    s = PromptStream(rows, seed=5, shard=shard, num_shards=num_shards)
+    s.restore({"low": 4, "above": [6, 9, 10]})
+    assert s.redraws == 4 and s.position == 11
+    got = [s.draw() for _ in range(8)]
+    assert [p for p, _ in got] == [4, 5, 7, 8, 11, 12, 13, 14]  # the unsettled ones, then fresh
+    assert all(row == seq[p][1] for p, row in got)  # each position's row, as the straight stream drew it
+
+
+def test_a_rewind_while_groups_run_does_not_draw_theirs_again():
+    s = PromptStream([{"id": i} for i in range(5)], seed=0)
+    s.restore({"low": 2, "above": [4]}, drawn=[3, 6])  # 3 and 6 still run here
+    assert [s.draw()[0] for _ in range(4)] == [2, 5, 7, 8]
+
+
+def test_a_bad_position_is_refused_by_name():
+    s = PromptStream([{"id": 1}], seed=0)
+    with pytest.raises(ValueError, match="data position"):
+        s.restore({"low": 1, "above": ["x"]})

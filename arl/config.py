@@ -724,8 +724,6 @@ def validate(cfg: Any) -> None:
         (lc.batch_size >= lc.num_ranks,
          "learner.batch_size must be >= learner.num_ranks (every rank trains on whole prompt groups)"),
         (lc.checkpoint_every >= 0, "learner.checkpoint_every must be >= 0"),
-        (not (lc.record_batches and lc.backend == "sim"),
-         "learner.record_batches needs a learner that trains a model (learner.backend=sim trains none)"),
         (rc.num_workers >= 1, "rollout.num_workers must be >= 1"),
         (rc.max_concurrent_rollouts >= 1, "rollout.max_concurrent_rollouts must be >= 1"),
         (rc.env_timeout > 0, "rollout.env_timeout must be > 0"),

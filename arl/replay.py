@@ -90,6 +90,9 @@ class ReplayRun:
         if not os.path.isfile(path):
             raise ReplayError(f"{run_dir} has no config.yaml: not a run directory")
         cfg = load_run_config(path)
+        if cfg.learner.backend == "sim":  # its batches say what it trained (scripts/kill_resume.py), nothing more
+            raise ReplayError(f"{run_dir} ran learner.backend=sim, which trains no model: there is nothing to replay "
+                              "or re-score")
         manifest = read_manifest(os.path.join(run_dir, BATCHES_SUBDIR))
         if manifest is None:
             raise ReplayError(

@@ -47,7 +47,7 @@ async def run_learner(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
     leader = RankLeader(actor) if actor.engine.world_size > 1 else None
     pull = make_socket(Pull)
     address = bind(pull, cfg.bind_host)
-    real = backend.trains_model  # the simulated backend neither checkpoints nor checks token ids
+    real = backend.trains_model  # the simulated backend checks no token ids and writes no final model
     weights_side = learner_weights(cfg, run_dir, getattr(actor.engine, "device", None))  # rank 0 sends them
 
     def write_final(weights: Any, version: int) -> None:
@@ -71,12 +71,12 @@ async def run_learner(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
         total_steps=cfg.total_train_steps,
         weights=weights_side,
         staleness=actor.staleness,  # the actor's own: one rule for the group drop and the token mask
-        checkpoint_dir=os.path.join(run_dir, "checkpoints") if real else None,
+        checkpoint_dir=os.path.join(run_dir, "checkpoints"),
         checkpoint_every=lc.checkpoint_every,
         keep_checkpoints=lc.keep_checkpoints,
         vocab_size=vocab_size(cfg) if real else None,
         export_final=write_final if real else None,
-        recorder=batch_recorder(cfg, run_dir) if real and lc.record_batches else None,
+        recorder=batch_recorder(cfg, run_dir) if lc.record_batches else None,
     )
 
     # the controller's prune_weights: no server reads versions below msg.below again

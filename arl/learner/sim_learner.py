@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from typing import Optional
 
@@ -23,7 +24,7 @@ import numpy as np
 
 from arl.api.engine import LossFn, LossWeightFn, TrainBatch
 from arl.config import SimLearnerConfig
-from arl.learner.checkpoint import replacing_file
+from arl.learner.checkpoint import CHECKPOINT_STATE_FILE, latest_checkpoint, replacing_file
 
 
 class SimLearner:
@@ -61,13 +62,28 @@ class SimLearner:
                       metadata={"format": "np", "version": str(self.version), "sim": "1"})
 
     def save(self, path: str, client_state: Optional[dict] = None, keep_last: Optional[int] = None) -> str:
-        os.makedirs(path, exist_ok=True)
-        with open(os.path.join(path, "sim_learner.json"), "w") as f:
-            json.dump({"version": self.version, "client_state": client_state or {}}, f)
-        return path
+        """The real engine's checkpoint layout with nothing but the state file: ``path/v<version>/`` holding
+        `CHECKPOINT_STATE_FILE` (version and ``client_state``: the data position, counters), then ``path/latest``,
+        the commit point. So a sim run resumes, and its learner restarts, like a real one (the resume tests and
+        scripts/kill_resume.py run on it)."""
+        tag = f"v{self.version}"
+        with replacing_file(os.path.join(path, tag, CHECKPOINT_STATE_FILE)) as tmp, open(tmp, "w") as f:
+            json.dump({"version": self.version, **(client_state or {})}, f)
+        with replacing_file(os.path.join(path, "latest")) as tmp, open(tmp, "w") as f:
+            f.write(tag)
+        if keep_last is not None:
+            tags = sorted((d for d in os.listdir(path) if d.startswith("v") and d[1:].isdigit() and d != tag),
+                          key=lambda d: int(d[1:]))
+            for old in tags[: max(0, len(tags) - (keep_last - 1))]:
+                shutil.rmtree(os.path.join(path, old), ignore_errors=True)
+        return os.path.join(path, tag)
 
-    def load(self, path: str) -> dict:
-        with open(os.path.join(path, "sim_learner.json")) as f:
-            state = json.load(f)
-        self.version = int(state["version"])
-        return dict(state.get("client_state", {}))
+    def load(self, path: str, tag: Optional[str] = None) -> dict:
+        """The checkpoint ``latest`` names under ``path`` (or `tag`); returns its ``client_state``."""
+        d = os.path.join(path, tag) if tag else latest_checkpoint(path)
+        if d is None or not os.path.isfile(os.path.join(d, CHECKPOINT_STATE_FILE)):
+            raise FileNotFoundError(f"no checkpoint found under {path!r}")
+        with open(os.path.join(d, CHECKPOINT_STATE_FILE)) as f:
+            state = dict(json.load(f))
+        self.version = int(state.pop("version"))
+        return state

@@ -176,13 +176,18 @@ def test_the_worker_records_each_batch_as_the_actor_gets_it(tmp_path):
     rec.close()
 
 
-def test_recording_needs_a_learner_that_trains_a_model():
-    cfg = ExperimentConfig()
-    cfg.learner.record_batches, cfg.learner.backend = True, "sim"
-    with pytest.raises(ConfigError, match="learner.record_batches needs a learner that trains a model"):
-        validate(cfg)
-    cfg.learner.backend = "deepspeed"
-    validate(cfg)
+def test_a_sim_run_records_what_it_trained_but_cannot_be_replayed(tmp_path):
+    """A sim learner's batches say which prompts a run trained (scripts/kill_resume.py reads them); a replay or a
+    re-score of such a run is refused by name, before anything is loaded."""
+    from arl.cli import load_config
+    from arl.config import to_yaml
+    from arl.replay import ReplayError, ReplayRun
+    from experiments import MODULES
+
+    cfg = load_config(["learner.backend=sim", "learner.record_batches=true"], MODULES)  # valid
+    (tmp_path / "config.yaml").write_text(to_yaml(cfg))
+    with pytest.raises(ReplayError, match="learner.backend=sim, which trains no model"):
+        ReplayRun.open(str(tmp_path))
 
 
 def test_recording_off_writes_nothing(tmp_path):

@@ -1,3 +1,5 @@
+import os
+
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
@@ -32,7 +34,7 @@ def test_engine_sleeps_per_token_and_saves_its_version(tmp_path):
     path = tmp_path / "w" / "v2.safetensors"
     s.export_weights(str(path))
     assert load_file(str(path))["sim.version"].tolist() == [2]
-    assert s.save(str(tmp_path / "ckpt"), client_state={"groups_consumed": 4}) == str(tmp_path / "ckpt")
+    assert s.save(str(tmp_path / "ckpt"), client_state={"groups_consumed": 4}) == str(tmp_path / "ckpt" / "v2")
     t = SimLearner(SimLearnerConfig())
     assert t.load(str(tmp_path / "ckpt")) == {"groups_consumed": 4} and t.version == 2
 
@@ -53,3 +55,21 @@ def test_actor_over_the_sim_engine_reports_offpolicyness():
 def test_staleness_counts_per_token():
     assert staleness_counts([traj([0, 1, 2]), traj([2, 2])], 2) == {0: 3, 1: 1, 2: 1}
     assert staleness_counts([traj([])], 5) == {}
+
+
+def test_the_sim_learner_checkpoints_in_the_real_layout_and_resumes(tmp_path):
+    from arl.learner.checkpoint import latest_checkpoint, read_checkpoint_state
+
+    s = SimLearner(SimLearnerConfig(), version=2)
+    s.save(str(tmp_path), {"data_position": {"0": {"low": 3, "above": [5]}}}, keep_last=2)
+    s.version = 4
+    s.save(str(tmp_path), {"data_position": {"0": {"low": 8, "above": []}}}, keep_last=2)
+    s.version = 6
+    s.save(str(tmp_path), {"data_position": {}}, keep_last=2)
+    assert latest_checkpoint(str(tmp_path)).endswith("v6") and sorted(os.listdir(tmp_path)) == ["latest", "v4", "v6"]
+    assert read_checkpoint_state(str(tmp_path))["version"] == 6  # what the launcher reads for recover=auto
+    back = SimLearner(SimLearnerConfig())
+    assert back.load(str(tmp_path), tag="v4") == {"data_position": {"0": {"low": 8, "above": []}}}
+    assert back.version == 4 and back.load(str(tmp_path)) == {"data_position": {}} and back.version == 6
+    with pytest.raises(FileNotFoundError):
+        SimLearner(SimLearnerConfig()).load(str(tmp_path / "none"))

@@ -1,0 +1,263 @@
+"""Kill every process of a run at random points, resume it with `recover=auto`, and check that no prompt was
+skipped or trained twice, against an uninterrupted run of the same config.
+
+Why: a resume that skips the prompts in flight (or trains one twice) biases a run of days in a way no loss curve
+shows. The data position a checkpoint keeps is exact (`arl.data.position`): on resume every prompt whose group had
+not settled (in flight, buffered at the learner, trained after the checkpoint) is drawn again.
+
+Each seed runs the config twice through `training/main_async_ppo.py`, on the simulated engines (the whole control
+and data plane, no model): once straight, once with `--kills` kill -9's of the controller and every role process
+at random steps (and a random fraction of a second into the step), each followed by a `recover=auto` run, until
+the last one finishes. Trained prompts are read from the recorded batches (`learner.record_batches`: the final
+lineage only, a resume forgets the batches after its checkpoint); per rollout worker:
+
+- trained twice: a prompt position in two trained groups (must be 0);
+- gaps: positions below the final front (every position below it settled) that no step trained: dropped by a
+  counted rule (the run's drop counts are printed next to them; this config drops nothing by rule, so 0);
+- equal: the trained positions below both runs' fronts are the same (the positions map to prompts by the seed).
+
+    python scripts/kill_resume.py --seeds 3 --kills 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+sys.path.insert(0, ROOT)
+
+from bench_common import machine, tokenizer_dir  # noqa: E402
+
+
+def overrides(a: argparse.Namespace, seed: int, run_root: str, name: str, tok: str, vocab: int) -> list[str]:
+    return [
+        "inference.backend=sim", "inference.num_workers=1", "inference.sim.time_scale=0.02",
+        "inference.sim.len_median=6", "inference.sim.len_sigma=0.8", f"inference.sim.vocab_size={vocab}",
+        "learner.backend=sim", "learner.sim.time_scale=1", "learner.sim.step_base_s=0.3", "learner.sim.s_per_token=0",
+        f"learner.batch_size={a.batch}", "agent.group_size=2", "gen.max_new_tokens=8",
+        f"rollout.num_workers={a.rollout_workers}", f"rollout.max_concurrent_rollouts={a.concurrency}",
+        f"max_head_offpolicyness={a.eta}", f"total_train_steps={a.steps}", "eval.every_n_steps=0",
+        "eval.max_prompts=1", "agent.args.filter_uniform_groups=false", "learner.record_batches=true",
+        f"learner.checkpoint_every={a.checkpoint_every}", "learner.keep_checkpoints=2", "progress=false",
+        f"seed={seed}", f"run_dir={run_root}", f"run_name={name}", f"model.path={tok}",
+    ]
+
+
+def _tree(pid: int) -> list[Any]:
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        return [p, *p.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def kill_everything(proc: subprocess.Popen) -> int:
+    """kill -9 the controller and every process it started (roles run in sessions of their own), all at once."""
+    import psutil
+
+    procs = _tree(proc.pid)
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=30)
+    proc.wait(timeout=30)
+    return len(procs)
+
+
+def trained_steps(run_dir: str) -> int:
+    """Steps the run's metrics say were trained (the newest train record's step)."""
+    step = 0
+    try:
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            for line in f:
+                if '"train"' in line:
+                    try:
+                        r = json.loads(line)
+                    except ValueError:
+                        continue
+                    if r.get("type") == "train":
+                        step = max(step, int(r.get("step", 0)))
+    except OSError:
+        pass
+    return step
+
+
+def run_once(argv: list[str], log: str, kill_at: int | None, delay: float, run_dir: str,
+             timeout: float) -> tuple[str, float]:
+    """Run `argv`; with `kill_at`, kill everything `delay` seconds after the run trained step `kill_at`.
+    Returns (how it ended, seconds)."""
+    t0 = time.monotonic()
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+    try:
+        while proc.poll() is None:
+            if time.monotonic() - t0 > timeout:
+                kill_everything(proc)
+                return "timeout", time.monotonic() - t0
+            if kill_at is not None and trained_steps(run_dir) >= kill_at:
+                time.sleep(delay)
+                n = kill_everything(proc)
+                return f"killed {n} processes after step {kill_at} + {delay:.2f}s", time.monotonic() - t0
+            time.sleep(0.05)
+        return f"exit {proc.returncode}", time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            kill_everything(proc)
+
+
+def read_trained(run_dir: str, steps: int) -> tuple[dict[int, list[int]], list[int]]:
+    """Per rollout worker, the prompt positions of the trained groups (with repeats), from the recorded batches of
+    versions 1..steps; and the versions whose batch is missing."""
+    from arl.learner.record import BATCHES_SUBDIR, batch_path, read_batch
+
+    out: dict[int, list[int]] = collections.defaultdict(list)
+    missing = []
+    for v in range(1, steps + 1):
+        path = batch_path(os.path.join(run_dir, BATCHES_SUBDIR), v)
+        if not os.path.exists(path):
+            missing.append(v)
+            continue
+        seen = set()
+        for t in read_batch(path).trajs:
+            gid = str(t.group_id).split(":", 1)[0]
+            pos = t.metadata.get("prompt_pos")
+            if gid in seen or pos is None:
+                continue
+            seen.add(gid)
+            out[int(pos[0])].append(int(pos[1]))
+    return out, missing
+
+
+def fronts(run_dir: str) -> dict[int, int]:
+    """Per rollout worker, the final checkpoint's front: every position below it settled."""
+    from arl.data.position import DataPosition
+    from arl.learner.checkpoint import CHECKPOINT_SUBDIR, read_checkpoint_state
+
+    state = read_checkpoint_state(os.path.join(run_dir, CHECKPOINT_SUBDIR)) or {}
+    return {int(k): DataPosition.from_state(v).low for k, v in dict(state.get("data_position", {})).items()}
+
+
+def drops(run_dir: str) -> dict[str, int]:
+    """Groups dropped, by reason, summed over every incarnation's summary."""
+    total: collections.Counter = collections.Counter()
+    try:
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            for line in f:
+                if '"summary"' not in line:
+                    continue
+                r = json.loads(line)
+                if r.get("type") == "summary":
+                    for k, v in dict(r.get("drop_reasons") or {}).items():
+                        total[k] += int(v)
+    except (OSError, ValueError):
+        pass
+    return dict(total)
+
+
+def compare(straight: dict[int, list[int]], killed: dict[int, list[int]], f_straight: dict[int, int],
+            f_killed: dict[int, int]) -> dict[str, Any]:
+    twice = {w: sorted(p for p, n in collections.Counter(ps).items() if n > 1) for w, ps in killed.items()}
+    gaps = {w: sorted(set(range(f_killed.get(w, 0))) - set(killed.get(w, []))) for w in f_killed}
+    unequal = {}
+    for w in set(straight) | set(killed):
+        below = min(f_straight.get(w, 0), f_killed.get(w, 0))
+        a = sorted(p for p in straight.get(w, []) if p < below)
+        b = sorted(p for p in killed.get(w, []) if p < below)
+        if a != b:
+            unequal[w] = {"straight_only": sorted(set(a) - set(b))[:20], "killed_only": sorted(set(b) - set(a))[:20]}
+    return {"trained_twice": sum(map(len, twice.values())), "twice": {w: v[:20] for w, v in twice.items() if v},
+            "gaps": sum(map(len, gaps.values())), "gap_positions": {w: v[:20] for w, v in gaps.items() if v},
+            "unequal": unequal, "compared_below": {w: min(f_straight.get(w, 0), f_killed.get(w, 0))
+                                                    for w in set(f_straight) | set(f_killed)}}
+
+
+def one_seed(a: argparse.Namespace, seed: int, root: str, tok: str, vocab: int) -> dict[str, Any]:
+    rng = random.Random(seed)
+    cmd = [sys.executable, os.path.join(ROOT, "training", "main_async_ppo.py")]
+    res: dict[str, Any] = {"seed": seed}
+    straight_dir = os.path.join(root, f"straight-{seed}")
+    how, secs = run_once(cmd + overrides(a, seed, root, f"straight-{seed}", tok, vocab),
+                         os.path.join(root, f"straight-{seed}.log"), None, 0.0, straight_dir, a.timeout)
+    res["straight"] = {"end": how, "seconds": round(secs, 1)}
+    killed_dir = os.path.join(root, f"killed-{seed}")
+    points = sorted(rng.sample(range(1, a.steps), min(a.kills, a.steps - 1)))
+    runs = []
+    for i, k in enumerate(points + [None]):
+        extra = ["recover=auto"] if i else []
+        delay = rng.uniform(0.0, 1.0)
+        how, secs = run_once(cmd + overrides(a, seed, root, f"killed-{seed}", tok, vocab) + extra,
+                             os.path.join(root, f"killed-{seed}.log"), k, delay, killed_dir, a.timeout)
+        runs.append({"kill_after_step": k, "end": how, "seconds": round(secs, 1)})
+    res["killed"] = runs
+    s_trained, s_missing = read_trained(straight_dir, a.steps)
+    k_trained, k_missing = read_trained(killed_dir, a.steps)
+    res.update(compare(s_trained, k_trained, fronts(straight_dir), fronts(killed_dir)))
+    res["missing_batches"] = {"straight": s_missing, "killed": k_missing}
+    res["drops"] = {"straight": drops(straight_dir), "killed": drops(killed_dir)}
+    res["trained_groups"] = {"straight": sum(map(len, s_trained.values())),
+                             "killed": sum(map(len, k_trained.values()))}
+    res["ok"] = (res["trained_twice"] == 0 and res["gaps"] <= sum(res["drops"]["killed"].values())
+                 and not res["unequal"] and not s_missing and not k_missing
+                 and res["straight"]["end"] == "exit 0" and runs[-1]["end"] == "exit 0")
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--kills", type=int, default=3, help="kill -9's of everything per seed, at random steps")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--eta", type=int, default=2, help="staleness bound: groups in flight behind the front")
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--rollout-workers", type=int, default=2)
+    ap.add_argument("--checkpoint-every", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per run before it counts as hung")
+    ap.add_argument("--out", default="", help="folder for the runs (default: a temporary one)")
+    ap.add_argument("--json", default="", help="write the results here")
+    a = ap.parse_args(argv)
+    root = a.out or tempfile.mkdtemp(prefix="arl-kill-resume-")
+    os.makedirs(root, exist_ok=True)
+    print(f"kill_resume: {machine()}; runs in {root}", flush=True)
+    tok = tokenizer_dir(root)
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(tok))
+    results = []
+    for seed in range(a.seeds):
+        r = one_seed(a, seed, root, tok, vocab)
+        results.append(r)
+        kills = ", ".join(f"{x['kill_after_step']}" for x in r["killed"][:-1])
+        print(f"seed {seed}: killed after steps [{kills}]; trained groups {r['trained_groups']['killed']} "
+              f"(straight {r['trained_groups']['straight']}); trained twice {r['trained_twice']}, gaps {r['gaps']} "
+              f"(counted drops {sum(r['drops']['killed'].values())}), equal below the fronts "
+              f"{r['compared_below']}: {not r['unequal']} -> {'ok' if r['ok'] else 'FAILED'}", flush=True)
+        if not r["ok"]:
+            print(json.dumps(r, indent=1, default=str), flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+    ok = all(r["ok"] for r in results)
+    print(f"kill_resume: {sum(r['ok'] for r in results)}/{len(results)} seeds ok, "
+          f"{sum(len(r['killed']) - 1 for r in results)} kills in all", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

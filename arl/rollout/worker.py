@@ -211,7 +211,10 @@ class RolloutWorker:
                  eval_concurrency: int = 64, seed: int = 0, env_timeout: Optional[float] = None,
                  env_groups: Optional[EnvGroupSpec] = None, filter_void_turns: bool = False,
                  filter_uniform_groups: bool = False, verify_token_ledger: bool = False, tokenizer: Any = None,
-                 trace_rate: float = 0.0, agent_name: str = "", loop_block_s: float = 1.0) -> None:
+                 trace_rate: float = 0.0, agent_name: str = "", loop_block_s: float = 1.0,
+                 learner_wait_s: float = 600.0) -> None:
+        """`learner_wait_s`: how long a finished group waits for a lost learner's restart (`learner_lost`) before
+        it is dropped as `learner_lost`."""
         self.index = index
         # a thread that names the agent when the event loop (every group, the client, the endpoint) stops running
         # for more than loop_block_s (0: none); started with the acquire loop
@@ -252,6 +255,14 @@ class RolloutWorker:
         # admission latency: gate_acquire sent -> gate_grant received, per admitted group (FIFO matching)
         self._acquires: collections.deque[list] = collections.deque()  # [time sent, groups not yet granted]
         self.admission = LogHistogram()
+        # the learner's restarts: while it is lost, finished groups wait (pushed to the dead process they would be
+        # lost after their group_done said accepted); each rollback (epoch, version) caps the token versions of the
+        # groups that started before it
+        self._learner_up = asyncio.Event()
+        self._learner_up.set()
+        self._learner_wait = learner_wait_s
+        self._learner_epoch = 0
+        self._rollbacks: list[tuple[int, int]] = []
 
     # -- controller commands -------------------------------------------------------------------------------
     def on_grant(self, n: int) -> None:
@@ -270,6 +281,35 @@ class RolloutWorker:
             t = asyncio.create_task(self._run_group(prompt, self._prompts.position - 1, wait))
             self._running.add(t)
             t.add_done_callback(self._group_finished)
+
+    def learner_lost(self) -> None:
+        """The controller is restarting the learner: finished groups wait for `learner_back`."""
+        self._learner_up.clear()
+
+    def learner_back(self, version: int) -> None:
+        """The restarted learner resumed at `version` (the caller already points the pushes at it): groups that
+        started before now and hold tokens of a later version (a lost policy) are dropped as `lost_version`."""
+        self._learner_epoch += 1
+        self._rollbacks.append((self._learner_epoch, int(version)))
+        self._learner_up.set()
+
+    def rewind_prompts(self, position: Any) -> None:
+        """Draw the prompts the restarted learner's checkpoint did not settle again: `position` is the checkpoint's
+        data position entry for this worker (None: it has none)."""
+        if isinstance(position, int):
+            self._prompts.seek(int(position))
+
+    async def _learner_takes(self, trajs: Sequence[Trajectory], epoch: int) -> str:
+        """'accepted' once a learner is up that may train `trajs` (a group started in learner `epoch`), else why
+        not: 'learner_lost' (it did not come back within `learner_wait_s`), 'lost_version'."""
+        if not self._learner_up.is_set():
+            try:
+                await asyncio.wait_for(self._learner_up.wait(), self._learner_wait)
+            except asyncio.TimeoutError:
+                return "learner_lost"
+        ceiling = min((v for e, v in self._rollbacks if e > epoch), default=None)
+        newest = max((int(np.max(t.versions)) for t in trajs if len(t.versions)), default=-1)
+        return "lost_version" if ceiling is not None and newest > ceiling else "accepted"
 
     def _group_finished(self, t: asyncio.Task) -> None:
         self._running.discard(t)
@@ -296,6 +336,7 @@ class RolloutWorker:
     # -- one prompt group ------------------------------------------------------------------------------------
     async def _run_group(self, prompt: dict, prompt_pos: int = -1, admission_s: Optional[float] = None) -> None:
         gid = make_group_id(self.index, self._incarnation, next(self._group_ids))
+        epoch = self._learner_epoch
         timer = PhaseTimer()
         timer.start("group")  # env, agent, filters, push: the group's `seconds`
         reason, trajs = "accepted", []
@@ -344,6 +385,8 @@ class RolloutWorker:
                     await asyncio.wait_for(self._env_pool.release(env), 5.0)
         self.traj_stats.update(stats)
         size: Optional[int] = None
+        if reason == "accepted":  # a learner that may train it, and a policy that still exists
+            reason = await self._learner_takes(trajs, epoch)
         if reason == "accepted":  # the push can fail too: the group still ends with its group_done
             try:
                 for t in trajs:

@@ -470,7 +470,11 @@ class LearnerConfig:
     keep_weight_versions: int = field(3, "Floor: the newest N exported weight files are always kept; older ones "
                                          "are deleted once every live inference worker acked a newer version.")
     heartbeat_timeout: float = field(120.0, "A learner silent this long is named in the log, its stacks dumped, "
-                                            "and the run stops.")
+                                            "and it is restarted (learner.max_restarts).")
+    max_restarts: int = field(3, "Most restarts of a lost learner (died, silent, or reported a fatal error) in one "
+                                 "run, each from the newest checkpoint (version 0 without one) while inference "
+                                 "and rollout workers keep running; one more loss stops the run (0: a lost "
+                                 "learner stops the run).")
     checkpoint_every: int = field(50, "Checkpoint (model, optimizer, scheduler, RNG, data position) every N steps "
                                       "and after the last one, under <run>/checkpoints (0: never).")
     keep_checkpoints: int = field(2, "Checkpoints kept in the run directory.")
@@ -732,6 +736,7 @@ def validate(cfg: Any) -> None:
          "env.call_timeout must be >= 0, env.session_lease_s and env.heartbeat_timeout > 0"),
         (rc.max_restarts >= 0, "rollout.max_restarts must be >= 0"),
         (ic.max_restarts >= 0, "inference.max_restarts must be >= 0"),
+        (lc.max_restarts >= 0, "learner.max_restarts must be >= 0"),
         (min(rc.heartbeat_timeout, ic.heartbeat_timeout, lc.heartbeat_timeout) > 0,
          "heartbeat timeouts must be > 0"),
         (cfg.max_message_bytes >= 1024, "max_message_bytes must be >= 1024"),

@@ -28,6 +28,9 @@ def test_cross_field_validation():
     with pytest.raises(ConfigError, match="busy_poll_us"):
         parse_overrides(ExperimentConfig, ["busy_poll_us=-1"])
     assert parse_overrides(ExperimentConfig, ["busy_poll_us=300"]).busy_poll_us == 300
+    with pytest.raises(ConfigError, match="learner.max_restarts must be >= 0"):
+        parse_overrides(ExperimentConfig, ["learner.max_restarts=-1"])
+    assert parse_overrides(ExperimentConfig, []).learner.max_restarts == 3
 
 
 def test_help_lists_every_field_with_default():

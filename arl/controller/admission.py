@@ -40,6 +40,7 @@ class Admission:
         self._closed: collections.OrderedDict[str, Hashable] = collections.OrderedDict()
         self._lost: collections.Counter = collections.Counter()  # (w, incarnation) -> groups released as lost
         self.max_remembered, self.max_closed = max_remembered, max_closed
+        self._reopen_at: Optional[int] = None  # paused for a lost learner: reopens when this version is live
 
     def open(self) -> list[Grant]:
         self.is_open = True
@@ -113,6 +114,31 @@ class Admission:
     def set_version(self, version: int) -> list[Grant]:
         self.gate.set_version(version)
         return self.grant()
+
+    def went_live(self, version: int) -> list[Grant]:
+        """`version` is live on every inference server: the gate moves on to it (never back), and admission
+        reopens if it waited for a rollback's version (`rollback`)."""
+        if version > self.gate.version:
+            self.gate.set_version(version)
+        if self._reopen_at is not None and version >= self._reopen_at:
+            self._reopen_at, self.is_open = None, True
+        return self.grant()
+
+    def pause(self) -> None:
+        """The learner is lost: nothing is granted until it is back and its checkpoint's weights are live (queued
+        requests wait; running groups go on)."""
+        if self.is_open:
+            self._reopen_at = self.gate.version
+        self.is_open = False
+
+    def rollback(self, version: int, accepted: int) -> None:
+        """The restarted learner resumed at checkpoint `version`, having consumed `accepted` groups: the gate goes
+        back there (groups accepted since are gone with the lost learner; running ones end as they end, by their
+        group_done). Admission stays paused until `version` is live (`went_live`); a run that never opened
+        (the learner lost before the first evaluation) opens as usual, after it."""
+        self.gate.version, self.gate.accepted, self.gate.owed = int(version), int(accepted), 0
+        if self._reopen_at is not None:
+            self._reopen_at = int(version)
 
     def worker_lost(self, worker: Hashable) -> tuple[int, list[Grant]]:
         """Forget `worker`'s requests and release what it held; returns (groups lost in flight, new grants).

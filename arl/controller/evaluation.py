@@ -15,6 +15,7 @@ class EvalSchedule:
         self.total_steps, self.every, self.start_version = total_steps, every, start_version
         self.requested: set[int] = set()
         self.done: set[int] = set()
+        self._lost: set[int] = set()  # versions asked for before a rollback took them back, not asked since
 
     def pending(self) -> list[int]:
         """Versions whose evaluation was requested and has no result yet (to ask again after a restart)."""
@@ -25,6 +26,7 @@ class EvalSchedule:
         return self.start_version not in self.requested | self.done
 
     def request(self, version: int) -> list[int]:
+        self._lost.discard(version)
         self.requested.add(version)
         return [version]
 
@@ -37,8 +39,18 @@ class EvalSchedule:
             u % self.every == 0 for u in range(previous + 1, version + 1)))
         return self.request(version) if due else []
 
+    def rollback(self, version: int) -> None:
+        """The learner restarted from checkpoint `version`: versions after it are trained again, so they are
+        evaluated again when reached (a late result of a lost one is ignored)."""
+        self._lost |= {v for v in self.requested | self.done if v > version}
+        self.requested = {v for v in self.requested if v <= version}
+        self.done = {v for v in self.done if v <= version}
+
     def finished(self, version: int) -> tuple[bool, bool]:
         """The evaluation of `version` is in: (it was the start version's, so admission opens; the run is done: the
-        last version's evaluation is in and no other is pending, in whatever order they came)."""
+        last version's evaluation is in and no other is pending, in whatever order they came). A version not asked
+        for (a lost policy's, asked before a rollback and not since) counts for nothing."""
+        if version in self._lost and version not in self.requested:
+            return False, False
         self.done.add(version)
         return version == self.start_version, max(self.done) >= self.total_steps and not self.pending()

@@ -12,16 +12,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 from arl.controller.admission import Admission, Grant
 from arl.controller.diagnosis import describe_stall, investigate_silence, resume_hint
 from arl.controller.evaluation import EvalSchedule
-from arl.controller.recovery import EnvLost, Fatal, InferenceLost, RolloutLost, give_up, plan_failure
+from arl.controller.recovery import (EnvLost, Fatal, InferenceLost, LearnerLost, RolloutLost, give_up, plan_failure,
+                                    plan_rollback)
 from arl.controller.peers import Peers
 from arl.controller.reporting import ProgressWatch, Reporter
 from arl.controller.supervision import RoleLauncher, Supervisor
 from arl.controller.weight_sync import Action, GiveUp, Rejoin, WeightSync
+from arl.learner.checkpoint import RESTART_ENV
 from arl.transport import messages as m
 from arl.utils.proc import tail
 
@@ -34,7 +36,7 @@ class Sends(Protocol):
     """What the health loop needs the controller shell to send."""
 
     async def grant(self, grants: list[Grant]) -> None: ...
-    async def tell_rollouts(self, msg: m.ControlMessage) -> None: ...
+    async def tell_rollouts(self, msg: m.ControlMessage, index: Optional[int] = None) -> None: ...
     async def advance(self) -> None: ...
 
 
@@ -50,6 +52,7 @@ class Health:
         self.progress, self.role_stats, self.stack_dump_wait = progress, role_stats, stack_dump_wait
         self.sends, self.fail = sends, fail
         self.names: list[str] = []  # the processes started for the run
+        self.learner_lost_for = ""  # why the learner being restarted was lost (for its `learner_restart` record)
 
     async def watch(self) -> None:
         while await self.check():
@@ -133,6 +136,12 @@ class Health:
             self.roster.forget((plan.role, plan.index))
             self.role_stats.pop((plan.role, plan.index), None)
             self.reporter.event("worker_lost", role=plan.role, process=name, servers=[plan.index], reason=reason)
+        elif isinstance(plan, LearnerLost):  # its successor resumes from the newest checkpoint (`learner_back`)
+            self.roster.forget(("learner", 0))
+            self.roster.addresses["learner"] = None  # a lookup (a restarted rollout worker) waits for the new one
+            self.role_stats.pop(("learner", 0), None)
+            self.launcher.env[RESTART_ENV] = "1"  # every later start of the learner resumes
+            self.learner_lost_for = reason
         else:  # an inference process: out of the routing and the weight acks (killed if it still runs)
             self.launcher.kill(name)
             for s in plan.servers:
@@ -144,8 +153,9 @@ class Health:
         for msg in plan.tell:
             await self.sends.tell_rollouts(msg)
         if plan.restarts:  # killed first if it still runs (a hung one); not started if the run ends meanwhile
-            kind, fields = plan.record(reason)
-            self.reporter.fault(kind, "worker_restarted", role=name, **fields, restarts=plan.restarts)
+            record = plan.record(reason)
+            if record is not None:
+                self.reporter.fault(record[0], "worker_restarted", role=name, **record[1], restarts=plan.restarts)
             self.launcher.kill(name)
             for _ in range(500):
                 if not self.launcher.alive(name):
@@ -155,6 +165,35 @@ class Health:
         if isinstance(plan, InferenceLost):  # a version only it had not acked is live now (the run may end)
             await self.sends.advance()
         return True
+
+    async def learner_back(self, resumed: Optional[dict[str, Any]], address: str,
+                           path_of: Callable[[int], str]) -> list[Action]:
+        """The restarted learner registered at `address`, resumed from the checkpoint `resumed` says: the run goes
+        back to its version (`plan_rollback`), the rollout workers push to the new learner and draw the unsettled
+        prompts again, and the weight actions to carry out (every server loads the checkpoint's weights) are
+        returned. A state that names no usable checkpoint stops the run."""
+        version = resumed.get("version") if isinstance(resumed, dict) else None
+        try:
+            rb = plan_rollback(resumed if isinstance(resumed, dict) else {}, address=address,
+                               path=path_of(version if isinstance(version, int) else 0), admission=self.admission,
+                               weights=self.weights, schedule=self.schedule, num_rollout=self.sup.num_rollout)
+        except ValueError as e:
+            self.fail(f"learner restart: {e}")
+            return []
+        lost = self.reporter.learner_rollback(rb.groups_settled, rb.trajectories_settled)
+        for i, msg in rb.tell.items():
+            if msg.position is not None:  # a rollout worker restarted later starts where this one rewinds to
+                self.roster.positions[i] = msg.position
+            await self.sends.tell_rollouts(msg, i)
+        restarts, cap = self.sup.learner_restarts, self.sup.max_learner_restarts
+        self.reporter.fault("learner_restart", reason=self.learner_lost_for[:300], from_version=rb.from_version,
+                            to_version=rb.to_version, restarts=restarts, lost_groups=lost)
+        line = (f"learner died ({self.learner_lost_for[:200]}); restarted from checkpoint v{rb.to_version} (restart "
+                f"{restarts} of at most {cap}); {lost} groups of lost versions dropped")
+        logger.warning("%s; running groups holding tokens of versions after v%d are dropped as lost_version", line,
+                       rb.to_version)
+        self.reporter.say(line)
+        return rb.actions
 
     async def rejoined(self, role: str, index: int, address: str) -> None:
         """Restarted server `role` `index` is back at `address`: the rollout workers route to it again."""

@@ -32,7 +32,9 @@ class GroupOutcomes:
         if msg.accepted:
             self.progress.accepted(time.monotonic())
         else:
-            self.progress.dropped(str(msg.reason), time.monotonic(), error=msg.error)
+            # a lost policy's groups after a learner restart are no sign of a run that cannot progress
+            self.progress.dropped(str(msg.reason), time.monotonic(), error=msg.error,
+                                  streak=msg.reason != "lost_version")
         return grants
 
     def dropped(self, msg: m.GroupsDropped) -> list[Grant]:

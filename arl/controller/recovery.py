@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 from arl.controller.admission import Admission, Grant
+from arl.data.position import DataPosition
+from arl.controller.evaluation import EvalSchedule
 from arl.controller.supervision import Supervisor
-from arl.controller.weight_sync import WeightSync
+from arl.controller.weight_sync import Action, WeightSync
 from arl.transport import messages as m
 
 logger = logging.getLogger("arl.controller")
@@ -101,7 +103,78 @@ class EnvLost:
                        what, log_tail)
 
 
-Plan = Union[Fatal, RolloutLost, InferenceLost, EnvLost]
+@dataclasses.dataclass(frozen=True)
+class LearnerLost:
+    """The learner is restarted (restart number `restarts`) from its newest checkpoint; the run had reached
+    `from_version`. Admission pauses and the rollout workers hold finished groups until it is back (`Rollback`):
+    what they would push now would go to the dead process."""
+
+    restarts: int
+    from_version: int
+    grants: tuple[Grant, ...] = ()
+
+    @property
+    def tell(self) -> tuple[m.ControlMessage, ...]:
+        return (m.WorkerLost(role="learner", indices=[0]),)
+
+    def record(self, reason: str) -> Optional[tuple[str, dict[str, Any]]]:
+        return None  # written when it is back and the checkpoint's version is known (`Rollback`)
+
+    def log(self, name: str, reason: str, sup: Supervisor, log_tail: str) -> None:
+        logger.warning("learner %s at version %d; restarting it from its newest checkpoint (restart %d of at most "
+                       "%d); last lines of its log:\n%s", reason, self.from_version, self.restarts,
+                       sup.max_learner_restarts, log_tail)
+
+
+Plan = Union[Fatal, RolloutLost, InferenceLost, EnvLost, LearnerLost]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollback:
+    """The restarted learner is back, resumed from checkpoint `to_version`: the run goes back there from
+    `from_version`. `actions`: every inference server loads the checkpoint's weights; `tell`: each rollout worker's
+    `LearnerRestarted`; `groups_settled` / `trajectories_settled`: what the checkpoint's learner accounts for (the
+    rest of the groups accepted so far are gone with the lost process)."""
+
+    from_version: int
+    to_version: int
+    groups_settled: int
+    trajectories_settled: int
+    actions: list[Action]
+    tell: dict[int, m.LearnerRestarted]
+
+
+def _count(state: dict, key: str, default: Optional[int] = None) -> int:
+    """Field `key` of a restarted learner's resume state: an int >= 0, else ValueError naming it."""
+    value = state.get(key, default)
+    if type(value) is not int or value < 0:
+        raise ValueError(f"the restarted learner's resume state: {key!r} must be an int >= 0, got {value!r:.40}")
+    return value
+
+
+def plan_rollback(resumed: dict, *, address: str, path: str, admission: Admission, weights: WeightSync,
+                  schedule: EvalSchedule, num_rollout: int) -> Rollback:
+    """The restarted learner registered at `address` with `resumed` (its `Register.resumed`); `path`: where the
+    inference servers find the checkpoint's weights. Books the rollback in the gate, the weight sync and the
+    evaluation schedule; ValueError (nothing booked) for a state without a usable field."""
+    v = _count(resumed, "version")
+    consumed = _count(resumed, "groups_consumed", 0)
+    settled, trajs = _count(resumed, "groups_settled", consumed), _count(resumed, "trajectories_settled", 0)
+    positions = resumed.get("data_position") or {}
+    if not isinstance(positions, dict):
+        raise ValueError(f"the restarted learner's resume state: 'data_position' must be a map, got "
+                         f"{positions!r:.40}")
+    for k, p in positions.items():
+        DataPosition.from_state(p)  # ValueError naming what is wrong
+    from_version = max(admission.gate.version, weights.newest or 0)
+    admission.rollback(v, consumed)
+    schedule.rollback(v)
+    actions = weights.rollback(v, path)
+    # a worker the checkpoint settled nothing of (none yet, or no checkpoint: v0) draws every prompt again
+    tell = {i: m.LearnerRestarted(address=address, version=m.Count(v),
+                                  position=positions.get(str(i), DataPosition().to_state()))
+            for i in range(num_rollout)}
+    return Rollback(from_version, v, settled, trajs, actions, tell)
 
 
 def plan_failure(name: str, *, sup: Supervisor, admission: Admission, weights: WeightSync, registered: bool,
@@ -124,6 +197,11 @@ def plan_failure(name: str, *, sup: Supervisor, admission: Admission, weights: W
         lost, grants = admission.worker_lost(index)
         sup.forget(("rollout", index))
         return RolloutLost(index, sup.restarting(name, now), lost, orphans, grants)
+    if d.action == "restart_learner":
+        from_version = max(admission.gate.version, weights.newest or 0)
+        admission.pause()
+        sup.forget(("learner", 0))
+        return LearnerLost(sup.restarting(name, now), from_version)
     servers = list(d.servers)
     weights.lose(servers)
     for s in servers:

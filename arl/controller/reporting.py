@@ -296,6 +296,16 @@ class Reporter:
             self.accepted_trajectories += n_traj
         self._note_traj_stats(traj_stats, n_raw)
 
+    def learner_rollback(self, groups_settled: int, trajectories_settled: int) -> int:
+        """The learner restarted from a checkpoint that accounts for `groups_settled` groups: the groups accepted
+        beyond them were lost with the dead process (their budget is back in the gate); returns how many."""
+        lost = max(0, self.accepted_groups - groups_settled)
+        self.accepted_groups -= lost
+        self.accepted_trajectories = min(self.accepted_trajectories, trajectories_settled)
+        if lost:
+            self.group_reasons["lost_learner_restart"] += lost
+        return lost
+
     def groups_lost(self, n: int) -> None:
         if n:
             self.lost_groups += n
@@ -418,7 +428,8 @@ class Reporter:
 
     # -- the end -----------------------------------------------------------------------------------------------
     def accounting(self, *, role_stats: dict, steps: int, running_groups: int, failure: Optional[str],
-                   rollout_restarts: int, inference_restarts: int, transport: dict, env_restarts: int = 0) -> dict:
+                   rollout_restarts: int, inference_restarts: int, transport: dict, env_restarts: int = 0,
+                   learner_restarts: int = 0) -> dict:
         """Where every accepted group went: the controller's counts next to the learner's latest snapshot, plus
         faults handled and malformed input dropped. `lost_accepted_groups` and `trained_twice` must stay 0."""
         ls = role_stats.get(("learner", 0), {})
@@ -442,7 +453,8 @@ class Reporter:
                "steps": steps, "groups": dict(self.group_reasons), "accepted_groups": self.accepted_groups,
                "accepted_trajectories": self.accepted_trajectories, "lost_in_flight_groups": self.lost_groups,
                "running_groups": running_groups, "rollout_restarts": rollout_restarts,
-               "inference_restarts": inference_restarts, "learner": {k: ls.get(k) for k in LEARNER_KEYS},
+               "inference_restarts": inference_restarts, "learner_restarts": learner_restarts,
+               "learner": {k: ls.get(k) for k in LEARNER_KEYS},
                "env": dict(env), "requests": dict(requests), "transport": transport, "faults": list(self.faults),
                "memory": self.memory.summary()}
         if env_servers or env_restarts:
@@ -475,11 +487,12 @@ class Reporter:
         self.groups_lost(lost)
         self.keep_env_counts(old_stats)
 
-    def summary(self, *, run_dir: str, steps: int, lost_inference: Any) -> dict:
+    def summary(self, *, run_dir: str, steps: int, lost_inference: Any, learner_restarts: int = 0) -> dict:
         """What `run_experiment` returns: steps, evaluation accuracies, groups by outcome."""
         return {
             "run_dir": run_dir,
             "steps": steps,
+            "learner_restarts": learner_restarts,
             "evals": {v: (e["first_acc"], e["solved_acc"]) for v, e in sorted(self.evals.items()) if e},
             "groups": dict(self.group_reasons),
             "lost_inference": sorted(lost_inference),

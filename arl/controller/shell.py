@@ -140,7 +140,8 @@ class Controller:
             self.reporter.final_report()
         if self._failure:
             raise RunFailed(self._failure)
-        return self.reporter.summary(run_dir=self.run_dir, steps=self.gate.version, lost_inference=self.weights.lost)
+        return self.reporter.summary(run_dir=self.run_dir, steps=self.gate.version, lost_inference=self.weights.lost,
+                                     learner_restarts=self.sup.learner_restarts)
 
     async def shutdown(self, grace: float = 5.0) -> None:
         """Ask every role to exit, then make sure it did."""
@@ -172,7 +173,7 @@ class Controller:
                                         running_groups=self.gate.running, failure=self._failure,
                                         rollout_restarts=self.sup.restarts,
                                         inference_restarts=self.sup.inference_restarts, transport=transport,
-                                        env_restarts=self.sup.env_restarts)
+                                        env_restarts=self.sup.env_restarts, learner_restarts=self.sup.learner_restarts)
 
     # -- message handling --------------------------------------------------------------------------------------
     async def _serve(self) -> None:
@@ -233,6 +234,9 @@ class Controller:
             await self._apply(self.weights.registered(msg.index))  # a restarted server catches up, then rejoins
         if msg.role in ("env", "judge") and restarted and msg.address:  # the rollout workers route to it again
             await self.health.rejoined(msg.role, msg.index, msg.address)
+        if key == ("learner", 0) and restarted:  # back from its newest checkpoint: the run rolls back to it
+            await self._apply(await self.health.learner_back(msg.resumed, msg.address or "",
+                                                             self.weights_link.resume_path))
         await self._answer_lookups()
         await self._maybe_start()
         if restarted and key == ("rollout", 0):  # evaluations it was running died with it: ask again
@@ -318,12 +322,13 @@ class Controller:
         # tell the learner which weight files no inference server will read again (it deletes those)
         await self._send_to(("learner", 0), m.PruneWeights(below=self.weights.lowest_needed()))
         due = self.schedule.live(*step, self.gate.version)
-        if step[1] > self.gate.version:  # else a resumed run's checkpoint weights, live everywhere
-            await self.grant(self.admission.set_version(step[1]))
+        # the gate moves on (not for a resumed run's checkpoint weights); reopens after a learner's rollback
+        await self.grant(self.admission.went_live(step[1]))
         await self._evaluate(due)
 
-    async def tell_rollouts(self, msg: m.ControlMessage) -> None:
-        for r in range(self.sup.num_rollout):
+    async def tell_rollouts(self, msg: m.ControlMessage, index: Optional[int] = None) -> None:
+        """Send `msg` to every rollout worker (or only to `index`)."""
+        for r in range(self.sup.num_rollout) if index is None else [index]:
             await self._send_to(("rollout", r), msg)
 
     async def _maybe_start(self) -> None:

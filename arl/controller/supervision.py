@@ -81,8 +81,8 @@ class RoleLauncher(Protocol):
 @dataclasses.dataclass(frozen=True)
 class Decision:
     """What to do about a failed process: 'restart_rollout', 'restart_env' (an env server or a judge worker),
-    'lose_inference' (drop its `servers`
-    from the run and `restart` it) or 'fatal'."""
+    'restart_learner' (from its newest checkpoint), 'lose_inference' (drop its `servers` from the run and `restart`
+    it) or 'fatal'."""
 
     action: str
     restart: bool = False
@@ -111,9 +111,11 @@ class Supervisor:
                  startup_timeout: float, heartbeat_timeouts: Optional[dict[str, float]] = None,
                  tolerate_inference_loss: bool = False, restart_rollout: bool = True, max_restarts: int = 3,
                  restart_inference: bool = False, max_inference_restarts: int = 3, num_env: int = 0,
-                 max_env_restarts: int = 3, num_judge: int = 0, max_judge_restarts: int = 3) -> None:
+                 max_env_restarts: int = 3, num_judge: int = 0, max_judge_restarts: int = 3,
+                 max_learner_restarts: int = 3) -> None:
         """`num_judge`: judge workers (`arl.inference.entry.run_judge`): frozen, never in the weight sync;
-        restarted like env servers, under `max_judge_restarts`."""
+        restarted like env servers, under `max_judge_restarts`. `max_learner_restarts`: a lost learner is
+        restarted from its newest checkpoint this often (0: a lost learner stops the run)."""
         self.num_inference, self.num_rollout, self.num_env = num_inference, num_rollout, num_env
         self.num_judge, self.max_judge_restarts, self.judge_restarts = num_judge, max_judge_restarts, 0
         self.servers_per_process = max(1, servers_per_process)
@@ -126,6 +128,7 @@ class Supervisor:
         self.restart_inference, self.max_inference_restarts = restart_inference, max_inference_restarts
         self.restarts = self.inference_restarts = self.env_restarts = 0
         self.max_env_restarts = max_env_restarts
+        self.max_learner_restarts, self.learner_restarts = max_learner_restarts, 0
         self.last_seen: dict[tuple[str, int], float] = {}
         self.restarted_at: dict[str, float] = {}  # process name -> when it was restarted (until it registers)
         self.started_at: Optional[float] = None
@@ -242,6 +245,9 @@ class Supervisor:
             return _restart_or_stop(self.judge_restarts, self.max_judge_restarts,
                                     "judge workers (judge.inference.max_restarts)", "restart_env", registered,
                                     spawned)
+        if name == "learner" and self.max_learner_restarts > 0:  # from its newest checkpoint, under its cap
+            return _restart_or_stop(self.learner_restarts, self.max_learner_restarts,
+                                    "learners (learner.max_restarts)", "restart_learner", registered, spawned)
         hosted = self.servers_of(name)
         remaining = set(range(self.num_inference)) - lost - set(hosted)
         if hosted and self.tolerate_inference_loss and self.all_up:
@@ -267,6 +273,9 @@ class Supervisor:
         if self.judge_index(name) is not None:
             self.judge_restarts += 1
             return self.judge_restarts
+        if name == "learner":
+            self.learner_restarts += 1
+            return self.learner_restarts
         self.restarts += 1
         return self.restarts
 

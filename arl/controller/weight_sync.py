@@ -19,9 +19,13 @@ from typing import Optional, Union
 
 @dataclasses.dataclass(frozen=True)
 class Send:
+    """Tell `server` to load `version` from `path`; `rollback`: load it even though it has a newer one (the
+    learner restarted from an older checkpoint)."""
+
     server: int
     version: int
     path: str
+    rollback: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +62,7 @@ class WeightSync:
         self.live = initial_version
         self.max_load_attempts = max(1, int(max_load_attempts))
         self.failures = [0] * num_servers  # failed loads in a row, per server
+        self.rolling_back: dict[int, int] = {}  # server -> the older version it must load (`rollback`)
 
     # -- queries ---------------------------------------------------------------------------------------------
     @property
@@ -78,7 +83,7 @@ class WeightSync:
         deleted; the newest is never below this."""
         loads = [self.sent[i] for i in range(self.num_servers)
                  if self.loading(i) and (i not in self.lost or i in self.rejoining)]
-        return min([self.live, *loads])
+        return max(0, min([self.live, *loads]))  # -1 while a rollback is under way
 
     # -- events ----------------------------------------------------------------------------------------------
     def publish(self, version: int, path: str) -> list[Action]:
@@ -95,6 +100,10 @@ class WeightSync:
             raise ValueError(f"no inference server {server}")
         if server in self.lost and server not in self._registered:
             return []  # a late ack from a lost process (or the dead incarnation of a restarted one)
+        if server in self.rolling_back:
+            if version != self.rolling_back[server]:
+                return []  # a load of a lost version that ended after the rollback was sent
+            del self.rolling_back[server]
         self.acked[server] = max(self.acked[server], version)
         self.sent[server] = max(self.sent[server], version)
         self.failures[server] = 0
@@ -117,7 +126,7 @@ class WeightSync:
         if (server in self.lost and server not in self._registered) or not self.loading(server) \
                 or version != self.sent[server]:
             return []
-        self.sent[server] = self.acked[server]
+        self.sent[server] = self.acked[server]  # in a rollback: -1, so the rollback is offered again
         self.failures[server] += 1
         if self.failures[server] >= self.max_load_attempts:
             attempts, self.failures[server] = self.failures[server], 0
@@ -125,10 +134,29 @@ class WeightSync:
         nxt = self._offer(server)
         return [nxt] if nxt is not None else []
 
+    def rollback(self, version: int, path: str) -> list[Action]:
+        """The learner restarted from checkpoint `version` (weights at `path`), older than what servers may have
+        loaded: every server in the run (and a restarted one that registered) loads it whatever it has; acks of
+        other versions are ignored until it did, and `advance()` reports `version` live once all did. A restarted
+        server not registered yet started with the initial weights: it gets the newest as usual."""
+        self.published = {version: path}
+        self.live = -1
+        for s in range(self.num_servers):
+            if s in self.lost and s not in self._registered:
+                if s in self.rejoining:
+                    self.acked[s] = self.sent[s] = min(self.acked[s], 0)
+                continue
+            self.acked[s] = self.sent[s] = -1
+            self.failures[s] = 0
+            self.rolling_back[s] = version
+        return [a for s in sorted(self.rolling_back) if (a := self._offer(s)) is not None]
+
     def lose(self, servers: list[int]) -> None:
         """`servers` left the ack set (their process died or hung), or restarted ones did not come back (they stay
         lost); `advance()` tells if a version went live."""
         self.lost.update(servers)
+        for s in servers:
+            self.rolling_back.pop(s, None)
         self.rejoining.difference_update(servers)
         self._registered.difference_update(servers)
 
@@ -165,4 +193,4 @@ class WeightSync:
         if v is None or self.loading(server) or v <= self.sent[server]:
             return None
         self.sent[server] = v
-        return Send(server, v, self.published[v])
+        return Send(server, v, self.published[v], rollback=server in self.rolling_back)

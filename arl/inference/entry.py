@@ -41,7 +41,7 @@ async def run_inference(cfg: ExperimentConfig, ctl: ControlChannel, index: int, 
                                        weights=weights))
 
     async def on_update(msg: UpdateWeights) -> None:
-        await asyncio.gather(*(w.update_weights(msg.version, msg.path) for w in workers))
+        await asyncio.gather(*(w.update_weights(msg.version, msg.path, bool(msg.rollback)) for w in workers))
 
     def to_server(msg_type: str) -> Callable[[Any], Awaitable[None]]:
         """The transport's command `msg_type`, for the hosted server it names (``index``)."""

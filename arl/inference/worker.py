@@ -91,7 +91,7 @@ class InferenceWorker:
             if self._inflight.get(key) is asyncio.current_task():
                 del self._inflight[key]
 
-    async def update_weights(self, version: int, path: str) -> None:
+    async def update_weights(self, version: int, path: str, rollback: bool = False) -> None:
         """Load `version`, unless it is not newer than the loaded or loading one: a duplicate or late update
         must never take the weights backwards (it is dropped without an ack). A load that raises is acked with
         its `error` (the weights stay as they were).
@@ -99,7 +99,15 @@ class InferenceWorker:
         One load at a time on this engine: the control channel runs each message's handler as its own task, and
         with several servers in a process one server's message loads every one of them, so v6 can arrive while
         v5 loads. Loads run in arrival order (newest last), one still queued when a newer version is already
-        served is skipped, and the ack names the version the engine serves once its load is done."""
+        served is skipped, and the ack names the version the engine serves once its load is done.
+
+        `rollback`: the learner was restarted from an older checkpoint: `version` loads whatever this server has
+        (after a load already under way) and is acked as such; later updates go up from it."""
+        if rollback:
+            self._target_version = version
+            async with self._load_lock:
+                await self._load(version, path, rollback=True)
+            return
         if version <= max(int(self.engine.version), self._target_version):
             logger.info("ignored update_weights v%d: v%d is loaded or loading", version,
                         max(int(self.engine.version), self._target_version))
@@ -111,7 +119,7 @@ class InferenceWorker:
                 return
             await self._load(version, path)
 
-    async def _load(self, version: int, path: str) -> None:
+    async def _load(self, version: int, path: str, rollback: bool = False) -> None:
         t0 = time.perf_counter()
         try:  # a broadcast sends the newest the learner holds: at least `version`
             loaded = await self.weights.load(version, path)
@@ -125,8 +133,8 @@ class InferenceWorker:
             await self._send(WeightsLoaded(version=version, index=self.index, error=f"{type(e).__name__}: {e}"[:1000]))
             return
         # what the engine serves now; a transport whose engine does not count versions reports it by its return
-        served = max(int(loaded), int(self.engine.version))
-        self._target_version = max(self._target_version, served)
+        served = int(loaded) if rollback else max(int(loaded), int(self.engine.version))
+        self._target_version = served if rollback else max(self._target_version, served)
         ms = (time.perf_counter() - t0) * 1000
         self.stats["updates"] += 1
         self.stats["update_ms_last"] = ms

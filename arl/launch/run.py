@@ -130,6 +130,7 @@ def _controller(cfg: ExperimentConfig, run_dir: str, bind_host: str, secret: Opt
         max_env_restarts=cfg.env.max_restarts,
         num_judge=judge_workers(cfg),
         max_judge_restarts=cfg.judge.inference.max_restarts,
+        max_learner_restarts=cfg.learner.max_restarts,
     )
     kwargs: dict[str, Any] = dict(
         run_dir=run_dir,

@@ -15,11 +15,14 @@ import shutil
 import tempfile
 from typing import Iterator, Optional
 
-__all__ = ["CHECKPOINT_STATE_FILE", "CHECKPOINT_SUBDIR", "latest_checkpoint", "read_checkpoint_state",
+__all__ = ["CHECKPOINT_STATE_FILE", "CHECKPOINT_SUBDIR", "RESTART_ENV", "latest_checkpoint", "read_checkpoint_state",
            "replacing_file", "replacing_dir"]
 
 CHECKPOINT_STATE_FILE = "arl_state.json"
 CHECKPOINT_SUBDIR = "checkpoints"
+# set ("1") in the environment of a learner the controller restarts after it was lost: it resumes from the newest
+# checkpoint (or starts over at version 0 without one) whatever `recover` says, and tells the controller which
+RESTART_ENV = "ARL_LEARNER_RESTART"
 
 
 def latest_checkpoint(path: str) -> Optional[str]:

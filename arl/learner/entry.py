@@ -9,6 +9,7 @@ import os
 from typing import Any, Optional
 
 from arl.config import ExperimentConfig, staleness_policy, weights_settings
+from arl.learner.checkpoint import RESTART_ENV
 from arl.transport.control import SOCKET_OPTIONS, ControlChannel, RoleParts, aclose, bind, host_address, make_socket
 from arl.transport.sockets import Pull
 
@@ -82,9 +83,12 @@ async def run_learner(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
     # the controller's prune_weights: no server reads versions below msg.below again
     ctl.handlers["prune_weights"] = lambda msg: weights_side.prune(msg.below)
     ctl.handlers.update(weights_side.handlers)  # the transport's own commands
-    if cfg.recover == "auto":
+    resumed = None
+    if os.environ.get(RESTART_ENV) == "1":  # the controller restarted it after a loss: it rolls back to where this is
+        resumed = await worker.resume_after_loss()
+    elif cfg.recover == "auto":
         await worker.resume()  # before registering: the controller sends the exported weights to inference
-    await ctl.register(cfg.startup_timeout, address=address, **weights_side.registration)
+    await ctl.register(cfg.startup_timeout, address=address, resumed=resumed, **weights_side.registration)
     coros = [worker.receive(), worker.train(), ctl.heartbeat(worker.heartbeat_stats),
              *weights_side.coroutines()]
     cleanups = [aclose(pull), weights_side.close()]

@@ -268,6 +268,28 @@ class LearnerWorker:
                     self.data_position)
         return v
 
+    async def resume_after_loss(self) -> dict:
+        """This learner replaces a lost one (the controller restarted it): resume from the newest checkpoint, or
+        start over at version 0 without one, and export those weights either way (the inference servers may hold
+        later versions of the lost process and go back to these). Groups the checkpoint counted as received but
+        had not trained (its buffer) were lost with that process: they leave the counts, as the controller's
+        accepted groups beyond the checkpoint leave its. Returns what the controller's rollback needs
+        (`Register.resumed`); `data_position` as the checkpoint holds it."""
+        from arl.learner.checkpoint import read_checkpoint_state
+
+        v = await self.resume()
+        if v is None:
+            v = self.engine.version
+            await self.weights.publish(v, await self._export())
+            logger.info("restarted without a checkpoint: starting over at version %d", v)
+        st = self.stats
+        st["groups_received"] = st["trained_groups"] + st["stale_groups_dropped"]
+        st["trajectories_received"] = st["trained_trajectories"] + st["stale_trajectories_dropped"]
+        saved = (read_checkpoint_state(self.checkpoint_dir) if self.checkpoint_dir else None) or {}
+        return {"version": v, "groups_consumed": self.groups_consumed,
+                "data_position": dict(saved.get("data_position") or {}), "groups_settled": st["groups_received"],
+                "trajectories_settled": st["trajectories_received"]}
+
     async def maybe_checkpoint(self, force: bool = False) -> Optional[str]:
         v = self.engine.version
         if not self.checkpoint_dir or not self.checkpoint_every or (not force and v % self.checkpoint_every):

@@ -10,8 +10,8 @@ import os
 from typing import Any, Awaitable, Callable, Optional
 
 from arl.config import ExperimentConfig, rollout_deadlines
-from arl.transport.control import ControlChannel, RoleParts, aclose, make_socket
-from arl.transport.messages import Eval, EvalDone, Lookup, SendControl, WorkerBack, WorkerLost
+from arl.transport.control import ControlChannel, RoleParts, make_socket
+from arl.transport.messages import Eval, EvalDone, LearnerRestarted, Lookup, SendControl, WorkerBack, WorkerLost
 from arl.transport.sockets import Dealer, Push
 
 logger = logging.getLogger("arl.worker")
@@ -154,6 +154,7 @@ def rollout_worker(cfg: ExperimentConfig, parts: AgentParts, client: Any, *, ind
         trace_rate=rc.trace_rate,
         agent_name=f"'{cfg.agent.name}' ({getattr(agent, '__module__', '?')}.{getattr(agent, '__qualname__', agent)})",
         loop_block_s=rc.loop_block_warn_s,
+        learner_wait_s=2 * cfg.startup_timeout,  # a lost learner's restart registers within startup_timeout
     )
 
 
@@ -162,7 +163,7 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
 
     parts = agent_parts(cfg, index)
     addrs = await ctl.request(Lookup(role="rollout", index=index), "addresses", cfg.startup_timeout)
-    push = make_socket(Push).connect(addrs["learner"])
+    link = {"push": make_socket(Push).connect(addrs["learner"])}  # replaced when a lost learner is restarted
     prompts = PromptStream(parts.train_rows, seed=cfg.seed, shard=index, num_shards=cfg.rollout.num_workers)
     client = inference_client(cfg, [make_socket(Dealer).connect(a) for a in addrs["inference"]])
     env_client = None
@@ -175,8 +176,8 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
     judge_client, judge = judge_link(cfg, addrs.get("judge"))
     per_worker = max(1, cfg.rollout.max_concurrent_rollouts // cfg.rollout.num_workers)
     worker = rollout_worker(cfg, parts, client, index=index, prompts=prompts, capacity=per_worker,
-                            send_control=ctl.post, push_group=lambda group: push.send("traj", group),
-                            push_settled=lambda msg: push.send(msg.TYPE, msg.to_payload()),
+                            send_control=ctl.post, push_group=lambda group: link["push"].send("traj", group),
+                            push_settled=lambda msg: link["push"].send(msg.TYPE, msg.to_payload()),
                             env_client=env_client)
 
     stats = worker.heartbeat_stats
@@ -195,7 +196,9 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
         await ctl.post(EvalDone.from_payload(result))
 
     async def on_worker_lost(msg: WorkerLost) -> None:  # the controller dropped an inference server: re-route
-        if msg.role == "inference":
+        if msg.role == "learner":  # being restarted: finished groups wait for it
+            worker.learner_lost()
+        elif msg.role == "inference":
             for i in msg.indices:
                 await client.worker_lost(i)
         elif msg.role == "env" and env_client is not None:  # its sessions are gone: their groups are dropped
@@ -213,8 +216,18 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
         elif msg.role == "judge" and judge_client is not None:
             judge_client.worker_back(msg.index, make_socket(Dealer).connect(msg.address))
 
+    async def on_learner_restarted(msg: LearnerRestarted) -> None:  # back from its checkpoint: push to the new one
+        old, link["push"] = link["push"], make_socket(Push).connect(msg.address)
+        old.close()  # what it still queued for the dead learner goes with it (those groups were lost there)
+        worker.rewind_prompts(msg.position)
+        worker.learner_back(msg.version)
+        logger.info("rollout%d: the learner is back at %s from checkpoint v%d", index, msg.address, msg.version)
+
+    async def close_push() -> None:
+        link["push"].close()
+
     ctl.handlers.update(gate_grant=lambda msg: worker.on_grant(msg.n), eval=on_eval, worker_lost=on_worker_lost,
-                        worker_back=on_worker_back)
+                        worker_back=on_worker_back, learner_restarted=on_learner_restarted)
     ack = await ctl.register(cfg.startup_timeout)
     if ack.get("prompt_position"):  # resuming a run or restarted: re-draw what had not settled, then go on
         try:
@@ -223,7 +236,7 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
             raise RuntimeError(f"rollout{index}: the controller sent a bad prompt position: {e}") from None
         logger.info("rollout%d: prompt stream resumes: %d prompts drawn again, then position %d", index,
                     prompts.redraws, prompts.position)
-    closers = [worker.close(), client.close(), aclose(push)] + ([env_client.close()] if env_client else [])
+    closers = [worker.close(), client.close(), close_push()] + ([env_client.close()] if env_client else [])
     if judge_client is not None:
         closers.insert(1, judge_client.close())
     if parts.endpoint is not None:  # it closes after the worker's groups

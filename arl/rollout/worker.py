@@ -40,6 +40,11 @@ from arl.utils.timer import PhaseTimer
 logger = logging.getLogger("arl.rollout")
 
 
+# drop reasons that settle no prompt: the group was lost with a learner (its policy version, or the learner itself
+# did not come back in time), so its prompt is drawn again; every other drop is by a counted rule
+REDRAWN = frozenset({"lost_version", "learner_lost"})
+
+
 class PromptStream:
     """Endless shuffled passes over the training rows; each worker takes every k-th row of a pass.
 
@@ -89,6 +94,11 @@ class PromptStream:
         if position < 0:
             raise ValueError(f"prompt position must be >= 0, got {position}")
         self.restore(int(position))
+
+    def put_back(self, position: int) -> None:
+        """Draw `position` again (next, before fresh ones): its group was lost, not dropped by a rule."""
+        if position not in self._redraw:
+            self._redraw.appendleft(int(position))
 
     @property
     def redraws(self) -> int:
@@ -237,9 +247,12 @@ class RolloutWorker:
                  env_groups: Optional[EnvGroupSpec] = None, filter_void_turns: bool = False,
                  filter_uniform_groups: bool = False, verify_token_ledger: bool = False, tokenizer: Any = None,
                  trace_rate: float = 0.0, agent_name: str = "", loop_block_s: float = 1.0,
+                 learner_wait_s: float = 600.0,
                  push_settled: Optional[Callable[[PromptSettled], Awaitable[None]]] = None) -> None:
-        """`push_settled`: tells the learner (on the trajectory socket) that a group was dropped here by a counted
-        rule, so its prompt is settled in the learner's checkpoint and a resume does not draw it again."""
+        """`learner_wait_s`: how long a finished group waits for a lost learner's restart (`learner_lost`) before
+        it is dropped as `learner_lost`. `push_settled`: tells the learner (on the trajectory socket) that a group
+        was dropped here by a counted rule, so its prompt is settled in the learner's checkpoint and a resume does
+        not draw it again."""
         self.index = index
         # a thread that names the agent when the event loop (every group, the client, the endpoint) stops running
         # for more than loop_block_s (0: none); started with the acquire loop
@@ -285,6 +298,14 @@ class RolloutWorker:
         # admission latency: gate_acquire sent -> gate_grant received, per admitted group (FIFO matching)
         self._acquires: collections.deque[list] = collections.deque()  # [time sent, groups not yet granted]
         self.admission = LogHistogram()
+        # the learner's restarts: while it is lost, finished groups wait (pushed to the dead process they would be
+        # lost after their group_done said accepted); each rollback (epoch, version) caps the token versions of the
+        # groups that started before it
+        self._learner_up = asyncio.Event()
+        self._learner_up.set()
+        self._learner_wait = learner_wait_s
+        self._learner_epoch = 0
+        self._rollbacks: list[tuple[int, int]] = []
 
     # -- controller commands -------------------------------------------------------------------------------
     def on_grant(self, n: int) -> None:
@@ -305,12 +326,38 @@ class RolloutWorker:
             self._running_pos[t] = pos
             t.add_done_callback(self._group_finished)
 
+    def learner_lost(self) -> None:
+        """The controller is restarting the learner: finished groups wait for `learner_back`."""
+        self._learner_up.clear()
+
+    def learner_back(self, version: int) -> None:
+        """The restarted learner resumed at `version` (the caller already points the pushes at it): groups that
+        started before now and hold tokens of a later version (a lost policy) are dropped as `lost_version`."""
+        self._learner_epoch += 1
+        self._rollbacks.append((self._learner_epoch, int(version)))
+        self._learner_up.set()
+
     def rewind_prompts(self, state: Any) -> None:
         """Continue the prompt stream from data position `state` (a resume's, a restart's, a rolled-back
-        learner's checkpoint): its unsettled positions are drawn again, except those of groups running here."""
+        learner's checkpoint; None: nothing to rewind): its unsettled positions are drawn again, except those of
+        groups running here (a running group dropped as `lost_version` puts its prompt back, see `_settle`)."""
+        if state is None:
+            return
         drawn = sorted(self._running_pos.values())
         self._prompts.restore(state, drawn)
         self._ended = DataPosition.from_state(state)
+
+    async def _learner_takes(self, trajs: Sequence[Trajectory], epoch: int) -> str:
+        """'accepted' once a learner is up that may train `trajs` (a group started in learner `epoch`), else why
+        not: 'learner_lost' (it did not come back within `learner_wait_s`), 'lost_version'."""
+        if not self._learner_up.is_set():
+            try:
+                await asyncio.wait_for(self._learner_up.wait(), self._learner_wait)
+            except asyncio.TimeoutError:
+                return "learner_lost"
+        ceiling = min((v for e, v in self._rollbacks if e > epoch), default=None)
+        newest = max((int(np.max(t.versions)) for t in trajs if len(t.versions)), default=-1)
+        return "lost_version" if ceiling is not None and newest > ceiling else "accepted"
 
     def _group_finished(self, t: asyncio.Task) -> None:
         self._running.discard(t)
@@ -338,6 +385,7 @@ class RolloutWorker:
     # -- one prompt group ------------------------------------------------------------------------------------
     async def _run_group(self, prompt: dict, prompt_pos: int = -1, admission_s: Optional[float] = None) -> None:
         gid = make_group_id(self.index, self._incarnation, next(self._group_ids))
+        epoch = self._learner_epoch
         timer = PhaseTimer()
         timer.start("group")  # env, agent, filters, push: the group's `seconds`
         reason, trajs = "accepted", []
@@ -386,6 +434,8 @@ class RolloutWorker:
                     await asyncio.wait_for(self._env_pool.release(env), 5.0)
         self.traj_stats.update(stats)
         size: Optional[int] = None
+        if reason == "accepted":  # a learner that may train it, and a policy that still exists
+            reason = await self._learner_takes(trajs, epoch)
         if reason == "accepted":  # the push can fail too: the group still ends with its group_done
             try:
                 for t in trajs:
@@ -417,6 +467,9 @@ class RolloutWorker:
         """The group of `prompt_pos` ended (pushed or dropped): booked here, and a drop is told to the learner,
         whose checkpoint settles it (a pushed group is settled when the learner trains it)."""
         if prompt_pos < 0:
+            return
+        if reason in REDRAWN:  # no rule dropped it: the learner that would have trained it is gone
+            self._prompts.put_back(prompt_pos)
             return
         self._ended.settle(prompt_pos)
         if reason == "accepted" or self._push_settled is None:

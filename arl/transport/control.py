@@ -56,11 +56,12 @@ class ControlChannel:
         await self.dealer.send(msg.TYPE, msg.to_payload())
 
     async def register(self, timeout: float, index: Optional[int] = None, address: Optional[str] = None,
-                       weights_store: Optional[str] = None) -> dict:
-        """Register as this role (or as hosted inference server `index`); returns the controller's ack."""
+                       weights_store: Optional[str] = None, resumed: Optional[dict] = None) -> dict:
+        """Register as this role (or as hosted inference server `index`); returns the controller's ack.
+        `resumed`: a restarted learner's checkpoint (`Register.resumed`)."""
         return await self.request(Register(role=self.role, index=self.index if index is None else index,
-                                           address=address, pid=os.getpid(), weights_store=weights_store),
-                                  "ack", timeout)
+                                           address=address, pid=os.getpid(), weights_store=weights_store,
+                                           resumed=resumed), "ack", timeout)
 
     async def request(self, msg: ControlMessage, reply_type: str, timeout: float) -> dict:
         fut = asyncio.get_running_loop().create_future()

@@ -93,6 +93,9 @@ class Register(ControlMessage):
     address: Optional[str] = None
     pid: Optional[int] = None
     weights_store: Optional[str] = None  # learner, `broadcast` weight transport: its sender's store, "host:port"
+    # a restarted learner: the checkpoint it resumed from (version, groups_consumed, data_position, groups_settled,
+    # trajectories_settled; `arl.learner.worker.LearnerWorker.resume_after_loss`)
+    resumed: Optional[dict] = None
 
 
 class Ack(ControlMessage):
@@ -165,6 +168,7 @@ class WeightsPublished(ControlMessage):
 class UpdateWeights(ControlMessage):
     version: int
     path: str
+    rollback: Optional[bool] = None  # load it even if a newer version is loaded (the learner went back)
 
 
 class WeightsLoaded(ControlMessage):
@@ -250,6 +254,16 @@ class PromptSettled(ControlMessage):
     worker: int
     position: int
     reason: str = ""
+
+
+class LearnerRestarted(ControlMessage):
+    """Controller -> rollout worker: the lost learner is back at `address`, resumed from checkpoint `version`.
+    Groups holding tokens of a later (lost) version are dropped; `position`: the checkpoint's data position entry
+    for this worker (opaque here; `RolloutWorker.rewind_prompts`), None when it has none."""
+
+    address: str
+    version: Count
+    position: Any = None
 
 
 class Shutdown(ControlMessage):

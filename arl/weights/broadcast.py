@@ -114,7 +114,8 @@ class BroadcastLink:
         for s in sends:
             if registered(("inference", s.server)):
                 servers.setdefault(s.version, []).append(s.server)
-            out.append((("inference", s.server), "update_weights", {"version": s.version, "path": s.path}))
+            out.append((("inference", s.server), "update_weights",
+                        {"version": s.version, "path": s.path, **({"rollback": True} if s.rollback else {})}))
         out += [(("learner", 0), "send_weights", {"version": v, "servers": ss}) for v, ss in servers.items()]
         return out
 

@@ -102,7 +102,9 @@ class DiskLink:
         return []
 
     def updates(self, sends: Sequence[SendLike], registered: Callable[[Key], bool]) -> Outgoing:
-        return [(("inference", s.server), "update_weights", {"version": s.version, "path": s.path}) for s in sends]
+        return [(("inference", s.server), "update_weights",
+                 {"version": s.version, "path": s.path, **({"rollback": True} if s.rollback else {})})
+                for s in sends]
 
     def resume_path(self, version: int) -> str:
         return weights_path(self.weights_dir, version)

@@ -106,6 +106,7 @@ class SendLike(Protocol):  # `arl.controller.weight_sync.Send`
     server: int
     version: int
     path: str
+    rollback: bool  # load it even though the server has a newer version (the learner restarted from a checkpoint)
 
 
 class ControllerSide(Protocol):

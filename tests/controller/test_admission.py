@@ -121,3 +121,20 @@ def test_settled_groups_are_forgotten_after_a_while_open_ones_are_not():
         a.group_done(0, True, "w0.aag999")
     assert a.received(0, "aa", "w0.aag998", 2) == "known"
     assert a.group_done(0, True, "w0.aag0") == [] and a.gate.accepted == 1_000  # the open one settled once
+
+
+def test_a_learner_rollback_takes_the_gate_back_and_reopens_once_its_version_is_live():
+    a = make(batch_size=2, eta=1)
+    a.open()
+    assert a.acquire(0, 8) == [(0, 4)]  # (0 + 1 + 1) * 2
+    for _ in range(3):
+        a.group_done(0, True)
+    assert a.set_version(2) == [(0, 4)]  # limit (2 + 2) * 2 = 8, accepted 3, running 1 -> 4 more
+    a.pause()  # the learner is gone: nothing is granted while it comes back
+    assert a.acquire(1, 2) == [] and a.group_done(0, True) == [] and not a.is_open
+    a.rollback(1, accepted=2)  # its checkpoint: version 1, 2 groups consumed
+    assert (a.gate.version, a.gate.accepted, a.gate.running, a.gate.owed) == (1, 2, 4, 0)
+    assert a.went_live(0) == [] and not a.is_open  # an older version going live does not reopen it
+    assert a.went_live(1) == [] and a.is_open  # (1 + 2) * 2 - 2 - 4 = 0: room comes as groups end
+    assert a.group_done(0, False) == [(1, 1)]  # a lost_version drop returns its budget to the waiting worker
+    assert a.went_live(2) == [(1, 1)] and a.gate.version == 2

@@ -178,7 +178,7 @@ async def test_inference_restart_rejoins_only_with_the_newest_weights(tmp_path):
 @pytest.mark.asyncio
 async def test_restarted_inference_that_never_registers_is_given_up(tmp_path):
     ctl = make_controller(tmp_path, num_inference=2, num_rollout=1, tolerate_inference_loss=True,
-                          restart_inference=True, startup_timeout=30)
+                          restart_inference=True, startup_timeout=30, max_learner_restarts=0)
     for i in (0, 1):
         await ctl._dispatch(f"i{i}".encode(), "register", {"role": "inference", "index": i, "address": f"tcp://a:{i}"})
     await ctl._dispatch(b"r0", "register", {"role": "rollout", "index": 0})
@@ -366,4 +366,68 @@ async def test_a_learner_drop_that_overtakes_its_group_done_returns_the_budget(t
     assert ctl.gate.accepted == 0 and ctl.gate.running == 1  # its budget came back: the next group started
     assert [s for s in ctl.router.sent if s[1] == "gate_grant"][-1] == (b"r0", "gate_grant", {"n": 1})
     assert ctl.reporter.group_reasons["dropped_invalid"] == 1 and ctl.control_errors == {}
+    ctl.reporter.close()
+
+
+@pytest.mark.asyncio
+async def test_a_lost_learner_is_restarted_and_the_run_rolls_back_to_its_checkpoint(tmp_path):
+    ctl = make_controller(tmp_path, num_inference=2, num_rollout=2, total_train_steps=6, max_learner_restarts=1)
+    for i in (0, 1):
+        await ctl._dispatch(f"i{i}".encode(), "register", {"role": "inference", "index": i, "address": f"tcp://a:{i}"})
+        await ctl._dispatch(f"r{i}".encode(), "register", {"role": "rollout", "index": i})
+    await ctl._dispatch(b"L", "register", {"role": "learner", "index": 0, "address": "tcp://l:1"})
+    await ctl._dispatch(b"r0", "eval_done", {"version": 0, "n": 1, "first_acc": 0.0, "solved_acc": 0.0})
+    await ctl._dispatch(b"r0", "gate_acquire", {"want": 8, "incarnation": "aa"})
+    assert ctl.gate.running == 8  # (0 + 3 + 1) * 2
+    for n in range(6):  # pushed and reported; the learner trains 2 steps, checkpoints v1, publishes v2
+        await ctl._dispatch(b"r0", "group_done", {"accepted": True, "reason": "accepted", "n_traj": 4,
+                                                  "group_id": f"w0.aag{n}"})
+    await ctl._dispatch(b"L", "weights_published", {"version": 2, "path": "/w/v2"})
+    for i in (0, 1):
+        await ctl._dispatch(f"i{i}".encode(), "weights_loaded", {"version": 2, "index": i})
+    assert ctl.gate.version == 2 and ctl.admission.is_open
+    sent = ctl.router.sent
+    n = len(sent)
+    ctl.launcher.exit("learner", -9)
+    assert await ctl.health.check() and ctl._failure is None
+    assert ctl.launcher.spawns.count("learner") == 2 and ctl.launcher.env["ARL_LEARNER_RESTART"] == "1"
+    assert sorted(sent[n:]) == [(b"r0", "worker_lost", {"role": "learner", "indices": [0]}),
+                                (b"r1", "worker_lost", {"role": "learner", "indices": [0]})]
+    await ctl._dispatch(b"r0", "group_done", {"accepted": True, "reason": "accepted", "n_traj": 4,
+                                              "group_id": "w0.aag6"})
+    await ctl._dispatch(b"r1", "gate_acquire", {"want": 4, "incarnation": "bb"})
+    assert [s for s in sent[n:] if s[1] == "gate_grant"] == []  # paused while the learner is away
+    # the new learner resumed from checkpoint v1: 2 groups consumed, 3 received (one was buffered, lost with it)
+    n = len(sent)
+    await ctl._dispatch(b"L2", "register", {"role": "learner", "index": 0, "address": "tcp://l:2", "resumed": {
+        "version": 1, "groups_consumed": 2, "data_position": {"0": 5}, "groups_settled": 2,
+        "trajectories_settled": 8}})
+    out = [s for s in sent[n:] if s[1] != "ack"]
+    v1 = str(tmp_path / "weights" / "v1.safetensors")  # exported by the new learner, as on a recover=auto resume
+    assert out == [(b"r0", "learner_restarted", {"address": "tcp://l:2", "version": 1, "position": 5}),
+                   (b"r1", "learner_restarted", {"address": "tcp://l:2", "version": 1,
+                                                           "position": {"low": 0, "above": []}}),
+                   (b"i0", "update_weights", {"version": 1, "path": v1, "rollback": True}),
+                   (b"i1", "update_weights", {"version": 1, "path": v1, "rollback": True})]
+    assert ctl.roster.addresses["learner"] == "tcp://l:2" and ctl.roster.positions[0] == 5
+    assert (ctl.gate.version, ctl.gate.accepted, ctl.gate.running) == (1, 2, 1) and not ctl.admission.is_open
+    fault = [{k: r[k] for k in ("type", "reason", "from_version", "to_version", "restarts", "lost_groups")}
+             for r in records(tmp_path) if r.get("kind") == "learner_restart"]
+    # 7 accepted (one pushed to the dead learner before its worker heard), 2 in the checkpoint: 5 lost with it
+    assert fault == [{"type": "fault", "reason": "exited with code -9", "from_version": 2, "to_version": 1,
+                      "restarts": 1, "lost_groups": 5}]
+    # a running group holding tokens of the lost v2 is dropped: its budget comes back once admission reopens
+    await ctl._dispatch(b"r0", "group_done", {"accepted": False, "reason": "lost_version", "group_id": "w0.aag7"})
+    await ctl._dispatch(b"i0", "weights_loaded", {"version": 2, "index": 0})  # a late ack of the lost v2
+    await ctl._dispatch(b"i0", "weights_loaded", {"version": 1, "index": 0})
+    assert not ctl.admission.is_open
+    n = len(sent)
+    await ctl._dispatch(b"i1", "weights_loaded", {"version": 1, "index": 1})
+    assert ctl.admission.is_open and ctl.gate.version == 1 and (b"r1", "gate_grant", {"n": 4}) in sent[n:]
+    acct = ctl.accounting()
+    assert acct["learner_restarts"] == 1 and acct["accepted_groups"] == 2
+    assert acct["groups"]["lost_learner_restart"] == 5 and acct["groups"]["lost_version"] == 1
+    # it dies again: over the cap, the run stops
+    ctl.launcher.exit("learner", -9)
+    assert not await ctl.health.check() and "role learner exited with code -9" in ctl._failure
     ctl.reporter.close()

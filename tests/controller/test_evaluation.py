@@ -78,3 +78,16 @@ def test_the_controller_finishes_when_the_evaluations_come_back_out_of_order(tmp
         ctl.reporter.close()
 
     asyncio.run(go())
+
+
+def test_a_rollback_evaluates_the_versions_after_it_again_when_they_are_reached():
+    s = EvalSchedule(total_steps=4, every=1)
+    s.request(0)
+    s.finished(0)
+    assert s.live(0, 1, 0) == [1] and s.live(1, 2, 1) == [2]
+    assert s.finished(1) == (False, False)
+    s.rollback(1)  # the learner restarted from v1: v2's evaluation (pending) is asked again when v2 is reached
+    assert s.pending() == [] and not s.awaiting_start()
+    assert s.finished(2) == (False, False) and s.pending() == []  # a late result of the lost v2: ignored
+    assert s.live(1, 2, 1) == [2] and s.pending() == [2]
+    assert s.finished(2) == (False, False) and s.live(2, 4, 2) == [4] and s.finished(4) == (False, True)

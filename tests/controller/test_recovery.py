@@ -62,3 +62,41 @@ def test_a_restarted_inference_process_given_up_stays_lost():
     plan("inference1", sup, admission, weights)
     assert give_up("inference1", sup=sup, weights=weights) == [1]
     assert weights.lost == {1} and weights.rejoining == set() and sup.restarted_at == {}
+
+
+def test_a_lost_learner_is_restarted_and_its_return_rolls_the_run_back_to_its_checkpoint():
+    import pytest
+
+    from arl.controller.evaluation import EvalSchedule
+    from arl.controller.recovery import LearnerLost, plan_rollback
+    from arl.controller.weight_sync import Send
+    from arl.transport import messages as m
+
+    sup, admission, weights = parts(max_learner_restarts=1)
+    sup.heard(("learner", 0), 0.0)
+    assert admission.acquire(0, 3) == [(0, 3)]  # (0 + 1 + 1) * 2 = 4 may be accepted or running
+    admission.group_done(0, True)
+    weights.publish(3, "/v3")
+    p = plan("learner", sup, admission, weights)
+    assert p == LearnerLost(restarts=1, from_version=3) and not admission.is_open  # nothing starts meanwhile
+    assert [(x.TYPE, x.to_payload()) for x in p.tell] == [("worker_lost", {"role": "learner", "indices": [0]})]
+    assert ("learner", 0) not in sup.last_seen and sup.restarted_at == {"learner": 100.0}
+    schedule = EvalSchedule(total_steps=10, every=1)
+    state = {"version": 1, "groups_consumed": 2, "data_position": {"0": 7}, "groups_settled": 3,
+             "trajectories_settled": 12}
+    r = plan_rollback(state, address="tcp://h:1", path="/c1", admission=admission, weights=weights,
+                      schedule=schedule, num_rollout=2)
+    assert (r.from_version, r.to_version, r.groups_settled, r.trajectories_settled) == (3, 1, 3, 12)
+    assert r.actions == [Send(0, 1, "/c1", rollback=True), Send(1, 1, "/c1", rollback=True)]
+    assert r.tell == {0: m.LearnerRestarted(address="tcp://h:1", version=1, position=7),
+                      1: m.LearnerRestarted(address="tcp://h:1", version=1, position={"low": 0, "above": []})}  # settled none: all again
+    assert (admission.gate.version, admission.gate.accepted, admission.gate.running) == (1, 2, 2)
+    # over the cap: the run stops, saying why
+    assert plan("learner", sup, admission, weights) == Fatal("the run already restarted 1 learners "
+                                                             "(learner.max_restarts)")
+    # a resume state without a usable version is refused by name, before anything is booked
+    for bad in ({}, {"version": "1"}, {"version": -1}, {"version": 1, "groups_consumed": "2"},
+                {"version": 1, "data_position": [1]}):
+        with pytest.raises(ValueError, match="version|groups_consumed|data_position"):
+            plan_rollback(bad, address="a", path="p", admission=admission, weights=weights, schedule=schedule,
+                          num_rollout=2)

@@ -298,3 +298,15 @@ def test_memory_track_stays_small_over_a_long_run():
     assert set(r.memory.roles) == {"controller", "rollout0"}
     row = r.memory.roles["rollout0"]  # a few numbers per role, no per-step list
     assert set(row) == {"first", "first_step", "max", "end", "end_step"} and row["end_step"] == 5000
+
+
+def test_a_learner_rollback_takes_back_the_accepted_groups_its_checkpoint_does_not_hold():
+    r = Reporter([], total_steps=4)
+    for _ in range(5):
+        r.group_done(True, "accepted", 4, None, None)
+    assert r.learner_rollback(groups_settled=3, trajectories_settled=12) == 2
+    assert r.accepted_groups == 3 and r.accepted_trajectories == 12
+    assert r.group_reasons["lost_learner_restart"] == 2
+    acct = r.accounting(role_stats={("learner", 0): {"groups_received": 3}}, steps=4, running_groups=0,
+                        failure=None, rollout_restarts=0, inference_restarts=0, transport={}, learner_restarts=1)
+    assert acct["learner_restarts"] == 1 and acct["lost_accepted_groups"] == 0

@@ -42,10 +42,22 @@ def test_rollout_restarts_up_to_the_cap_and_only_once_registered():
     assert make(restart_rollout=False).decide("rollout0", registered=True, lost=set()).action == "fatal"
 
 
-def test_learner_failure_is_fatal():
-    s = make(tolerate_inference_loss=True)
+def test_learner_failure_is_fatal_without_learner_restarts():
+    s = make(tolerate_inference_loss=True, max_learner_restarts=0)
     register_all(s)
     assert s.decide("learner", registered=True, lost=set()).action == "fatal"
+
+
+def test_a_lost_learner_is_restarted_up_to_its_cap_and_only_once_registered():
+    s = make(max_learner_restarts=2)
+    register_all(s)
+    assert s.decide("learner", registered=False, lost=set()).action == "fatal"  # it would fail the same way
+    assert s.decide("learner", registered=True, lost=set(), spawned=False).action == "fatal"
+    assert s.decide("learner", registered=True, lost=set()).action == "restart_learner"
+    assert s.restarting("learner", 1.0) == 1 and s.learner_restarts == 1 and s.restarts == 0
+    assert s.restarting("learner", 2.0) == 2
+    d = s.decide("learner", registered=True, lost=set())  # the same step keeps failing: no restart loop
+    assert d.action == "fatal" and "learner.max_restarts" in d.note
 
 
 def test_inference_loss_needs_tolerance_a_full_start_and_a_remaining_server():

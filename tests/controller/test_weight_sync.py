@@ -187,3 +187,32 @@ def test_only_the_newest_path_is_kept_over_a_long_run():
         ws.loaded(0, v)
     assert ws.published == {5000: "/w/5000"} and ws.newest == 5000
     assert ws.publish(4_999, "/w/old") == [] and ws.published == {5000: "/w/5000"}
+
+
+def test_a_rollback_sends_every_server_the_checkpoint_s_version_and_ignores_late_acks_of_lost_ones():
+    ws = WeightSync(3)
+    ws.publish(1, "/v1")
+    for s in range(3):
+        ws.loaded(s, 1)
+    ws.advance()
+    assert ws.publish(2, "/v2") == [Send(0, 2, "/v2"), Send(1, 2, "/v2"), Send(2, 2, "/v2")]
+    ws.loaded(0, 2)
+    ws.lose([2])  # server 2 is out of the run
+    acts = ws.rollback(1, "/c1")  # the restarted learner resumed at v1: lower than what servers have
+    assert acts == [Send(0, 1, "/c1", rollback=True), Send(1, 1, "/c1", rollback=True)]
+    assert ws.newest == 1 and ws.advance() is None
+    assert ws.loaded(1, 2) == []  # server 1's load of the lost v2 finished late: not counted
+    assert ws.loaded(0, 1) == [] and ws.loaded(1, 1) == []
+    assert ws.advance() == (-1, 1) and ws.live == 1  # v1 is live again: admission may reopen
+    assert ws.publish(2, "/n2") == [Send(0, 2, "/n2"), Send(1, 2, "/n2")]  # the new v2 goes up as usual
+
+
+def test_a_failed_rollback_load_is_sent_again_as_a_rollback():
+    ws = WeightSync(1)
+    ws.publish(3, "/v3")
+    ws.loaded(0, 3)
+    ws.advance()
+    assert ws.rollback(2, "/c2") == [Send(0, 2, "/c2", rollback=True)]
+    assert ws.load_failed(0, 2, "disk") == [Send(0, 2, "/c2", rollback=True)]
+    assert ws.publish(3, "/n3") == []  # one load in flight; the new v3 follows the rollback
+    assert ws.loaded(0, 2) == [Send(0, 3, "/n3")]

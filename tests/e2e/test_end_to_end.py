@@ -231,7 +231,7 @@ def test_ctrl_c_stops_every_process(tmp_path, model_cache):
 def test_dead_role_stops_the_run_naming_it(tmp_path, model_cache):
     import signal
 
-    proc, run_dir = _start_background(str(tmp_path), model_cache, [])
+    proc, run_dir = _start_background(str(tmp_path), model_cache, ["learner.max_restarts=0"])  # else restarted
     _wait_for_training(run_dir, proc)
     os.kill(_worker_pids(run_dir)["learner0"], signal.SIGKILL)
     _, err = proc.communicate(timeout=60)

@@ -43,6 +43,30 @@ async def test_duplicate_and_older_updates_are_ignored():
     assert acks == [("weights_loaded", 2), ("weights_loaded", 3)]
 
 
+@pytest.mark.asyncio
+async def test_a_rollback_loads_an_older_version_after_the_load_under_way_and_later_ones_go_up_from_it():
+    engine, acks = SlowEngine(), []
+
+    async def send(msg_type: str, payload: dict) -> None:
+        acks.append((msg_type, payload["version"]))
+
+    w = InferenceWorker(index=0, engine=engine, router=None, send_control=typed(send))  # type: ignore[arg-type]
+    engine.gate.set()
+    await w.update_weights(2, "/v2")
+    engine.gate.clear()
+    loading = asyncio.create_task(w.update_weights(3, "/v3"))  # a lost learner's version, still loading
+    await asyncio.sleep(0)
+    back = asyncio.create_task(w.update_weights(1, "/c1", rollback=True))  # its successor resumed at v1
+    await asyncio.sleep(0)
+    engine.gate.set()
+    await asyncio.gather(loading, back)
+    assert engine.loads == [2, 3, 1] and engine.version == 1
+    await w.update_weights(1, "/v1")  # a plain update of what it has: ignored
+    await w.update_weights(2, "/n2")  # the new learner's v2 loads, though a v2 was loaded before
+    assert engine.loads == [2, 3, 1, 2] and engine.version == 2
+    assert acks == [("weights_loaded", v) for v in (2, 3, 1, 2)]
+
+
 class Router:
     """In-memory ROUTER: `inbox` feeds `recv`, `sent` records the answers."""
 

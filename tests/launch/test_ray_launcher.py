@@ -271,7 +271,8 @@ def test_a_lost_nodes_roles_restart_on_a_surviving_node(tmp_path, model_cache, c
 def test_a_lost_learner_node_stops_the_run_and_recover_auto_resumes_it(tmp_path, model_cache, cluster):
     node_c = cluster.add_node(num_cpus=1, resources={"node_c": 1})
     cluster.wait_for_nodes()
-    place = [*PLACE, "ray.placement.learner={node_c: 0.01}", "learner.checkpoint_every=2"]
+    # learner.max_restarts=0: the run stops (restarted in place by default: docs/reliability.md)
+    place = [*PLACE, "ray.placement.learner={node_c: 0.01}", "learner.checkpoint_every=2", "learner.max_restarts=0"]
     proc, run_dir = start_on_ray(cluster, ["total_train_steps=60", *SMALL, *place], str(tmp_path), model_cache)
     ckpts = os.path.join(run_dir, "checkpoints")
     try:

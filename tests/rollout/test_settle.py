@@ -50,3 +50,19 @@ async def test_a_restarted_worker_draws_again_what_had_not_ended_and_a_rewind_sk
     hang.rewind_prompts({"low": 0, "above": []})
     assert hang._prompts.draw()[0] == 1
     await hang.close()
+
+
+@pytest.mark.asyncio
+async def test_a_group_lost_with_the_learner_puts_its_prompt_back_and_tells_nobody():
+    rows = [{"id": i, "mode": "ok"} for i in range(3)]
+    sent, pushed, told = [], [], []
+    worker = make_worker(rows, sent, pushed)
+
+    async def settled(msg):
+        told.append(msg)
+
+    worker._push_settled = settled
+    for reason in ("lost_version", "learner_lost"):
+        await worker._settle(1, reason)
+    assert told == [] and worker._prompts.draw()[0] == 1 and worker._prompts.draw()[0] == 0
+    assert 1 not in DataPosition.from_state(worker.heartbeat_stats()["prompt_position"])

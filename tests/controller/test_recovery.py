@@ -89,7 +89,8 @@ def test_a_lost_learner_is_restarted_and_its_return_rolls_the_run_back_to_its_ch
     assert (r.from_version, r.to_version, r.groups_settled, r.trajectories_settled) == (3, 1, 3, 12)
     assert r.actions == [Send(0, 1, "/c1", rollback=True), Send(1, 1, "/c1", rollback=True)]
     assert r.tell == {0: m.LearnerRestarted(address="tcp://h:1", version=1, position=7),
-                      1: m.LearnerRestarted(address="tcp://h:1", version=1, position={"low": 0, "above": []})}  # settled none: all again
+                      # the checkpoint settled none of worker 1's prompts: it draws them all again
+                      1: m.LearnerRestarted(address="tcp://h:1", version=1, position={"low": 0, "above": []})}
     assert (admission.gate.version, admission.gate.accepted, admission.gate.running) == (1, 2, 2)
     # over the cap: the run stops, saying why
     assert plan("learner", sup, admission, weights) == Fatal("the run already restarted 1 learners "

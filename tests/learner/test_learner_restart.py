@@ -73,8 +73,8 @@ async def test_a_restarted_learner_resumes_from_the_checkpoint_and_says_where(tm
     # the successor: v1, 2 groups settled (g2, buffered in the checkpoint, is gone with the old process)
     w2, sent = learner(tmp_path, [("traj", group("w0.aag3", 3)), ("traj", group("w0.aag2", 2))])
     state = await w2.resume_after_loss()
-    assert state == {"version": 1, "groups_consumed": 2, "data_position": {"0": {"low": 2, "above": []}}, "groups_settled": 2,
-                     "trajectories_settled": 4}
+    assert state == {"version": 1, "groups_consumed": 2, "data_position": {"0": {"low": 2, "above": []}},
+                     "groups_settled": 2, "trajectories_settled": 4}
     assert w2.stats["groups_received"] == 2 and w2.stats["trajectories_received"] == 4
     assert open(tmp_path / "weights" / "v1.safetensors").read() == "v1"  # the servers go back to these
     await drain(w2)  # g3, received only after the checkpoint, is taken; g2 was in the checkpoint's ids

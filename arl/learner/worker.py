@@ -210,13 +210,13 @@ class LearnerWorker:
         self.groups_consumed += 1
         self._settle(_prompt_of(group))
 
-    def _settle(self, prompt: Optional[tuple[str, int]]) -> None:
-        """Book prompt (worker, position) as settled: trained, or dropped by a counted rule."""
+    def _settle(self, prompt: Optional[tuple[str, int]]) -> bool:
+        """Book prompt (worker, position) as settled: trained, or dropped by a counted rule; False if it was."""
         if prompt is None:
-            return
+            return False
         w, p = prompt
         self._buffered_pos.get(w, set()).discard(p)
-        self.data_position.setdefault(w, DataPosition()).settle(p)
+        return self.data_position.setdefault(w, DataPosition()).settle(p)
 
     def _prompt_taken(self, worker: str, position: int) -> bool:
         return position in self.data_position.get(worker, ()) or position in self._buffered_pos.get(worker, ())
@@ -228,9 +228,8 @@ class LearnerWorker:
         except ValueError as e:
             logger.warning("ignored a bad prompt_settled notice: %s", e)
             return
-        if msg.worker >= 0 and msg.position >= 0:
-            self.stats["prompts_settled_by_rollout"] += 1
-            self._settle((str(msg.worker), msg.position))
+        if msg.worker >= 0 and msg.position >= 0 and self._settle((str(msg.worker), msg.position)):
+            self.stats["prompts_settled_by_rollout"] += 1  # a prompt the learner's book holds as dropped
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def checkpoint_state(self) -> dict:

@@ -57,6 +57,27 @@ def overrides(a: argparse.Namespace, seed: int, run_root: str, name: str, tok: s
     ]
 
 
+def default_overrides(a: argparse.Namespace, seed: int, run_root: str, name: str, tok: str,
+                      vocab: int) -> list[str]:
+    """`--default`: the default run (its tiny model and task), nothing recorded: what a user runs."""
+    return [f"seed={seed}", f"run_dir={run_root}", f"run_name={name}", "progress=false"]
+
+
+def final_accuracy(run_dir: str) -> float | None:
+    """The last evaluation's held-out first-answer accuracy."""
+    acc = None
+    try:
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            for line in f:
+                if '"eval"' in line:
+                    r = json.loads(line)
+                    if r.get("type") == "eval":
+                        acc = r.get("first_acc")
+    except (OSError, ValueError):
+        pass
+    return acc
+
+
 def _tree(pid: int) -> list[Any]:
     import psutil
 
@@ -248,22 +269,24 @@ def compare(straight: dict[int, list[int]], killed: dict[int, list[int]], book_s
             "rule_drops": {"straight": rule_s, "killed": rule_k}, "unequal": unequal,
             # a prompt one run trained and the other dropped by a rule: at most the other run's rule drops
             "differ_within_drops": only_k <= rule_s and only_s <= rule_k, "book_off_by": books,
-            "compared_below": {w: min(f_straight.get(w, 0), f_killed.get(w, 0)) for w in set(f_straight) | set(f_killed)}}
+            "compared_below": {w: min(f_straight.get(w, 0), f_killed.get(w, 0))
+                               for w in set(f_straight) | set(f_killed)}}
 
 
 def one_seed(a: argparse.Namespace, seed: int, root: str, tok: str, vocab: int) -> dict[str, Any]:
     rng = random.Random(seed)
     cmd = [sys.executable, os.path.join(ROOT, "training", "main_async_ppo.py")]
+    ov = default_overrides if a.default else overrides
     res: dict[str, Any] = {"seed": seed}
     straight_dir = os.path.join(root, f"straight-{seed}")
-    how, secs = run_once(cmd + overrides(a, seed, root, f"straight-{seed}", tok, vocab),
+    how, secs = run_once(cmd + ov(a, seed, root, f"straight-{seed}", tok, vocab),
                          os.path.join(root, f"straight-{seed}.log"), None, 0.0, straight_dir, a.timeout)
     res["straight"] = {"end": how, "seconds": round(secs, 1)}
     killed_dir = os.path.join(root, f"killed-{seed}")
     points = sorted(rng.sample(range(1, a.steps), min(a.kills, a.steps - 1)))
     runs = []
     if a.target == "learner":  # one run: the controller restarts the learner in place after each kill
-        how, secs = run_once(cmd + overrides(a, seed, root, f"killed-{seed}", tok, vocab),
+        how, secs = run_once(cmd + ov(a, seed, root, f"killed-{seed}", tok, vocab),
                              os.path.join(root, f"killed-{seed}.log"), None, rng.uniform(0.0, 1.0), killed_dir,
                              a.timeout, tuple(points))
         runs = [{"kill_after_step": k, "end": "learner killed"} for k in points]
@@ -272,16 +295,21 @@ def one_seed(a: argparse.Namespace, seed: int, root: str, tok: str, vocab: int) 
     for i, k in enumerate(points + [None] if points or not runs else []):
         extra = ["recover=auto"] if i else []
         delay = rng.uniform(0.0, 1.0)
-        how, secs = run_once(cmd + overrides(a, seed, root, f"killed-{seed}", tok, vocab) + extra,
+        how, secs = run_once(cmd + ov(a, seed, root, f"killed-{seed}", tok, vocab) + extra,
                              os.path.join(root, f"killed-{seed}.log"), k, delay, killed_dir, a.timeout)
         runs.append({"kill_after_step": k, "end": how, "seconds": round(secs, 1)})
     res["killed"] = runs
+    res["summary"] = restarts(killed_dir)
+    res["final_acc"] = {"straight": final_accuracy(straight_dir), "killed": final_accuracy(killed_dir)}
+    if a.default:  # nothing recorded: the run's end, its accounting and its accuracy
+        res["ok"] = (not res["summary"].get("lost_accepted_groups") and res["straight"]["end"] == "exit 0"
+                     and runs[-1]["end"] == "exit 0")
+        return res
     s_trained, s_missing = read_trained(straight_dir, a.steps)
     k_trained, k_missing = read_trained(killed_dir, a.steps)
     res.update(compare(s_trained, k_trained, final_book(straight_dir), final_book(killed_dir)))
     res["missing_batches"] = {"straight": s_missing, "killed": k_missing}
     res["drops"] = {"straight": drops(straight_dir), "killed": drops(killed_dir)}
-    res["summary"] = restarts(killed_dir)
     res["trained_groups"] = {"straight": sum(map(len, s_trained.values())),
                              "killed": sum(map(len, k_trained.values()))}
     res["ok"] = (res["trained_twice"] == 0 and not res["summary"].get("lost_accepted_groups")
@@ -304,6 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rollout-workers", type=int, default=2)
     ap.add_argument("--checkpoint-every", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per run before it counts as hung")
+    ap.add_argument("--default", action="store_true",
+                    help="the default run instead (tiny model, --steps must be its total_train_steps): final "
+                         "accuracy and accounting, no prompt check (nothing recorded)")
     ap.add_argument("--out", default="", help="folder for the runs (default: a temporary one)")
     ap.add_argument("--json", default="", help="write the results here")
     a = ap.parse_args(argv)
@@ -318,6 +349,12 @@ def main(argv: list[str] | None = None) -> int:
     for seed in range(a.seeds):
         r = one_seed(a, seed, root, tok, vocab)
         results.append(r)
+        if a.default:
+            print(f"seed {seed}: default run, {a.target} killed after steps "
+                  f"{[x['kill_after_step'] for x in r['killed'][:-1]]}; final accuracy {r['final_acc']['killed']} "
+                  f"(straight {r['final_acc']['straight']}); seconds {r['killed'][-1].get('seconds')} (straight "
+                  f"{r['straight']['seconds']}); {r['summary']} -> {'ok' if r['ok'] else 'FAILED'}", flush=True)
+            continue
         kills = ", ".join(f"{x['kill_after_step']}" for x in r["killed"][:-1])
         same = ("equal" if not r["unequal"] else "equal apart from rule drops" if r["differ_within_drops"]
                 else "DIFFERENT")

@@ -154,7 +154,7 @@ def test_resume_with_lora_is_bit_exact_and_checkpoints_only_the_adapters(tmp_pat
     w2 = _worker(resumed, tmp_path / "c", total=4, every=2, ckpt=ckpt)
     assert asyncio.run(w2.resume()) == 2
     assert is_adapter(load_file(str(tmp_path / "c" / "weights" / "v2.safetensors")))  # for the inference workers
-    w2.buffer.extend(groups[w2.data_position["0"]:])
+    w2.buffer.extend(groups[w2.data_position["0"].low:])
     asyncio.run(w2.train())
     assert resumed.version == 4
     a, b = _weights(straight), _weights(resumed)

@@ -331,13 +331,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--rollout-workers", type=int, default=2)
     ap.add_argument("--checkpoint-every", type=int, default=2)
-    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per run before it counts as hung")
+    ap.add_argument("--timeout", type=float, default=0.0,
+                    help="seconds per run before it counts as hung (0: 300, with --default 1800)")
     ap.add_argument("--default", action="store_true",
                     help="the default run instead (tiny model, --steps must be its total_train_steps): final "
                          "accuracy and accounting, no prompt check (nothing recorded)")
     ap.add_argument("--out", default="", help="folder for the runs (default: a temporary one)")
     ap.add_argument("--json", default="", help="write the results here")
     a = ap.parse_args(argv)
+    a.timeout = a.timeout or (1800.0 if a.default else 300.0)
     root = a.out or tempfile.mkdtemp(prefix="arl-kill-resume-")
     os.makedirs(root, exist_ok=True)
     print(f"kill_resume: {machine()}; runs in {root}", flush=True)

@@ -88,19 +88,24 @@ def _tree(pid: int) -> list[Any]:
         return []
 
 
-def kill_everything(proc: subprocess.Popen) -> int:
-    """kill -9 the controller and every process it started (roles run in sessions of their own), all at once."""
+def _sigkill(procs: list[Any]) -> int:
+    """SIGKILL `procs` all at once and wait for them; returns how many."""
     import psutil
 
-    procs = _tree(proc.pid)
     for p in procs:
         try:
             p.send_signal(signal.SIGKILL)
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(procs, timeout=30)
-    proc.wait(timeout=30)
     return len(procs)
+
+
+def kill_everything(proc: subprocess.Popen) -> int:
+    """kill -9 the controller and every process it started (roles run in sessions of their own), all at once."""
+    n = _sigkill(_tree(proc.pid))
+    proc.wait(timeout=30)
+    return n
 
 
 def kill_learner(proc: subprocess.Popen) -> int:
@@ -115,13 +120,7 @@ def kill_learner(proc: subprocess.Popen) -> int:
             continue
         if "--role" in cmd and cmd[cmd.index("--role") + 1:][:1] == ["learner"]:
             victims.append(p)
-    for p in victims:
-        try:
-            p.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(victims, timeout=30)
-    return len(victims)
+    return _sigkill(victims)
 
 
 def trained_steps(run_dir: str) -> int:

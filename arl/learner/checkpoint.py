@@ -53,6 +53,15 @@ def read_checkpoint_state(path: str) -> Optional[dict]:
     return state
 
 
+def prune_checkpoints(path: str, keep_last: int, current: str) -> None:
+    """Delete the oldest tag folders under `path` so that `keep_last` remain, the one just written (`current`,
+    ``v<version>``) among them."""
+    tags = sorted((d for d in os.listdir(path) if d.startswith("v") and d[1:].isdigit() and d != current),
+                  key=lambda d: int(d[1:]))
+    for old in tags[: max(0, len(tags) - (keep_last - 1))]:
+        shutil.rmtree(os.path.join(path, old), ignore_errors=True)
+
+
 @contextlib.contextmanager
 def replacing_file(path: str) -> Iterator[str]:
     """A temporary file in ``path``'s folder to write, renamed onto ``path`` when the block ends (removed if it

@@ -38,7 +38,6 @@ import logging
 import math
 import os
 import random
-import shutil
 import tempfile
 from datetime import timedelta
 from typing import Any, Optional
@@ -49,7 +48,7 @@ import torch
 from arl.api.engine import LossFn, LossWeightFn, TrainBatch
 from arl.config import DeepSpeedConfig, LoraConfig, LRSchedule, OptimizerConfig, PackedAttention
 from arl.learner.batching import MicroBatch, build_micro_batches, scored_view
-from arl.learner.checkpoint import CHECKPOINT_STATE_FILE, replacing_file
+from arl.learner.checkpoint import CHECKPOINT_STATE_FILE, prune_checkpoints, replacing_file
 from arl.learner.packing import VARLEN_ATTENTION, enable_varlen_attention, packed_forward_kwargs
 from arl.learner.ppo import token_logprobs
 from arl.utils.net import free_port
@@ -470,10 +469,7 @@ class DeepSpeedEngine:
             exclude_frozen_parameters=self.lora)
         self._barrier()
         if keep_last is not None and self.rank == 0:
-            tags = sorted((d for d in os.listdir(path) if d.startswith("v") and d[1:].isdigit() and d != tag),
-                          key=lambda d: int(d[1:]))
-            for old in tags[: max(0, len(tags) - (keep_last - 1))]:
-                shutil.rmtree(os.path.join(path, old), ignore_errors=True)
+            prune_checkpoints(path, keep_last, tag)
         return os.path.join(path, tag)
 
     def load(self, path: str, tag: Optional[str] = None) -> dict:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from typing import Optional
 
@@ -24,7 +23,7 @@ import numpy as np
 
 from arl.api.engine import LossFn, LossWeightFn, TrainBatch
 from arl.config import SimLearnerConfig
-from arl.learner.checkpoint import CHECKPOINT_STATE_FILE, latest_checkpoint, replacing_file
+from arl.learner.checkpoint import CHECKPOINT_STATE_FILE, latest_checkpoint, prune_checkpoints, replacing_file
 
 
 class SimLearner:
@@ -72,10 +71,7 @@ class SimLearner:
         with replacing_file(os.path.join(path, "latest")) as tmp, open(tmp, "w") as f:
             f.write(tag)
         if keep_last is not None:
-            tags = sorted((d for d in os.listdir(path) if d.startswith("v") and d[1:].isdigit() and d != tag),
-                          key=lambda d: int(d[1:]))
-            for old in tags[: max(0, len(tags) - (keep_last - 1))]:
-                shutil.rmtree(os.path.join(path, old), ignore_errors=True)
+            prune_checkpoints(path, keep_last, tag)
         return os.path.join(path, tag)
 
     def load(self, path: str, tag: Optional[str] = None) -> dict:

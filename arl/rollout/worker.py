@@ -61,7 +61,11 @@ class PromptStream:
         self._seed = seed
         self._orders: dict[int, list[int]] = {}  # the last two passes' orders (a re-draw may reach back one)
         self._per_pass = len(self._pass(0))
-        self._redraw: collections.deque[int] = collections.deque()  # unsettled positions a restore draws first
+        # a restore's re-draw, walked lazily (a bogus settled position far ahead costs nothing): positions from
+        # `_cursor` up to `position` not in `_skip`; and positions put back (their groups were lost), drawn first
+        self._cursor = 0
+        self._skip: set[int] = set()
+        self._back: collections.deque[int] = collections.deque()
         self.position = 0  # the next fresh position (every position below it was drawn)
 
     def _pass(self, epoch: int) -> list[int]:
@@ -87,7 +91,7 @@ class PromptStream:
         done = DataPosition.from_state(state)
         running = {int(p) for p in drawn}
         self.position = max([done.next_fresh, *(p + 1 for p in running)])
-        self._redraw = collections.deque(p for p in done.unsettled(self.position) if p not in running)
+        self._cursor, self._skip, self._back = done.low, set(done.above) | running, collections.deque()
 
     def seek(self, position: int) -> None:
         """Continue as if ``position`` prompts had been drawn."""
@@ -97,20 +101,29 @@ class PromptStream:
 
     def put_back(self, position: int) -> None:
         """Draw `position` again (next, before fresh ones): its group was lost, not dropped by a rule."""
-        if position not in self._redraw:
-            self._redraw.appendleft(int(position))
+        if position not in self._back:
+            self._back.appendleft(int(position))
 
     @property
     def redraws(self) -> int:
-        """Positions still to be drawn again (a restore's)."""
-        return len(self._redraw)
+        """Positions still to be drawn again (a restore's, and those put back)."""
+        ahead = sum(1 for p in self._skip if self._cursor <= p < self.position)
+        return len(self._back) + self.position - self._cursor - ahead
 
     def draw(self) -> tuple[int, dict]:
         """(position, row) of the next prompt."""
-        if self._redraw:
-            p = self._redraw.popleft()
-        else:
-            p, self.position = self.position, self.position + 1
+        if self._back:
+            p = self._back.popleft()
+            return p, self.row(p)
+        while self._cursor < self.position:  # a restore's unsettled positions, in order
+            p, self._cursor = self._cursor, self._cursor + 1
+            if p in self._skip:
+                self._skip.discard(p)
+            else:
+                return p, self.row(p)
+        self._skip.clear()
+        p, self.position = self.position, self.position + 1
+        self._cursor = self.position
         return p, self.row(p)
 
     def __next__(self) -> dict:

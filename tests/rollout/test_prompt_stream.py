@@ -57,3 +57,11 @@ def test_a_bad_position_is_refused_by_name():
     s = PromptStream([{"id": 1}], seed=0)
     with pytest.raises(ValueError, match="data position"):
         s.restore({"low": 1, "above": ["x"]})
+
+
+def test_a_bogus_settled_position_far_ahead_costs_nothing_and_is_skipped_when_reached():
+    s = PromptStream([{"id": i} for i in range(5)], seed=0)
+    s.restore({"low": 3, "above": [10**12]})  # e.g. a fuzzed notice the learner booked
+    assert s.redraws == 10**12 - 3 and [s.draw()[0] for _ in range(3)] == [3, 4, 5]  # drawn lazily, in order
+    s.restore({"low": 10**12 - 1, "above": [10**12]})
+    assert [s.draw()[0] for _ in range(2)] == [10**12 - 1, 10**12 + 1]

@@ -189,7 +189,7 @@ def format_drops(counts: Any, top: int = 3) -> str:
 
 LEARNER_KEYS = ("groups_received", "trajectories_received", "trained_groups", "trained_trajectories",
               "stale_groups_dropped", "stale_trajectories_dropped", "invalid_groups", "buffered_groups",
-              "buffered_trajectories", "in_step_groups", "trained_twice")
+              "buffered_trajectories", "in_step_groups", "trained_twice", "duplicate_prompts")
 
 
 # the inference client's counters the accounting sums over rollout workers (arl.rollout.client)
@@ -465,7 +465,8 @@ class Reporter:
             received = int(ls.get("groups_received") or 0)
             out["lost_accepted_groups"] = max(0, self.accepted_groups - received)
             out["learner_balance"] = received - sum(int(ls.get(k) or 0) for k in (
-                "trained_groups", "stale_groups_dropped", "buffered_groups", "in_step_groups"))  # invalid: not received
+                "trained_groups", "stale_groups_dropped", "duplicate_prompts", "buffered_groups",
+                "in_step_groups"))  # invalid: not received
         return out
 
     def learner_caught_up(self, learner_stats: dict, version: int) -> bool:

@@ -15,7 +15,7 @@ checkpoint, the controller's gate starts at its version with ``version * B`` gro
 worker's prompt stream draws again every position the checkpoint did not settle (groups in flight, buffered here,
 or trained by steps after the checkpoint), then goes on: no prompt skipped, none trained twice. A group whose
 prompt is already settled or buffered here (a restarted rollout worker's re-draw racing its predecessor's push) is
-dropped as ``duplicate_prompt``, counted, its budget returned.
+received and then dropped as ``duplicate_prompt`` (like a stale group: counted, its budget returned).
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class LearnerWorker:
                       "train_seconds": 0.0, "staleness_violations": 0, "stale_groups_dropped": 0,
                       "trained_groups": 0, "trained_trajectories": 0, "stale_trajectories_dropped": 0,
                       "invalid_groups": 0, "trained_twice": 0, "replayed_groups": 0,
-                      "duplicate_prompts": 0, "prompts_settled_by_rollout": 0}
+                      "duplicate_prompts": 0, "duplicate_trajectories": 0, "prompts_settled_by_rollout": 0}
         self.checkpoint_dir = checkpoint_dir
         self.checkpoint_every = max(0, int(checkpoint_every))
         self.keep_checkpoints = max(1, int(keep_checkpoints))
@@ -166,20 +166,23 @@ class LearnerWorker:
                 await self._send(GroupsDropped(n=Count(1), reason="invalid", group_ids=[_group_of(group)]))
                 continue
             prompt = _prompt_of(group)
-            if prompt is not None and self._prompt_taken(*prompt):  # its prompt ended once already
+            duplicate = prompt is not None and self._prompt_taken(*prompt)  # its prompt ended once already
+            if duplicate:
                 self.stats["duplicate_prompts"] += 1
-                logger.warning("dropped a group of prompt %s of rollout worker %s: that prompt was settled or is "
-                               "buffered already (%d so far)", prompt[1], prompt[0], self.stats["duplicate_prompts"])
-                await self._send(GroupsDropped(n=Count(1), reason="duplicate_prompt", group_ids=[_group_of(group)]))
-                continue
-            if prompt is not None:
-                self._buffered_pos.setdefault(prompt[0], set()).add(prompt[1])
-            self.buffer.append(group)
+                self.stats["duplicate_trajectories"] += len(group)
+            else:
+                if prompt is not None:
+                    self._buffered_pos.setdefault(prompt[0], set()).add(prompt[1])
+                self.buffer.append(group)
+                self._arrived.set()
             self.stats["groups_received"] += 1
             self.stats["trajectories_received"] += len(group)
-            self._arrived.set()
             # the receipt settles the group at the controller, even if its rollout worker dies before group_done
             await self._send(GroupReceived(group_id=_group_of(group), n_traj=Count(len(group))))
+            if duplicate:  # received, then dropped like a stale group: its budget goes back, nothing is lost
+                logger.warning("dropped a group of prompt %s of rollout worker %s: that prompt was settled or is "
+                               "buffered already (%d so far)", prompt[1], prompt[0], self.stats["duplicate_prompts"])
+                await self._send(GroupsDropped(n=Count(1), reason="duplicate_prompt"))
 
     async def next_batch(self) -> list[Trajectory]:
         """Wait for B fresh-enough groups (FIFO); returns the flattened batch."""
@@ -282,8 +285,9 @@ class LearnerWorker:
             await self.weights.publish(v, await self._export())
             logger.info("restarted without a checkpoint: starting over at version %d", v)
         st = self.stats
-        st["groups_received"] = st["trained_groups"] + st["stale_groups_dropped"]
-        st["trajectories_received"] = st["trained_trajectories"] + st["stale_trajectories_dropped"]
+        st["groups_received"] = st["trained_groups"] + st["stale_groups_dropped"] + st["duplicate_prompts"]
+        st["trajectories_received"] = (st["trained_trajectories"] + st["stale_trajectories_dropped"]
+                                       + st["duplicate_trajectories"])
         saved = (read_checkpoint_state(self.checkpoint_dir) if self.checkpoint_dir else None) or {}
         return {"version": v, "groups_consumed": self.groups_consumed,
                 "data_position": dict(saved.get("data_position") or {}), "groups_settled": st["groups_received"],

@@ -48,15 +48,18 @@ async def test_positions_settle_when_consumed_dropped_here_or_told_and_the_check
 
 
 @pytest.mark.asyncio
-async def test_a_group_of_a_settled_or_buffered_prompt_is_dropped_as_duplicate_with_its_budget(tmp_path):
+async def test_a_group_of_a_settled_or_buffered_prompt_is_received_then_dropped_as_duplicate(tmp_path):
     frames = [("traj", at("w0.ag0", 0, 0)), ("traj", at("w0.bg0", 0, 0)),  # a restarted worker's re-draw
               notice(0, 3), ("traj", at("w0.bg1", 0, 3)), ("traj", at("w0.bg2", 0, 4))]
     w, sent = learner(tmp_path, frames)
     await drain(w)
     assert [g[0].group_id for g in w.buffer] == ["w0.ag0:0", "w0.bg2:0"] and w.stats["duplicate_prompts"] == 2
-    drops = [p for t, p in sent if t == "groups_dropped"]
-    assert drops == [{"n": 1, "reason": "duplicate_prompt", "group_ids": ["w0.bg0"]},
-                     {"n": 1, "reason": "duplicate_prompt", "group_ids": ["w0.bg1"]}]
+    # received (the controller's accepted count stays whole), then dropped like a stale group: budget back
+    assert [(t, p.get("group_id"), p.get("reason")) for t, p in sent] == [
+        ("group_received", "w0.ag0", None), ("group_received", "w0.bg0", None),
+        ("groups_dropped", None, "duplicate_prompt"), ("group_received", "w0.bg1", None),
+        ("groups_dropped", None, "duplicate_prompt"), ("group_received", "w0.bg2", None)]
+    assert w.stats["groups_received"] == 4 and w.stats["duplicate_trajectories"] == 4
 
 
 @pytest.mark.asyncio

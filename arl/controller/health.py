@@ -182,8 +182,7 @@ class Health:
             return []
         lost = self.reporter.learner_rollback(rb.groups_settled, rb.trajectories_settled)
         for i, msg in rb.tell.items():
-            if msg.position is not None:  # a rollout worker restarted later starts where this one rewinds to
-                self.roster.positions[i] = msg.position
+            self.roster.positions[i] = msg.position  # a rollout worker restarted later starts where this one rewinds to
             await self.sends.tell_rollouts(msg, i)
         restarts, cap = self.sup.learner_restarts, self.sup.max_learner_restarts
         self.reporter.fault("learner_restart", reason=self.learner_lost_for[:300], from_version=rb.from_version,

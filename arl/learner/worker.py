@@ -187,15 +187,15 @@ class LearnerWorker:
     async def next_batch(self) -> list[Trajectory]:
         """Wait for B fresh-enough groups (FIFO); returns the flattened batch."""
         while True:
-            keep = [g for g in self.buffer if not self.staleness.group_is_stale(g, self.engine.version)]
-            if len(keep) < len(self.buffer):
-                dropped = len(self.buffer) - len(keep)
-                for g in self.buffer:
-                    if self.staleness.group_is_stale(g, self.engine.version):
-                        self._settle(_prompt_of(g))  # dropped by rule: a resume does not draw it again
+            stale = [self.staleness.group_is_stale(g, self.engine.version) for g in self.buffer]
+            if any(stale):
+                gone = [g for g, s in zip(self.buffer, stale) if s]
+                dropped = len(gone)
+                for g in gone:
+                    self._settle(_prompt_of(g))  # dropped by rule: a resume does not draw it again
                 self.stats["stale_groups_dropped"] += dropped
-                self.stats["stale_trajectories_dropped"] += sum(map(len, self.buffer)) - sum(map(len, keep))
-                self.buffer = collections.deque(keep)
+                self.stats["stale_trajectories_dropped"] += sum(map(len, gone))
+                self.buffer = collections.deque(g for g, s in zip(self.buffer, stale) if not s)
                 logger.info("dropped %d groups staler than eta=%s; their budget goes back", dropped,
                             self.staleness.eta)
                 await self._send(GroupsDropped(n=Count(dropped), reason="stale"))

@@ -64,6 +64,7 @@ from arl.api.types import GenerateRequest, GenerateResponse, GenerationConfig, S
 from arl.inference.prefix_cache import KV, Entry, PrefixCache, Storage
 from arl.inference.running_kv import RunningKV
 from arl.inference.requests import ENGINE_CLOSED, check_limits, check_request, refusal
+from arl.utils.proc import trim_memory
 from arl.weights.adapter import adapter_expected, is_adapter, merged_weight, split_payload
 
 logger = logging.getLogger("arl.inference")
@@ -304,7 +305,14 @@ class TorchEngine:
             self._cv.notify_all()
         del prepared
         retired = await fut
-        await asyncio.to_thread(retired.clear)  # free the old weights off the decode thread
+
+        def free() -> None:
+            retired.clear()
+            # the update emptied the prefix cache too: hand what the old weights and the cached KV held back to
+            # the OS, or the decode and executor threads' arenas keep each one's high-water mark (RSS creeps)
+            trim_memory()
+
+        await asyncio.to_thread(free)  # off the decode thread
 
     async def pause(self) -> None:
         """Stop decoding at the next step boundary; returns once no step is running. Requests wait, none dropped."""

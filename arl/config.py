@@ -318,6 +318,28 @@ class StaleTokens(enum.StrEnum):
     downweight = "downweight"
 
 
+class Correction(enum.StrEnum):
+    """Off-policy corrections of the objective (`learner.ppo.correction`, a list; docs/learner.md has the formulas).
+
+    Each names which of three slots it fills: the behaviour weight ``w = pi_prox / pi_behav`` (at most one of
+    `WEIGHTS`), masks on ``w`` (any of `MASKS`), the policy term on ``r = pi / pi_old`` (at most one of
+    `OBJECTIVES`; none: PPO's clip)."""
+
+    tis = "tis"  # token truncated IS: w -> min(w, tis_cap)
+    seq_tis = "seq_tis"  # sequence truncated IS: every token of a sequence weighted min(prod w, seq_threshold)
+    mis = "mis"  # token masked IS: tokens with w outside [1/mis_threshold, mis_threshold] leave the loss
+    seq_mis = "seq_mis"  # sequences with prod w outside [1/seq_threshold, seq_threshold] leave the loss
+    geo_mask = "geo_mask"  # sequences whose geometric-mean w leaves [1/geo_threshold, geo_threshold] leave it
+    icepop = "icepop"  # tokens with w outside icepop_band leave the loss (IcePop)
+    cispo = "cispo"  # -sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * logp on every token (CISPO)
+    gspo = "gspo"  # sequence ratio exp(mean log r), clipped by gspo_eps (GSPO)
+
+
+CORRECTION_WEIGHTS = (Correction.tis, Correction.seq_tis)
+CORRECTION_MASKS = (Correction.mis, Correction.seq_mis, Correction.geo_mask, Correction.icepop)
+CORRECTION_OBJECTIVES = (Correction.cispo, Correction.gspo)
+
+
 class LRSchedule(enum.StrEnum):
     constant = "constant"
     linear = "linear"
@@ -355,12 +377,46 @@ class PPOConfig:
     stale_tokens: StaleTokens = field(StaleTokens.keep, "Tokens older than v - eta at consumption: 'keep', 'drop' "
                                                         "or 'downweight'.")
     stale_token_decay: float = field(0.5, "downweight: weight decay ** (lag - eta) for stale tokens (in [0, 1]).")
+    correction: list[str] = field(
+        help="Off-policy corrections, composable (docs/learner.md, 'Corrections'): at most one behaviour weight "
+             "(tis, seq_tis), any masks (mis, seq_mis, geo_mask, icepop), at most one policy term (cispo, gspo). "
+             "[]: AReaL's decoupled PPO (the behav_imp_weight_cap filter).", factory=list)
+    tis_cap: float = field(2.0, "tis: the behaviour weight is truncated at this (> 1).")
+    mis_threshold: float = field(2.0, "mis: tokens whose behaviour weight leaves [1/t, t] are masked (> 1).")
+    seq_threshold: float = field(2.0, "seq_tis: the sequence weight is truncated at this; seq_mis: sequences whose "
+                                      "weight leaves [1/t, t] are masked (> 1).")
+    geo_threshold: float = field(1.01, "geo_mask: sequences whose geometric-mean behaviour weight leaves [1/t, t] "
+                                       "are masked (> 1; verl's 1.0002-1.001 is for same-version mismatch alone).")
+    icepop_band: list[float] = field(help="icepop: tokens whose behaviour weight leaves [low, high] are masked.",
+                                     factory=lambda: [0.5, 5.0])
+    cispo_eps: list[float] = field(help="cispo: the IS weight is clipped to [1 - low, 1 + high] (low 1: no lower "
+                                        "bound, as MiniMax-M1).", factory=lambda: [1.0, 4.0])
+    gspo_eps: list[float] = field(help="gspo: the sequence ratio is clipped to [1 - low, 1 + high] (the GSPO "
+                                       "paper's 3e-4 / 4e-4).", factory=lambda: [3e-4, 4e-4])
+    mismatch_log_ratio: float = field(0.5, "The mismatch monitor counts a same-version token whose |log pi_learner "
+                                           "- log pi_engine| exceeds this (mismatch_frac).")
 
     def __post_init__(self) -> None:
         """Checked once, here: both the command line and code that builds the section directly come through."""
         self.loss_agg = LossAgg(self.loss_agg)
         self.kl_estimator = KLEstimator(self.kl_estimator)
         self.stale_tokens = StaleTokens(self.stale_tokens)
+        self.correction = check_corrections(self.correction, naive=self.naive_ppo)
+        band, ce, ge = list(self.icepop_band), list(self.cispo_eps), list(self.gspo_eps)
+        _require([
+            (self.tis_cap > 1.0, f"learner.ppo.tis_cap must be > 1, got {self.tis_cap}"),
+            (self.mis_threshold > 1.0, f"learner.ppo.mis_threshold must be > 1, got {self.mis_threshold}"),
+            (self.seq_threshold > 1.0, f"learner.ppo.seq_threshold must be > 1, got {self.seq_threshold}"),
+            (self.geo_threshold > 1.0, f"learner.ppo.geo_threshold must be > 1, got {self.geo_threshold}"),
+            (len(band) == 2 and 0.0 <= band[0] < 1.0 < band[1],
+             f"learner.ppo.icepop_band must be [low, high] with 0 <= low < 1 < high, got {band}"),
+            (len(ce) == 2 and 0.0 < ce[0] <= 1.0 and ce[1] > 0.0,
+             f"learner.ppo.cispo_eps must be [low, high] with 0 < low <= 1 and high > 0, got {ce}"),
+            (len(ge) == 2 and 0.0 < ge[0] < 1.0 and ge[1] > 0.0,
+             f"learner.ppo.gspo_eps must be [low, high] with 0 < low < 1 and high > 0, got {ge}"),
+            (self.mismatch_log_ratio > 0.0,
+             f"learner.ppo.mismatch_log_ratio must be > 0, got {self.mismatch_log_ratio}"),
+        ])
         _require([
             (isinstance(self.minibatches, int) and self.minibatches >= 1,
              f"learner.ppo.minibatches must be an int >= 1, got {self.minibatches!r}"),
@@ -371,6 +427,36 @@ class PPOConfig:
             (self.turn_discount is None or 0.0 <= self.turn_discount <= 1.0,
              f"learner.ppo.turn_discount must be in [0, 1] (or null), got {self.turn_discount}"),
         ])
+
+
+def check_corrections(names: Sequence[str], naive: bool = False) -> list[str]:
+    """`learner.ppo.correction` as a list of `Correction` names, or a ConfigError that says what is wrong: an unknown
+    name (with the close ones), two in one exclusive slot, or a correction of the behaviour weight with naive PPO
+    (which has no proximal policy to weigh against)."""
+    if isinstance(names, str):
+        names = [n for n in names.replace(",", " ").split() if n]
+    out: list[str] = []
+    for n in names:
+        try:
+            c = Correction(str(n))
+        except ValueError:
+            close = difflib.get_close_matches(str(n), [c.value for c in Correction], n=3)
+            raise ConfigError(f"learner.ppo.correction: unknown correction {n!r}"
+                              + (f" (did you mean {', '.join(close)}?)" if close else "")
+                              + f"; known: {', '.join(c.value for c in Correction)}") from None
+        if c.value in out:
+            raise ConfigError(f"learner.ppo.correction names {c.value!r} twice")
+        out.append(c.value)
+    for slot, members in (("behaviour weight", CORRECTION_WEIGHTS), ("policy term", CORRECTION_OBJECTIVES)):
+        both = [x for x in out if x in members]
+        if len(both) > 1:
+            raise ConfigError(f"learner.ppo.correction: {' and '.join(both)} both set the {slot}; choose one")
+    on_w = [x for x in out if x in CORRECTION_WEIGHTS or x in CORRECTION_MASKS]
+    if naive and on_w:
+        raise ConfigError(f"learner.ppo.correction: {', '.join(on_w)} correct the behaviour weight pi_prox / "
+                          f"pi_behav, which naive_ppo does not have (it has no proximal policy); drop naive_ppo or "
+                          f"use cispo / gspo alone")
+    return out
 
 
 @dataclasses.dataclass
@@ -552,13 +638,33 @@ class Recover(enum.StrEnum):
 
 
 @dataclasses.dataclass
+class StalenessAutoConfig:
+    """`max_head_offpolicyness=auto`: the controller steers the admitted eta between `eta_min` and `eta_max` by the
+    learner's health signals (`arl.controller.steering`; docs/learner.md, 'A staleness budget that steers itself')."""
+
+    eta_min: int = field(1, "The lowest eta the controller admits at.")
+    eta_max: int = field(8, "The highest eta it admits at: the learner's bound (groups older are dropped).")
+    eta_start: int = field(2, "The eta the run starts at.")
+    raise_after: int = field(10, "Healthy steps in a row before eta goes up by one (and after any change).")
+    mismatch_kl_max: float = field(0.01, "Unhealthy when the step's mismatch_kl exceeds this (prime-rl asks a "
+                                         "model for < 0.015).")
+    clip_frac_max: float = field(0.05, "Unhealthy when the step's clip_frac exceeds this.")
+    capped_frac_max: float = field(0.02, "Unhealthy when the step's capped_frac (tokens masked by the behaviour "
+                                         "cap or a correction) exceeds this.")
+    grad_norm_spike: float = field(5.0, "Unhealthy when the step's grad_norm exceeds this times the median of the "
+                                        "last `window` steps (0: off).")
+    window: int = field(20, "Steps in the grad_norm median.")
+
+
+@dataclasses.dataclass
 class ExperimentConfig:
     experiment: str = field("async-ppo-math", "Registered experiment name.")
     run_dir: str = field("runs", "Parent directory of run directories.")
     run_name: str = field("", "Run directory name; empty: experiment name + timestamp.")
     seed: int = field(1, "Global seed.")
     total_train_steps: int = field(400, "Learner steps in the run.")
-    max_head_offpolicyness: int = field(2, "eta: the most policy versions a consumed token may lag behind.")
+    max_head_offpolicyness: Any = field(2, "eta: the most policy versions a consumed token may lag behind (an int "
+                                           ">= 0), or 'auto': the controller steers it (staleness_auto.*).")
     imports: list[str] = field(help="Modules every role imports at start-up (user agents/envs).", factory=list)
     startup_timeout: float = field(300.0, "Seconds the roles may take to start and register.")
     bind_host: str = field("127.0.0.1", "Interface every socket binds to; not loopback (a multi-host run) "
@@ -575,6 +681,7 @@ class ExperimentConfig:
                                     "(offline unless WANDB_MODE says otherwise), mlflow (MLFLOW_TRACKING_URI, else a "
                                     "file store in the run directory). pip install 'arl[trackers]'.",
                                factory=list)
+    staleness_auto: StalenessAutoConfig = field(factory=StalenessAutoConfig)
     recover: Recover = field(Recover.off, "'auto': resume from the latest checkpoint in the run directory (set "
                                           "run_name to the run to resume); 'off': start fresh.")
     model: ModelConfig = field(factory=ModelConfig)
@@ -772,6 +879,7 @@ def validate(cfg: Any) -> None:
     checks += [(False, p) for p in lora_problems(cfg)]
     checks += [(False, p) for p in judge_problems(cfg)]
     checks += [(False, p) for p in timeout_problems(cfg)]
+    checks += [(False, p) for p in staleness_auto_problems(cfg)]
     _require(checks)
     if rc.num_env_groups > 0:  # env groups: partition and per-worker capacity, before any process starts
         try:
@@ -939,12 +1047,45 @@ def to_yaml(cfg: Any) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
+def auto_eta(cfg: ExperimentConfig) -> bool:
+    """`max_head_offpolicyness=auto`: the controller steers the admitted eta."""
+    return cfg.max_head_offpolicyness == "auto"
+
+
+def eta_bound(cfg: ExperimentConfig) -> int:
+    """The run's hard staleness bound: `max_head_offpolicyness`, or with 'auto' `staleness_auto.eta_max` (what the
+    learner drops by; admission steers below it). ConfigError for anything but an int >= 0 or 'auto'."""
+    eta = cfg.max_head_offpolicyness
+    if eta == "auto":
+        return int(cfg.staleness_auto.eta_max)
+    if isinstance(eta, str) and eta.strip().isdigit():
+        return int(eta)
+    if isinstance(eta, bool) or not isinstance(eta, int) or eta < 0:
+        raise ConfigError(f"max_head_offpolicyness must be an int >= 0 or 'auto', got {eta!r}")
+    return eta
+
+
+def staleness_auto_problems(cfg: ExperimentConfig) -> list[str]:
+    sa = cfg.staleness_auto
+    if not auto_eta(cfg):
+        return []
+    out = []
+    if not 1 <= sa.eta_min <= sa.eta_start <= sa.eta_max:
+        out.append(f"staleness_auto needs 1 <= eta_min <= eta_start <= eta_max, got {sa.eta_min} / {sa.eta_start} / "
+                   f"{sa.eta_max}")
+    if sa.raise_after < 1 or sa.window < 1:
+        out.append("staleness_auto.raise_after and staleness_auto.window must be >= 1")
+    if min(sa.mismatch_kl_max, sa.clip_frac_max, sa.capped_frac_max) <= 0 or sa.grad_norm_spike < 0:
+        out.append("staleness_auto thresholds must be > 0 (grad_norm_spike >= 0, 0: off)")
+    return out
+
+
 def staleness_policy(cfg: ExperimentConfig) -> StalenessPolicy:
     """The run's staleness rule: the controller's admission, the learner's group drop and the actor's token mask
-    all take this one object (built once per process, here)."""
+    all take this one object (built once per process, here). With 'auto' its eta is the bound; the controller's
+    gate admits at the eta it steers to."""
     ppo = cfg.learner.ppo
-    return StalenessPolicy(eta=cfg.max_head_offpolicyness, stale_tokens=str(ppo.stale_tokens),
-                           decay=ppo.stale_token_decay)
+    return StalenessPolicy(eta=eta_bound(cfg), stale_tokens=str(ppo.stale_tokens), decay=ppo.stale_token_decay)
 
 
 def weights_backend(cfg: ExperimentConfig) -> str:

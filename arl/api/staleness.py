@@ -56,12 +56,15 @@ class StalenessPolicy:
             raise ValueError(f"stale token decay must be in [0, 1], got {self.decay}")
 
     # -- admission --------------------------------------------------------------------------------------------
-    def admission_limit(self, version: int, batch_size: int) -> int:
+    def admission_limit(self, version: int, batch_size: int, admitted: Optional[int] = None) -> int:
         """The most groups that may be accepted or running while every inference server has `version`: a group
-        started now makes tokens of version >= `version` and is consumed by a step <= ``version + eta``."""
-        if self.eta is None:
+        started now makes tokens of version >= `version` and is consumed by a step <= ``version + eta``.
+        `admitted`: a lower eta to admit at (the controller's steering under ``max_head_offpolicyness=auto``);
+        never above the bound."""
+        if self.eta is None and admitted is None:
             return sys.maxsize
-        return (version + self.eta + 1) * batch_size
+        eta = self.eta if admitted is None else admitted if self.eta is None else min(admitted, self.eta)
+        return (version + eta + 1) * batch_size
 
     # -- the learner: whole groups ----------------------------------------------------------------------------
     def group_is_stale(self, group: Sequence[Trajectory], version: int) -> bool:

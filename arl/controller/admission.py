@@ -11,9 +11,10 @@ it and reporting it (it would otherwise be released as lost, its budget given ba
 from __future__ import annotations
 
 import collections
-from typing import Hashable, Optional
+from typing import Callable, Hashable, Optional
 
 from arl.api.staleness import StalenessPolicy
+from arl.controller.steering import StalenessChange, StalenessSteering
 from arl.rollout.staleness import StalenessGate
 
 Grant = tuple[Hashable, int]  # (worker, number of groups it may start)
@@ -27,8 +28,12 @@ class Admission:
     cannot keep the run from admitting its last groups.
     """
 
-    def __init__(self, gate: StalenessGate, max_remembered: int = 1 << 16, max_closed: int = 1 << 12) -> None:
+    def __init__(self, gate: StalenessGate, max_remembered: int = 1 << 16, max_closed: int = 1 << 12,
+                 steering: Optional[StalenessSteering] = None) -> None:
         self.gate = gate
+        self.steering = steering  # max_head_offpolicyness=auto: the gate admits at the eta it steers to
+        if steering is not None:
+            gate.admitted_eta = steering.eta
         self.is_open = False
         self.held: collections.Counter = collections.Counter()
         self._wants: collections.deque[list] = collections.deque()  # [worker, remaining]
@@ -115,6 +120,17 @@ class Admission:
         self.gate.set_version(version)
         return self.grant()
 
+    def stepped(self, version: int, metrics: dict,
+                on_change: Callable[[StalenessChange], None] = lambda change: None) -> list[Grant]:
+        """The learner published `version` with its step's `metrics`: with a steering, its health signals may move
+        the admitted eta (`on_change` hears of it); a raise makes room at once."""
+        change = self.steering.observe(version, metrics) if self.steering is not None else None
+        if change is None:
+            return []
+        self.gate.admitted_eta = change.new
+        on_change(change)
+        return self.grant()
+
     def went_live(self, version: int) -> list[Grant]:
         """`version` is live on every inference server: the gate moves on to it (never back), and admission
         reopens if it waited for a rollback's version (`rollback`)."""
@@ -181,10 +197,11 @@ class Admission:
 
 
 def resumed_admission(resume: dict, *, batch_size: int, policy: StalenessPolicy, max_concurrent: int,
-                      total_steps: int) -> Admission:
+                      total_steps: int, steering: Optional[StalenessSteering] = None) -> Admission:
     """The run's admission; resuming from a learner checkpoint (its arl_state.json), the gate starts at that
     version with the consumed groups accepted."""
     v = int(resume.get("version", 0))
     return Admission(StalenessGate(batch_size=batch_size, policy=policy, max_concurrent=max_concurrent,
                                    max_groups=total_steps * batch_size, version=v,
-                                   accepted=int(resume.get("groups_consumed", v * batch_size)) if v else 0))
+                                   accepted=int(resume.get("groups_consumed", v * batch_size)) if v else 0),
+                     steering=steering)

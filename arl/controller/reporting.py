@@ -329,9 +329,12 @@ class Reporter:
         return {"n_traj": int(n), **{k: v / n for k, v in sorted(sums.items())}}
 
     # -- steps and evaluations -------------------------------------------------------------------------------
-    def train(self, version: int, metrics: dict, role_stats: dict) -> None:
-        """The learner published `version`: one train record, and the progress bar moves."""
+    def train(self, version: int, metrics: dict, role_stats: dict, admitted_eta: Optional[int] = None) -> None:
+        """The learner published `version`: one train record, and the progress bar moves. `admitted_eta`: the
+        eta its groups were admitted at, when it steers itself (`max_head_offpolicyness=auto`)."""
         self.step = version
+        if admitted_eta is not None:
+            metrics = {**metrics, "admitted_eta": admitted_eta}
         rss = self.memory.note(version, role_stats)
         self.write({"type": "train", "step": version, "version": version, "elapsed": self.elapsed(),
                     "inference_idle_frac": self.inference_idle_fraction(role_stats),
@@ -340,6 +343,12 @@ class Reporter:
         envs = [st for (role, _), st in role_stats.items() if role == "env"]
         self._env_text = f"{len(envs)} up, {sum(int(st.get('sessions', 0)) for st in envs)} sessions" if envs else ""
         self._update_progress(version, metrics)
+
+    def staleness_change(self, change: Any) -> None:
+        """The steered eta moved (a `StalenessChange`): a record and a line on the console."""
+        self.event("staleness_change", **change.record())
+        if not self.say(change.line()):
+            logger.info("%s", change.line())
 
     def inference_idle_fraction(self, role_stats: dict) -> Optional[float]:
         """Mean share of time the inference servers were idle since the previous call (from heartbeat busy_s)."""
@@ -380,6 +389,8 @@ class Reporter:
         acc = next((e["first_acc"] for _, e in sorted(self.evals.items(), reverse=True) if e), float("nan"))  # newest
         self._postfix = dict(v=version, reward=f"{metrics.get('reward_mean', float('nan')):.3f}",
                              acc=f"{acc:.3f}", stale=metrics.get("head_offpolicyness"))
+        if metrics.get("admitted_eta") is not None:  # max_head_offpolicyness=auto: the eta admitted at now
+            self._postfix["eta"] = metrics["admitted_eta"]
         if self.memory.largest:  # the role holding the most memory now: a leak shows as a number that climbs
             self._postfix["rss"] = self.memory.largest
         if getattr(self, "_env_text", ""):  # env servers (env.servers > 0)

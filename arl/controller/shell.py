@@ -1,18 +1,16 @@
 """The controller: starts every role as a process, owns the policy version and the staleness gate, watches health.
 
 It is a thin I/O shell: it maps each control message to calls on pure state machines (`Admission`: the staleness
-gate and its waiting rollout workers; `WeightSync`: which server has which policy version; `Supervisor`:
-heartbeats, deadlines, restart policy; `EvalSchedule`: which versions are evaluated, when the run is done;
-`Reporter`: records and accounting), helped by `Peers` (router identities, addresses) and `GroupOutcomes`
-(where a group's end is booked), and maps their actions to sends. The weight transport's controller side
-(`arl.weights.strategy`) says which messages move weights; `Health` (`health.py`) is the watch loop that finds
-lost, late or silent processes and a run without progress, carries out what the supervisor decides and brings
-restarted servers back into the routing. Control
-traffic is request/response over one ROUTER socket (the roles hold DEALERs); each message is parsed into its
-typed form (`arl.transport.messages`). Commands to a role are sent to its ROUTER identity, so they are never lost
-to a PUB/SUB slow joiner.
+gate, its waiting rollout workers and, with `max_head_offpolicyness=auto`, the eta it steers to; `WeightSync`: which
+server has which policy version; `Supervisor`: heartbeats, deadlines, restart policy; `EvalSchedule`: which versions
+are evaluated, when the run is done; `Reporter`: records and accounting), helped by `Peers` (router identities,
+addresses) and `GroupOutcomes` (where a group's end is booked), and maps their actions to sends. The weight
+transport's controller side (`arl.weights.strategy`) says which messages move weights; `Health` (`health.py`) is
+the watch loop that finds lost, late or silent processes and a run without progress, carries out what the
+supervisor decides and brings restarted servers back into the routing. Control traffic is request/response over
+one ROUTER socket (the roles hold DEALERs); each message is parsed into its typed form (`arl.transport.messages`).
+Commands to a role are sent to its ROUTER identity, so they are never lost to a PUB/SUB slow joiner.
 """
-
 from __future__ import annotations
 
 import asyncio
@@ -31,6 +29,7 @@ from arl.controller.outcomes import GroupOutcomes
 from arl.controller.peers import Peers, Refusals
 from arl.controller.reporting import JsonlSink, MetricsSink, ProgressWatch, Reporter
 from arl.transport.security import advertised_address
+from arl.controller.steering import StalenessSteering
 from arl.controller.supervision import RoleLauncher, Supervisor
 from arl.controller.weight_sync import Action, Send, WeightSync
 from arl.report.page import ReportBuilder
@@ -55,8 +54,8 @@ class Controller:
                  eval_max_prompts: int, progress: bool = True, resume: Optional[dict] = None, learner_ranks: int = 1,
                  secret: Optional[bytes] = None, bind_host: str = "127.0.0.1", max_bytes: Optional[int] = None,
                  stack_dump_wait: float = 2.0, sinks: Optional[list[MetricsSink]] = None,
-                 max_no_progress_s: float = 0.0, max_consecutive_drops: int = 0,
-                 weights_settings: Optional[WeightsSettings] = None) -> None:
+                 max_no_progress_s: float = 0.0, max_consecutive_drops: int = 0, steering: Optional[StalenessSteering]
+                 = None, weights_settings: Optional[WeightsSettings] = None) -> None:
         """`supervisor` holds the run's shape (servers, rollout workers) and its restart and timeout policy.
         `weights_settings` name the transport of weights (default: disk); its controller side says what to send when
         a role registers and turns `WeightSync`'s sends into messages (`arl.weights.strategy`)."""
@@ -65,7 +64,7 @@ class Controller:
         # resuming from a learner checkpoint: its version, and each rollout worker's prompt stream position
         resume = dict(resume or {})
         self.start_version = v = int(resume.get("version", 0))
-        self.admission = resumed_admission(resume, batch_size=batch_size, policy=staleness,
+        self.admission = resumed_admission(resume, batch_size=batch_size, policy=staleness, steering=steering,
                                            max_concurrent=max_concurrent_rollouts, total_steps=total_train_steps)
         positions = {int(k): p for k, p in dict(resume.get("data_position", {})).items()}
         self.roster = Peers(num_inference=supervisor.num_inference, num_rollout=supervisor.num_rollout,
@@ -272,7 +271,8 @@ class Controller:
     async def _on_weights_published(self, ident: bytes, msg: m.WeightsPublished) -> None:
         self.progress_watch.stepped(time.monotonic())
         await self._apply(self.weights.publish(msg.version, msg.path))
-        self.reporter.train(msg.version, msg.metrics, self.role_stats)
+        self.reporter.train(msg.version, msg.metrics, self.role_stats, admitted_eta=self.gate.admitted_eta)
+        await self.grant(self.admission.stepped(msg.version, msg.metrics, self.reporter.staleness_change))
 
     async def _on_weights_loaded(self, ident: bytes, msg: m.WeightsLoaded) -> None:
         if msg.error is not None:  # it keeps the weights it had: sent the newest again, or given up on
@@ -332,8 +332,7 @@ class Controller:
             await self._send_to(("rollout", r), msg)
 
     async def _maybe_start(self) -> None:
-        """All roles registered: evaluate version 0, or (resumed) load the checkpoint's weights first; the
-        evaluation follows in advance."""
+        """All roles registered: evaluate version 0, or (resumed) load the checkpoint's weights first (then evaluate)."""
         if len(self.peers) < self.sup.expected or not self.schedule.awaiting_start():
             return
         if not self.start_version:

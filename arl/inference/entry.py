@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Awaitable, Callable
 
-from arl.config import ExperimentConfig, weights_settings
+from arl.config import ExperimentConfig, eta_bound, weights_settings
 from arl.transport.control import SOCKET_OPTIONS, ControlChannel, RoleParts, aclose, bind, host_address, make_socket
 from arl.transport.messages import UpdateWeights
 from arl.transport.sockets import Router
@@ -33,7 +33,7 @@ async def run_inference(cfg: ExperimentConfig, ctl: ControlChannel, index: int, 
     for i in range(first, min(ic.num_workers, first + ic.servers_per_process)):
         # LoRA: a server keeps the adapters of the versions a consumed token may come from (eta + 1)
         engine = build_engine(cfg.model.path, ic, seed=cfg.seed, index=i, run_dir=run_dir, lora=cfg.learner.lora,
-                              adapters_keep=cfg.max_head_offpolicyness + 1)
+                              adapters_keep=eta_bound(cfg) + 1)
         router = make_socket(Router)
         addresses.append(bind(router, cfg.bind_host))
         weights = transport.inference(engine, host=host, secret=SOCKET_OPTIONS.get("secret"))

@@ -12,9 +12,10 @@ import sys
 import time
 from typing import Any, Optional
 
-from arl.config import (ExperimentConfig, LauncherKind, judge_workers, resolve_weights, staleness_policy, to_yaml,
-                        weights_settings)
+from arl.config import (ExperimentConfig, LauncherKind, auto_eta, judge_workers, resolve_weights, staleness_policy,
+                        to_yaml, weights_settings)
 from arl.controller.shell import Controller, RunFailed
+from arl.controller.steering import StalenessSteering
 from arl.utils.errors import ConfigError
 from arl.launch.local import LocalLauncher
 from arl.transport.security import SECRET_ENV, effective_bind_host, is_loopback, resolve_secret
@@ -150,6 +151,7 @@ def _controller(cfg: ExperimentConfig, run_dir: str, bind_host: str, secret: Opt
         max_no_progress_s=rc.max_no_progress_s,
         max_consecutive_drops=rc.max_consecutive_drops,
         weights_settings=weights_settings(cfg),
+        steering=StalenessSteering(**dataclasses.asdict(cfg.staleness_auto)) if auto_eta(cfg) else None,
         sinks=make_sinks(cfg.loggers, run_dir, dataclasses.asdict(dataclasses.replace(cfg, secret="")),
                          cfg.experiment),
     )

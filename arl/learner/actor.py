@@ -34,6 +34,7 @@ from arl.api.staleness import StalenessPolicy
 from arl.api.types import Trajectory
 from arl.config import LossAgg, PPOConfig
 from arl.learner.batching import MicroBatch, group_members
+from arl.learner.corrections import Corrections, mismatch_stats
 from arl.learner.ppo import (
     decoupled_ppo_loss,
     discounted_turn_returns,
@@ -54,7 +55,8 @@ __all__ = ["PPOActor", "PPOBatch", "METRIC_KEYS", "split_minibatches"]
 METRIC_KEYS = ("loss", "reward_mean", "reward_std", "adv_abs_mean", "clip_frac", "imp_weight_mean", "capped_frac",
                "approx_kl", "entropy", "grad_norm", "n_seqs", "n_tokens", "head_offpolicyness",
                "tail_offpolicyness", "step_seconds", "tokens_per_s", "lr", "dual_clip_frac", "kl_ref",
-               "stale_token_frac", "pad_frac", "turn_reward_mismatch")
+               "stale_token_frac", "pad_frac", "turn_reward_mismatch", "mismatch_kl", "mismatch_max_abs",
+               "mismatch_frac", "mismatch_tokens")
 
 
 def split_minibatches(lengths: Sequence[int], k: int, groups: Optional[Sequence[object]] = None) -> list[list[int]]:
@@ -115,6 +117,7 @@ class PPOActor:
         self.staleness = staleness
         # whole groups per minibatch where the engine computes a group's shared prefixes once per micro-batch
         self.group_minibatches = bool(getattr(engine, "share_prefixes", False))
+        self.corrections = Corrections.from_config(ppo)
 
     @property
     def version(self) -> int:
@@ -236,8 +239,8 @@ class PPOActor:
         """One optimizer step per minibatch, then ``version += 1``; the step's statistics over every rank."""
         weight_fn = _n_scored_seqs if self.ppo.loss_agg == LossAgg.seq else (lambda mb: mb.n_loss_tokens)
         for i, part in enumerate(batch.minibatches):
-            loss_fn = functools.partial(self._loss, stats=batch.stats,
-                                        own_prox=i == 0 and batch.prox_from_update)
+            loss_fn = functools.partial(self._loss, stats=batch.stats, own_prox=i == 0 and batch.prox_from_update,
+                                        first=i == 0, version=batch.version)
             out = dict(self.engine.train_batch(batch.data.select(part), loss_fn, weight_fn))
             lr = out.pop("lr", None)
             if lr is not None and i == 0:  # the rate the batch started with
@@ -254,9 +257,10 @@ class PPOActor:
 
     # ------------------------------------------------------------------ loss and statistics
     def _loss(self, logits: torch.Tensor, mb: MicroBatch, denominator: float, stats: StatsTracker,
-              own_prox: bool = False) -> torch.Tensor:
+              own_prox: bool = False, first: bool = False, version: int = 0) -> torch.Tensor:
         """The decoupled PPO loss of a micro-batch; ``own_prox``: its proximal logprobs are its own, detached (the
-        first minibatch, before any update of this step: see `compute_logp`)."""
+        first minibatch, before any update of this step: see `compute_logp`). ``first``: the step's first
+        minibatch, whose forward runs the weights of `version` (what the mismatch monitor compares with)."""
         ppo = self.ppo
         logp = token_logprobs(logits, mb.input_ids, self.temperature)
         loss, st = decoupled_ppo_loss(
@@ -264,8 +268,18 @@ class PPOActor:
             eps_clip=ppo.eps_clip, behav_imp_weight_cap=ppo.behav_imp_weight_cap, naive=ppo.naive_ppo,
             denominator=denominator, dual_clip_c=ppo.dual_clip_c, token_weights=mb.token_weights,
             ref_logp=mb.ref_logp, kl_coef=ppo.kl_coef, kl_estimator=ppo.kl_estimator,
+            correction=self.corrections, seq_index=mb.seq_index if self.corrections.per_sequence else None,
         )
         with torch.no_grad():  # every micro-batch adds every name (zeros for an empty one): ranks line up
+            # the learner's logprobs under the weights the engine sampled with: the step's first forward, or the
+            # proximal ones (computed before any update); naive PPO has only the first
+            train = logp if first else mb.prox_logp
+            mm = mismatch_stats(train, mb.logprobs, mb.versions, mb.loss_mask, version, ppo.mismatch_log_ratio)
+            tok = mm["mismatch_tokens"]
+            stats.add("mismatch_kl", mm["mismatch_kl_sum"], "mean", weight=tok)
+            stats.add("mismatch_frac", mm["mismatch_over"], "mean", weight=tok)
+            stats.add("mismatch_max_abs", mm["mismatch_max_abs"], "max")
+            stats.add("mismatch_tokens", tok)
             n = float(st["n_tokens"])
             ent = float(shift_right(entropy_from_logits(logits.detach(), self.temperature))[mb.loss_mask].sum()) \
                 if n > 0 else 0.0

@@ -113,6 +113,17 @@ class MicroBatch:
         return int(self.loss_mask.sum())
 
     @property
+    def seq_index(self) -> torch.Tensor:
+        """Per position (the shape of ``loss_mask``), the index of the sequence it belongs to in this micro-batch:
+        what sequence-level corrections sum and average over."""
+        dev = self.loss_mask.device
+        if self.packed:
+            n = self.loss_mask.shape[-1]
+            own = torch.repeat_interleave(torch.arange(len(self.seq_lens), device=dev), self.seq_lens.to(dev))
+            return torch.nn.functional.pad(own, (0, n - own.numel()), value=len(self.seq_lens)).view(1, n)
+        return torch.arange(self.loss_mask.shape[0], device=dev).view(-1, 1).expand_as(self.loss_mask)
+
+    @property
     def padded_tokens(self) -> int:
         return int(self.input_ids.numel())
 

@@ -25,6 +25,8 @@ import torch
 from torch import Tensor
 
 from arl.api.staleness import StalenessPolicy
+from arl.config import CORRECTION_MASKS
+from arl.learner.corrections import Corrections, behaviour_weight, policy_term
 
 __all__ = ["group_advantages", "decoupled_ppo_loss", "kl_penalty", "turn_segments", "discounted_turn_returns",
            "turn_level_advantages", "sequence_level_weights", "stale_token_weights", "token_logprobs",
@@ -82,6 +84,8 @@ def decoupled_ppo_loss(
     ref_logp: Optional[Tensor] = None,
     kl_coef: float = 0.0,
     kl_estimator: str = "k1",
+    correction: Optional[Corrections] = None,
+    seq_index: Optional[Tensor] = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """AReaL's decoupled PPO policy loss, token-level mean (or any weighting through ``token_weights``).
 
@@ -119,6 +123,9 @@ def decoupled_ppo_loss(
         ref_logp, kl_coef, kl_estimator: adds ``kl_coef * KL(current || reference)`` per token (estimator
             ``k1`` or ``k3``, see `kl_penalty`), aggregated with the same weights and denominator, on every masked
             token (the behaviour-weight cap does not filter it). Off when ``kl_coef == 0`` or ``ref_logp`` is None.
+        correction: off-policy corrections of the behaviour weight, masks and the policy term
+            (`arl.learner.corrections`); None: the decoupled loss above. ``seq_index`` (per token, its sequence)
+            is needed by the sequence-level ones (seq_tis, seq_mis, geo_mask, gspo).
 
     Returns:
         ``(loss, stats)``. ``loss`` is a scalar. ``stats`` are detached scalar tensors, each a mean over the
@@ -126,7 +133,7 @@ def decoupled_ppo_loss(
 
         - ``clip_frac``: fraction of tokens where the clipped term was the active (larger-loss) one;
         - ``imp_weight_mean``: mean behaviour weight ``w`` over uncapped tokens (1 when ``naive``);
-        - ``capped_frac``: fraction of tokens dropped by the cap;
+        - ``capped_frac``: fraction of tokens dropped by the cap or a correction's mask;
         - ``approx_kl``: mean of ``prox_logp - logp`` (``behav_logp - logp`` when naive), the k1 estimate of
           KL(old || current) on the sampled tokens;
         - ``ratio_mean``: mean PPO ratio ``r``;
@@ -149,18 +156,14 @@ def decoupled_ppo_loss(
             raise ValueError("decoupled loss needs prox_logp of the same shape as logp")
         old_logp = prox_logp.detach().to(logp.dtype)
 
+    c = correction or Corrections()
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
-    # Masked positions may hold garbage (padding): keep exp() finite there.
-    log_ratio = torch.where(mask, logp - old_logp, zero)
-    ratio = log_ratio.exp()
-    clipped = ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip)
-    pg1 = -advantages * ratio
-    pg2 = -advantages * clipped
-    pg = torch.maximum(pg1, pg2)
-    clip_mask = (pg2.detach() > pg1.detach()) & mask
+    pg, clip_mask, ratio, log_ratio = policy_term(logp, old_logp, advantages, mask, c, eps_clip, seq_index)
     if dual_clip_c is not None:
         if dual_clip_c <= 1.0:
             raise ValueError(f"dual_clip_c must be > 1, got {dual_clip_c}")
+        if c.objective == "cispo":
+            raise ValueError("dual_clip_c bounds PPO's clipped term; cispo has none")
         pg3 = -advantages * dual_clip_c  # only binds where A < 0 (for A >= 0 it is >= 0 >= pg)
         dual_mask = (advantages < 0) & (pg3 < pg.detach()) & mask
         pg = torch.where(advantages < 0, torch.minimum(pg, pg3), pg)
@@ -168,13 +171,12 @@ def decoupled_ppo_loss(
         dual_mask = torch.zeros_like(mask)
 
     if naive:
+        if c.truncates or any(c.has(x) for x in CORRECTION_MASKS):
+            raise ValueError(f"corrections {sorted(c.names)} weigh pi_prox / pi_behav, which naive PPO has not")
         keep = mask
         weight = torch.ones_like(pg)
     else:
-        behav_log_w = torch.where(mask, old_logp - behav_logp, zero)
-        weight = behav_log_w.exp()
-        keep = mask if behav_imp_weight_cap is None else mask & (weight <= behav_imp_weight_cap)
-        weight = torch.where(keep, weight, zero)
+        weight, keep = behaviour_weight(old_logp - behav_logp, mask, c, behav_imp_weight_cap, seq_index)
     loss_tok = pg * weight
     if token_weights is not None:
         if token_weights.shape != logp.shape:

@@ -1,8 +1,9 @@
 """The run report: run_dir/report.html, one self-contained page (inline CSS, JS and SVG; nothing fetched from the
 network), plus run_dir/curves.png when matplotlib is installed.
 
-The page shows curves of held-out accuracy, reward, staleness, throughput, inference-server busy, learner idle and
-each role's resident memory (from metrics.jsonl) and a trajectory browser over traces.jsonl (filter by reward,
+The page shows curves of held-out accuracy, reward, staleness (and the admitted eta), throughput, inference-server
+busy, learner idle, the train-inference mismatch, the objective's clipped and masked fractions and each role's
+resident memory (from metrics.jsonl) and a trajectory browser over traces.jsonl (filter by reward,
 termination and outcome; generated tokens told apart from context by colour). Its data is one JSON object embedded in the page
 (`<script id="arl-data" type="application/json">`), which `report_data` builds and the tests read back.
 
@@ -67,11 +68,16 @@ CHARTS: list[tuple[str, str, str, str, list[tuple[str, Callable[[dict], Optional
     ("reward", "Reward", "mean reward", "train",
      [("trained batch", _field("reward_mean")), ("all rollouts (before filters)", _field("rollout/reward"))]),
     ("staleness", "Staleness", "policy versions behind", "train",
-     [("head (newest batch)", _field("head_offpolicyness")), ("tail (oldest)", _field("tail_offpolicyness"))]),
+     [("head (newest batch)", _field("head_offpolicyness")), ("tail (oldest)", _field("tail_offpolicyness")),
+      ("admitted eta (auto)", _field("admitted_eta"))]),
     ("throughput", "Learner throughput", "per second", "train",
      [("tokens/s", _field("tokens_per_s")), ("samples/s", _field("samples_per_s"))]),
     ("busy", "Inference servers busy", "fraction of time", "train", [("busy", _server_busy)]),
     ("learner_idle", "Learner idle", "fraction of step time", "train", [("waiting for data", _learner_idle)]),
+    ("mismatch", "Train-inference mismatch (same-version tokens)", "per token", "train",
+     [("KL engine || learner (k3)", _field("mismatch_kl")), ("past the threshold", _field("mismatch_frac"))]),
+    ("health", "Objective health", "fraction of tokens", "train",
+     [("clipped", _field("clip_frac")), ("masked by cap / corrections", _field("capped_frac"))]),
 ]
 
 

@@ -42,10 +42,11 @@ class StalenessGate:
     rejected: int = 0  # finished groups that produced no trajectories (filtered, failed, timed out)
     max_groups: int | None = None  # stop admitting after this many accepted + running (end of the run)
     owed: int = 0  # learner drops that came before their group was accepted: taken from the next accepted ones
+    admitted_eta: Optional[int] = None  # the eta admitted at, below the policy's bound (auto); None: the bound
 
     def capacity(self) -> int:
         """How many more groups may start right now."""
-        by_staleness = self.policy.admission_limit(self.version, self.batch_size) - self.accepted
+        by_staleness = self.policy.admission_limit(self.version, self.batch_size, self.admitted_eta) - self.accepted
         cap = min(by_staleness, self.max_concurrent) - self.running
         if self.max_groups is not None:
             cap = min(cap, self.max_groups - (self.accepted + self.running))

@@ -40,7 +40,8 @@ def make_run(tmp_path) -> str:
         mt.log({"type": "train", "step": step, "elapsed": 10.0 * step, "reward_mean": 0.1 * step,
                   "rollout": {"reward": 0.05 * step}, "head_offpolicyness": 2.0, "tail_offpolicyness": step - 1.0,
                   "tokens_per_s": 100.0 * step, "samples_per_s": 10.0, "inference_idle_frac": 0.25 if step > 1 else None,
-                  "learner_wait_seconds": 1.0, "learner_step_seconds": 3.0,
+                  "learner_wait_seconds": 1.0, "learner_step_seconds": 3.0, "mismatch_kl": 1e-6 * step,
+                  "clip_frac": 0.01, "capped_frac": 0.0, "admitted_eta": 1 + step,
                   "rss_mib": {"controller": 100.0, "rollout0": 200.0 + step, **({"learner0": 900.0} if step > 1 else {})}},
                0)
     mt.log({"type": "fault", "kind": "rollout_exit"}, 0)
@@ -80,6 +81,9 @@ def test_report_page_embeds_curves_evals_and_traces(tmp_path) -> None:
     assert series(data, "throughput")["tokens/s"] == [[1, 100.0], [2, 200.0], [3, 300.0]]
     assert series(data, "busy") == {"busy": [[2, 0.75], [3, 0.75]]}  # 1 - idle; step 1 had no figure
     assert series(data, "learner_idle") == {"waiting for data": [[1, 0.25], [2, 0.25], [3, 0.25]]}
+    assert series(data, "staleness")["admitted eta (auto)"] == [[1, 2.0], [2, 3.0], [3, 4.0]]
+    assert series(data, "mismatch")["KL engine || learner (k3)"] == [[1, 1e-6], [2, 2e-6], [3, 3e-6]]
+    assert series(data, "health")["clipped"] == [[1, 0.01], [2, 0.01], [3, 0.01]]
     assert series(data, "memory") == {"controller": [[1, 100.0], [2, 100.0], [3, 100.0]],  # a curve per role
                                       "learner0": [[2, 900.0], [3, 900.0]],
                                       "rollout0": [[1, 201.0], [2, 202.0], [3, 203.0]]}

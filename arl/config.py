@@ -654,6 +654,7 @@ class StalenessAutoConfig:
     grad_norm_spike: float = field(5.0, "Unhealthy when the step's grad_norm exceeds this times the median of the "
                                         "last `window` steps (0: off).")
     window: int = field(20, "Steps in the grad_norm median.")
+    smooth: int = field(5, "mismatch_kl, clip_frac and capped_frac are judged on their mean over this many steps.")
 
 
 @dataclasses.dataclass
@@ -1073,8 +1074,8 @@ def staleness_auto_problems(cfg: ExperimentConfig) -> list[str]:
     if not 1 <= sa.eta_min <= sa.eta_start <= sa.eta_max:
         out.append(f"staleness_auto needs 1 <= eta_min <= eta_start <= eta_max, got {sa.eta_min} / {sa.eta_start} / "
                    f"{sa.eta_max}")
-    if sa.raise_after < 1 or sa.window < 1:
-        out.append("staleness_auto.raise_after and staleness_auto.window must be >= 1")
+    if min(sa.raise_after, sa.window, sa.smooth) < 1:
+        out.append("staleness_auto.raise_after, staleness_auto.window and staleness_auto.smooth must be >= 1")
     if min(sa.mismatch_kl_max, sa.clip_frac_max, sa.capped_frac_max) <= 0 or sa.grad_norm_spike < 0:
         out.append("staleness_auto thresholds must be > 0 (grad_norm_spike >= 0, 0: off)")
     return out

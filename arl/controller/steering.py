@@ -4,9 +4,11 @@ The controller admits prompt groups at an eta between `eta_min` and `eta_max` (t
 each learner step it shows `StalenessSteering` the step's health signals; the steering lowers eta when one crosses
 its threshold and raises it again while they stay healthy, to keep the inference fleet busy:
 
-- **down, by half** (``eta // 2``, not below `eta_min`) when a signal is past its threshold: the step's
-  `mismatch_kl`, `clip_frac` or `capped_frac` above its maximum, or `grad_norm` above `grad_norm_spike` times the
-  median of the last `window` steps. Not again until more than eta steps passed since the last change: the
+- **down, by half** (``eta // 2``, not below `eta_min`) when a signal is past its threshold: the mean of the last
+  `smooth` steps' `mismatch_kl`, `clip_frac` or `capped_frac` above its maximum (one noisy step is not a trend: in
+  the default run at eta 2 a single step's clip_frac passes 0.05 about once in a hundred; judged once `smooth`
+  steps are in, so the first steps' transient, clip_frac ~0.08 at any eta, does not count), or the step's
+  `grad_norm` above `grad_norm_spike` times the median of the last `window` steps. Not again until more than eta steps passed since the last change: the
   batches trained before then were admitted under the previous eta, and lowering it again would punish the
   same data twice;
 - **up, by one** (not above `eta_max`) after `raise_after` healthy steps in a row since the last change.
@@ -49,7 +51,7 @@ class StalenessSteering:
 
     def __init__(self, *, eta_min: int = 1, eta_max: int = 8, eta_start: int = 2, raise_after: int = 10,
                  mismatch_kl_max: float = 0.01, clip_frac_max: float = 0.05, capped_frac_max: float = 0.02,
-                 grad_norm_spike: float = 5.0, window: int = 20) -> None:
+                 grad_norm_spike: float = 5.0, window: int = 20, smooth: int = 5) -> None:
         if not 1 <= eta_min <= eta_start <= eta_max:
             raise ValueError(f"need 1 <= eta_min <= eta_start <= eta_max, got {eta_min} / {eta_start} / {eta_max}")
         self.eta_min, self.eta_max, self.eta = int(eta_min), int(eta_max), int(eta_start)
@@ -58,15 +60,22 @@ class StalenessSteering:
                        "capped_frac": float(capped_frac_max)}
         self.grad_norm_spike = float(grad_norm_spike)
         self._grad: collections.deque[float] = collections.deque(maxlen=max(1, int(window)))
+        self._recent = {k: collections.deque(maxlen=max(1, int(smooth))) for k in self.limits}
         self._healthy = 0  # healthy steps in a row
         self._since_change = 0
         self.changes: list[StalenessChange] = []
 
     def signal(self, metrics: dict) -> Optional[tuple[str, float, float]]:
-        """The signal furthest past its threshold in a step's metrics (name, value, threshold), or None: healthy.
-        A signal the learner did not report is not judged."""
+        """The signal furthest past its threshold (name, value, threshold) given a new step's metrics, or None:
+        healthy. A signal the learner did not report is not judged."""
         worst: Optional[tuple[str, float, float]] = None
-        checks = [(k, metrics.get(k), limit) for k, limit in self.limits.items()]
+        checks: list[tuple[str, object, float]] = []
+        for k, limit in self.limits.items():
+            v = metrics.get(k)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v:
+                self._recent[k].append(float(v))
+                if len(self._recent[k]) == self._recent[k].maxlen:  # the first steps' transient is not judged
+                    checks.append((k, statistics.fmean(self._recent[k]), limit))
         g = metrics.get("grad_norm")
         if self.grad_norm_spike > 0 and len(self._grad) >= min(5, self._grad.maxlen or 5):
             checks.append(("grad_norm", g, self.grad_norm_spike * statistics.median(self._grad)))

@@ -1,16 +1,25 @@
-"""Staleness ablation: the default task with eta in {0, 2, 4, 8}, decoupled vs naive PPO, final greedy accuracy.
+"""Staleness ablation: the default task at several eta, one run per (eta, objective, seed), final greedy accuracy.
 
 AReaL (Fu et al. 2025, Table 2 / Fig. 5) reports that naive PPO degrades as the maximum staleness eta grows while
-the decoupled objective holds. This script runs ``training/main_async_ppo.py`` once per (eta, objective, seed) as
+the decoupled objective holds. This script runs ``training/main_async_ppo.py`` once per (eta, variant, seed) as
 a subprocess (each run is a whole system: controller, inference, rollout and learner processes), reads each run's
-``metrics.jsonl`` and writes a table to ``docs/benchmarks.md`` (its own section, replaced on every run of the
-script) plus ``results.json`` in the ablation's run directory.
+``metrics.jsonl`` and writes a table (and, with matplotlib, a plot) to ``docs/benchmarks.md`` (its own section,
+replaced on every run of the script) plus ``results.json`` in the ablation's run directory.
+
+Variants (``--variants``): ``decoupled`` (the default objective), ``naive`` (PPO against the behaviour logprobs),
+``tis``, ``icepop``, ``cispo`` (the corrections of ``learner.ppo.correction``, on the decoupled objective) and
+``auto`` (``max_head_offpolicyness=auto``: the controller steers eta; run once per seed, not per eta, with
+``staleness_auto.eta_max`` = the largest ``--etas``).
 
     python scripts/ablate_staleness.py                               # eta 0 2 4 8 x {decoupled, naive} x 3 seeds
+    python scripts/ablate_staleness.py --etas 1 4 8 --variants naive decoupled tis icepop cispo auto
     python scripts/ablate_staleness.py --seeds 1 2 --steps 200       # fewer steps per run, two seeds
     python scripts/ablate_staleness.py --etas 0 2 --steps 3 --no-doc learner.batch_size=2   # smoke
 
-Extra ``key=value`` arguments are passed to every run.
+Extra ``key=value`` arguments are passed to every run (a larger ``learner.optimizer.lr`` is how to look for the
+setting where naive PPO collapses). Per run: final and best accuracy, the step of collapse (the first evaluation
+``--collapse-drop`` or more below the best before it, if any), the mismatch KL over time and throughput
+(accepted groups per second of the run).
 """
 
 from __future__ import annotations
@@ -26,18 +35,43 @@ from typing import Any, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECTION = "## Staleness ablation: decoupled vs naive PPO"
+VARIANTS: dict[str, list[str]] = {  # the overrides of each variant (eta is added per run; auto's is its own)
+    "decoupled": ["learner.ppo.naive_ppo=false"],
+    "naive": ["learner.ppo.naive_ppo=true"],
+    "tis": ["learner.ppo.correction=[tis]"],
+    "icepop": ["learner.ppo.correction=[icepop]"],
+    "cispo": ["learner.ppo.correction=[cispo]"],
+    "auto": ["max_head_offpolicyness=auto"],
+}
 
 
-def read_run(run_dir: str) -> dict[str, Any]:
+def collapse_step(evals: list[tuple[int, float]], drop: float) -> Optional[int]:
+    """The step of the first evaluation at least `drop` below the best accuracy before it (None: no collapse)."""
+    best = -1.0
+    for step, acc in evals:
+        if best >= 0 and acc <= best - drop:
+            return step
+        best = max(best, acc)
+    return None
+
+
+def read_run(run_dir: str, collapse_drop: float = 0.15) -> dict[str, Any]:
     """Final and initial evaluation plus staleness statistics of one finished run."""
-    evals, trains = [], []
+    evals, trains, summary = [], [], {}
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         for line in f:
             r = json.loads(line)
+            if r.get("type") == "summary":
+                summary = r
             (evals if r.get("type") == "eval" else trains if r.get("type") == "train" else []).append(r)
     if not evals:
         raise RuntimeError(f"{run_dir}: no evaluation in metrics.jsonl")
     heads = [float(r.get("head_offpolicyness", 0.0)) for r in trains]
+    kl = [(int(r["step"]), float(r["mismatch_kl"])) for r in trains if "mismatch_kl" in r]
+    elapsed = max((float(r.get("elapsed", 0.0)) for r in trains), default=0.0)
+    accepted = float((summary.get("groups") or {}).get("accepted", 0)) or float(
+        sum(int((r.get("groups") or {}).get("accepted", 0)) for r in trains[-1:]))
+    etas = [int(r["admitted_eta"]) for r in trains if r.get("admitted_eta") is not None]
     return {
         "acc0": float(evals[0]["first_acc"]),
         "acc": float(evals[-1]["first_acc"]),
@@ -49,14 +83,24 @@ def read_run(run_dir: str) -> dict[str, Any]:
         "clip_frac": statistics.fmean(float(r.get("clip_frac", 0.0)) for r in trains) if trains else 0.0,
         "approx_kl": statistics.fmean(float(r.get("approx_kl", 0.0)) for r in trains) if trains else 0.0,
         "best_acc": max(float(e["first_acc"]) for e in evals),
+        "collapse_step": collapse_step([(int(e["step"]), float(e["first_acc"])) for e in evals], collapse_drop),
+        "curve": [[int(e["step"]), float(e["first_acc"])] for e in evals],
+        "mismatch_kl": statistics.fmean(v for _, v in kl) if kl else None,
+        "mismatch_kl_curve": kl[:: max(1, len(kl) // 100)],
+        "groups_per_s": accepted / elapsed if elapsed > 0 else 0.0,
+        "eta_mean": statistics.fmean(etas) if etas else None,
+        "eta_changes": sum(1 for a, b in zip(etas, etas[1:]) if a != b),
     }
 
 
-def run_one(eta: int, naive: bool, seed: int, steps: Optional[int], run_root: str, extra: list[str],
-            timeout: float) -> dict[str, Any]:
-    name = f"eta{eta}-{'naive' if naive else 'decoupled'}-s{seed}"
-    argv = [sys.executable, os.path.join(ROOT, "training", "main_async_ppo.py"), f"max_head_offpolicyness={eta}",
-            f"learner.ppo.naive_ppo={'true' if naive else 'false'}", f"seed={seed}", f"run_dir={run_root}",
+def run_one(eta: int, variant: str, seed: int, steps: Optional[int], run_root: str, extra: list[str],
+            timeout: float, collapse_drop: float = 0.15) -> dict[str, Any]:
+    """One whole run; ``variant='auto'`` steers eta itself, up to `eta` (``staleness_auto.eta_max``)."""
+    name = f"eta{'auto' if variant == 'auto' else eta}-{variant}-s{seed}"
+    knobs = [f"staleness_auto.eta_max={eta}", f"staleness_auto.eta_start={min(2, eta)}"] if variant == "auto" \
+        else [f"max_head_offpolicyness={eta}"]
+    argv = [sys.executable, os.path.join(ROOT, "training", "main_async_ppo.py"), *knobs, *VARIANTS[variant],
+            f"seed={seed}", f"run_dir={run_root}",
             f"run_name={name}", "progress=false", *([f"total_train_steps={steps}"] if steps else []), *extra]
     t0 = time.monotonic()
     log = os.path.join(run_root, f"{name}.out")
@@ -66,39 +110,77 @@ def run_one(eta: int, naive: bool, seed: int, steps: Optional[int], run_root: st
     wall = time.monotonic() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"run {name} failed with code {proc.returncode}; see {log}")
-    res = read_run(os.path.join(run_root, name))
-    res.update(eta=eta, objective="naive" if naive else "decoupled", seed=seed, wall_s=wall, name=name)
-    print(f"{name}: acc {res['acc0']:.3f} -> {res['acc']:.3f} (best {res['best_acc']:.3f}), head staleness mean "
-          f"{res['head_mean']:.2f} max {res['head_max']:.0f}, {wall:.0f}s", flush=True)
+    res = read_run(os.path.join(run_root, name), collapse_drop)
+    res.update(eta="auto" if variant == "auto" else eta, objective=variant, seed=seed, wall_s=wall, name=name)
+    print(f"{name}: acc {res['acc0']:.3f} -> {res['acc']:.3f} (best {res['best_acc']:.3f}, collapse at "
+          f"{res['collapse_step']}), head staleness mean {res['head_mean']:.2f} max {res['head_max']:.0f}, "
+          f"{res['groups_per_s']:.2f} groups/s, {wall:.0f}s", flush=True)
     return res
 
 
-def table(results: list[dict[str, Any]], etas: list[int], seeds: list[int]) -> str:
-    lines = ["| eta | objective | final greedy accuracy (per seed) | mean ± std | head staleness mean / max | "
-             "clipped tokens | approx KL | capped tokens | wall s |", "|---|---|---|---|---|---|---|---|---|"]
-    for eta in etas:
-        for obj in ("decoupled", "naive"):
+def table(results: list[dict[str, Any]], etas: list[Any], seeds: list[int]) -> str:
+    lines = ["| eta | objective | final greedy accuracy (per seed) | mean ± std | best | collapse at | "
+             "head staleness mean / max | clipped tokens | capped tokens | mismatch KL | groups/s | wall s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    variants = list(dict.fromkeys(r["objective"] for r in results))
+    for eta in [*etas, "auto"]:
+        for obj in variants:
             rs = [r for r in results if r["eta"] == eta and r["objective"] == obj]
             if not rs:
                 continue
             accs = ", ".join(f"{r['acc']:.3f}" for r in sorted(rs, key=lambda r: r["seed"]))
+            falls = [str(r["collapse_step"]) for r in rs if r.get("collapse_step") is not None]
+            kls = [r["mismatch_kl"] for r in rs if r.get("mismatch_kl") is not None]
+            eta_txt = f"auto (mean {statistics.fmean(r['eta_mean'] for r in rs):.1f})" if eta == "auto" else eta
             lines.append(
-                f"| {eta} | {obj} | {accs} | {statistics.fmean(r['acc'] for r in rs):.3f} ± "
+                f"| {eta_txt} | {obj} | {accs} | {statistics.fmean(r['acc'] for r in rs):.3f} ± "
                 f"{statistics.stdev(r['acc'] for r in rs) if len(rs) > 1 else 0.0:.3f} | "
+                f"{statistics.fmean(r['best_acc'] for r in rs):.3f} | {', '.join(falls) or 'none'} | "
                 f"{statistics.fmean(r['head_mean'] for r in rs):.2f} / {max(r['head_max'] for r in rs):.0f} | "
                 f"{statistics.fmean(r.get('clip_frac', 0.0) for r in rs):.4f} | "
-                f"{statistics.fmean(r.get('approx_kl', 0.0) for r in rs):.5f} | "
                 f"{statistics.fmean(r['capped_frac'] for r in rs):.4f} | "
+                f"{f'{statistics.fmean(kls):.2e}' if kls else 'n/a'} | "
+                f"{statistics.fmean(r.get('groups_per_s', 0.0) for r in rs):.2f} | "
                 f"{statistics.fmean(r['wall_s'] for r in rs):.0f} |")
     return "\n".join(lines)
 
 
-def write_doc(path: str, body: str) -> None:
+def plot(results: list[dict[str, Any]], path: str) -> bool:
+    """Accuracy over steps per run (one colour per variant, one line style per eta) and the mismatch KL over time;
+    False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    colours = {v: f"C{i}" for i, v in enumerate(dict.fromkeys(r["objective"] for r in results))}
+    styles = {e: s for e, s in zip(dict.fromkeys(str(r["eta"]) for r in results), ["-", "--", ":", "-.", "-"])}
+    for r in results:
+        label = f"{r['objective']} eta {r['eta']} s{r['seed']}"
+        xs, ys = zip(*r["curve"]) if r.get("curve") else ((), ())
+        ax1.plot(xs, ys, styles[str(r["eta"])], color=colours[r["objective"]], label=label, lw=1.2)
+        if r.get("mismatch_kl_curve"):
+            kx, ky = zip(*r["mismatch_kl_curve"])
+            ax2.plot(kx, [max(v, 1e-16) for v in ky], styles[str(r["eta"])], color=colours[r["objective"]], lw=0.8)
+    ax1.set(xlabel="step", ylabel="held-out greedy accuracy", title="accuracy")
+    ax2.set(xlabel="step", ylabel="mismatch KL (same-version tokens)", yscale="log", title="train-inference mismatch")
+    ax1.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return True
+
+
+def write_doc(path: str, body: str, section: str = SECTION) -> None:
     """Replace this script's section of ``path`` (or append it); other sections are left as they are."""
     text = open(path).read() if os.path.exists(path) else "# Benchmarks and measured runs\n"
-    start = text.find(SECTION)
+    start = text.find(section)
     if start >= 0:
-        nxt = text.find("\n## ", start + len(SECTION))
+        nxt = text.find("\n## ", start + len(section))
         text = text[:start].rstrip("\n") + "\n\n" + body.rstrip("\n") + "\n" + (text[nxt:] if nxt >= 0 else "")
     else:
         text = text.rstrip("\n") + "\n\n" + body.rstrip("\n") + "\n"
@@ -111,12 +193,18 @@ def write_doc(path: str, body: str) -> None:
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--etas", type=int, nargs="+", default=[0, 2, 4, 8])
+    ap.add_argument("--variants", nargs="+", default=["decoupled", "naive"], choices=list(VARIANTS))
+    ap.add_argument("--collapse-drop", type=float, default=0.15,
+                    help="a run collapsed at the first evaluation this far below its best so far")
+    ap.add_argument("--plot", default=os.path.join(ROOT, "docs", "img", "ablate_staleness.png"),
+                    help="where the plot goes (with the doc; needs matplotlib)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--steps", type=int, default=None, help="total_train_steps per run (default: the config's)")
     ap.add_argument("--run-root",
                     default=os.path.join(ROOT, "runs", f"ablate-staleness-{time.strftime('%Y%m%d-%H%M%S')}"))
     ap.add_argument("--doc", default=os.path.join(ROOT, "docs", "benchmarks.md"))
     ap.add_argument("--no-doc", action="store_true", help="do not touch docs/benchmarks.md")
+    ap.add_argument("--section", default=SECTION, help="the section of --doc this table replaces (or appends)")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds one run may take")
     ap.add_argument("--note", default="", help="text added under the table (machine load, reading, ...)")
     ap.add_argument("--from-runs", default="", help="rebuild the table from the finished runs listed in this "
@@ -130,20 +218,23 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.run_root = args.from_runs
         with open(os.path.join(args.run_root, "results.json")) as f:
             for old in json.load(f):
-                results.append({**old, **read_run(os.path.join(args.run_root, old["name"]))})
-        args.etas = sorted({r["eta"] for r in results})
+                results.append({**old, **read_run(os.path.join(args.run_root, old["name"]), args.collapse_drop)})
+        args.etas = sorted({r["eta"] for r in results if r["eta"] != "auto"})
         args.seeds = sorted({r["seed"] for r in results})
+    plan = [(eta, v) for eta in args.etas for v in args.variants if v != "auto"]
+    plan += [(max(args.etas), "auto")] if "auto" in args.variants else []
     for seed in [] if args.from_runs else args.seeds:
-        for eta in args.etas:
-            for naive in (False, True):
-                results.append(run_one(eta, naive, seed, args.steps, args.run_root, extra, args.timeout))
-                with open(os.path.join(args.run_root, "results.json"), "w") as f:
-                    json.dump(results, f, indent=1)
+        for eta, variant in plan:
+            results.append(run_one(eta, variant, seed, args.steps, args.run_root, extra, args.timeout,
+                                   args.collapse_drop))
+            with open(os.path.join(args.run_root, "results.json"), "w") as f:
+                json.dump(results, f, indent=1)
     tbl = table(results, args.etas, args.seeds)
     print(tbl)
     if not args.no_doc:
         steps = args.steps or "the default 400"
-        cmd = " ".join(["python scripts/ablate_staleness.py", "--etas", *map(str, args.etas), "--seeds",
+        cmd = " ".join(["python scripts/ablate_staleness.py", "--etas", *map(str, args.etas), "--variants",
+                        *dict.fromkeys(r["objective"] for r in results), "--seeds",
                         *map(str, args.seeds), *(["--steps", str(args.steps)] if args.steps else []), *extra])
         import textwrap
 
@@ -152,19 +243,27 @@ def main(argv: Optional[list[str]] = None) -> int:
             "default experiment "
             f"with {steps} learner steps per run, `max_head_offpolicyness` = eta, decoupled PPO (default) vs naive "
             "PPO (`learner.ppo.naive_ppo=true`: the ratio is taken against the behaviour logprobs, no proximal "
-            "recomputation, no behaviour-weight cap). Accuracy = greedy first-answer accuracy on the held-out "
+            "recomputation, no behaviour-weight cap), and the corrections `tis`, `icepop`, `cispo` on the "
+            "decoupled objective; `auto` steers eta itself up to the largest eta (`staleness_auto.eta_max`). "
+            "Accuracy = greedy first-answer accuracy on the held-out "
             f"split after the last step (start: {statistics.fmean(r['acc0'] for r in results):.3f}). "
             "Head staleness = policy versions between the learner and the oldest token of each batch. Clipped "
             "tokens = share of tokens where the PPO clip was active; approx KL = mean of `logp_old - logp` on the "
             "sampled tokens (old = proximal for decoupled, behaviour for naive); capped tokens = share dropped by "
-            "the behaviour-weight cap (decoupled only).")
+            "the behaviour-weight cap or a correction's mask; mismatch KL = mean per-step `mismatch_kl` (same-version "
+            "tokens, engine vs learner); collapse = the first evaluation "
+            f"{args.collapse_drop:g} or more below the best before it; groups/s = accepted groups per second of "
+            "training.")
         def fill(text: str) -> str:
             return textwrap.fill(text, 118, break_on_hyphens=False)
 
         note = "\n\n".join(fill(p) for p in args.note.split("\n\n")) if args.note else ""
-        body = "\n".join([SECTION, "", fill(intro), "", tbl, "", *([note, ""] if note else [])])
-        write_doc(args.doc, body)
-        print(f"wrote section '{SECTION}' of {args.doc}")
+        pic = args.plot if plot(results, args.plot) else ""
+        rel = os.path.relpath(pic, os.path.dirname(os.path.abspath(args.doc))) if pic else ""
+        body = "\n".join([args.section, "", fill(intro), "", tbl, "", *([f"![ablation]({rel})", ""] if rel else []),
+                          *([note, ""] if note else [])])
+        write_doc(args.doc, body, args.section)
+        print(f"wrote section '{args.section}' of {args.doc}")
     return 0
 
 

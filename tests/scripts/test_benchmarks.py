@@ -138,3 +138,33 @@ def test_bench_endpoint_smoke():
     last = proc.stdout.strip().splitlines()[-1]
     assert re.fullmatch(r"endpoint: \d+% of queue throughput", last), proc.stdout
     assert "round trips/s" in proc.stdout and "p50 latency" in proc.stdout
+
+
+def test_ablate_staleness_smoke_with_a_correction_and_auto_eta(tmp_path):
+    """Two tiny whole runs (icepop at eta 2, auto up to eta 2), the table and the doc section with its plot."""
+    doc = tmp_path / "bench.md"
+    doc.write_text("# Benchmarks\n\n## Other\nkept\n")
+    proc = run_script("ablate_staleness.py", ["--etas", "2", "--variants", "icepop", "auto", "--seeds", "1", "--steps",
+                                              "3", "--run-root", str(tmp_path / "runs"), "--doc", str(doc),
+                                              "--plot", str(tmp_path / "img" / "a.png"), "--section", "## Mine",
+                                              "eval.max_prompts=20", "learner.batch_size=2"], timeout=900)
+    res = json.loads((tmp_path / "runs" / "results.json").read_text())
+    assert [(r["eta"], r["objective"]) for r in res] == [(2, "icepop"), ("auto", "auto")]
+    assert all(r["steps"] == 3 and r["groups_per_s"] > 0 and r["mismatch_kl"] is not None for r in res)
+    assert res[1]["eta_mean"] is not None and res[0]["eta_mean"] is None  # only auto records its admitted eta
+    text = doc.read_text()
+    assert "## Other\nkept" in text and "## Mine" in text and "| auto (mean" in text and "| 2 | icepop |" in text
+    if (tmp_path / "img" / "a.png").exists():  # matplotlib installed
+        assert "![ablation](img/a.png)" in text
+    assert "collapse at" in proc.stdout
+
+
+def test_ablate_staleness_collapse_step_is_the_first_eval_far_below_the_best_before_it():
+    sys.path.insert(0, SCRIPTS)
+    try:
+        from ablate_staleness import collapse_step
+    finally:
+        sys.path.remove(SCRIPTS)
+    assert collapse_step([(0, 0.3), (25, 0.6), (50, 0.5), (75, 0.44), (100, 0.7)], 0.15) == 75
+    assert collapse_step([(0, 0.3), (25, 0.6), (50, 0.5)], 0.15) is None
+    assert collapse_step([], 0.15) is None

@@ -188,7 +188,8 @@ class Health:
         self.reporter.fault("learner_restart", reason=self.learner_lost_for[:300], from_version=rb.from_version,
                             to_version=rb.to_version, restarts=restarts, lost_groups=lost)
         line = (f"learner died ({self.learner_lost_for[:200]}); restarted from checkpoint v{rb.to_version} (restart "
-                f"{restarts} of at most {cap}); {lost} groups of lost versions dropped")
+                f"{restarts} of at most {cap}); {lost} accepted groups past the checkpoint lost with it "
+                f"(lost_learner_restart)")
         logger.warning("%s; running groups holding tokens of versions after v%d are dropped as lost_version", line,
                        rb.to_version)
         self.reporter.say(line)

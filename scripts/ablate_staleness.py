@@ -7,7 +7,8 @@ a subprocess (each run is a whole system: controller, inference, rollout and lea
 replaced on every run of the script) plus ``results.json`` in the ablation's run directory.
 
 Variants (``--variants``): ``decoupled`` (the default objective), ``naive`` (PPO against the behaviour logprobs),
-``tis``, ``icepop``, ``cispo`` (the corrections of ``learner.ppo.correction``, on the decoupled objective) and
+``tis``, ``icepop``, ``cispo``, ``seq_tis``, ``mis``, ``seq_mis``, ``geo_mask``, ``gspo`` (each correction of
+``learner.ppo.correction`` alone, on the decoupled objective) and
 ``auto`` (``max_head_offpolicyness=auto``: the controller steers eta; run once per seed, not per eta, with
 ``staleness_auto.eta_max`` = the largest ``--etas``).
 
@@ -41,6 +42,11 @@ VARIANTS: dict[str, list[str]] = {  # the overrides of each variant (eta is adde
     "tis": ["learner.ppo.correction=[tis]"],
     "icepop": ["learner.ppo.correction=[icepop]"],
     "cispo": ["learner.ppo.correction=[cispo]"],
+    "seq_tis": ["learner.ppo.correction=[seq_tis]"],
+    "mis": ["learner.ppo.correction=[mis]"],
+    "seq_mis": ["learner.ppo.correction=[seq_mis]"],
+    "geo_mask": ["learner.ppo.correction=[geo_mask]"],
+    "gspo": ["learner.ppo.correction=[gspo]"],
     "auto": ["max_head_offpolicyness=auto"],
 }
 
@@ -243,8 +249,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             "default experiment "
             f"with {steps} learner steps per run, `max_head_offpolicyness` = eta, decoupled PPO (default) vs naive "
             "PPO (`learner.ppo.naive_ppo=true`: the ratio is taken against the behaviour logprobs, no proximal "
-            "recomputation, no behaviour-weight cap), and the corrections `tis`, `icepop`, `cispo` on the "
-            "decoupled objective; `auto` steers eta itself up to the largest eta (`staleness_auto.eta_max`). "
+            "recomputation, no behaviour-weight cap), and the corrections of `learner.ppo.correction` (each alone) "
+            "on the decoupled objective; `auto` steers eta itself up to the largest eta (`staleness_auto.eta_max`). "
             "Accuracy = greedy first-answer accuracy on the held-out "
             f"split after the last step (start: {statistics.fmean(r['acc0'] for r in results):.3f}). "
             "Head staleness = policy versions between the learner and the oldest token of each batch. Clipped "

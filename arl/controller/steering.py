@@ -49,9 +49,10 @@ class StalenessChange:
 class StalenessSteering:
     """Steers the admitted eta from the learner's step metrics (see the module docstring)."""
 
-    def __init__(self, *, eta_min: int = 1, eta_max: int = 8, eta_start: int = 2, raise_after: int = 10,
-                 mismatch_kl_max: float = 0.01, clip_frac_max: float = 0.05, capped_frac_max: float = 0.02,
-                 grad_norm_spike: float = 5.0, window: int = 20, smooth: int = 5) -> None:
+    def __init__(self, *, eta_min: int, eta_max: int, eta_start: int, raise_after: int, mismatch_kl_max: float,
+                 clip_frac_max: float, capped_frac_max: float, grad_norm_spike: float, window: int,
+                 smooth: int) -> None:
+        """The settings of `staleness_auto.*` (`arl.config.StalenessAutoConfig`, where their defaults live)."""
         if not 1 <= eta_min <= eta_start <= eta_max:
             raise ValueError(f"need 1 <= eta_min <= eta_start <= eta_max, got {eta_min} / {eta_start} / {eta_max}")
         self.eta_min, self.eta_max, self.eta = int(eta_min), int(eta_max), int(eta_start)

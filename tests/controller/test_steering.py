@@ -3,17 +3,24 @@ controller shell turning a learner step's signals into a `staleness_change` reco
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from arl.api.staleness import StalenessPolicy
-from arl.config import ExperimentConfig, eta_bound, parse_overrides, staleness_policy
-from arl.controller.steering import StalenessSteering
+from arl.config import ExperimentConfig, StalenessAutoConfig, eta_bound, parse_overrides, staleness_policy
+from arl.controller import steering as steering_module
 from arl.rollout.staleness import StalenessGate
 from arl.utils.errors import ConfigError
 
 from .test_controller_faults import make_controller
+
+
+def StalenessSteering(**kw) -> steering_module.StalenessSteering:
+    """The steering with `staleness_auto`'s defaults, `kw` replacing some."""
+    return steering_module.StalenessSteering(**{**dataclasses.asdict(StalenessAutoConfig()), **kw})
+
 
 HEALTHY = {"mismatch_kl": 1e-6, "clip_frac": 0.01, "capped_frac": 0.0, "grad_norm": 1.0}
 

@@ -227,6 +227,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 results.append({**old, **read_run(os.path.join(args.run_root, old["name"]), args.collapse_drop)})
         args.etas = sorted({r["eta"] for r in results if r["eta"] != "auto"})
         args.seeds = sorted({r["seed"] for r in results})
+        args.steps = args.steps or max(r["steps"] for r in results)  # what the runs did
     plan = [(eta, v) for eta in args.etas for v in args.variants if v != "auto"]
     plan += [(max(args.etas), "auto")] if "auto" in args.variants else []
     for seed in [] if args.from_runs else args.seeds:
@@ -254,8 +255,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             "Accuracy = greedy first-answer accuracy on the held-out "
             f"split after the last step (start: {statistics.fmean(r['acc0'] for r in results):.3f}). "
             "Head staleness = policy versions between the learner and the oldest token of each batch. Clipped "
-            "tokens = share of tokens where the PPO clip was active; approx KL = mean of `logp_old - logp` on the "
-            "sampled tokens (old = proximal for decoupled, behaviour for naive); capped tokens = share dropped by "
+            "tokens = share of tokens where the PPO clip was active; capped tokens = share dropped by "
             "the behaviour-weight cap or a correction's mask; mismatch KL = mean per-step `mismatch_kl` (same-version "
             "tokens, engine vs learner); collapse = the first evaluation "
             f"{args.collapse_drop:g} or more below the best before it; groups/s = accepted groups per second of "

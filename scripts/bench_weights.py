@@ -75,6 +75,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from arl.utils.net import free_port  # noqa: E402
+from arl.utils.proc import trim_memory  # noqa: E402
 
 GB = 1e9
 LOOPBACK = "127.0.0.1"
@@ -86,15 +87,12 @@ def release() -> None:
     allocated and freed is neither reused by the next thread nor given back, and without this a process grew by a
     few model copies
     over a few versions (measured: 0.84 -> 2.85 GB RSS over 8 exports of a 0.47 GB model through
-    ``asyncio.to_thread``; flat with ``malloc_trim`` or ``MALLOC_ARENA_MAX=1``)."""
-    import ctypes
+    ``asyncio.to_thread``; flat with ``malloc_trim`` or ``MALLOC_ARENA_MAX=1``). The trim is the one the torch
+    engine does after each weight swap (`trim_memory`)."""
     import gc
 
     gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
+    trim_memory()
 
 
 # -------------------------------------------------------------------------------------------------------- models

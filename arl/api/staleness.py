@@ -61,10 +61,10 @@ class StalenessPolicy:
         started now makes tokens of version >= `version` and is consumed by a step <= ``version + eta``.
         `admitted`: a lower eta to admit at (the controller's steering under ``max_head_offpolicyness=auto``);
         never above the bound."""
-        if self.eta is None and admitted is None:
+        bounds = [e for e in (self.eta, admitted) if e is not None]
+        if not bounds:
             return sys.maxsize
-        eta = self.eta if admitted is None else admitted if self.eta is None else min(admitted, self.eta)
-        return (version + eta + 1) * batch_size
+        return (version + min(bounds) + 1) * batch_size
 
     # -- the learner: whole groups ----------------------------------------------------------------------------
     def group_is_stale(self, group: Sequence[Trajectory], version: int) -> bool:

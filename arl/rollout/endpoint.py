@@ -1,10 +1,12 @@
-"""The OpenAI-compatible endpoint of a rollout worker: `POST /v1/chat/completions`, `POST /v1/completions` and
-`GET /v1/models`, so that agents written against the OpenAI SDK (or a framework on top of it) run unmodified.
+"""The OpenAI-compatible endpoint of a rollout worker: `POST /v1/chat/completions`, `POST /v1/completions`,
+`POST /v1/responses` (OpenAI's Responses API), `POST /v1/messages` (Anthropic's Messages API) and `GET /v1/models`,
+so that agents written against the OpenAI or Anthropic SDKs (or a framework on top of them) run unmodified.
 
 Why aiohttp: it is already a dependency of the project (the SGLang backend's HTTP client), it serves from the
 rollout worker's own event loop (no second loop, no thread, no ASGI stack between the request and the inference
-client), and it streams server-sent events with a plain `StreamResponse`. FastAPI/uvicorn would add a server loop
-of its own and two packages to the default install for nothing this endpoint needs.
+client). FastAPI/uvicorn would add a server loop of its own and two packages to the default install for nothing
+this endpoint needs. Every request goes through `dispatch(method, path, headers, body)`, which knows no HTTP
+library: the aiohttp server is one caller of it.
 
 A request names its session in the URL path (`/sessions/<key>/v1/...`) or by its API key alone, which must be that
 session's own bearer token (random, minted when the session opens, dead when it ends): a token opens one session's
@@ -12,8 +14,10 @@ URLs and nothing else, and the run's secret (which signs every ZMQ frame) never 
 an HTTP header. Each request becomes one `GenerateRequest` sent through
 the session's `generate` (the group's obs queue: the inference client with its least-load routing, sticky
 sessions, deadlines, aborts; the group was admitted by the staleness gate before any session existed), and the
-token bookkeeping is `arl.rollout.sessions.Session`'s (token-exact concat mode). `stream=true` is answered as
-server-sent events after the whole answer was generated (the engine answers a request at once).
+token bookkeeping is `arl.rollout.sessions.Session`'s (token-exact concat mode): the Responses and Messages
+dialects are translated into chat messages first (`arl.rollout.dialects`), so all of them continue by the same
+code. `stream=true` is answered as server-sent events after the whole answer was generated (the engine answers a
+request at once).
 """
 
 from __future__ import annotations
@@ -26,21 +30,24 @@ import hmac
 import itertools
 import json
 import logging
+import re
 import secrets
 import time
 import weakref
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any, Awaitable, Callable, Mapping, Optional
 
 import numpy as np
 from aiohttp import web
 
-from arl.api.types import GenerateRequest, GenerateResponse, GenerationConfig
+from arl.api.types import GenerateRequest, GenerateResponse, GenerationConfig, SampleOutput
+from arl.rollout.dialects import anthropic, responses
+from arl.rollout.dialects.common import Answer, ChatCall, RequestError, new_id, sse
 from arl.rollout.sessions import Choice, Session, SessionEnded, message_key
 from arl.tools.parsers import get_parser
 
 logger = logging.getLogger("arl.rollout.endpoint")
 
-__all__ = ["EndpointServer", "SessionHandle", "RequestError"]
+__all__ = ["EndpointServer", "SessionHandle", "RequestError", "Reply"]
 
 Generate = Callable[[GenerateRequest], Awaitable[GenerateResponse]]
 
@@ -52,20 +59,24 @@ _CHAT_FIELDS = {"messages", "tools", "tool_choice", "parallel_tool_calls", "temp
 _COMPLETION_FIELDS = {"prompt", "temperature", "top_p", "max_tokens", "stop", "n", "seed", "logprobs", "stream",
                       "stream_options", "frequency_penalty", "presence_penalty", "echo", "best_of", "suffix",
                       *_IGNORED}
-_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
-class RequestError(Exception):
-    """A request we answer with an OpenAI error object (`status`, `code`, the field in `param`)."""
+_PATH = re.compile(r"^(?:/sessions/(?P<session>[^/]+))?/v1/"
+                   r"(?P<route>chat/completions|completions|responses|messages|models)/?$")
+_SSE = "text/event-stream"
 
-    def __init__(self, message: str, param: Optional[str] = None, status: int = 400,
-                 code: Optional[str] = None, kind: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.param, self.status, self.code, self.kind = param, status, code, kind
 
-    def response(self) -> web.Response:
-        body = {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
-        return web.json_response(body, status=self.status)
+@dataclasses.dataclass
+class Reply:
+    """What `dispatch` answers, whatever carries it: status, body (JSON, or a whole event stream) and its type."""
+
+    status: int
+    body: bytes
+    content_type: str = "application/json"
+
+    @classmethod
+    def json(cls, obj: Any, status: int = 200) -> "Reply":
+        return cls(status, json.dumps(obj, ensure_ascii=False).encode("utf-8"))
 
 
 @dataclasses.dataclass(eq=False)
@@ -80,6 +91,8 @@ class SessionHandle:
     late_calls: int = 0  # calls after the session ended (the agent's group is dropped for them)
     calls: int = 0
     token: str = dataclasses.field(default="", repr=False)  # the API key that opens this session (and no other)
+    # Responses API: a response id -> its conversation in chat form (what `previous_response_id` continues)
+    responses: dict[str, list[dict]] = dataclasses.field(default_factory=dict, repr=False)
 
 
 def _bytes(token: str) -> bytes:
@@ -147,6 +160,7 @@ class EndpointServer:
         self._starting: Optional[asyncio.Task] = None
         self._ids = itertools.count()
         self._openai: Any = None
+        self._anthropic: Any = None
         self.stats: collections.Counter = collections.Counter()
         eos = getattr(tokenizer, "eos_token_id", None)
         self._eos = int(eos) if eos is not None else None
@@ -169,10 +183,7 @@ class EndpointServer:
 
     async def _start(self) -> None:
         app = web.Application(client_max_size=64 * 1024 * 1024)
-        for prefix in ("", "/sessions/{session}"):
-            app.router.add_post(prefix + "/v1/chat/completions", self._chat)
-            app.router.add_post(prefix + "/v1/completions", self._completions)
-            app.router.add_get(prefix + "/v1/models", self._models)
+        app.router.add_route("*", "/{tail:.*}", self._web)  # every route is dispatch's
         # a caller that hangs up cancels its handler, so the inference client aborts the request (gen_abort)
         runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
         await runner.setup()
@@ -183,8 +194,11 @@ class EndpointServer:
         logger.info("OpenAI-compatible endpoint listening on %s/v1", self.url)
 
     async def close(self) -> None:
-        if self._openai is not None:
-            client, self._openai = self._openai, None
+        for name in ("_openai", "_anthropic"):
+            client = getattr(self, name)
+            setattr(self, name, None)
+            if client is None:
+                continue
             try:
                 await asyncio.wait_for(client.close(), 5.0)
             except Exception:  # noqa: BLE001 - closing: nothing left to do
@@ -211,6 +225,15 @@ class EndpointServer:
                                               max_retries=0, timeout=600.0)
         return self._openai
 
+    def anthropic_client(self) -> Any:
+        """One `anthropic.AsyncAnthropic` for this worker, as `openai_client` (imported only for such agents)."""
+        if self._anthropic is None:
+            import anthropic
+
+            self._anthropic = anthropic.AsyncAnthropic(base_url=self.url, api_key="none", max_retries=0,
+                                                       timeout=600.0)
+        return self._anthropic
+
     # -- sessions ----------------------------------------------------------------------------------------------
     def open_session(self, generate: Generate, greedy: bool = False) -> SessionHandle:
         key = secrets.token_hex(12)  # not secret: trajectories and the inference servers' sticky routing carry it
@@ -230,7 +253,12 @@ class EndpointServer:
             self._ended.popitem(last=False)
 
     def session_url(self, h: SessionHandle) -> str:
+        """The OpenAI SDK's base URL for a session (it appends `/chat/completions`, `/responses`)."""
         return f"{self.url}/sessions/{h.key}/v1"
+
+    def session_root(self, h: SessionHandle) -> str:
+        """The Anthropic SDK's base URL for a session (it appends `/v1/messages`)."""
+        return f"{self.url}/sessions/{h.key}"
 
     def api_key(self, h: SessionHandle) -> str:
         return h.token
@@ -240,12 +268,11 @@ class EndpointServer:
         return RequestError("invalid API key: it must be the token of the session (the api_key its agent was given)",
                             status=401, code="invalid_api_key")
 
-    def _session(self, request: web.Request) -> SessionHandle:
+    def _session(self, in_path: Optional[str], headers: Mapping[str, str]) -> SessionHandle:
         """The session in the path, else the one the API key (Bearer or x-api-key) names; the key must be that
         session's token (401), compared in constant time. An ended session's token gets 404 `session_ended`."""
-        auth = request.headers.get("Authorization", "")
-        token = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
-        in_path = request.match_info.get("session")
+        auth = headers.get("Authorization", "")
+        token = auth[7:].strip() if auth.lower().startswith("bearer ") else headers.get("x-api-key", "")
         key = in_path or token.partition(".")[0]
         h = self.sessions.get(key)
         if h is not None:
@@ -266,18 +293,47 @@ class EndpointServer:
         self.stats["unknown_session"] += 1
         raise RequestError("unknown session", status=404, code="session_not_found")
 
-    # -- handlers ----------------------------------------------------------------------------------------------
-    async def _models(self, request: web.Request) -> web.StreamResponse:
-        try:
-            self._session(request)
-        except RequestError as e:
-            return e.response()
-        return web.json_response({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "arl"}]})
+    # -- dispatch ----------------------------------------------------------------------------------------------
+    async def _web(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()  # over client_max_size: aiohttp's 413
+        r = await self.dispatch(request.method, request.path, request.headers, raw)
+        headers = {"Cache-Control": "no-cache"} if r.content_type == _SSE else None
+        return web.Response(status=r.status, body=r.body, content_type=r.content_type, headers=headers)
 
-    async def _body(self, request: web.Request, allowed: set[str]) -> dict:
+    async def dispatch(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> Reply:
+        """Answer one request: the route, the session its key opens, then the dialect's handler. Every refusal
+        is an error in the dialect's shape (Anthropic's for `/v1/messages`, OpenAI's otherwise)."""
+        m = _PATH.match(path)
+        route = m["route"] if m else ""
         try:
-            body = await request.json(loads=json.loads)
+            if m is None:
+                raise RequestError(f"no such route: {method} {path}", status=404, code="not_found")
+            want = "GET" if route == "models" else "POST"
+            if method != want:
+                raise RequestError(f"{method} is not allowed on /v1/{route} (use {want})", status=405,
+                                   code="method_not_allowed")
+            h = self._session(m["session"], headers)
+            return await self._handlers[route](h, body)
+        except RequestError as e:
+            self.stats[f"http_{e.status}"] += 1
+            err = anthropic.error_body(e) if route == "messages" else e.openai_body()
+            return Reply.json(err, e.status)
+
+    @property
+    def _handlers(self) -> dict[str, Callable[[SessionHandle, bytes], Awaitable[Reply]]]:
+        return {"chat/completions": self._chat, "completions": self._completions, "responses": self._responses,
+                "messages": self._messages, "models": self._models}
+
+    # -- handlers ----------------------------------------------------------------------------------------------
+    async def _models(self, h: SessionHandle, raw: bytes) -> Reply:
+        model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "arl",  # OpenAI's fields
+                 "type": "model", "display_name": self.model_name, "created_at": "1970-01-01T00:00:00Z"}  # Anthropic's
+        return Reply.json({"object": "list", "data": [model], "has_more": False, "first_id": self.model_name,
+                           "last_id": self.model_name})
+
+    def _body(self, raw: bytes, allowed: set[str]) -> dict:
+        try:
+            body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
             raise RequestError(f"the body is not valid JSON: {e}") from None
         except RecursionError:  # the parser's own limit (~1000 levels): a hostile body, not a server fault
@@ -298,31 +354,35 @@ class EndpointServer:
             raise RequestError("model must be a string", "model")
         return body
 
-    def _gconfig(self, body: dict, h: SessionHandle, prompt_len: int, stop_ids: list[int]) -> GenerationConfig:
+    def _gconfig(self, body: dict, names: dict[str, str], h: SessionHandle, prompt_len: int,
+                 stop_ids: list[int]) -> GenerationConfig:
+        """The request's sampling fields (`names`: canonical name -> the dialect's) over the run's settings."""
+        def name(canonical: str) -> str:
+            return names.get(canonical, canonical)
+
         changes: dict[str, Any] = {}
-        temperature = _number(body, "temperature", 0.0, 2.0)
-        top_p = _number(body, "top_p", 0.0, 1.0, lo_open=True)
+        temperature = _number(body, name("temperature"), 0.0, 2.0)
+        top_p = _number(body, name("top_p"), 0.0, 1.0, lo_open=True)
         if temperature == 0:
             changes["greedy"] = True
         elif temperature is not None:
             changes.update(temperature=temperature, greedy=False)
         if top_p is not None:
             changes["top_p"] = top_p
-        n = _int(body, "n", 1, 64)
-        changes["n"] = n or 1
-        max_new = None
-        for name in ("max_completion_tokens", "max_tokens"):
-            v = _int(body, name, 1, 1 << 30)
-            if v is not None:
-                max_new, field = v, name
-                break
+        if "top_k" in names:
+            top_k = _int(body, names["top_k"], 0, 1 << 20)
+            if top_k is not None:
+                changes["top_k"] = top_k
+        changes["n"] = _int(body, name("n"), 1, 64) or 1
+        field = name("max_tokens")
+        max_new = _int(body, field, 1, 1 << 30)
         room = self.max_context_len - prompt_len
         if max_new is not None and max_new > room:
             raise RequestError(f"this model's maximum context length is {self.max_context_len} tokens; the prompt "
                                f"has {prompt_len} and {field} asks for {max_new}", field, code="context_length_exceeded")
         if max_new is None and room < 1:
             raise RequestError(f"this model's maximum context length is {self.max_context_len} tokens; the prompt "
-                               f"has {prompt_len}", "messages", code="context_length_exceeded")
+                               f"has {prompt_len}", name("messages"), code="context_length_exceeded")
         changes["max_new_tokens"] = max_new or min(self.gconfig.max_new_tokens, room)
         changes["min_new_tokens"] = min(self.gconfig.min_new_tokens, changes["max_new_tokens"])
         if stop_ids:
@@ -336,23 +396,27 @@ class EndpointServer:
             raise RequestError(str(e)) from None
         return g
 
-    def _stops(self, body: dict) -> tuple[list[int], list[str]]:
-        """`stop` as token ids: each string must be one token (the engine stops on token ids; cutting text
-        afterwards would train on tokens the agent never saw)."""
-        stop = body.get("stop")
+    @staticmethod
+    def _stop_list(stop: Any) -> list[str]:
+        """Chat's and completions' `stop`: a string or a list of at most 4."""
         if stop is None:
-            return [], []
+            return []
         items = [stop] if isinstance(stop, str) else stop
         if not isinstance(items, list) or len(items) > 4 or not all(isinstance(s, str) and s for s in items):
             raise RequestError("stop must be a string or a list of at most 4 non-empty strings", "stop")
+        return items
+
+    def _stops(self, items: list[str], param: str) -> list[int]:
+        """Stop strings as token ids: each must be one token (the engine stops on token ids; cutting text
+        afterwards would train on tokens the agent never saw)."""
         ids = []
         for s in items:
             enc = list(self.tokenizer.encode(s, add_special_tokens=False))
             if len(enc) != 1:
-                raise RequestError(f"stop {s!r} is {len(enc)} tokens; only stop strings of one token are supported "
-                                   "(the engine stops on token ids)", "stop")
+                raise RequestError(f"{param} {s!r} is {len(enc)} tokens; only stop strings of one token are "
+                                   "supported (the engine stops on token ids)", param)
             ids.append(int(enc[0]))
-        return ids, items
+        return ids
 
     async def _generate(self, h: SessionHandle, ids: np.ndarray, g: GenerationConfig) -> GenerateResponse:
         req = GenerateRequest(qid=f"ep{next(self._ids)}", input_ids=ids, gconfig=g, session_id=h.key)
@@ -365,12 +429,15 @@ class EndpointServer:
                                code="engine_error")
         return resp
 
-    def _text(self, ids: np.ndarray, stop_texts: list[str]) -> str:
+    def _text(self, sample: SampleOutput, stop_texts: list[str], stop_ids: list[int]) -> tuple[str, Optional[str]]:
+        """The answer's text, and the stop string that ended it (left out of the text, as the APIs do)."""
+        ids = sample.output_ids
         text = self.tokenizer.decode(ids.tolist(), skip_special_tokens=True)
-        for s in stop_texts:  # OpenAI leaves the stop sequence out of the content
-            if text.endswith(s):
-                return text[:-len(s)]
-        return text
+        last = int(ids[-1]) if len(ids) and sample.finish_reason == "stop" else None
+        for s, t in zip(stop_texts, stop_ids):
+            if last == t:
+                return (text[:-len(s)] if text.endswith(s) else text), s
+        return text, None
 
     def _token_logprobs(self, sample: Any) -> list[dict]:
         out = []
@@ -379,74 +446,105 @@ class EndpointServer:
             out.append({"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8")), "top_logprobs": []})
         return out
 
-    async def _chat(self, request: web.Request) -> web.StreamResponse:
-        t0 = time.perf_counter()
+    async def _answers(self, h: SessionHandle, call: ChatCall,
+                       id_prefix: str) -> tuple[np.ndarray, list[Answer], list[dict]]:
+        """One chat turn of any dialect: the session's prompt ids, the engine's samples, their tool calls parsed,
+        the turn recorded. Returns the prompt ids, the answers and each answer as a chat message (with the call
+        ids the dialect will show)."""
+        param = call.names.get("messages", "messages")
         try:
-            h = self._session(request)
-            body = await self._body(request, _CHAT_FIELDS)
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise RequestError("messages must be a non-empty list", "messages")
-            tools = body.get("tools")
-            if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
-                raise RequestError("tools must be a list of objects", "tools")
-            choice_mode = body.get("tool_choice")
-            if choice_mode not in (None, "auto", "none"):
-                raise RequestError("tool_choice must be 'auto' or 'none' (a forced tool cannot be honoured by "
-                                   "sampling)", "tool_choice")
-            if body.get("parallel_tool_calls") is False:
-                raise RequestError("parallel_tool_calls=false is not supported (the model may write several calls)",
-                                   "parallel_tool_calls")
-            rf = body.get("response_format")
-            if rf is not None and (not isinstance(rf, dict) or rf.get("type") != "text"):
-                raise RequestError("response_format: only {'type': 'text'} is supported", "response_format")
-            if body.get("top_logprobs") not in (None, 0):
-                raise RequestError("top_logprobs is not supported (the engine returns the sampled token's logprob "
-                                   "only; use logprobs=true)", "top_logprobs")
-            stream = self._stream_flag(body)
-            try:
-                ids, history, parent = h.session.chat_prompt(messages, tools)
-            except Exception as e:  # noqa: BLE001 - unreadable messages, or the chat template refused them
-                raise RequestError(f"messages: {type(e).__name__}: {e}", "messages") from None
-            stop_ids, stop_texts = self._stops(body)
-            g = self._gconfig(body, h, len(ids), stop_ids)
-            resp = await self._generate(h, ids, g)
-            parse = bool(tools) and choice_mode != "none"
-            choices, out = [], []
-            for i, s in enumerate(resp.samples):
-                text = self._text(s.output_ids, stop_texts)
-                msg: dict[str, Any] = {"role": "assistant", "content": text}
-                finish = _FINISH[s.finish_reason]
-                calls = 0
-                if parse:
-                    parsed = self.parser.parse(text)
-                    if parsed.calls and not parsed.errors:
-                        msg["content"] = parsed.content or None
-                        msg["tool_calls"] = [{"id": f"call_{secrets.token_hex(8)}", "type": "function",
-                                              "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
-                                             for c in parsed.calls]
-                        finish = "tool_calls" if s.finish_reason == "stop" else finish
-                        calls = len(parsed.calls)
-                choices.append(Choice(s, message_key(msg), tool_calls=calls))
-                c: dict[str, Any] = {"index": i, "message": msg, "finish_reason": finish, "logprobs": None,
-                                     "arl": {"token_ids": s.output_ids.tolist(),
-                                             "versions": s.output_versions.tolist()}}
-                if body.get("logprobs"):
-                    c["logprobs"] = {"content": self._token_logprobs(s)}
-                out.append(c)
-            self._record(h, ids, history, parent, choices)
-        except RequestError as e:
-            self.stats[f"http_{e.status}"] += 1
-            return e.response()
-        self.stats["tool_calls"] += sum(c.tool_calls for c in choices)
-        n_out = sum(len(s.output_ids) for s in resp.samples)
+            ids, history, parent = h.session.chat_prompt(call.messages, call.tools)
+        except Exception as e:  # noqa: BLE001 - unreadable messages, or the chat template refused them
+            raise RequestError(f"{param}: {type(e).__name__}: {e}", param) from None
+        stop_ids = self._stops(call.stop, call.stop_param)
+        g = self._gconfig(call.sampling, call.names, h, len(ids), stop_ids)
+        resp = await self._generate(h, ids, g)
+        answers, msgs, choices = [], [], []
+        for s in resp.samples:
+            text, stop = self._text(s, call.stop, stop_ids)
+            content, calls = text, []
+            if call.parse_tools:
+                parsed = self.parser.parse(text)
+                if parsed.calls and not parsed.errors:
+                    content, calls = parsed.content, parsed.calls
+            a = Answer(s, text, content, calls, s.finish_reason, stop)
+            msg = a.message([new_id(id_prefix) for _ in calls])
+            answers.append(a)
+            msgs.append(msg)
+            choices.append(Choice(s, message_key(msg), tool_calls=len(calls)))
+        self._record(h, ids, history, parent, choices)
+        self.stats["tool_calls"] += sum(len(a.calls) for a in answers)
+        return ids, answers, msgs
+
+    async def _chat(self, h: SessionHandle, raw: bytes) -> Reply:
+        t0 = time.perf_counter()
+        body = self._body(raw, _CHAT_FIELDS)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise RequestError("messages must be a non-empty list", "messages")
+        tools = body.get("tools")
+        if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+            raise RequestError("tools must be a list of objects", "tools")
+        choice_mode = body.get("tool_choice")
+        if choice_mode not in (None, "auto", "none"):
+            raise RequestError("tool_choice must be 'auto' or 'none' (a forced tool cannot be honoured by "
+                               "sampling)", "tool_choice")
+        if body.get("parallel_tool_calls") is False:
+            raise RequestError("parallel_tool_calls=false is not supported (the model may write several calls)",
+                               "parallel_tool_calls")
+        rf = body.get("response_format")
+        if rf is not None and (not isinstance(rf, dict) or rf.get("type") != "text"):
+            raise RequestError("response_format: only {'type': 'text'} is supported", "response_format")
+        if body.get("top_logprobs") not in (None, 0):
+            raise RequestError("top_logprobs is not supported (the engine returns the sampled token's logprob "
+                               "only; use logprobs=true)", "top_logprobs")
+        stream = self._stream_flag(body)
+        limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        call = ChatCall(messages, tools, bool(tools) and choice_mode != "none", body, {"max_tokens": limit},
+                        stop=self._stop_list(body.get("stop")), stream=stream)
+        ids, answers, msgs = await self._answers(h, call, "call_")
+        out = []
+        for i, (a, msg) in enumerate(zip(answers, msgs)):
+            finish = "tool_calls" if a.calls and a.finish == "stop" else a.finish
+            c: dict[str, Any] = {"index": i, "message": msg, "finish_reason": finish, "logprobs": None,
+                                 "arl": {"token_ids": a.sample.output_ids.tolist(),
+                                         "versions": a.sample.output_versions.tolist()}}
+            if body.get("logprobs"):
+                c["logprobs"] = {"content": self._token_logprobs(a.sample)}
+            out.append(c)
+        n_out = sum(len(a.sample.output_ids) for a in answers)
         result = {"id": f"chatcmpl-{secrets.token_hex(8)}", "object": "chat.completion", "created": int(time.time()),
                   "model": body.get("model") or self.model_name, "choices": out,
                   "usage": {"prompt_tokens": len(ids), "completion_tokens": n_out, "total_tokens": len(ids) + n_out}}
         self.stats["chat_ms"] += int((time.perf_counter() - t0) * 1000)
         if stream:
-            return await self._sse_chat(request, result, body)
-        return web.json_response(result)
+            return Reply(200, sse(self._chat_events(result, body), done=True), _SSE)
+        return Reply.json(result)
+
+    async def _responses(self, h: SessionHandle, raw: bytes) -> Reply:
+        body = self._body(raw, responses.FIELDS)
+        call, conversation = responses.chat_call(body, h.responses.get)
+        ids, answers, msgs = await self._answers(h, call, "call_")
+        logprobs = None
+        if "message.output_text.logprobs" in (body.get("include") or []):
+            logprobs = self._token_logprobs(answers[0].sample)
+        result = responses.response(answers[0], msgs[0], body, len(ids), body.get("model") or self.model_name,
+                                    logprobs)
+        h.responses[result["id"]] = conversation + [msgs[0]]
+        self.stats["responses_calls"] += 1
+        if call.stream:
+            return Reply(200, sse(responses.events(result), done=False), _SSE)
+        return Reply.json(result)
+
+    async def _messages(self, h: SessionHandle, raw: bytes) -> Reply:
+        body = self._body(raw, anthropic.FIELDS)
+        call = anthropic.chat_call(body)
+        ids, answers, msgs = await self._answers(h, call, "toolu_")
+        result = anthropic.message(answers[0], msgs[0], len(ids), body["model"])
+        self.stats["messages_calls"] += 1
+        if call.stream:
+            return Reply(200, sse(anthropic.events(result), done=False), _SSE)
+        return Reply.json(result)
 
     def _record(self, h: SessionHandle, ids: np.ndarray, history: Any, parent: Any, choices: list[Choice]) -> None:
         before = h.session.mismatches
@@ -469,81 +567,69 @@ class EndpointServer:
             raise RequestError("stream_options must be an object", "stream_options")
         return bool(stream)
 
-    async def _sse(self, request: web.Request, events: list[dict]) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        for e in events:
-            await resp.write(b"data: " + json.dumps(e).encode() + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
-
-    async def _sse_chat(self, request: web.Request, result: dict, body: dict) -> web.StreamResponse:
+    @staticmethod
+    def _chat_events(result: dict, body: dict) -> list[tuple[Optional[str], dict]]:
         """The whole answer as chunks: per choice its role, content, tool calls, then its finish reason."""
         head = {k: result[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
-        events = []
+        events: list[tuple[Optional[str], dict]] = []
         for c in result["choices"]:
             m, i = c["message"], c["index"]
-            events.append(head | {"choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                               "finish_reason": None}]})
+            events.append((None, head | {"choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                      "finish_reason": None}]}))
             if m.get("content"):
-                events.append(head | {"choices": [{"index": i, "delta": {"content": m["content"]},
-                                                   "logprobs": c["logprobs"], "finish_reason": None}]})
+                events.append((None, head | {"choices": [{"index": i, "delta": {"content": m["content"]},
+                                                          "logprobs": c["logprobs"], "finish_reason": None}]}))
             if m.get("tool_calls"):
                 delta = {"tool_calls": [{"index": k, **tc} for k, tc in enumerate(m["tool_calls"])]}
-                events.append(head | {"choices": [{"index": i, "delta": delta, "finish_reason": None}]})
-            events.append(head | {"choices": [{"index": i, "delta": {}, "finish_reason": c["finish_reason"],
-                                               "arl": c["arl"]}]})
+                events.append((None, head | {"choices": [{"index": i, "delta": delta, "finish_reason": None}]}))
+            events.append((None, head | {"choices": [{"index": i, "delta": {}, "finish_reason": c["finish_reason"],
+                                                      "arl": c["arl"]}]}))
         if (body.get("stream_options") or {}).get("include_usage"):
-            events.append(head | {"choices": [], "usage": result["usage"]})
-        return await self._sse(request, events)
+            events.append((None, head | {"choices": [], "usage": result["usage"]}))
+        return events
 
-    async def _completions(self, request: web.Request) -> web.StreamResponse:
-        try:
-            h = self._session(request)
-            body = await self._body(request, _COMPLETION_FIELDS)
-            for name in ("echo", "suffix"):
-                if body.get(name):
-                    raise RequestError(f"{name} is not supported", name)
-            if body.get("best_of") not in (None, 1):
-                raise RequestError("best_of is not supported", "best_of")
-            if body.get("logprobs") not in (None, 0):
-                raise RequestError("logprobs: only 0 (the sampled tokens' logprobs) is supported", "logprobs")
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-                prompt = prompt[0]
-            ok_ids = isinstance(prompt, list) and prompt and all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-            if not (isinstance(prompt, str) and prompt) and not ok_ids:
-                raise RequestError("prompt must be a non-empty string or list of token ids (one prompt)", "prompt")
-            if ok_ids:  # before they become int32 (2**31 would overflow) or reach the engine (which refuses them)
-                bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
-                if bad is not None:
-                    raise RequestError(f"prompt token ids must be in [0, {self.vocab_size}) (the model's "
-                                       f"vocabulary), got {bad}", "prompt")
-            stream = self._stream_flag(body)
-            ids, history, parent = h.session.completion_prompt(prompt)
-            stop_ids, stop_texts = self._stops(body)
-            g = self._gconfig(body, h, len(ids), stop_ids)
-            resp = await self._generate(h, ids, g)
-            choices, out = [], []
-            for i, s in enumerate(resp.samples):
-                text = self._text(s.output_ids, stop_texts)
-                choices.append(Choice(s, text))
-                c: dict[str, Any] = {"index": i, "text": text, "finish_reason": _FINISH[s.finish_reason],
-                                     "logprobs": None, "arl": {"token_ids": s.output_ids.tolist(),
-                                                               "versions": s.output_versions.tolist()}}
-                if body.get("logprobs") == 0:
-                    toks = self._token_logprobs(s)
-                    c["logprobs"] = {"tokens": [t["token"] for t in toks],
-                                     "token_logprobs": [t["logprob"] for t in toks], "top_logprobs": None,
-                                     "text_offset": list(itertools.accumulate([0] + [len(t["token"])
-                                                                                     for t in toks[:-1]]))}
-                out.append(c)
-            self._record(h, ids, history, parent, choices)
-        except RequestError as e:
-            self.stats[f"http_{e.status}"] += 1
-            return e.response()
+    async def _completions(self, h: SessionHandle, raw: bytes) -> Reply:
+        body = self._body(raw, _COMPLETION_FIELDS)
+        for name in ("echo", "suffix"):
+            if body.get(name):
+                raise RequestError(f"{name} is not supported", name)
+        if body.get("best_of") not in (None, 1):
+            raise RequestError("best_of is not supported", "best_of")
+        if body.get("logprobs") not in (None, 0):
+            raise RequestError("logprobs: only 0 (the sampled tokens' logprobs) is supported", "logprobs")
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        ok_ids = isinstance(prompt, list) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        if not (isinstance(prompt, str) and prompt) and not ok_ids:
+            raise RequestError("prompt must be a non-empty string or list of token ids (one prompt)", "prompt")
+        if ok_ids:  # before they become int32 (2**31 would overflow) or reach the engine (which refuses them)
+            bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise RequestError(f"prompt token ids must be in [0, {self.vocab_size}) (the model's "
+                                   f"vocabulary), got {bad}", "prompt")
+        stream = self._stream_flag(body)
+        ids, history, parent = h.session.completion_prompt(prompt)
+        stop_texts = self._stop_list(body.get("stop"))
+        stop_ids = self._stops(stop_texts, "stop")
+        g = self._gconfig(body, {"messages": "prompt"}, h, len(ids), stop_ids)
+        resp = await self._generate(h, ids, g)
+        choices, out = [], []
+        for i, s in enumerate(resp.samples):
+            text, _ = self._text(s, stop_texts, stop_ids)
+            choices.append(Choice(s, text))
+            c: dict[str, Any] = {"index": i, "text": text, "finish_reason": s.finish_reason,
+                                 "logprobs": None, "arl": {"token_ids": s.output_ids.tolist(),
+                                                           "versions": s.output_versions.tolist()}}
+            if body.get("logprobs") == 0:
+                toks = self._token_logprobs(s)
+                c["logprobs"] = {"tokens": [t["token"] for t in toks],
+                                 "token_logprobs": [t["logprob"] for t in toks], "top_logprobs": None,
+                                 "text_offset": list(itertools.accumulate([0] + [len(t["token"])
+                                                                                 for t in toks[:-1]]))}
+            out.append(c)
+        self._record(h, ids, history, parent, choices)
         n_out = sum(len(s.output_ids) for s in resp.samples)
         result = {"id": f"cmpl-{secrets.token_hex(8)}", "object": "text_completion", "created": int(time.time()),
                   "model": body.get("model") or self.model_name, "choices": out,
@@ -554,5 +640,5 @@ class EndpointServer:
                 events.append(result | {"choices": []})
             for e in events[:len(out)]:
                 e.pop("usage", None)
-            return await self._sse(request, events)
-        return web.json_response(result)
+            return Reply(200, sse([(None, e) for e in events], done=True), _SSE)
+        return Reply.json(result)

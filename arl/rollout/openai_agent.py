@@ -1,9 +1,12 @@
-"""Agents written against the OpenAI API: a plain async function registered with `register_agent(name, fn)`,
+"""Agents written against the OpenAI or Anthropic API: a plain async function registered with
+`register_agent(name, fn)`,
 
     async def run(client: openai.AsyncOpenAI, prompt: dict, env) -> float | dict | None
 
-(or taking `base_url` / `api_key` instead of `client`, for code that builds its own client or runs a subprocess
-with OPENAI_BASE_URL / OPENAI_API_KEY; the key is the session's own token, never the run's secret), is run by `EndpointAgent`: one session of the rollout worker's endpoint
+(or `anthropic: anthropic.AsyncAnthropic` for the Messages API; or `base_url` / `api_key` instead of a client, for
+code that builds its own client or runs a subprocess with OPENAI_BASE_URL / OPENAI_API_KEY: `base_url` ends in
+`/v1`, the Anthropic SDK takes it without; the key is the session's own token, never the run's secret), is run by
+`EndpointAgent`: one session of the rollout worker's endpoint
 (`arl.rollout.endpoint`) per trajectory, `group_size` sessions per prompt forming the group. The reward is the
 function's return value: a number, or a dict with "reward" (its other keys become trajectory metadata); None
 takes it from `env.step(<the last answer's text>)`. Every generated token is recorded by the session
@@ -26,8 +29,6 @@ from arl.rollout.endpoint import EndpointServer, SessionHandle
 from arl.rollout.worker import plain
 
 __all__ = ["EndpointAgent", "SessionCallAfterEnd", "is_endpoint_agent"]
-
-_GIVEN = ("client", "base_url", "api_key", "prompt", "env")
 
 
 class SessionCallAfterEnd(RuntimeError):
@@ -78,6 +79,9 @@ class EndpointAgent(Agent):
         kw.update({k: v for k, v in given.items() if self._wants(k)})
         if self._wants("client"):
             kw["client"] = self.server.openai_client().with_options(base_url=url, api_key=key)
+        if self._wants("anthropic"):
+            kw["anthropic"] = self.server.anthropic_client().with_options(base_url=self.server.session_root(h),
+                                                                          api_key=key)
         try:
             result = await self.fn(**kw)
         finally:

@@ -233,9 +233,9 @@ async def test_the_agent_never_sees_the_run_secret(monkeypatch):
     server, received = parts.endpoint, []
     opened = server._session
 
-    def recording(request):  # every request's headers, as the endpoint received them
-        received.append(dict(request.headers))
-        return opened(request)
+    def recording(in_path, headers):  # every request's headers, as the endpoint received them
+        received.append(dict(headers))
+        return opened(in_path, headers)
 
     server._session = recording
     try:

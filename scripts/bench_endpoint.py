@@ -1,6 +1,8 @@
-"""Benchmark of the OpenAI-compatible endpoint: round trips per second and latency per call of an agent written
-against `openai.AsyncOpenAI` (through the rollout worker's endpoint) vs the same agent over the obs/act queues, on
-the same engine, the same load, in one run.
+"""Benchmark of the endpoint: round trips per second and latency per call of an agent written against
+`openai.AsyncOpenAI` (through the rollout worker's endpoint) vs the same agent over the obs/act queues, on the same
+engine, the same load, in one run; and the same agent in each dialect: chat completions over the in-process path
+(the clients the worker hands its agents: no socket) and over the socket (what a subprocess or external agent
+uses), the Responses API and Anthropic's Messages API (in process).
 
 Both agents run `--groups` groups of `--group-size` chats at once, `--turns` turns each (a fixed user message
 after every answer), every reply exactly `--reply-tokens` tokens (EOS disabled), all through `run_agent` as the
@@ -9,7 +11,8 @@ rollout worker runs them, on one in-process `TorchEngine` with the tiny model. R
 engine) is printed beside wall time because a shared machine makes wall time noisy.
 
 Usage: python scripts/bench_endpoint.py [--groups 8 --group-size 8 --turns 3 --reply-tokens 16 --rounds 2]
-The last line is `endpoint: NN% of queue throughput`.
+The last lines are `endpoint: NN% of queue throughput` (chat, in process) and one per other path:
+`endpoint (socket|responses|messages): NN% of queue throughput`.
 """
 
 from __future__ import annotations
@@ -85,6 +88,30 @@ def endpoint_agent_fn(turns: int, reply_tokens: int, latencies: list[float]) -> 
     return agent
 
 
+def responses_agent_fn(turns: int, reply_tokens: int, latencies: list[float]) -> Any:
+    async def agent(client: Any, prompt: dict) -> float:
+        items: list[dict] = [{"role": "user", "content": PROMPT}]
+        for t in range(turns):
+            t0 = time.perf_counter()
+            r = await client.responses.create(model="policy", input=items, max_output_tokens=reply_tokens)
+            latencies.append(time.perf_counter() - t0)
+            items += [{"role": "assistant", "content": r.output_text}, {"role": "user", "content": FEEDBACK}]
+        return 0.0
+    return agent
+
+
+def messages_agent_fn(turns: int, reply_tokens: int, latencies: list[float]) -> Any:
+    async def agent(anthropic: Any, prompt: dict) -> float:
+        messages = [{"role": "user", "content": PROMPT}]
+        for t in range(turns):
+            t0 = time.perf_counter()
+            r = await anthropic.messages.create(model="policy", messages=messages, max_tokens=reply_tokens)
+            latencies.append(time.perf_counter() - t0)
+            messages += [{"role": "assistant", "content": r.content[0].text}, {"role": "user", "content": FEEDBACK}]
+        return 0.0
+    return agent
+
+
 async def one_round(make_agent: Any, client: EngineClient, groups: int) -> tuple[float, float, int]:
     """(wall seconds, CPU seconds, trajectories) of `groups` groups run at once."""
     w0, c0 = time.perf_counter(), time.process_time()
@@ -103,36 +130,52 @@ async def main(args: argparse.Namespace) -> None:
     client = EngineClient(engine)
     g = GenerationConfig(max_new_tokens=args.reply_tokens, min_new_tokens=args.reply_tokens)
     server = EndpointServer(tok, g, max_context_len=512)
+    socket_server = EndpointServer(tok, g, max_context_len=512, in_process=False)
     await server.start()
+    await socket_server.start()
     calls = args.groups * args.group_size * args.turns
-    results: dict[str, dict[str, list[float]]] = {k: {"wall": [], "cpu": [], "lat": []} for k in ("queue", "endpoint")}
-    fn_lat: list[float] = []
-    q_lat: list[float] = []
-    fn = endpoint_agent_fn(args.turns, args.reply_tokens, fn_lat)
-    makers = {"queue": lambda: QueueAgent(tok, g, args.group_size, args.turns, q_lat),
-              "endpoint": lambda: EndpointAgent(fn, server, args.group_size)}
-    await one_round(makers["queue"], client, 2)  # warm both paths (imports, the openai client, the engine)
-    await one_round(makers["endpoint"], client, 2)
+    lats: dict[str, list[float]] = {}
+    makers: dict[str, Any] = {}
+
+    def add(name: str, make: Any) -> None:
+        lats[name] = []
+        makers[name] = lambda: make(lats[name])
+
+    add("queue", lambda lat: QueueAgent(tok, g, args.group_size, args.turns, lat))
+    add("endpoint", lambda lat: EndpointAgent(endpoint_agent_fn(args.turns, args.reply_tokens, lat), server,
+                                              args.group_size))
+    add("endpoint (socket)", lambda lat: EndpointAgent(endpoint_agent_fn(args.turns, args.reply_tokens, lat),
+                                                       socket_server, args.group_size))
+    add("endpoint (responses)", lambda lat: EndpointAgent(responses_agent_fn(args.turns, args.reply_tokens, lat),
+                                                          server, args.group_size))
+    add("endpoint (messages)", lambda lat: EndpointAgent(messages_agent_fn(args.turns, args.reply_tokens, lat),
+                                                         server, args.group_size))
+    results: dict[str, dict[str, list[float]]] = {k: {"wall": [], "cpu": [], "lat": []} for k in makers}
+    for make in makers.values():  # warm every path (imports, the SDK clients, the engine)
+        await one_round(make, client, 2)
+    names = list(makers)
     for r in range(args.rounds):
-        for name in ("queue", "endpoint") if r % 2 == 0 else ("endpoint", "queue"):
-            lat = q_lat if name == "queue" else fn_lat
-            lat.clear()
+        order = names[r % len(names):] + names[:r % len(names)]  # each path takes each slot in turn
+        for name in order:
+            lats[name].clear()
             wall, cpu, n = await one_round(makers[name], client, args.groups)
             assert n == args.groups * args.group_size, (name, n)
             results[name]["wall"].append(wall)
             results[name]["cpu"].append(cpu)
-            results[name]["lat"].append(statistics.median(lat))
+            results[name]["lat"].append(statistics.median(lats[name]))
     await server.close()
+    await socket_server.close()
     await engine.close()
     print(f"{args.groups} groups x {args.group_size} chats x {args.turns} turns = {calls} calls per round, "
-          f"{args.reply_tokens}-token replies, {args.rounds} rounds each (alternating), one in-process torch engine")
+          f"{args.reply_tokens}-token replies, {args.rounds} rounds each (rotating), one in-process torch engine")
     rate = {}
     for name, r in results.items():
         wall, cpu = statistics.median(r["wall"]), statistics.median(r["cpu"])
         rate[name] = calls / wall
-        print(f"{name:>8}: {rate[name]:8.1f} round trips/s   p50 latency {statistics.median(r['lat']) * 1000:7.1f} ms   "
-              f"CPU {cpu / calls * 1000:6.2f} ms per call")
-    print(f"endpoint: {100 * rate['endpoint'] / rate['queue']:.0f}% of queue throughput")
+        print(f"{name:>21}: {rate[name]:8.1f} round trips/s   p50 latency {statistics.median(r['lat']) * 1000:7.1f} ms"
+              f"   CPU {cpu / calls * 1000:6.2f} ms per call")
+    for name in names[1:]:
+        print(f"{name}: {100 * rate[name] / rate['queue']:.0f}% of queue throughput")
 
 
 if __name__ == "__main__":
@@ -141,5 +184,5 @@ if __name__ == "__main__":
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--reply-tokens", type=int, default=16)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=5)
     asyncio.run(main(p.parse_args()))

@@ -42,6 +42,7 @@ from aiohttp import web
 from arl.api.types import GenerateRequest, GenerateResponse, GenerationConfig, SampleOutput
 from arl.rollout.dialects import anthropic, responses
 from arl.rollout.dialects.common import Answer, ChatCall, RequestError, new_id, sse
+from arl.rollout.inprocess import in_process_http_client
 from arl.rollout.sessions import Choice, Session, SessionEnded, message_key
 from arl.tools.parsers import get_parser
 
@@ -137,11 +138,14 @@ class EndpointServer:
         max_ended: ended sessions remembered (~360 bytes each) so that a late call is told `session_ended` and
             counted; an older one's late call is a 404 `session_not_found`, refused all the same. 10,000 keeps a
             long run's worker flat (at 100,000 the memory grew for the first 50,000 groups of 2: 36 MB).
+        in_process: the clients this server hands to agents in the worker (`openai_client`, `anthropic_client`)
+            call `dispatch` without a socket; False: they go through the HTTP server like any other caller.
     """
 
     def __init__(self, tokenizer: Any, gconfig: GenerationConfig, max_context_len: int, host: str = "127.0.0.1",
                  port: int = 0, parser: str = "hermes",
-                 model_name: str = "arl-policy", max_ended: int = 10_000, vocab_size: Optional[int] = None) -> None:
+                 model_name: str = "arl-policy", max_ended: int = 10_000, vocab_size: Optional[int] = None,
+                 in_process: bool = True) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = int(vocab_size) if vocab_size else len(tokenizer)
         self.gconfig = gconfig
@@ -159,6 +163,7 @@ class EndpointServer:
         self._runner: Optional[web.AppRunner] = None
         self._starting: Optional[asyncio.Task] = None
         self._ids = itertools.count()
+        self.in_process = in_process
         self._openai: Any = None
         self._anthropic: Any = None
         self.stats: collections.Counter = collections.Counter()
@@ -208,8 +213,9 @@ class EndpointServer:
             await asyncio.wait_for(runner.cleanup(), 10.0)
 
     def openai_client(self) -> Any:
-        """One `openai.AsyncOpenAI` for this worker (sessions get `with_options` copies that share its connection
-        pool: a fresh HTTP client per session costs ~50 ms). `openai` is imported here, only for such agents."""
+        """One `openai.AsyncOpenAI` for this worker (sessions get `with_options` copies that share its HTTP client:
+        a fresh one per session costs ~50 ms). With `in_process` its transport calls `dispatch` directly (no socket,
+        no HTTP parsing: `arl.rollout.inprocess`). `openai` is imported here, only for such agents."""
         if self._openai is None:
             import openai
 
@@ -221,8 +227,9 @@ class EndpointServer:
             # one timeout for every phase: the SDK's default 5 s to connect is too short for a loaded worker whose
             # event loop accepts connections between other work (the trajectory deadline bounds the whole call)
             # its own key opens nothing: each session's copy carries that session's token
-            self._openai = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="none",
-                                              max_retries=0, timeout=600.0)
+            http = in_process_http_client(self.dispatch, openai.DefaultAsyncHttpxClient) if self.in_process else None
+            self._openai = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0,
+                                              timeout=600.0, http_client=http)
         return self._openai
 
     def anthropic_client(self) -> Any:
@@ -230,8 +237,10 @@ class EndpointServer:
         if self._anthropic is None:
             import anthropic
 
+            http = in_process_http_client(self.dispatch, anthropic.DefaultAsyncHttpxClient) \
+                if self.in_process else None
             self._anthropic = anthropic.AsyncAnthropic(base_url=self.url, api_key="none", max_retries=0,
-                                                       timeout=600.0)
+                                                       timeout=600.0, http_client=http)
         return self._anthropic
 
     # -- sessions ----------------------------------------------------------------------------------------------

@@ -135,8 +135,10 @@ def test_bench_envs_smoke():
 
 def test_bench_endpoint_smoke():
     proc = run_script("bench_endpoint.py", ["--groups", "2", "--group-size", "2", "--turns", "2", "--rounds", "1"])
-    last = proc.stdout.strip().splitlines()[-1]
-    assert re.fullmatch(r"endpoint: \d+% of queue throughput", last), proc.stdout
+    last = proc.stdout.strip().splitlines()[-4:]
+    assert re.fullmatch(r"endpoint: \d+% of queue throughput", last[0]), proc.stdout
+    for line, path in zip(last[1:], ("socket", "responses", "messages")):
+        assert re.fullmatch(rf"endpoint \({path}\): \d+% of queue throughput", line), proc.stdout
     assert "round trips/s" in proc.stdout and "p50 latency" in proc.stdout
 
 

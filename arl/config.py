@@ -294,6 +294,10 @@ class RolloutConfig:
     endpoint_port: int = field(0, "Port of each rollout worker's OpenAI-compatible endpoint (agents registered as "
                                   "async functions, docs/openai_endpoint.md); 0: a free port. It binds on bind_host "
                                   "(loopback by default); rollout worker i listens on endpoint_port + i.")
+    tool_parser: str = field("auto", "Tool-call parser of the endpoint's answers and of agents that take a `parser` "
+                                     "(hermes, qwen3, qwen3_coder, llama3_json, mistral, or one registered with "
+                                     "arl.tools.parsers.PARSERS.register); auto: the one the chat template's own "
+                                     "markers name (hermes when it names none).")
     trace_rate: float = field(0.05, "Share of prompt groups written to traces.jsonl (decoded turns, versions, "
                                     "timings); groups an error or a filter touched are always traced.")
     loop_block_warn_s: float = field(1.0, "Warn, naming the agent and the loop thread's stack, and count it in the "

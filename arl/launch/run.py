@@ -31,6 +31,13 @@ def check_names(cfg: ExperimentConfig) -> None:
     from arl.api.registry import AGENTS, ENVS
 
     AGENTS.get(cfg.agent.name)
+    if cfg.rollout.tool_parser != "auto":
+        from arl.tools.parsers import PARSERS
+
+        try:
+            PARSERS.get(cfg.rollout.tool_parser)
+        except KeyError as e:
+            raise ConfigError(f"rollout.tool_parser: {e.args[0]}") from None
     envs = {cfg.env.name: dict(cfg.env.args)}
     for spec in dict(cfg.rollout.env_configs).values():  # env groups' tags: {name, args}
         if isinstance(spec, dict) and spec.get("name"):

@@ -51,22 +51,32 @@ def agent_parts(cfg: ExperimentConfig, index: int = 0) -> AgentParts:
     gconfig.validate()
     group_size = cfg.rollout.group_size or cfg.agent.group_size  # env group size = trajectories per prompt
 
+    parser = tool_parser(cfg.rollout.tool_parser, tok)
     if inspect.iscoroutinefunction(agent_cls):  # an async function written against the OpenAI API: the endpoint's
-        return _endpoint_parts(cfg, agent_cls, tok, gconfig, group_size, list(train_rows), list(test_rows), index)
+        return _endpoint_parts(cfg, agent_cls, tok, gconfig, group_size, list(train_rows), list(test_rows), index,
+                               parser)
 
     def make_agent() -> Any:
-        return construct(agent_cls, tokenizer=tok, gconfig=gconfig, group_size=group_size, **cfg.agent.args)
+        return construct(agent_cls, tokenizer=tok, gconfig=gconfig, group_size=group_size,
+                         **{"parser": parser, **cfg.agent.args})
 
     def make_eval_agent() -> Any:
         # agent.args may set filter_uniform_groups too: evaluation always keeps every prompt
         return construct(agent_cls, tokenizer=tok, gconfig=gconfig.new(greedy=True), group_size=1,
-                          **{**cfg.agent.args, "filter_uniform_groups": False})
+                         **{"parser": parser, **cfg.agent.args, "filter_uniform_groups": False})
 
     return AgentParts(tok, list(train_rows), list(test_rows), group_size, make_agent, make_eval_agent)
 
 
+def tool_parser(name: str, tok: Any) -> str:
+    """`rollout.tool_parser` as a registered name (auto: the one the chat template names)."""
+    from arl.tools.parsers import parser_for_template
+
+    return parser_for_template(tok) if name == "auto" else name
+
+
 def _endpoint_parts(cfg: ExperimentConfig, fn: Any, tok: Any, gconfig: Any, group_size: int, train_rows: list[dict],
-                    test_rows: list[dict], index: int = 0) -> AgentParts:
+                    test_rows: list[dict], index: int = 0, parser: str = "hermes") -> AgentParts:
     """AgentParts of an OpenAI-API agent function: one endpoint per rollout worker, on the role's bind host (loopback
     by default) and `rollout.endpoint_port` + `index` (one fixed port for every worker would refuse all but the
     first). Each session has its own bearer token: the run's secret is neither the endpoint's key nor left in the
@@ -80,7 +90,7 @@ def _endpoint_parts(cfg: ExperimentConfig, fn: Any, tok: Any, gconfig: Any, grou
     os.environ.pop(SECRET_ENV, None)
     server = EndpointServer(tok, agent_gconfig(gconfig, tok), cfg.inference.max_context_len,
                             host=effective_bind_host(cfg.bind_host),
-                            port=endpoint_port(cfg.rollout.endpoint_port, index), vocab_size=len(tok))
+                            port=endpoint_port(cfg.rollout.endpoint_port, index), vocab_size=len(tok), parser=parser)
     args = dict(cfg.agent.args)
     filter_uniform = bool(args.pop("filter_uniform_groups", False))
 

@@ -33,7 +33,7 @@ setup(
                 "coverage>=7.10",  # scripts/files_run.py (which files a run executes, docs/architecture.md)
                 "gymnasium>=1.0", "gem-llm>=0.1", "reasoning-gym>=0.1.19", "verifiers>=0.3.1",  # env adapters' tests
                 "peft>=0.13",  # the learner.lora tests
-                "openai>=1.40", "openai-agents>=0.2"],  # the endpoint's tests and experiments (the agents extra)
+                "openai>=1.40", "openai-agents>=0.2", "anthropic>=0.40"],  # the endpoint's tests and experiments (the agents extra)
         "lora": ["peft>=0.13"],  # learner.lora.rank > 0 (imported only then)
         "data": ["datasets>=2.16"],
         "sglang": ["sglang>=0.5.23", "requests"],
@@ -42,7 +42,8 @@ setup(
         # agent.name=verifiers); imported only then
         "envs": ["gymnasium>=1.0", "gem-llm>=0.1", "reasoning-gym>=0.1.19", "verifiers>=0.3.1"],
         # agents written against the OpenAI API (docs/openai_endpoint.md): the SDK for experiment=openai-math and
-        # openai-tool-calc, the Agents SDK for openai-framework; imported only when such an agent runs
-        "agents": ["openai>=1.40", "openai-agents>=0.2"],
+        # openai-tool-calc, the Agents SDK for openai-framework and responses-framework, Anthropic's SDK for
+        # anthropic-math; imported only when such an agent runs
+        "agents": ["openai>=1.40", "openai-agents>=0.2", "anthropic>=0.40"],
     },
 )

@@ -294,6 +294,10 @@ class RolloutConfig:
     endpoint_port: int = field(0, "Port of each rollout worker's OpenAI-compatible endpoint (agents registered as "
                                   "async functions, docs/openai_endpoint.md); 0: a free port. It binds on bind_host "
                                   "(loopback by default); rollout worker i listens on endpoint_port + i.")
+    max_concurrent_sessions: int = field(0, "Most agent sessions (endpoint agents' trajectories) one rollout worker "
+                                            "runs at once; the rest wait in order, admitted. 0 = auto: no cap for "
+                                            "agents given an in-process client (client / anthropic), 4 per CPU for "
+                                            "agents that take base_url / api_key (a process or HTTP client each).")
     tool_parser: str = field("auto", "Tool-call parser of the endpoint's answers and of agents that take a `parser` "
                                      "(hermes, qwen3, qwen3_coder, llama3_json, mistral, or one registered with "
                                      "arl.tools.parsers.PARSERS.register); auto: the one the chat template's own "
@@ -859,6 +863,7 @@ def validate(cfg: Any) -> None:
         (cfg.gen.temperature > 0, "gen.temperature must be > 0"),
         (0.0 <= rc.trace_rate <= 1.0, "rollout.trace_rate must be in [0, 1]"),
         (rc.loop_block_warn_s >= 0, "rollout.loop_block_warn_s must be >= 0 (0: no loop watchdog)"),
+        (rc.max_concurrent_sessions >= 0, "rollout.max_concurrent_sessions must be >= 0 (0: auto)"),
         (rc.endpoint_port == 0 or 0 < rc.endpoint_port <= 65536 - rc.num_workers,
          f"rollout.endpoint_port must be 0 (a free port) or a port with endpoint_port + rollout.num_workers - 1 <= "
          f"65535 (rollout worker i listens on endpoint_port + i), got {rc.endpoint_port} with {rc.num_workers}"),

@@ -265,6 +265,7 @@ class Reporter:
         self._infer_busy_prev: dict[int, tuple[float, float]] = {}
         self._bar: Any = None
         self._postfix: dict = {}
+        self._warned: set[str] = set()  # rollout workers' warnings already said
         self._drops_text = ""
         self._drops_shown_at = -1e9
         self.memory = MemoryTrack(total_steps)
@@ -342,7 +343,23 @@ class Reporter:
                     "rss_mib": rss}, version)
         envs = [st for (role, _), st in role_stats.items() if role == "env"]
         self._env_text = f"{len(envs)} up, {sum(int(st.get('sessions', 0)) for st in envs)} sessions" if envs else ""
+        self._rollout_notes(role_stats)
         self._update_progress(version, metrics)
+
+    def _rollout_notes(self, role_stats: dict) -> None:
+        """Endpoint agents' sessions running / waiting for the progress line, and each rollout worker's warning
+        (a saturated machine) said once on the console and recorded."""
+        endpoints = [(i, st) for (role, i), st in role_stats.items() if role == "rollout"]
+        eps = [st["endpoint"] for _, st in endpoints if isinstance(st.get("endpoint"), dict)]
+        self._session_text = (f"{sum(int(e.get('sessions_running', 0)) for e in eps)} running, "
+                              f"{sum(int(e.get('sessions_waiting', 0)) for e in eps)} waiting") if eps else ""
+        for i, st in endpoints:
+            text = st.get("warning")
+            if isinstance(text, str) and text not in self._warned:
+                self._warned.add(text)
+                self.event("role_warning", role=f"rollout{i}", text=text)
+                if not self.say(f"warning: rollout{i}: {text}"):
+                    logger.warning("rollout%s: %s", i, text)
 
     def staleness_change(self, change: Any) -> None:
         """The steered eta moved (a `StalenessChange`): a record and a line on the console."""
@@ -395,6 +412,8 @@ class Reporter:
             self._postfix["rss"] = self.memory.largest
         if getattr(self, "_env_text", ""):  # env servers (env.servers > 0)
             self._postfix["envs"] = self._env_text
+        if getattr(self, "_session_text", ""):  # endpoint agents' sessions
+            self._postfix["sessions"] = self._session_text
         bar.set_postfix(**self._postfix, **({"dropped": self._drops_text} if self._drops_text else {}),
                         refresh=False)
         bar.update(version - bar.n)

@@ -43,6 +43,7 @@ from arl.api.types import GenerateRequest, GenerateResponse, GenerationConfig, S
 from arl.rollout.dialects import anthropic, responses
 from arl.rollout.dialects.common import Answer, ChatCall, RequestError, new_id, sse
 from arl.rollout.inprocess import in_process_http_client
+from arl.rollout.session_slots import SessionSlots
 from arl.rollout.sessions import Choice, Session, SessionEnded, message_key
 from arl.tools.parsers import get_parser
 
@@ -140,12 +141,13 @@ class EndpointServer:
             long run's worker flat (at 100,000 the memory grew for the first 50,000 groups of 2: 36 MB).
         in_process: the clients this server hands to agents in the worker (`openai_client`, `anthropic_client`)
             call `dispatch` without a socket; False: they go through the HTTP server like any other caller.
+        max_sessions: agent sessions that run at once (`SessionSlots`; 0: no cap).
     """
 
     def __init__(self, tokenizer: Any, gconfig: GenerationConfig, max_context_len: int, host: str = "127.0.0.1",
                  port: int = 0, parser: str = "hermes",
                  model_name: str = "arl-policy", max_ended: int = 10_000, vocab_size: Optional[int] = None,
-                 in_process: bool = True) -> None:
+                 in_process: bool = True, max_sessions: int = 0) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = int(vocab_size) if vocab_size else len(tokenizer)
         self.gconfig = gconfig
@@ -164,6 +166,7 @@ class EndpointServer:
         self._starting: Optional[asyncio.Task] = None
         self._ids = itertools.count()
         self.in_process = in_process
+        self.slots = SessionSlots(max_sessions)
         self._openai: Any = None
         self._anthropic: Any = None
         self.stats: collections.Counter = collections.Counter()
@@ -260,6 +263,10 @@ class EndpointServer:
         self._ended[key] = (_digest(h.token), weakref.ref(h))
         while len(self._ended) > self._max_ended:
             self._ended.popitem(last=False)
+
+    def heartbeat_stats(self) -> dict:
+        """The counters, and the sessions running and waiting for a slot now."""
+        return {**self.stats, "sessions_running": self.slots.running, "sessions_waiting": self.slots.waiting}
 
     def session_url(self, h: SessionHandle) -> str:
         """The OpenAI SDK's base URL for a session (it appends `/chat/completions`, `/responses`)."""

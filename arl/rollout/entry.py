@@ -84,13 +84,17 @@ def _endpoint_parts(cfg: ExperimentConfig, fn: Any, tok: Any, gconfig: Any, grou
     from arl.agents.common import agent_gconfig
     from arl.rollout.endpoint import EndpointServer
     from arl.rollout.openai_agent import EndpointAgent
+    from arl.rollout.session_slots import session_limit
     from arl.transport.security import SECRET_ENV, effective_bind_host
 
     # the role read it into SOCKET_OPTIONS at start-up; user agent code runs in this process from here on
     os.environ.pop(SECRET_ENV, None)
+    params = inspect.signature(fn).parameters
+    in_process = "client" in params or "anthropic" in params  # else it makes its own (a process, an HTTP client)
     server = EndpointServer(tok, agent_gconfig(gconfig, tok), cfg.inference.max_context_len,
                             host=effective_bind_host(cfg.bind_host),
-                            port=endpoint_port(cfg.rollout.endpoint_port, index), vocab_size=len(tok), parser=parser)
+                            port=endpoint_port(cfg.rollout.endpoint_port, index), vocab_size=len(tok), parser=parser,
+                            max_sessions=session_limit(cfg.rollout.max_concurrent_sessions, in_process))
     args = dict(cfg.agent.args)
     filter_uniform = bool(args.pop("filter_uniform_groups", False))
 
@@ -101,6 +105,25 @@ def _endpoint_parts(cfg: ExperimentConfig, fn: Any, tok: Any, gconfig: Any, grou
         return EndpointAgent(fn, server, 1, greedy=True, args=args)
 
     return AgentParts(tok, train_rows, test_rows, group_size, make_agent, make_eval_agent, endpoint=server)
+
+
+def saturation_watch(agent: str, slots: Any, cpus: Optional[int] = None) -> Callable[[], dict]:
+    """Heartbeat fields: once the machine is saturated while the agent's sessions run, a `warning` naming the agent
+    and what to lower (logged once here; the controller says it once on the console)."""
+    from arl.rollout.session_slots import saturation_warning
+
+    said: dict[str, str] = {}
+    n = cpus or os.cpu_count() or 1
+
+    def fields() -> dict:
+        if "warning" not in said:
+            text = saturation_warning(agent, slots, os.getloadavg()[0], n)
+            if text is not None:
+                logger.warning("%s", text)
+                said["warning"] = text
+        return dict(said)
+
+    return fields
 
 
 def endpoint_port(base: int, index: int) -> int:
@@ -135,6 +158,10 @@ def rollout_worker(cfg: ExperimentConfig, parts: AgentParts, client: Any, *, ind
             return RemoteEnv(env_client, name, args)
     rc = cfg.rollout
     agent = AGENTS.get(cfg.agent.name)  # named by the loop watchdog when it blocks the event loop
+    eval_concurrency = cfg.eval.concurrency
+    if parts.endpoint is not None and parts.endpoint.slots.limit:  # ask the gate for no more than can run at once
+        capacity = min(capacity, parts.endpoint.slots.max_groups(parts.group_size) or capacity)
+        eval_concurrency = min(eval_concurrency, parts.endpoint.slots.limit)
     return RolloutWorker(
         index=index,
         make_agent=parts.make_agent,
@@ -148,7 +175,7 @@ def rollout_worker(cfg: ExperimentConfig, parts: AgentParts, client: Any, *, ind
         push_settled=push_settled,
         capacity=capacity,
         trajectory_timeout=rollout_deadlines(cfg)[2],
-        eval_concurrency=cfg.eval.concurrency,
+        eval_concurrency=eval_concurrency,
         seed=cfg.seed,
         env_timeout=rc.env_timeout,
         # this worker's env groups (tags, pooled group indices) from `rollout.*`
@@ -193,7 +220,8 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
     stats = worker.heartbeat_stats
     if parts.endpoint is not None:  # the endpoint's counters ride on the heartbeat
         server = parts.endpoint
-        stats = lambda: {**worker.heartbeat_stats(), "endpoint": dict(server.stats)}  # noqa: E731
+        warn = saturation_watch(f"'{cfg.agent.name}'", server.slots)
+        stats = lambda: {**worker.heartbeat_stats(), "endpoint": server.heartbeat_stats(), **warn()}  # noqa: E731
     if judge is not None:  # and the judge's calls, failures by reason and time
         plain = stats
         stats = lambda: {**plain(), "judge": dict(judge.stats)}  # noqa: E731

@@ -117,13 +117,14 @@ class EndpointAgent(Agent):
         pid = str(prompt.get("id", "prompt"))
         group_id = new_id(pid)
         generate = queue_client(obs_queue, act_queue).generate
-        handles = [self.server.open_session(generate, greedy=self.greedy) for _ in range(self.group_size)]
-        try:
-            per_session = await gather_or_cancel(self._run(i, h, prompt, env, pid, group_id)
-                                                 for i, h in enumerate(handles))
-        finally:
-            for h in handles:
-                self.server.end_session(h.key)
+        async with self.server.slots.hold(self.group_size):  # rollout.max_concurrent_sessions
+            handles = [self.server.open_session(generate, greedy=self.greedy) for _ in range(self.group_size)]
+            try:
+                per_session = await gather_or_cancel(self._run(i, h, prompt, env, pid, group_id)
+                                                     for i, h in enumerate(handles))
+            finally:
+                for h in handles:
+                    self.server.end_session(h.key)
         late = sum(h.late_calls for h in handles)
         if late:
             raise SessionCallAfterEnd(f"{late} call(s) after their session had ended (a task of the agent "

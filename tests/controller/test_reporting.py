@@ -310,3 +310,16 @@ def test_a_learner_rollback_takes_back_the_accepted_groups_its_checkpoint_does_n
     acct = r.accounting(role_stats={("learner", 0): {"groups_received": 3}}, steps=4, running_groups=0,
                         failure=None, rollout_restarts=0, inference_restarts=0, transport={}, learner_restarts=1)
     assert acct["learner_restarts"] == 1 and acct["lost_accepted_groups"] == 0
+
+
+def test_endpoint_sessions_on_the_progress_line_and_a_worker_warning_said_once():
+    sink = ListSink()
+    r = Reporter([sink], total_steps=4)
+    beat = {("rollout", 0): {"endpoint": {"sessions_running": 8, "sessions_waiting": 3}, "warning": "saturated"},
+            ("rollout", 1): {"endpoint": {"sessions_running": 2, "sessions_waiting": 0}}}
+    r.train(1, {}, beat)
+    r.train(2, {}, beat)
+    warnings = [rec for rec, _ in sink.logged if rec["type"] == "role_warning"]
+    assert warnings == [{"type": "role_warning", "role": "rollout0", "text": "saturated",
+                         "elapsed": warnings[0]["elapsed"]}]
+    assert r._session_text == "10 running, 3 waiting"

@@ -1,7 +1,12 @@
-"""End to end: agents written against the OpenAI API (experiments openai-math, openai-tool-calc, openai-framework)
-trained through every role as a process, each trajectory through the token ledger."""
+"""End to end: agents written against the OpenAI and Anthropic APIs (experiments openai-math, anthropic-math,
+openai-tool-calc, openai-framework, responses-framework) and an agent that runs a process per session, trained
+through every role as a process, each trajectory through the token ledger."""
 
 from __future__ import annotations
+
+import json
+import os
+import textwrap
 
 import pytest
 
@@ -23,9 +28,10 @@ def endpoint_stats(run_dir: str) -> dict:
 
 
 @pytest.mark.slow
-def test_openai_math_trains_through_the_endpoint_token_exactly(tmp_path, model_cache):
+@pytest.mark.parametrize("experiment", ["openai-math", "anthropic-math"])
+def test_sdk_math_agents_train_through_the_endpoint_token_exactly(tmp_path, model_cache, experiment):
     steps = 3
-    proc, run_dir = run_main(["experiment=openai-math", f"total_train_steps={steps}", *SMALL], str(tmp_path),
+    proc, run_dir = run_main([f"experiment={experiment}", f"total_train_steps={steps}", *SMALL], str(tmp_path),
                              model_cache)
     train = assert_clean_run(proc, run_dir, steps)
     assert_ledger_checked(run_dir)
@@ -73,3 +79,62 @@ def test_openai_framework_agent_trains(tmp_path, model_cache):
     assert_clean_run(proc, run_dir, steps)
     assert_ledger_checked(run_dir)
     assert endpoint_stats(run_dir)["requests"] > 0
+
+
+SUBPROCESS_AGENT = '''
+import asyncio, json, os, sys
+
+from arl.api.registry import register_agent
+
+# what a program does with the session's base_url and api_key (stdlib HTTP: the OpenAI SDK's import alone costs ~1.7 s
+# of CPU per process here, and the test is about how many run at once, not about the SDK)
+SCRIPT = """
+import json, os, sys, urllib.request
+body = json.dumps({"model": "policy", "messages": [{"role": "user", "content": sys.argv[1]}]}).encode()
+req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions", data=body,
+                             headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"],
+                                      "Content-Type": "application/json"})
+print(json.load(urllib.request.urlopen(req, timeout=120))["choices"][0]["message"]["content"])
+"""
+LIVE = {"now": 0, "peak": 0}
+
+
+async def subprocess_math(base_url, api_key, prompt, env):
+    LIVE["now"] += 1
+    LIVE["peak"] = max(LIVE["peak"], LIVE["now"])
+    with open("peak.json", "w") as f:
+        json.dump(LIVE, f)
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", SCRIPT, prompt["prompt"], stdout=asyncio.subprocess.PIPE,
+            env={**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key})
+        out, _ = await proc.communicate()
+    finally:
+        LIVE["now"] -= 1
+    _, reward, _, _, info = await env.step(out.decode().strip())
+    return {"reward": reward, "solved": bool(info.get("correct")), "first_correct": bool(info.get("correct"))}
+
+
+register_agent("subprocess-math", subprocess_math)
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_process_per_session_agent_is_capped_and_trains(tmp_path, model_cache):
+    """An agent that starts a process per session, given base_url / api_key: the worker runs at most
+    rollout.max_concurrent_sessions (auto: 4 per CPU) at once, and the run trains its 20 steps."""
+    user_dir = tmp_path / "user"
+    user_dir.mkdir()
+    (user_dir / "sub_agents.py").write_text(textwrap.dedent(SUBPROCESS_AGENT))
+    steps = 20
+    proc, run_dir = run_main(["imports=[sub_agents]", "agent.name=subprocess-math", f"total_train_steps={steps}",
+                              *SMALL, "eval.every_n_steps=10", "rollout.max_concurrent_rollouts=16"],
+                             str(tmp_path / "runs"), model_cache, cwd=str(user_dir), timeout=540)
+    assert_clean_run(proc, run_dir, steps)
+    assert_ledger_checked(run_dir)
+    with open(user_dir / "peak.json") as f:
+        peak = json.load(f)["peak"]
+    assert 1 <= peak <= 4 * (os.cpu_count() or 1), peak
+    ep = endpoint_stats(run_dir)
+    assert ep["requests"] > 0 and ep["sessions_running"] <= 4 * (os.cpu_count() or 1), ep

@@ -27,6 +27,7 @@ LAZY_ENVS = {  # env name -> "module:class"
 
 LAZY_AGENTS = {  # agent name -> "module:attribute"
     "verifiers": "arl.envs.verifiers_env:verifiers_agent",
+    "external": "arl.rollout.external_agent:ExternalAgent",  # agents outside the run, through the task API
 }
 
 

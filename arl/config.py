@@ -298,6 +298,9 @@ class RolloutConfig:
                                             "runs at once; the rest wait in order, admitted. 0 = auto: no cap for "
                                             "agents given an in-process client (client / anthropic), 4 per CPU for "
                                             "agents that take base_url / api_key (a process or HTTP client each).")
+    task_api_key: str = field("", "agent.name=external: the key agents outside the run present to the task API "
+                                  "(/rl/v1/episodes); empty: a random one, written with each worker's address to "
+                                  "<run_dir>/task_api/rollout<i>.json. Never the run's secret.")
     tool_parser: str = field("auto", "Tool-call parser of the endpoint's answers and of agents that take a `parser` "
                                      "(hermes, qwen3, qwen3_coder, llama3_json, mistral, or one registered with "
                                      "arl.tools.parsers.PARSERS.register); auto: the one the chat template's own "

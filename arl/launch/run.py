@@ -7,6 +7,7 @@ import dataclasses
 import inspect
 import logging
 import os
+import secrets
 import signal
 import sys
 import time
@@ -65,6 +66,9 @@ def check_names(cfg: ExperimentConfig) -> None:
         except (ValueError, ImportError) as e:
             raise ConfigError(f"dataset.verifiers_env: {e}") from None
     resolve_secret(cfg.secret, effective_bind_host(cfg.bind_host))  # a multi-host run without a secret: refuse
+    if cfg.rollout.task_api_key and cfg.rollout.task_api_key == cfg.secret:
+        raise ConfigError("rollout.task_api_key must not be the run's secret (which signs every ZMQ frame): an agent "
+                          "holding it could forge any role's messages")
 
 
 def make_run_dir(cfg: ExperimentConfig) -> str:
@@ -299,6 +303,13 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
     if note:
         logger.warning("%s", note)
         print(f"note: {note}", file=sys.stderr, flush=True)
+    if cfg.agent.name == "external":  # agents outside the run: the task API's key (never the transport secret)
+        if not cfg.rollout.task_api_key:
+            cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout,
+                                                                       task_api_key=secrets.token_urlsafe(24)))
+        print(f"agent.name=external: agents outside the run take episodes from the task API; each rollout worker "
+              f"writes its address and key to {os.path.join(run_dir, 'task_api')}/rollout<i>.json",
+              file=sys.stderr, flush=True)
     with open(os.path.join(run_dir, "config.yaml"), "w") as f:
         f.write(to_yaml(dataclasses.replace(cfg, secret="")))  # the secret reaches the roles by environment
     print(f"run directory: {run_dir}", file=sys.stderr, flush=True)

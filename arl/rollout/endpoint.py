@@ -43,6 +43,7 @@ from arl.api.types import GenerateRequest, GenerateResponse, GenerationConfig, S
 from arl.rollout.dialects import anthropic, responses
 from arl.rollout.dialects.common import Answer, ChatCall, RequestError, new_id, sse
 from arl.rollout.inprocess import in_process_http_client
+from arl.rollout.episodes import EpisodeBoard, reward_payload
 from arl.rollout.session_slots import SessionSlots
 from arl.rollout.sessions import Choice, Session, SessionEnded, message_key
 from arl.tools.parsers import get_parser
@@ -65,6 +66,7 @@ _COMPLETION_FIELDS = {"prompt", "temperature", "top_p", "max_tokens", "stop", "n
 
 _PATH = re.compile(r"^(?:/sessions/(?P<session>[^/]+))?/v1/"
                    r"(?P<route>chat/completions|completions|responses|messages|models)/?$")
+_TASKS = re.compile(r"^/rl/v1/episodes(?:/(?P<episode>[^/]+)/reward)?/?$")
 _SSE = "text/event-stream"
 
 
@@ -142,12 +144,14 @@ class EndpointServer:
         in_process: the clients this server hands to agents in the worker (`openai_client`, `anthropic_client`)
             call `dispatch` without a socket; False: they go through the HTTP server like any other caller.
         max_sessions: agent sessions that run at once (`SessionSlots`; 0: no cap).
+        task_key: the key of the task API (`/rl/v1/episodes`, agents outside the run: `arl.rollout.episodes`);
+            empty: the task API is off.
     """
 
     def __init__(self, tokenizer: Any, gconfig: GenerationConfig, max_context_len: int, host: str = "127.0.0.1",
                  port: int = 0, parser: str = "hermes",
                  model_name: str = "arl-policy", max_ended: int = 10_000, vocab_size: Optional[int] = None,
-                 in_process: bool = True, max_sessions: int = 0) -> None:
+                 in_process: bool = True, max_sessions: int = 0, task_key: str = "") -> None:
         self.tokenizer = tokenizer
         self.vocab_size = int(vocab_size) if vocab_size else len(tokenizer)
         self.gconfig = gconfig
@@ -167,6 +171,8 @@ class EndpointServer:
         self._ids = itertools.count()
         self.in_process = in_process
         self.slots = SessionSlots(max_sessions)
+        self.task_key = task_key
+        self.board = EpisodeBoard()
         self._openai: Any = None
         self._anthropic: Any = None
         self.stats: collections.Counter = collections.Counter()
@@ -266,7 +272,10 @@ class EndpointServer:
 
     def heartbeat_stats(self) -> dict:
         """The counters, and the sessions running and waiting for a slot now."""
-        return {**self.stats, "sessions_running": self.slots.running, "sessions_waiting": self.slots.waiting}
+        out = {**self.stats, "sessions_running": self.slots.running, "sessions_waiting": self.slots.waiting}
+        if self.task_key:
+            out["episodes"] = {**self.board.stats, "open": self.board.open}
+        return out
 
     def session_url(self, h: SessionHandle) -> str:
         """The OpenAI SDK's base URL for a session (it appends `/chat/completions`, `/responses`)."""
@@ -319,6 +328,9 @@ class EndpointServer:
     async def dispatch(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> Reply:
         """Answer one request: the route, the session its key opens, then the dialect's handler. Every refusal
         is an error in the dialect's shape (Anthropic's for `/v1/messages`, OpenAI's otherwise)."""
+        task = _TASKS.match(path)
+        if task is not None:
+            return await self._task_api(method, task["episode"], headers, body)
         m = _PATH.match(path)
         route = m["route"] if m else ""
         try:
@@ -334,6 +346,38 @@ class EndpointServer:
             self.stats[f"http_{e.status}"] += 1
             err = anthropic.error_body(e) if route == "messages" else e.openai_body()
             return Reply.json(err, e.status)
+
+    # -- the task API (agents outside the run) ----------------------------------------------------------------
+    async def _task_api(self, method: str, episode: Optional[str], headers: Mapping[str, str], body: bytes) -> Reply:
+        """`POST /rl/v1/episodes` ({"wait_s": <= 60}: long-poll) -> an episode or 204; `POST
+        /rl/v1/episodes/{id}/reward` -> 200, 404 unknown, 409 ended / never handed out / already rewarded."""
+        try:
+            if not self.task_key:
+                raise RequestError("the task API is off (it serves agent.name=external)", status=404,
+                                   code="not_found")
+            auth = headers.get("Authorization", "")
+            token = auth[7:].strip() if auth.lower().startswith("bearer ") else headers.get("x-api-key", "")
+            if not hmac.compare_digest(_bytes(token), _bytes(self.task_key)):
+                self.stats["task_refused_auth"] += 1
+                raise RequestError("invalid task API key", status=401, code="invalid_api_key")
+            if method != "POST":
+                raise RequestError(f"{method} is not allowed (use POST)", status=405, code="method_not_allowed")
+            args = self._body(body or b"{}", {"wait_s", "reward"})
+            if episode is not None:
+                self.board.reward(episode, reward_payload(args))
+                return Reply.json({"episode_id": episode, "status": "rewarded"})
+            wait = _number(args, "wait_s", 0.0, 60.0)
+            ep = await self.board.take(20.0 if wait is None else wait)
+            if ep is None:
+                return Reply(204, b"")
+            h = ep.handle
+            return Reply.json({"episode_id": ep.id, "prompt": ep.prompt, "observation": ep.observation,
+                               "base_url": self.session_url(h), "anthropic_base_url": self.session_root(h),
+                               "api_key": h.token, "model": self.model_name, "deadline": ep.deadline,
+                               "deadline_s": max(0.0, ep.deadline - time.time())})
+        except RequestError as e:
+            self.stats[f"task_http_{e.status}"] += 1
+            return Reply.json(e.openai_body(), e.status)
 
     @property
     def _handlers(self) -> dict[str, Callable[[SessionHandle, bytes], Awaitable[Reply]]]:

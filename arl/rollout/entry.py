@@ -52,7 +52,7 @@ def agent_parts(cfg: ExperimentConfig, index: int = 0) -> AgentParts:
     group_size = cfg.rollout.group_size or cfg.agent.group_size  # env group size = trajectories per prompt
 
     parser = tool_parser(cfg.rollout.tool_parser, tok)
-    if inspect.iscoroutinefunction(agent_cls):  # an async function written against the OpenAI API: the endpoint's
+    if inspect.iscoroutinefunction(agent_cls) or is_external(agent_cls):  # the endpoint serves these agents
         return _endpoint_parts(cfg, agent_cls, tok, gconfig, group_size, list(train_rows), list(test_rows), index,
                                parser)
 
@@ -66,6 +66,13 @@ def agent_parts(cfg: ExperimentConfig, index: int = 0) -> AgentParts:
                          **{"parser": parser, **cfg.agent.args, "filter_uniform_groups": False})
 
     return AgentParts(tok, list(train_rows), list(test_rows), group_size, make_agent, make_eval_agent)
+
+
+def is_external(agent_cls: Any) -> bool:
+    """`agent.name=external`: episodes of the task API, run by agents outside the run."""
+    from arl.rollout.external_agent import ExternalAgent
+
+    return agent_cls is ExternalAgent
 
 
 def tool_parser(name: str, tok: Any) -> str:
@@ -89,14 +96,23 @@ def _endpoint_parts(cfg: ExperimentConfig, fn: Any, tok: Any, gconfig: Any, grou
 
     # the role read it into SOCKET_OPTIONS at start-up; user agent code runs in this process from here on
     os.environ.pop(SECRET_ENV, None)
-    params = inspect.signature(fn).parameters
+    external = is_external(fn)
+    params = {} if external else inspect.signature(fn).parameters
     in_process = "client" in params or "anthropic" in params  # else it makes its own (a process, an HTTP client)
     server = EndpointServer(tok, agent_gconfig(gconfig, tok), cfg.inference.max_context_len,
                             host=effective_bind_host(cfg.bind_host),
                             port=endpoint_port(cfg.rollout.endpoint_port, index), vocab_size=len(tok), parser=parser,
-                            max_sessions=session_limit(cfg.rollout.max_concurrent_sessions, in_process))
+                            max_sessions=session_limit(cfg.rollout.max_concurrent_sessions, in_process),
+                            task_key=cfg.rollout.task_api_key if external else "")
     args = dict(cfg.agent.args)
     filter_uniform = bool(args.pop("filter_uniform_groups", False))
+    if external:
+        from arl.rollout.external_agent import ExternalAgent
+
+        deadline = rollout_deadlines(cfg)[2]
+        return AgentParts(tok, train_rows, test_rows, group_size,
+                          lambda: ExternalAgent(server, group_size, deadline, filter_uniform_groups=filter_uniform),
+                          lambda: ExternalAgent(server, 1, deadline, greedy=True), endpoint=server)
 
     def make_agent() -> Any:
         return EndpointAgent(fn, server, group_size, filter_uniform_groups=filter_uniform, args=args)
@@ -124,6 +140,22 @@ def saturation_watch(agent: str, slots: Any, cpus: Optional[int] = None) -> Call
         return dict(said)
 
     return fields
+
+
+def write_task_api_file(run_dir: str, index: int, server: Any) -> str:
+    """<run_dir>/task_api/rollout<index>.json: the worker's task API address and key (readable by its owner only),
+    what an agent outside the run reads to take episodes."""
+    import json
+
+    folder = os.path.join(run_dir, "task_api")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"rollout{index}.json")
+    fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"worker": index, "url": server.url, "episodes": server.url + "/rl/v1/episodes",
+                   "key": server.task_key}, f)
+    os.replace(path + ".tmp", path)
+    return path
 
 
 def endpoint_port(base: int, index: int) -> int:
@@ -220,6 +252,9 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
     stats = worker.heartbeat_stats
     if parts.endpoint is not None:  # the endpoint's counters ride on the heartbeat
         server = parts.endpoint
+        if server.task_key:  # agents outside the run find this worker's task API here
+            await server.start()
+            write_task_api_file(run_dir, index, server)
         warn = saturation_watch(f"'{cfg.agent.name}'", server.slots)
         stats = lambda: {**worker.heartbeat_stats(), "endpoint": server.heartbeat_stats(), **warn()}  # noqa: E731
     if judge is not None:  # and the judge's calls, failures by reason and time

@@ -28,7 +28,7 @@ from arl.api.types import Trajectory, scalar_reward
 from arl.rollout.endpoint import EndpointServer, SessionHandle
 from arl.rollout.worker import plain
 
-__all__ = ["EndpointAgent", "SessionCallAfterEnd", "is_endpoint_agent"]
+__all__ = ["EndpointAgent", "SessionCallAfterEnd", "is_endpoint_agent", "session_trajectories"]
 
 
 class SessionCallAfterEnd(RuntimeError):
@@ -38,6 +38,34 @@ class SessionCallAfterEnd(RuntimeError):
 def is_endpoint_agent(obj: Any) -> bool:
     """A registered agent that is an async function (not an `Agent` class): it talks to the endpoint."""
     return inspect.iscoroutinefunction(obj)
+
+
+async def session_trajectories(server: EndpointServer, h: SessionHandle, env: Any, result: Any, pid: str,
+                               group_id: str, who: str) -> list[Trajectory]:
+    """The trajectories of one ended session, with its reward: `result` a number, a dict with "reward" (its other
+    keys become metadata), or None (the env scores the last answer's text). `who` names the agent in errors."""
+    s = h.session
+    if not s.turns:
+        return []
+    metadata: dict[str, Any] = {"prompt_id": pid}
+    if result is None:  # the reward is the env's, for the last answer
+        last = s.turns[-1].choices[0].sample.output_ids.tolist()
+        _, reward, _, _, info = await env.step(server.tokenizer.decode(last, skip_special_tokens=True))
+        reward = scalar_reward(reward)
+        metadata["solved"] = bool((info or {}).get("correct", reward > 0))
+    elif isinstance(result, dict):
+        if "reward" not in result:
+            raise ValueError(f"{who} returned a dict without 'reward'")
+        reward = scalar_reward(result["reward"])
+        metadata.update(plain({k: v for k, v in result.items() if k != "reward"}))
+    else:
+        reward = scalar_reward(result)
+    trajs = s.trajectories(reward, group_id, metadata)
+    for t in trajs:
+        t.metadata.setdefault("solved", reward > 0)
+        t.metadata.setdefault("first_correct", bool(t.metadata["solved"]) and s.mismatches == 0
+                              and len(s.turns) == 1)
+    return trajs
 
 
 class EndpointAgent(Agent):
@@ -86,28 +114,8 @@ class EndpointAgent(Agent):
             result = await self.fn(**kw)
         finally:
             self.server.end_session(h.key)
-        s = h.session
-        if not s.turns:
-            return []
-        metadata: dict[str, Any] = {"prompt_id": pid}
-        if result is None:  # the reward is the env's, for the last answer
-            last = s.turns[-1].choices[0].sample.output_ids.tolist()
-            _, reward, _, _, info = await member.step(self.server.tokenizer.decode(last, skip_special_tokens=True))
-            reward = scalar_reward(reward)
-            metadata["solved"] = bool((info or {}).get("correct", reward > 0))
-        elif isinstance(result, dict):
-            if "reward" not in result:
-                raise ValueError(f"agent function {self.fn.__name__} returned a dict without 'reward'")
-            reward = scalar_reward(result["reward"])
-            metadata.update(plain({k: v for k, v in result.items() if k != "reward"}))
-        else:
-            reward = scalar_reward(result)
-        trajs = s.trajectories(reward, group_id, metadata)
-        for t in trajs:
-            t.metadata.setdefault("solved", reward > 0)
-            t.metadata.setdefault("first_correct", bool(t.metadata["solved"]) and s.mismatches == 0
-                                  and len(s.turns) == 1)
-        return trajs
+        return await session_trajectories(self.server, h, member, result, pid, group_id,
+                                          f"agent function {self.fn.__name__}")
 
     async def collect_trajectory(self, prompt: dict[str, Any], env: EnvironmentService, obs_queue: asyncio.Queue,
                                  act_queue: asyncio.Queue) -> list[Trajectory]:

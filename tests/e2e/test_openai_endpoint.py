@@ -129,7 +129,8 @@ def test_a_process_per_session_agent_is_capped_and_trains(tmp_path, model_cache)
     (user_dir / "sub_agents.py").write_text(textwrap.dedent(SUBPROCESS_AGENT))
     steps = 20
     proc, run_dir = run_main(["imports=[sub_agents]", "agent.name=subprocess-math", f"total_train_steps={steps}",
-                              *SMALL, "eval.every_n_steps=10", "rollout.max_concurrent_rollouts=16"],
+                              *SMALL, "eval.every_n_steps=20", "eval.max_prompts=8",
+                              "rollout.max_concurrent_rollouts=16"],
                              str(tmp_path / "runs"), model_cache, cwd=str(user_dir), timeout=540)
     assert_clean_run(proc, run_dir, steps)
     assert_ledger_checked(run_dir)

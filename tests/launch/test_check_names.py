@@ -25,3 +25,11 @@ def test_auto_reads_the_chat_template():
     assert tool_parser("auto", tok) == "hermes" and tool_parser("mistral", tok) == "mistral"
     tok.chat_template = "{{ '[TOOL_CALLS]' }}"
     assert tool_parser("auto", tok) == "mistral"
+
+
+def test_the_task_api_key_may_not_be_the_run_secret():
+    load_builtins()
+    cfg = ExperimentConfig()
+    cfg.secret = cfg.rollout.task_api_key = "same-secret-of-enough-length-1234"
+    with pytest.raises(ConfigError, match="task_api_key must not be the run's secret"):
+        check_names(cfg)

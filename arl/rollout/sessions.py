@@ -17,8 +17,10 @@ So one session is one trajectory when the agent just goes on, and one per branch
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
+import weakref
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -103,6 +105,48 @@ def template_messages(messages: Sequence[dict]) -> list[dict]:
     return out
 
 
+class Renderings:
+    """The chat template's ids for a whole prompt or for messages after an assistant turn, remembered (LRU) per
+    tokenizer: a group's sessions start from one prompt and an agent sends the same feedback again and again, and
+    rendering + tokenising (~0.4 ms) is most of what the endpoint itself costs per call."""
+
+    _by_tokenizer: "weakref.WeakKeyDictionary[Any, Renderings]" = weakref.WeakKeyDictionary()
+
+    def __init__(self, tokenizer: Any, size: int = 4096) -> None:
+        self.tokenizer, self.size = tokenizer, size
+        self.encoder = ObservationEncoder(tokenizer)
+        self._cache: collections.OrderedDict[tuple, list[int]] = collections.OrderedDict()
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> "Renderings":
+        try:
+            r = cls._by_tokenizer.get(tokenizer)
+        except TypeError:  # a tokenizer that cannot be weakly referenced: no sharing
+            return cls(tokenizer)
+        if r is None:
+            r = cls._by_tokenizer[tokenizer] = cls(tokenizer)
+        return r
+
+    def _get(self, key: tuple, render: Any) -> np.ndarray:
+        ids = self._cache.get(key)
+        if ids is None:
+            ids = self._cache[key] = list(render())
+            if len(self._cache) > self.size:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        return np.asarray(ids, np.int32)
+
+    def prompt(self, messages: list[dict], tools: Optional[list]) -> np.ndarray:
+        kw = {"tools": tools} if tools else {}
+        key = ("prompt", json.dumps([messages, tools], sort_keys=True, ensure_ascii=False, default=str))
+        return self._get(key, lambda: encode_chat(self.tokenizer, messages, add_generation_prompt=True, **kw))
+
+    def after_assistant(self, messages: list[dict]) -> np.ndarray:
+        key = ("after", json.dumps(messages, sort_keys=True, ensure_ascii=False, default=str))
+        return self._get(key, lambda: self.encoder.encode(messages))
+
+
 @dataclasses.dataclass(eq=False)
 class Choice:
     """One answer the policy generated for a turn: its sample (exact ids, logprobs, versions) and what the agent
@@ -133,7 +177,7 @@ class Session:
     def __init__(self, key: str, tokenizer: Any) -> None:
         self.key = key
         self.tokenizer = tokenizer
-        self._encoder = ObservationEncoder(tokenizer)
+        self._render = Renderings.of(tokenizer)
         self.turns: list[Turn] = []
         self.mismatches = 0
         self.ended = False
@@ -166,12 +210,9 @@ class Session:
             turn, i = best
             new = template_messages(messages[len(turn.history[1]) + 1:])
             ids = np.concatenate([turn.prompt_ids, turn.choices[i].sample.output_ids,
-                                  np.asarray(self._encoder.encode(new), np.int32)])
+                                  self._render.after_assistant(new)])
             return ids, history, best
-        kw = {"tools": tools} if tools else {}
-        ids = np.asarray(encode_chat(self.tokenizer, template_messages(messages), add_generation_prompt=True, **kw),
-                         np.int32)
-        return ids, history, None
+        return self._render.prompt(template_messages(messages), tools), history, None
 
     # -- completions ----------------------------------------------------------------------------------------
     def completion_prompt(self, prompt: str | list[int]) -> tuple[np.ndarray, Any, Any]:

@@ -70,15 +70,19 @@ def test_openai_tool_calc_parses_tool_calls(tmp_path, model_cache):
 
 @pytest.mark.slow
 @pytest.mark.timeout(3000)
-def test_openai_framework_agent_trains(tmp_path, model_cache):
+def test_responses_framework_agent_trains(tmp_path, model_cache):
+    """The OpenAI Agents SDK on its default model provider (the Responses API) with function tools; the same agent
+    on the SDK's chat completions model class (experiment=openai-framework) differs only in the client calls that
+    tests/rollout/test_dialects.py and the openai-tool-calc test cover."""
     pytest.importorskip("agents")
     steps = 20
-    proc, run_dir = run_main(["experiment=openai-framework", f"total_train_steps={steps}", *TOOL_WARMUP,
+    proc, run_dir = run_main(["experiment=responses-framework", f"total_train_steps={steps}", *TOOL_WARMUP,
                               "eval.every_n_steps=10", "eval.max_prompts=30", "progress=false", "startup_timeout=600"], str(tmp_path),
                              model_cache, timeout=2900)
     assert_clean_run(proc, run_dir, steps)
     assert_ledger_checked(run_dir)
-    assert endpoint_stats(run_dir)["requests"] > 0
+    ep = endpoint_stats(run_dir)
+    assert ep["responses_calls"] > 0 and ep.get("endpoint_prefix_mismatch", 0) == 0, ep
 
 
 SUBPROCESS_AGENT = '''

@@ -296,8 +296,9 @@ class RolloutConfig:
                                   "(loopback by default); rollout worker i listens on endpoint_port + i.")
     max_concurrent_sessions: int = field(0, "Most agent sessions (endpoint agents' trajectories) one rollout worker "
                                             "runs at once; the rest wait in order, admitted. 0 = auto: no cap for "
-                                            "agents given an in-process client (client / anthropic), 4 per CPU for "
-                                            "agents that take base_url / api_key (a process or HTTP client each).")
+                                            "agents given an in-process client (client / anthropic) or running "
+                                            "outside the run (external), 4 per CPU for agents that take base_url / "
+                                            "api_key (a process or HTTP client each).")
     task_api_key: str = field("", "agent.name=external: the key agents outside the run present to the task API "
                                   "(/rl/v1/episodes); empty: a random one, written with each worker's address to "
                                   "<run_dir>/task_api/rollout<i>.json. Never the run's secret.")

@@ -98,7 +98,9 @@ def _endpoint_parts(cfg: ExperimentConfig, fn: Any, tok: Any, gconfig: Any, grou
     os.environ.pop(SECRET_ENV, None)
     external = is_external(fn)
     params = {} if external else inspect.signature(fn).parameters
-    in_process = "client" in params or "anthropic" in params  # else it makes its own (a process, an HTTP client)
+    # an in-process client, or agents elsewhere (external): sessions cost this worker no process; else the function
+    # makes its own client or process per session, and auto caps how many run at once
+    in_process = external or "client" in params or "anthropic" in params
     server = EndpointServer(tok, agent_gconfig(gconfig, tok), cfg.inference.max_context_len,
                             host=effective_bind_host(cfg.bind_host),
                             port=endpoint_port(cfg.rollout.endpoint_port, index), vocab_size=len(tok), parser=parser,

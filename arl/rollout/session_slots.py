@@ -20,9 +20,9 @@ __all__ = ["SessionSlots", "session_limit", "saturation_warning"]
 
 
 def session_limit(setting: int, in_process: bool, cpus: Optional[int] = None) -> int:
-    """`rollout.max_concurrent_sessions` as a number (0: no cap). Auto (0): no cap for agents given an in-process
-    client (a session is a coroutine), 4 per CPU for agents that take `base_url` / `api_key` (a session may be a
-    process or an HTTP client of its own)."""
+    """`rollout.max_concurrent_sessions` as a number (0: no cap). Auto (0): no cap when a session costs this worker
+    no process (`in_process`: an in-process client, or an agent outside the run), 4 per CPU for agents that take
+    `base_url` / `api_key` (a session may be a process or an HTTP client of its own)."""
     if setting > 0:
         return setting
     return 0 if in_process else 4 * (cpus or os.cpu_count() or 1)

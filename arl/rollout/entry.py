@@ -125,21 +125,19 @@ def _endpoint_parts(cfg: ExperimentConfig, fn: Any, tok: Any, gconfig: Any, grou
     return AgentParts(tok, train_rows, test_rows, group_size, make_agent, make_eval_agent, endpoint=server)
 
 
-def saturation_watch(agent: str, slots: Any, cpus: Optional[int] = None) -> Callable[[], dict]:
-    """Heartbeat fields: once the machine is saturated while the agent's sessions run, a `warning` naming the agent
-    and what to lower (logged once here; the controller says it once on the console)."""
-    from arl.rollout.session_slots import saturation_warning
+def saturation_watch(agent: str, slots: Any) -> Callable[[], dict]:
+    """Heartbeat fields: once the agent saturates the machine (`SaturationWatch`), a `warning` naming it and what
+    to change (logged once here; the controller says it once on the console)."""
+    from arl.rollout.session_slots import SaturationWatch
 
-    said: dict[str, str] = {}
-    n = cpus or os.cpu_count() or 1
+    watch = SaturationWatch(agent, slots)
 
     def fields() -> dict:
-        if "warning" not in said:
-            text = saturation_warning(agent, slots, os.getloadavg()[0], n)
-            if text is not None:
-                logger.warning("%s", text)
-                said["warning"] = text
-        return dict(said)
+        said = watch.said
+        text = watch.check()
+        if text is not None and said is None:
+            logger.warning("%s", text)
+        return {"warning": text} if text else {}
 
     return fields
 

@@ -14,9 +14,9 @@ import asyncio
 import collections
 import contextlib
 import os
-from typing import AsyncIterator, Optional
+from typing import Any, AsyncIterator, Optional
 
-__all__ = ["SessionSlots", "session_limit", "saturation_warning"]
+__all__ = ["SessionSlots", "SaturationWatch", "session_limit", "saturation_warning"]
 
 
 def session_limit(setting: int, in_process: bool, cpus: Optional[int] = None) -> int:
@@ -79,11 +79,41 @@ class SessionSlots:
             self._wake()
 
 
-def saturation_warning(agent: str, slots: SessionSlots, load: float, cpus: int) -> Optional[str]:
-    """The line a worker says once when its machine is saturated while its agent's sessions run (a load average
-    over 2 per CPU): what to lower, named."""
-    if load <= 2 * cpus or slots.running == 0:
-        return None
-    cap = f"rollout.max_concurrent_sessions={slots.limit}" if slots.limit else "rollout.max_concurrent_sessions (no cap)"
-    return (f"the machine is saturated (load average {load:.1f} on {cpus} CPUs) while agent {agent} runs "
-            f"{slots.running} sessions ({slots.waiting} waiting): lower {cap}, or give each session less to do")
+def saturation_warning(agent: str, slots: SessionSlots, *, children: int, loop_cpu: Optional[float], load: float,
+                       cpus: int) -> Optional[str]:
+    """The line a worker says once when its agent saturates the machine: more live child processes than 2 per CPU
+    (sessions that each start a program), or the worker's own loop using a whole CPU (`loop_cpu`, percent averaged
+    over a window; None until the window is full) while the machine is loaded. None when neither."""
+    cap = f"rollout.max_concurrent_sessions (now {slots.limit or 'no cap'})"
+    if children > 2 * cpus:
+        return (f"agent {agent} runs {children} processes on {cpus} CPUs ({slots.running} sessions running, "
+                f"{slots.waiting} waiting; load average {load:.1f}): lower {cap}")
+    if loop_cpu is not None and loop_cpu >= 95 and slots.running > 0 and load > 2 * cpus:
+        return (f"the worker's event loop is saturated running agent {agent} ({loop_cpu:.0f}% of a CPU, "
+                f"{slots.running} sessions; load average {load:.1f} on {cpus} CPUs): the rollout worker bounds the "
+                f"run; add rollout workers (rollout.num_workers) or lower {cap}")
+    return None
+
+
+class SaturationWatch:
+    """Samples the worker process at each heartbeat (`psutil`): its live children and its CPU over the last
+    `window` samples; `check()` returns the warning once it applies (and the same text after)."""
+
+    def __init__(self, agent: str, slots: SessionSlots, cpus: Optional[int] = None, window: int = 10,
+                 process: Any = None) -> None:
+        import psutil
+
+        self.agent, self.slots, self.cpus = agent, slots, cpus or os.cpu_count() or 1
+        self.process = process or psutil.Process()
+        self.process.cpu_percent(None)  # the first reading starts the interval
+        self._cpu: collections.deque[float] = collections.deque(maxlen=window)
+        self.said: Optional[str] = None
+
+    def check(self) -> Optional[str]:
+        if self.said is None:
+            self._cpu.append(self.process.cpu_percent(None))
+            full = len(self._cpu) == self._cpu.maxlen
+            self.said = saturation_warning(self.agent, self.slots, children=len(self.process.children(recursive=True)),
+                                           loop_cpu=sum(self._cpu) / len(self._cpu) if full else None,
+                                           load=os.getloadavg()[0], cpus=self.cpus)
+        return self.said

@@ -74,11 +74,39 @@ def test_auto_limit_and_max_groups():
     assert SessionSlots(8).max_groups(8) == 1 and SessionSlots(8).max_groups(3) == 2 and SessionSlots(4).max_groups(8) == 1
 
 
-def test_saturation_names_the_agent_and_the_key():
+def test_saturation_names_the_agent_and_what_to_change():
     slots = SessionSlots(8)
     slots.running, slots.waiting = 8, 40
-    text = saturation_warning("'sub'", slots, load=9.5, cpus=2)
-    assert "'sub'" in text and "load average 9.5 on 2 CPUs" in text and "rollout.max_concurrent_sessions=8" in text
-    assert saturation_warning("'sub'", slots, load=3.0, cpus=2) is None
-    slots.running = 0
-    assert saturation_warning("'sub'", slots, load=9.5, cpus=2) is None
+    text = saturation_warning("'sub'", slots, children=30, loop_cpu=None, load=9.5, cpus=2)
+    assert "'sub' runs 30 processes on 2 CPUs" in text and "rollout.max_concurrent_sessions (now 8)" in text
+    assert saturation_warning("'sub'", slots, children=4, loop_cpu=None, load=9.5, cpus=2) is None
+    text = saturation_warning("'sdk'", slots, children=0, loop_cpu=99.0, load=5.0, cpus=2)
+    assert "event loop is saturated running agent 'sdk'" in text and "rollout.num_workers" in text
+    assert saturation_warning("'sdk'", slots, children=0, loop_cpu=99.0, load=3.0, cpus=2) is None  # others idle
+    assert saturation_warning("'sdk'", slots, children=0, loop_cpu=60.0, load=9.0, cpus=2) is None  # not this one
+
+
+class _Proc:
+    def __init__(self, kids, cpu):
+        self.kids, self.cpu = kids, cpu
+
+    def cpu_percent(self, interval):
+        return self.cpu
+
+    def children(self, recursive):
+        return [object()] * self.kids
+
+
+def test_the_watch_says_it_once_and_keeps_it():
+    from arl.rollout.session_slots import SaturationWatch
+
+    slots = SessionSlots(8)
+    slots.running = 8
+    proc = _Proc(kids=2, cpu=10.0)
+    watch = SaturationWatch("'sub'", slots, cpus=2, window=3, process=proc)
+    assert watch.check() is None
+    proc.kids = 40
+    said = watch.check()
+    assert said and "40 processes" in said
+    proc.kids = 0
+    assert watch.check() == said

@@ -1,17 +1,17 @@
-"""End to end: agents in another language and outside the run. The JavaScript agent of examples/node (the
-`openai` npm package) trains as a subprocess agent (a Python agent function starts it per session) and, the same
-program, as an external agent through the task API (`agent.name=external`), with one of its two processes (a slow
+"""Agents in another language and outside the run. The JavaScript agent of examples/node (the `openai` npm
+package) runs as a subprocess agent (a Python agent function starts it per session) and, the same program, trains
+end to end as an external agent through the task API (`agent.name=external`), with one of its two processes (a slow
 one) killed while it holds episodes: their groups are dropped at the deadline, the run finishes and no accepted
 group is lost."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 
 import pytest
@@ -21,26 +21,6 @@ from tests.e2e.test_end_to_end import (MAIN, ROOT, SMALL, assert_clean_run, asse
 
 NODE_DIR = os.path.join(ROOT, "examples", "node")
 AGENT_JS = os.path.join(NODE_DIR, "agent.mjs")
-
-NODE_SUBPROCESS_AGENT = f'''
-import asyncio, os
-
-from arl.api.registry import register_agent
-
-
-async def node_math(base_url, api_key, prompt, env):
-    proc = await asyncio.create_subprocess_exec(
-        "node", {AGENT_JS!r}, "--prompt", prompt["prompt"], stdout=asyncio.subprocess.PIPE,
-        env={{**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key}})
-    out, _ = await proc.communicate()
-    if proc.returncode:
-        raise RuntimeError(f"node exited {{proc.returncode}}")
-    return None  # the env scores the session's last answer
-
-
-register_agent("node-math", node_math)
-'''
-
 
 @pytest.fixture(scope="module")
 def node_agent() -> str:
@@ -58,21 +38,41 @@ def summary(run_dir: str) -> dict:
     return s
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_the_node_agent_trains_as_a_subprocess_agent(tmp_path, model_cache, node_agent):
-    user_dir = tmp_path / "user"
-    user_dir.mkdir()
-    (user_dir / "node_agents.py").write_text(textwrap.dedent(NODE_SUBPROCESS_AGENT))
-    steps = 2  # a node process per session (~0.5 s of CPU each): 16 for training, 8 for the two evaluations
-    cmd = [sys.executable, MAIN, f"run_dir={tmp_path / 'runs'}", "run_name=run", f"model.cache_dir={model_cache}",
-           "imports=[node_agents]", "agent.name=node-math", f"total_train_steps={steps}", *SMALL,
-           "eval.max_prompts=4"]
-    proc = subprocess.run(cmd, cwd=str(user_dir), capture_output=True, text=True, timeout=540)
-    run_dir = str(tmp_path / "runs" / "run")
-    assert_clean_run(proc, run_dir, steps)
-    assert_ledger_checked(run_dir)
-    assert summary(run_dir)["lost_accepted_groups"] == 0
+@pytest.mark.asyncio
+@pytest.mark.timeout(120)
+async def test_the_node_agent_as_a_subprocess_agent_makes_ledger_exact_trajectories(node_agent):
+    """A Python agent function starts the JavaScript program per session with the session's OPENAI_BASE_URL /
+    OPENAI_API_KEY; it answers over the socket with the openai npm package, and the env scores what it printed.
+    The rollout worker's path (`run_agent`, the group's sessions, the token ledger) without the other roles: what
+    is particular to a subprocess agent is all here; the training around it is every endpoint agent's (the
+    external-agent test below trains the same program)."""
+    from arl.api import GenerationConfig
+    from arl.envs.math import MathEnv
+    from arl.rollout.endpoint import EndpointServer
+    from arl.rollout.ledger import EngineLog, verify_trajectory
+    from arl.rollout.openai_agent import EndpointAgent
+    from arl.rollout.worker import run_agent
+    from tests.rollout.test_openai_agent import EOS, PROMPT, TOK, Client
+
+    async def node_math(base_url, api_key, prompt, env):
+        proc = await asyncio.create_subprocess_exec(
+            "node", node_agent, "--prompt", prompt["prompt"], stdout=asyncio.subprocess.PIPE,
+            env={**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key})
+        out, _ = await proc.communicate()
+        assert proc.returncode == 0
+        return None  # the env scores the session's last answer
+
+    server = EndpointServer(TOK, GenerationConfig(max_new_tokens=8, stop_token_ids=[EOS]), max_context_len=256)
+    log = EngineLog()
+    try:
+        trajs = await run_agent(EndpointAgent(node_math, server, group_size=2), dict(PROMPT), MathEnv(), Client(),
+                                60.0, engine_log=log)
+    finally:
+        await server.close()
+    assert len(trajs) == 2 and server.stats["requests"] == 2 and server.slots.running == 0
+    for t in trajs:
+        verify_trajectory(t, log)
+        assert t.reward == 0.0 and t.metadata["turns"] == 1  # the client answers "18" to 12+7
 
 
 @pytest.mark.slow

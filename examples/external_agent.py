@@ -21,6 +21,7 @@ import os
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 import openai
@@ -93,6 +94,9 @@ async def loop(pool: Any, done: list[int], limit: int) -> None:
 
 
 async def main(args: argparse.Namespace) -> None:
+    # a thread per loop for its long-poll and one more for its reward (the default pool has cpu + 4 threads: the
+    # rewards would queue behind other loops' long-polls, and the run would wait on them)
+    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(2 * args.concurrency + 2))
     pool = itertools.cycle(workers(args.run_dir))
     done = [0]
     await asyncio.gather(*(loop(pool, done, args.episodes) for _ in range(args.concurrency)))

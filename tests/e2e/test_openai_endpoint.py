@@ -45,10 +45,11 @@ def test_sdk_math_agents_train_through_the_endpoint_token_exactly(tmp_path, mode
 @pytest.mark.timeout(2400)
 def test_openai_math_learns_from_the_default_warm_up(tmp_path, model_cache):
     """The issue's bar: >= +20 points of greedy first-answer accuracy over the warm-up checkpoint (the default run
-    gets there in 25-50 steps, docs/benchmarks.md); 80 steps, the best of the later evaluations."""
-    proc, run_dir = run_main(["experiment=openai-math", "total_train_steps=80", "eval.every_n_steps=20",
+    gets there in 25-50 steps; openai-math and anthropic-math measured +24 to +32.5 at step 25-50,
+    docs/benchmarks.md); 50 steps, the best of the later evaluations."""
+    proc, run_dir = run_main(["experiment=openai-math", "total_train_steps=50", "eval.every_n_steps=25",
                               "progress=false", "startup_timeout=240"], str(tmp_path), model_cache, timeout=1500)
-    assert_clean_run(proc, run_dir, 80)
+    assert_clean_run(proc, run_dir, 50)
     evals = [m for m in read_metrics(run_dir) if m["type"] == "eval"]
     first, best = evals[0]["first_acc"], max(m["first_acc"] for m in evals[1:])
     assert best >= first + 0.20, [(m["version"], m["first_acc"]) for m in evals]

@@ -209,3 +209,23 @@ async def test_one_session_may_switch_dialect_and_still_continue_exactly(server)
     assert engine.requests[1].input_ids.tolist() == first + enc("18") + [EOS] + enc("<|user|>Wrong, try again."
                                                                                     "<|assistant|>")
     exact(h, engine, 2)
+
+
+async def test_an_answer_cut_by_the_budget_is_incomplete_and_max_tokens(server):
+    engine = FakeEngine("12", "12")
+
+    async def cut(req):  # the engine stopped at the token budget: no eos, finish "length"
+        resp = await engine.generate(req)
+        s = resp.samples[0]
+        s.output_ids, s.output_logprobs, s.output_versions = s.output_ids[:-1], s.output_logprobs[:-1], \
+            s.output_versions[:-1]
+        s.finish_reason = "length"
+        return resp
+
+    h = server.open_session(cut)
+    async with client_for(server, h) as c:
+        r = await c.responses.create(model="m", input="q", max_output_tokens=2)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens" and r.output_text == "12"
+    async with claude_for(server, h) as c:
+        m = await c.messages.create(model="m", max_tokens=2, messages=[{"role": "user", "content": "p"}])
+    assert m.stop_reason == "max_tokens" and m.content[0].text == "12"

@@ -69,10 +69,12 @@ def agent_parts(cfg: ExperimentConfig, index: int = 0) -> AgentParts:
 
 
 def is_external(agent_cls: Any) -> bool:
-    """`agent.name=external`: episodes of the task API, run by agents outside the run."""
-    from arl.rollout.external_agent import ExternalAgent
+    """`agent.name=external`: episodes of the task API, run by agents outside the run. Asked without importing the
+    module (a run with another agent imports neither the endpoint nor `openai`): the class is loaded if it is this."""
+    import sys
 
-    return agent_cls is ExternalAgent
+    module = sys.modules.get("arl.rollout.external_agent")
+    return module is not None and agent_cls is module.ExternalAgent
 
 
 def tool_parser(name: str, tok: Any) -> str:

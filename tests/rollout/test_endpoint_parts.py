@@ -31,6 +31,10 @@ CHECK = textwrap.dedent('''
     assert agent.filter_uniform_groups and parts.make_eval_agent().greedy
     assert parts.endpoint.host == "127.0.0.1" and not hasattr(parts.endpoint, "secret")
     assert "openai" not in sys.modules  # imported when a session's client is first made
+    cfg.agent.name, cfg.agent.args = "external", {}
+    parts = agent_parts(cfg)
+    assert type(parts.make_agent()).__name__ == "ExternalAgent" and parts.make_eval_agent().greedy
+    assert parts.endpoint.task_key == cfg.rollout.task_api_key and parts.endpoint.slots.limit == 0
     print("ok")
 ''')
 
@@ -44,8 +48,11 @@ def test_the_openai_experiments_load_and_validate():
     from arl.cli import load_config
     from experiments import MODULES
 
-    for name, agent, steps in [("openai-math", "openai-math", 400), ("openai-tool-calc", "openai-tool-calc", 30),
-                               ("openai-framework", "openai-framework", 20)]:
+    for name, agent, steps, module in [("openai-math", "openai-math", 400, "openai_math"),
+                                       ("openai-tool-calc", "openai-tool-calc", 30, "openai_tool_calc"),
+                                       ("openai-framework", "openai-framework", 20, "openai_framework"),
+                                       ("responses-framework", "openai-framework", 20, "openai_framework"),
+                                       ("anthropic-math", "anthropic-math", 400, "anthropic_math")]:
         cfg = load_config([f"experiment={name}"], MODULES)
         assert cfg.agent.name == agent and cfg.total_train_steps == steps and cfg.rollout.endpoint_port == 0
-        assert cfg.imports[0] == "experiments." + name.replace("-", "_")
+        assert cfg.imports[0] == "experiments." + module

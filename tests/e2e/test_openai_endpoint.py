@@ -65,9 +65,9 @@ def test_openai_math_learns_from_the_default_warm_up(tmp_path, model_cache):
 @pytest.mark.slow
 @pytest.mark.timeout(3000)  # the tool model's warm-up (once per test session, shared with the framework test)
 def test_openai_tool_calc_parses_tool_calls(tmp_path, model_cache):
-    steps = 30
+    steps = 16  # enough groups to see parsed tool calls in the train records (smoke, not learning)
     proc, run_dir = run_main(["experiment=openai-tool-calc", f"total_train_steps={steps}", *TOOL_WARMUP,
-                              "eval.every_n_steps=15", "eval.max_prompts=50", "progress=false", "startup_timeout=600"], str(tmp_path),
+                              "eval.every_n_steps=8", "eval.max_prompts=50", "progress=false", "startup_timeout=600"], str(tmp_path),
                              model_cache, timeout=2900)
     train = assert_clean_run(proc, run_dir, steps)
     assert_ledger_checked(run_dir)  # the experiment sets rollout.verify_token_ledger=true
@@ -83,9 +83,9 @@ def test_responses_framework_agent_trains(tmp_path, model_cache):
     on the SDK's chat completions model class (experiment=openai-framework) differs only in the client calls that
     tests/rollout/test_dialects.py and the openai-tool-calc test cover."""
     pytest.importorskip("agents")
-    steps = 20
+    steps = 10
     proc, run_dir = run_main(["experiment=responses-framework", f"total_train_steps={steps}", *TOOL_WARMUP,
-                              "eval.every_n_steps=10", "eval.max_prompts=30", "progress=false", "startup_timeout=600"], str(tmp_path),
+                              "eval.every_n_steps=5", "eval.max_prompts=30", "progress=false", "startup_timeout=600"], str(tmp_path),
                              model_cache, timeout=2900)
     assert_clean_run(proc, run_dir, steps)
     assert_ledger_checked(run_dir)

@@ -266,6 +266,7 @@ class Reporter:
         self._bar: Any = None
         self._postfix: dict = {}
         self._warned: set[str] = set()  # rollout workers' warnings already said
+        self._session_text = ""  # endpoint agents' sessions running / waiting, for the progress line
         self._drops_text = ""
         self._drops_shown_at = -1e9
         self.memory = MemoryTrack(total_steps)
@@ -412,7 +413,7 @@ class Reporter:
             self._postfix["rss"] = self.memory.largest
         if getattr(self, "_env_text", ""):  # env servers (env.servers > 0)
             self._postfix["envs"] = self._env_text
-        if getattr(self, "_session_text", ""):  # endpoint agents' sessions
+        if self._session_text:  # endpoint agents' sessions
             self._postfix["sessions"] = self._session_text
         bar.set_postfix(**self._postfix, **({"dropped": self._drops_text} if self._drops_text else {}),
                         refresh=False)

@@ -103,6 +103,12 @@ def _bytes(token: str) -> bytes:
     return token.encode("utf-8", "replace")  # a header may carry anything: compared as bytes, never raises
 
 
+def _api_key(headers: Mapping[str, str]) -> str:
+    """The key a request presents: `Authorization: Bearer <key>` (OpenAI's SDKs) or `x-api-key` (Anthropic's)."""
+    auth = headers.get("Authorization", "")
+    return auth[7:].strip() if auth.lower().startswith("bearer ") else headers.get("x-api-key", "")
+
+
 def _digest(token: str) -> bytes:
     """What an ended session keeps of its token: enough to tell its late calls from anyone else's."""
     return hashlib.sha256(_bytes(token)).digest()
@@ -170,6 +176,9 @@ class EndpointServer:
         self._starting: Optional[asyncio.Task] = None
         self._ids = itertools.count()
         self.in_process = in_process
+        self._handlers: dict[str, Callable[[SessionHandle, bytes], Awaitable[Reply]]] = {
+            "chat/completions": self._chat, "completions": self._completions, "responses": self._responses,
+            "messages": self._messages, "models": self._models}  # the routes of `dispatch`
         self.slots = SessionSlots(max_sessions)
         self.task_key = task_key
         self.board = EpisodeBoard()
@@ -296,8 +305,7 @@ class EndpointServer:
     def _session(self, in_path: Optional[str], headers: Mapping[str, str]) -> SessionHandle:
         """The session in the path, else the one the API key (Bearer or x-api-key) names; the key must be that
         session's token (401), compared in constant time. An ended session's token gets 404 `session_ended`."""
-        auth = headers.get("Authorization", "")
-        token = auth[7:].strip() if auth.lower().startswith("bearer ") else headers.get("x-api-key", "")
+        token = _api_key(headers)
         key = in_path or token.partition(".")[0]
         h = self.sessions.get(key)
         if h is not None:
@@ -355,9 +363,7 @@ class EndpointServer:
             if not self.task_key:
                 raise RequestError("the task API is off (it serves agent.name=external)", status=404,
                                    code="not_found")
-            auth = headers.get("Authorization", "")
-            token = auth[7:].strip() if auth.lower().startswith("bearer ") else headers.get("x-api-key", "")
-            if not hmac.compare_digest(_bytes(token), _bytes(self.task_key)):
+            if not hmac.compare_digest(_bytes(_api_key(headers)), _bytes(self.task_key)):
                 self.stats["task_refused_auth"] += 1
                 raise RequestError("invalid task API key", status=401, code="invalid_api_key")
             if method != "POST":
@@ -378,11 +384,6 @@ class EndpointServer:
         except RequestError as e:
             self.stats[f"task_http_{e.status}"] += 1
             return Reply.json(e.openai_body(), e.status)
-
-    @property
-    def _handlers(self) -> dict[str, Callable[[SessionHandle, bytes], Awaitable[Reply]]]:
-        return {"chat/completions": self._chat, "completions": self._completions, "responses": self._responses,
-                "messages": self._messages, "models": self._models}
 
     # -- handlers ----------------------------------------------------------------------------------------------
     async def _models(self, h: SessionHandle, raw: bytes) -> Reply:

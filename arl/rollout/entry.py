@@ -7,6 +7,7 @@ import dataclasses
 import inspect
 import logging
 import os
+import sys
 from typing import Any, Awaitable, Callable, Optional
 
 from arl.config import ExperimentConfig, rollout_deadlines
@@ -71,8 +72,6 @@ def agent_parts(cfg: ExperimentConfig, index: int = 0) -> AgentParts:
 def is_external(agent_cls: Any) -> bool:
     """`agent.name=external`: episodes of the task API, run by agents outside the run. Asked without importing the
     module (a run with another agent imports neither the endpoint nor `openai`): the class is loaded if it is this."""
-    import sys
-
     module = sys.modules.get("arl.rollout.external_agent")
     return module is not None and agent_cls is module.ExternalAgent
 

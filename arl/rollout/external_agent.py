@@ -52,8 +52,7 @@ class ExternalAgent(Agent):
         member = await env_for(env, index)
         payload = await ep.result
         self.server.end_session(ep.handle.key)
-        result = payload if payload is not None else None
-        return await session_trajectories(self.server, ep.handle, member, result, pid, group_id,
+        return await session_trajectories(self.server, ep.handle, member, payload, pid, group_id,
                                           f"external episode {ep.id}")
 
     async def collect_trajectory(self, prompt: dict[str, Any], env: EnvironmentService, obs_queue: asyncio.Queue,

@@ -144,9 +144,16 @@ class SimEngineConfig:
     len_median: float = field(600.0, "Median output length (log-normal, long-tailed).")
     len_sigma: float = field(1.0, "Log-normal shape of output lengths (bigger: longer tail).")
     vocab_size: int = field(32000, "Vocabulary size of the random output tokens.")
+    cache_tokens: int = field(120_000, "Prefix-cache capacity in tokens (a 7B MHA model's KV at ~512 KiB/token in "
+                                       "the ~60 GB an 80 GB GPU leaves); 0: no cache.")
+    cache_block_tokens: int = field(16, "Tokens per cached block (the cache's granularity).")
+    flush_cache_on_update: bool = field(True, "A weight update empties the cache (as SGLang's and the torch "
+                                              "engine's do: no KV of old weights is reused).")
 
     def __post_init__(self) -> None:
         _require([
+            (self.cache_tokens >= 0 and self.cache_block_tokens >= 1,
+             "inference.sim.cache_tokens must be >= 0 and cache_block_tokens >= 1"),
             (min(self.step_base_s, self.step_per_token_s, self.prefill_per_token_s, self.update_pause_s) >= 0,
              "inference.sim latencies must be >= 0"),
             (self.step_base_s + self.step_per_token_s > 0,
@@ -187,6 +194,38 @@ class TorchEngineConfig:
                    f"inference.torch.prefix_cache_tokens must be >= 0, got {self.prefix_cache_tokens}")])
 
 
+class RoutingMode(enum.StrEnum):
+    """How rollout workers choose an inference server for a request."""
+
+    global_view = "global_view"  # every server's load and cached prefixes, shared by all workers (docs/routing.md)
+    per_worker = "per_worker"  # each worker's own outstanding requests + sticky sessions
+
+
+@dataclasses.dataclass
+class RoutingConfig:
+    """Where a request goes (`arl/rollout/routing.py`): one score for every rollout worker, from every server's
+    published load and prefix-cache summary (`arl/inference/routing_feed.py`)."""
+
+    mode: RoutingMode = field(RoutingMode.global_view, "global_view: score = prefill tokens a server's cache saves "
+                                                       "- load_weight x its requests in flight (all workers'); "
+                                                       "per_worker: each worker's own least-load + sticky sessions.")
+    block_tokens: int = field(16, "Tokens per hashed prefix block in the cache summaries (both sides use it).")
+    publish_interval_s: float = field(0.1, "Seconds between a server's reports (load, cache blocks added/dropped).")
+    cache_tokens: int = field(-1, "Tokens of served prefixes a server reports as cached (LRU, emptied by a weight "
+                                  "update): -1 = its engine's cache size (torch: prefix_cache_tokens, sim: "
+                                  "cache_tokens, sglang: none); 0: report load only (routing by load + sticky).")
+    load_weight: float = field(256.0, "Prefill tokens one request in flight on a server is worth in the score.")
+    sticky_slack: int = field(8, "A session stays on its server unless that server has this many more requests "
+                                 "in flight than the least loaded one (then the score decides).")
+
+    def __post_init__(self) -> None:
+        _require([(self.block_tokens >= 1, f"inference.routing.block_tokens must be >= 1, got {self.block_tokens}"),
+                  (self.publish_interval_s > 0, "inference.routing.publish_interval_s must be > 0"),
+                  (self.cache_tokens >= -1, "inference.routing.cache_tokens must be >= -1"),
+                  (self.load_weight >= 0 and self.sticky_slack >= 0,
+                   "inference.routing.load_weight and sticky_slack must be >= 0")])
+
+
 @dataclasses.dataclass
 class InferenceConfig:
     backend: str = field("torch", "Engine backend (a registered name): 'torch' (embedded PyTorch engine), "
@@ -211,6 +250,7 @@ class InferenceConfig:
     torch: TorchEngineConfig = field(factory=TorchEngineConfig)
     sim: SimEngineConfig = field(factory=SimEngineConfig)
     sglang: SGLangConfig = field(factory=SGLangConfig)
+    routing: RoutingConfig = field(factory=RoutingConfig)
 
 
 class JudgeMode(enum.StrEnum):

@@ -106,7 +106,8 @@ def _snapshot(ctl: Any, with_procs: bool) -> dict:
     roles = {}
     for (role, idx), st in list(ctl.role_stats.items()):
         keep = {k: st[k] for k in ("busy_s", "uptime", "running", "tokens_generated", "requests_done", "decode_steps",
-                                   "admission_hist", "idle_seconds", "train_seconds", "steps") if k in st}
+                                   "admission_hist", "idle_seconds", "train_seconds", "steps", "prompt_tokens",
+                                   "prefix_hit_tokens", "prefill_tokens", "cache_flushes", "client") if k in st}
         roles[f"{role}{idx}"] = keep
     snap = {"t": time.monotonic(), "started": ctl.gate.started, "version": ctl.gate.version,
             "running": ctl.gate.running, "roles": roles}

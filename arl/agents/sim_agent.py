@@ -1,6 +1,7 @@
 """A synthetic multi-turn tool-use agent for benchmarks (registered as "sim-agent"; pair it with "sim-tool").
 
-Per prompt it runs `group_size` independent chats concurrently. A chat sends its whole history (n=1, sticky
+Per prompt it runs `group_size` independent chats concurrently, each starting with the run's `system_tokens` and
+the prompt's `prompt_tokens` (prefixes the chats share, as agents' system prompts and tasks are). A chat sends its whole history (n=1, sticky
 session), appends the generated tokens, calls the tool (the env's latency), appends the tool's tokens as
 context, and goes on until the env ends it or the context is full. It never decodes text, so it runs with any
 engine and tokenizer:
@@ -32,7 +33,9 @@ class SimAgent(Agent):
     def __init__(self, tokenizer: Any = None, gconfig: Optional[GenerationConfig] = None, group_size: int = 8,
                  prompt_tokens: int = 256, max_new_tokens: int = 8192, max_total_tokens: int = 32768,
                  length_mode: str = "engine", len_median: float = 600.0, len_sigma: float = 1.0,
-                 vocab_size: int = 0, seed: int = 0) -> None:
+                 vocab_size: int = 0, seed: int = 0, system_tokens: int = 0) -> None:
+        """`system_tokens`: a prefix every chat of the run starts with (a system prompt, tool descriptions);
+        `prompt_tokens`: the prompt's own tokens after it, shared by the chats of its group."""
         if length_mode not in ("engine", "agent"):
             raise ValueError(f"length_mode must be 'engine' or 'agent', got {length_mode!r}")
         if group_size < 1 or prompt_tokens < 1 or max_new_tokens < 1 or max_total_tokens <= prompt_tokens:
@@ -45,6 +48,9 @@ class SimAgent(Agent):
         self.len_median, self.len_sigma = float(len_median), float(len_sigma)
         self.vocab_size = int(vocab_size) or (len(tokenizer) if tokenizer is not None else 32000)
         self.seed = int(seed)
+        if system_tokens < 0 or system_tokens + prompt_tokens >= max_total_tokens:
+            raise ValueError("need 0 <= system_tokens and system_tokens + prompt_tokens < max_total_tokens")
+        self.system = self._tokens(int(system_tokens), "system")
         self.gconfig = (gconfig or GenerationConfig()).new(n=1, stop_token_ids=[])
 
     def _tokens(self, n: int, *key: Any) -> np.ndarray:
@@ -61,7 +67,7 @@ class SimAgent(Agent):
                     act_queue: asyncio.Queue) -> Trajectory:
         session = f"{pid}/{index}"
         env = await env_for(env, index)  # its own instance: the chats run at once
-        b = TrajectoryBuilder(self._tokens(self.prompt_tokens, pid))
+        b = TrajectoryBuilder(np.concatenate([self.system, self._tokens(self.prompt_tokens, pid)]))
         reward, turn_rewards, termination, turn = 0.0, [], "length", 0
         generated = 0
         while True:

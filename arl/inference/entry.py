@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Awaitable, Callable
 
-from arl.config import ExperimentConfig, eta_bound, weights_settings
+from arl.config import ExperimentConfig, InferenceConfig, RoutingMode, eta_bound, weights_settings
 from arl.transport.control import SOCKET_OPTIONS, ControlChannel, RoleParts, aclose, bind, host_address, make_socket
 from arl.transport.messages import UpdateWeights
 from arl.transport.sockets import Router
@@ -38,7 +38,7 @@ async def run_inference(cfg: ExperimentConfig, ctl: ControlChannel, index: int, 
         addresses.append(bind(router, cfg.bind_host))
         weights = transport.inference(engine, host=host, secret=SOCKET_OPTIONS.get("secret"))
         workers.append(InferenceWorker(index=i, engine=engine, router=router, send_control=ctl.post,
-                                       weights=weights))
+                                       weights=weights, feed=routing_feed(ic, i, router)))
 
     async def on_update(msg: UpdateWeights) -> None:
         await asyncio.gather(*(w.update_weights(msg.version, msg.path, bool(msg.rollback)) for w in workers))
@@ -56,9 +56,25 @@ async def run_inference(cfg: ExperimentConfig, ctl: ControlChannel, index: int, 
         ctl.handlers[msg_type] = to_server(msg_type)  # the weight transport's own commands
     for w, address in zip(workers, addresses):
         await ctl.register(cfg.startup_timeout, index=w.index, address=address)
-    return ([*(w.serve() for w in workers), *(ctl.heartbeat(w.heartbeat_stats, w.index) for w in workers)],
+    return ([*(w.serve() for w in workers), *(ctl.heartbeat(w.heartbeat_stats, w.index) for w in workers),
+             *(w.feed.run() for w in workers if w.feed is not None)],
             [*(w.weights.close() for w in workers), *(w.engine.close() for w in workers),
              *(aclose(w.router) for w in workers)])
+
+
+def routing_feed(ic: InferenceConfig, index: int, router: Any) -> Any:
+    """Server `index`'s reports to the routers (`arl.inference.routing_feed`); None with one server or per-worker
+    routing (nothing to share)."""
+    rc = ic.routing
+    if ic.num_workers < 2 or rc.mode != RoutingMode.global_view:
+        return None
+    from arl.inference.routing_feed import RoutingFeed
+
+    cache = rc.cache_tokens
+    if cache < 0:  # the engine's own cache size
+        cache = {"torch": ic.torch.prefix_cache_tokens, "sim": ic.sim.cache_tokens}.get(ic.backend, 0)
+    return RoutingFeed(index=index, send=router.send_each, block_tokens=rc.block_tokens, cache_tokens=cache,
+                       interval_s=rc.publish_interval_s)
 
 
 async def run_judge(cfg: ExperimentConfig, ctl: ControlChannel, index: int, run_dir: str) -> RoleParts:

@@ -9,9 +9,13 @@ Latency model (continuous batching). While ``B`` samples are in the running batc
     step_s(B) = step_base_s + step_per_token_s * B          (B <= max_batch_size; further requests wait, FIFO)
 
 and every running sample gets one token per step. Admitting a request first costs a prefill stall of
-``prefill_per_token_s`` per prompt token not already cached for its session (n samples share one prefill; a
-session's previous context counts as cached, like a radix/prefix cache with sticky routing). A weight update
-stalls decoding for ``update_pause_s``. Every duration is multiplied by ``time_scale`` (< 1 runs faster than
+``prefill_per_token_s`` per prompt token not already cached (n samples share one prefill). The cache is modelled
+as a prefix cache of ``cache_tokens`` tokens in blocks of ``cache_block_tokens`` (``arl.utils.prefix_hash``): a
+request's prompt blocks are cached from its admission (a request that shares a prefix with a running one reuses
+it, as a radix cache does), its whole sequence once it finishes, least recently used evicted first, and the whole
+cache is flushed by a weight update (``flush_cache_on_update``, as SGLang and the torch engine do). So shared
+prefixes (a system prompt, a group's task) hit wherever they were computed, and a session's turns hit only on a
+server that still holds its history: what routing decides. A weight update stalls decoding for ``update_pause_s``. Every duration is multiplied by ``time_scale`` (< 1 runs faster than
 real time).
 
 Defaults are a linear fit to published H100 figures for a 7B Llama (rough, on purpose: the benchmarks need the
@@ -57,6 +61,7 @@ import numpy as np
 from arl.api.types import GenerateRequest, GenerateResponse, SampleOutput
 from arl.config import SimEngineConfig
 from arl.inference.requests import ENGINE_CLOSED, check_limits, check_request, refusal
+from arl.utils.prefix_hash import BlockLRU, prefix_hashes
 
 logger = logging.getLogger("arl.inference")
 
@@ -65,7 +70,7 @@ _EPS = 1e-6  # step-clock tolerance when a timer fires a hair early
 
 class _SimRequest:
     __slots__ = ("qid", "n", "prompt_len", "session", "lengths", "finish", "rng", "future", "samples",
-                 "remaining", "starts", "cancelled", "stops")
+                 "remaining", "starts", "cancelled", "stops", "ids", "hashes", "epoch")
 
     def __init__(self, req: GenerateRequest, future: asyncio.Future, rng: np.random.Generator,
                  lengths: list[int], finish: list[str], stops: list[int]) -> None:
@@ -82,6 +87,9 @@ class _SimRequest:
         self.starts: list[float] = [0.0] * self.n
         self.cancelled = False
         self.stops = stops
+        self.ids = req.input_ids
+        self.hashes: Optional[np.ndarray] = None  # its prompt's block hashes, at admission
+        self.epoch = -1  # the cache flushes before its admission
 
 
 class SimEngine:
@@ -89,9 +97,9 @@ class SimEngine:
 
     def __init__(self, config: Optional[SimEngineConfig] = None, *, max_batch_size: int = 256,
                  max_context_len: int = 32768, eos_token_id: Optional[int] = None, version: int = 0, seed: int = 0,
-                 workload_seed: int = 0, max_sessions: int = 16_384, name: str = "sim") -> None:
-        """`config`: the latency and output-length model (`inference.sim`); the rest is per run and per server.
-        `max_sessions`: sessions whose cached prefix is modelled (LRU), as a server's cache holds the recent ones."""
+                 workload_seed: int = 0, name: str = "sim") -> None:
+        """`config`: the latency, output-length and cache model (`inference.sim`); the rest is per run and per
+        server."""
         self.config = config if config is not None else SimEngineConfig()
         check_limits(max_batch_size, max_context_len)  # the config section checked itself (SimEngineConfig)
         self.name = name
@@ -101,7 +109,8 @@ class SimEngine:
         self.workload_seed = int(workload_seed)
         self._version = int(version)
         self._rng = np.random.default_rng(seed)
-        self._max_sessions = max_sessions
+        self._block = self.config.cache_block_tokens
+        self._cache = BlockLRU(self.config.cache_tokens // self._block)
 
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._waiting: collections.deque[_SimRequest] = collections.deque()
@@ -118,11 +127,11 @@ class SimEngine:
         self._update_lock: Optional[asyncio.Lock] = None
         self._upd_clock = np.array([-math.inf])  # step-clock points of weight updates ...
         self._upd_version = np.array([self._version], np.int32)  # ... and the version in force from each
-        self._sessions: collections.OrderedDict[str, int] = collections.OrderedDict()  # session -> cached tokens
 
         # counters, under the names stats() reports them by
-        self._n: dict[str, Any] = {**dict.fromkeys(("tokens_generated", "prefill_tokens", "requests_done",
-                                                   "requests_refused", "weight_updates"), 0),
+        self._n: dict[str, Any] = {**dict.fromkeys(("tokens_generated", "prefill_tokens", "prompt_tokens",
+                                                   "prefix_hit_tokens", "requests_done", "requests_refused",
+                                                   "weight_updates", "cache_flushes"), 0),
                                    "busy_s": 0.0, "last_update_s": 0.0}
 
     # ------------------------------------------------------------------ public API
@@ -175,6 +184,9 @@ class SimEngine:
             if len(self._upd_clock) > 256:  # forget updates before the oldest running sample's start
                 self._forget_old_updates()
             self._hold_until = max(self._hold_until, t0 + pause)
+            if self.config.flush_cache_on_update and len(self._cache):
+                self._cache.clear()  # KV of the old weights is never reused
+                self._n["cache_flushes"] += 1
             self._reschedule(t0)
             if pause > 0:
                 await asyncio.sleep(pause)
@@ -225,7 +237,7 @@ class SimEngine:
         if self._loop is not None and not self._closed:
             self._advance(self._loop.time())
         return {"name": self.name, "backend": "sim", "version": self._version, "decode_steps": int(self._clock),
-                **self._n, "running": self._rows, "waiting": len(self._waiting), "paused": self._paused,
+                **self._n, "cache_blocks": len(self._cache), "running": self._rows, "waiting": len(self._waiting), "paused": self._paused,
                 "closed": self._closed}
 
     def step_seconds(self, batch: int) -> float:
@@ -293,9 +305,14 @@ class SimEngine:
             if self._rows + r.n > self.max_batch_size:
                 break
             self._waiting.popleft()
-            cached = self._sessions.get(r.session, 0) if r.session is not None else 0
-            fresh = r.prompt_len - cached if 0 < cached <= r.prompt_len else r.prompt_len
+            r.hashes = prefix_hashes(r.ids, self._block)
+            r.epoch = self._n["cache_flushes"]
+            cached = min(self._cache.match(r.hashes) * self._block, r.prompt_len)
+            self._cache.touch(r.hashes)  # its KV is there from now on: a request sharing the prefix reuses it
+            fresh = r.prompt_len - cached
             self._n["prefill_tokens"] += fresh
+            self._n["prompt_tokens"] += r.prompt_len
+            self._n["prefix_hit_tokens"] += cached
             self._stall += fresh * self.config.prefill_per_token_s * self.config.time_scale
             for i in range(r.n):
                 r.starts[i] = self._clock
@@ -336,13 +353,18 @@ class SimEngine:
             r.remaining -= 1
             if r.remaining == 0:
                 self._n["requests_done"] += 1
-                if r.session is not None:
-                    self._sessions[r.session] = r.prompt_len + max(r.lengths)
-                    self._sessions.move_to_end(r.session)
-                    if len(self._sessions) > self._max_sessions:
-                        self._sessions.popitem(last=False)
+                self._cache_sequences(r)
                 if not r.future.done():
                     r.future.set_result(GenerateResponse(qid=r.qid, samples=list(r.samples)))
+
+    def _cache_sequences(self, r: _SimRequest) -> None:
+        """A finished request's sequences (prompt + each sample) stay cached (if their blocks are still current:
+        a flush since admission leaves only what was computed after it, modelled as nothing)."""
+        if r.epoch != self._n["cache_flushes"]:
+            return
+        for s in r.samples:
+            if s is not None and len(s.output_ids):
+                self._cache.touch(prefix_hashes(np.concatenate([r.ids, s.output_ids]), self._block))
 
     def _forget_old_updates(self) -> None:
         """Keep the update points a running sample may still be stamped from (the last one at or before its start,

@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 from arl.api.engine import InferenceEngine
 from arl.api.types import GenerateRequest, GenerateResponse
+from arl.inference.routing_feed import RoutingFeed
 from arl.transport.messages import SendControl, WeightsLoaded
 from arl.weights.disk import DiskLoader
 from arl.weights.strategy import InferenceSide
@@ -18,9 +19,12 @@ logger = logging.getLogger("arl.inference")
 
 class InferenceWorker:
     def __init__(self, *, index: int, engine: InferenceEngine, router: Any,
-                 send_control: SendControl, weights: Optional[InferenceSide] = None) -> None:
+                 send_control: SendControl, weights: Optional[InferenceSide] = None,
+                 feed: Optional[RoutingFeed] = None) -> None:
         """`weights`: how updates reach the engine, a server's side of a weight transport
-        (`arl.weights.strategy.InferenceSide`); default: the engine reads the file each update names (disk)."""
+        (`arl.weights.strategy.InferenceSide`); default: the engine reads the file each update names (disk).
+        `feed`: this server's reports to the rollout workers' routers (None: one server, nothing to route)."""
+        self.feed = feed
         self.index = index
         self.engine = engine
         self.weights = weights if weights is not None else DiskLoader(engine)
@@ -58,6 +62,10 @@ class InferenceWorker:
             if msg_type == "gen_abort":
                 self._abort(ident, payload)
                 continue
+            if msg_type == "route_sub":
+                if self.feed is not None:
+                    self.feed.subscribe(ident, payload)
+                continue
             if msg_type != "gen_req" or not isinstance(payload, GenerateRequest):
                 self.stats["bad_requests"] += 1
                 continue
@@ -78,6 +86,8 @@ class InferenceWorker:
 
     async def _answer(self, ident: bytes, req: GenerateRequest, key: tuple[bytes, str]) -> None:
         self.stats["requests"] += 1
+        feed, resp = self.feed, None
+        epoch = feed.request_started(req) if feed is not None else 0
         try:
             try:
                 resp = await self.engine.agenerate(req)  # a cancellation (gen_abort) cancels the engine's request
@@ -86,6 +96,8 @@ class InferenceWorker:
                 resp = GenerateResponse(qid=req.qid, error=f"engine error: {type(e).__name__}: {e}")
             await self.router.send(ident, "gen_resp", resp)
         finally:
+            if feed is not None:
+                feed.request_done(req, resp, epoch)
             # forget this task here, not in a done callback (one callback less per request); the identity check
             # keeps a later request under the same key (a re-send that came back here) in the table
             if self._inflight.get(key) is asyncio.current_task():
@@ -138,12 +150,15 @@ class InferenceWorker:
         ms = (time.perf_counter() - t0) * 1000
         self.stats["updates"] += 1
         self.stats["update_ms_last"] = ms
+        if self.feed is not None:
+            self.feed.weights_loaded()
         logger.info("loaded weights v%d from %s in %.1f ms", served, self.weights.source(path), ms)
         await self._send(WeightsLoaded(version=served, index=self.index, ms=ms))
 
     def heartbeat_stats(self) -> dict:
         engine_stats = getattr(self.engine, "stats", None)
         st = {**self.stats, **(engine_stats() if callable(engine_stats) else {}),
+              **(self.feed.stats if self.feed is not None else {}),
               "uptime": time.monotonic() - self._t0, "version": self.engine.version}
         return {**st, "waiting_on": self._waiting_on(st), "transport": dict(getattr(self.router, "stats", {}))}
 

@@ -4,6 +4,9 @@ Requests go to the worker with the least outstanding work (requested new tokens)
 session stay on the worker that served the session before (its prefix may still be cached there). The sticky
 mapping is forgotten when the policy version changes (learned from the responses' `output_versions`, or told with
 `set_version`): after an update no worker holds a prefix computed by the current policy, so balance wins again.
+With a `RoutingView` (``inference.routing.mode=global_view``, several servers) the choice is its score instead:
+every server's load from every rollout worker and the prefix blocks it has cached (`arl.rollout.routing`); the
+client subscribes to each server's reports over the same DEALER and renews the subscription while it runs.
 
 A worker that is lost (the controller says so with `worker_lost`) gets no new requests, and its outstanding
 requests are re-sent to the remaining workers under the same wire id: whichever answer comes first is used, a later
@@ -30,7 +33,9 @@ import time
 from typing import Any, Optional
 
 from arl.api.types import GenerateRequest, GenerateResponse, GenerationConfig
+from arl.rollout.routing import RoutingView
 from arl.transport.messages import GenAbort
+from arl.utils.prefix_hash import prefix_hashes
 
 logger = logging.getLogger("arl.rollout")
 
@@ -53,6 +58,7 @@ def to_request(item: Any) -> GenerateRequest:
 
 _TIMEOUT = object()  # what an attempt's future holds when its time ran out
 _SWEEP_MAX_S = 1.0  # the longest pause between two deadline sweeps
+_RENEW_S = 10.0  # routing subscriptions are renewed this often (a server forgets one after 30 s)
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -79,10 +85,12 @@ class InferenceClient:
             trajectory); a forgotten one only loses its stickiness. Bounded so a long run's worker stays flat.
         max_attempts: sends of one request in all (a timed-out attempt is re-sent to another live worker while
             attempts remain; re-sends after a worker is lost do not count).
+        view: the servers' shared load and cache view (`arl.rollout.routing`); None: this client's own least-load
+            and sticky sessions.
     """
 
     def __init__(self, dealers: list[Any], request_timeout: float = 60.0, max_sessions: int = 16_384,
-                 max_attempts: int = 2, timeout_per_token: float = 0.0) -> None:
+                 max_attempts: int = 2, timeout_per_token: float = 0.0, view: Optional[RoutingView] = None) -> None:
         if not dealers:
             raise ValueError("InferenceClient needs at least one inference worker")
         if request_timeout <= 0 or timeout_per_token < 0:
@@ -94,6 +102,8 @@ class InferenceClient:
         self._closing = False
         self._max_attempts = max(1, max_attempts)
         self._load = [0] * len(dealers)
+        self._reqs = [0] * len(dealers)  # requests in flight per worker (the view's load unit)
+        self._view = view
         self._alive = [True] * len(dealers)
         self._pending: dict[str, _Pending] = {}
         self._sticky: collections.OrderedDict[str, int] = collections.OrderedDict()
@@ -101,11 +111,14 @@ class InferenceClient:
         self._version = -1
         self._ids = itertools.count()
         self._tasks: list[asyncio.Task] = []
+        self._renewer: Optional[asyncio.Task] = None
         self._sweep_every = min(_SWEEP_MAX_S, request_timeout / 8)
         self._sweeper: Optional[asyncio.TimerHandle] = None
         self._sweep_loop: Optional[asyncio.AbstractEventLoop] = None  # None while no sweep is scheduled
         self._back = asyncio.Event()  # set (and replaced) when a lost worker is back
         self.stats = collections.Counter()
+        if view is not None:
+            view.stats = self.stats  # its routing counts travel with the client's (heartbeats)
 
     @property
     def version(self) -> int:
@@ -118,9 +131,29 @@ class InferenceClient:
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._recv_loop(i)) for i in range(len(self._dealers))]
+        if self._view is not None:
+            self._renewer = asyncio.create_task(self._renew_subscriptions())
+
+    async def _subscribe(self, idx: int, full: bool) -> None:
+        assert self._view is not None
+        try:
+            await self._dealers[idx].send("route_sub", {"block": self._view.block, "full": full})
+        except Exception as e:  # noqa: BLE001 - a closed socket: the worker is being replaced
+            logger.debug("could not subscribe to inference worker %d: %s", idx, e)
+
+    async def _renew_subscriptions(self) -> None:
+        """Subscribe to every worker's routing reports now, then renew while this client lives."""
+        full = True
+        while not self._closing:
+            for i in self.alive:
+                await self._subscribe(i, full)
+            full = False
+            await asyncio.sleep(_RENEW_S)
 
     async def close(self) -> None:
         self._closing = True
+        if self._renewer is not None:
+            self._renewer.cancel()
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = self._sweep_loop = None
@@ -176,8 +209,11 @@ class InferenceClient:
         self._sweeper = loop.call_later(self._sweep_every, self._sweep)
         self._sweep_loop = loop
 
-    def _choose(self, session_id: Optional[str], exclude: int = -1) -> int:
-        """Sticky worker of the session if it is alive, else the live worker with the least outstanding work."""
+    def _choose(self, session_id: Optional[str], exclude: int = -1, hashes: Optional[Any] = None) -> int:
+        """Sticky worker of the session if it is alive, else the live worker with the least outstanding work; with
+        a view and `hashes` (the request's prefix blocks), the view's score."""
+        if hashes is not None and self._view is not None:
+            return self._choose_by_view(session_id, exclude, hashes)
         if session_id is not None and session_id in self._sticky:
             idx = self._sticky[session_id]
             if self._alive[idx] and idx != exclude:
@@ -194,13 +230,30 @@ class InferenceClient:
                 self._sticky.popitem(last=False)
         return idx
 
+    def _choose_by_view(self, session_id: Optional[str], exclude: int, hashes: Any) -> int:
+        assert self._view is not None
+        live = [i for i, a in enumerate(self._alive) if a and i != exclude]
+        if not live:
+            return -1
+        sticky = self._sticky.get(session_id) if session_id is not None else None
+        idx, known = self._view.choose(hashes, live, self._reqs, sticky)
+        self._view.routed(idx, hashes, known)
+        if session_id is not None:
+            self._sticky[session_id] = idx
+            self._sticky.move_to_end(session_id)
+            if len(self._sticky) > self._max_sessions:
+                self._sticky.popitem(last=False)
+        return idx
+
     async def _send(self, p: _Pending, idx: int) -> None:
         """Put `p` on worker `idx` (moving its load there) and send it."""
         if p.idx >= 0:
             self._load[p.idx] -= p.work
+            self._reqs[p.idx] -= 1
         p.idx = idx
         p.attempts += 1
         self._load[idx] += p.work
+        self._reqs[idx] += 1
         await self._dealers[idx].send("gen_req", p.wire)
         self.stats["sent"] += 1
         self.stats[f"sent_w{idx}"] += 1  # since worker idx (last) joined: routing balance, and proof of a rejoin
@@ -211,13 +264,15 @@ class InferenceClient:
             return
         self._alive[idx] = False
         self.stats["workers_lost"] += 1
+        if self._view is not None:
+            self._view.forget(idx)
         for sid in [s for s, i in self._sticky.items() if i == idx]:
             del self._sticky[sid]
         stranded = [p for p in self._pending.values() if p.idx == idx and not p.future.done()]
         logger.warning("inference worker %d lost: re-sending its %d outstanding requests to workers %s", idx,
                        len(stranded), self.alive)
         for p in stranded:
-            target = self._choose(p.wire.session_id)
+            target = self._choose(p.wire.session_id, hashes=self._hashes(p.wire))
             if target < 0:
                 p.future.set_result(GenerateResponse(qid=p.wire.qid, error="no inference worker left"))
                 continue
@@ -238,6 +293,12 @@ class InferenceClient:
             old.close()
         self._alive[idx] = True
         self._load[idx] = sum(p.work for p in self._pending.values() if p.idx == idx)
+        self._reqs[idx] = sum(1 for p in self._pending.values() if p.idx == idx)
+        if self._view is not None:
+            self._view.forget(idx)
+            t = asyncio.get_running_loop().create_task(self._subscribe(idx, True))
+            self._aborts.add(t)
+            t.add_done_callback(self._aborts.discard)
         self.stats["workers_back"] += 1
         self.stats[f"back_w{idx}"] += 1
         self.stats[f"sent_w{idx}"] = 0
@@ -245,12 +306,18 @@ class InferenceClient:
         self._back = asyncio.Event()
         logger.warning("inference worker %d is back; routing to workers %s", idx, self.alive)
 
-    async def _wait_for_a_worker(self, session_id: Optional[str], timeout: float) -> int:
+    def _hashes(self, req: GenerateRequest) -> Optional[Any]:
+        """The request's prefix blocks when the view chooses (several workers alive), else None."""
+        if self._view is None or sum(self._alive) < 2:
+            return None
+        return prefix_hashes(req.input_ids, self._view.block)
+
+    async def _wait_for_a_worker(self, session_id: Optional[str], timeout: float, hashes: Optional[Any] = None) -> int:
         """The worker to send to once one is back (`worker_back`), or -1 after `timeout` seconds."""
         self.stats["waited_for_worker"] += 1
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout
-        while (idx := self._choose(session_id)) < 0 and not self._closing:
+        while (idx := self._choose(session_id, hashes=hashes)) < 0 and not self._closing:
             try:
                 await asyncio.wait_for(self._back.wait(), max(0.0, end - loop.time()))
             except asyncio.TimeoutError:
@@ -268,9 +335,10 @@ class InferenceClient:
         g = req.gconfig
         p = _Pending(loop.create_future(), wire, g.n * g.max_new_tokens)
         deadline = self._timeout + self._per_token * max(0, int(g.max_new_tokens))  # self.deadline(req), inlined
-        idx = self._choose(req.session_id)
+        hashes = self._hashes(req)
+        idx = self._choose(req.session_id, hashes=hashes)
         if idx < 0:  # every worker is lost: one may be restarting (the controller's worker_back), wait that long
-            idx = await self._wait_for_a_worker(req.session_id, deadline)
+            idx = await self._wait_for_a_worker(req.session_id, deadline, hashes)
             if idx < 0:
                 return GenerateResponse(qid=req.qid, error=f"no inference worker left (none came back in "
                                                            f"{deadline:.0f}s)")
@@ -286,7 +354,7 @@ class InferenceClient:
                 resp = await p.future
                 if resp is not _TIMEOUT:
                     break
-                target = self._choose(req.session_id, exclude=p.idx)
+                target = self._choose(req.session_id, exclude=p.idx, hashes=hashes)
                 if p.attempts < self._max_attempts and target >= 0:
                     logger.warning("request %s: no answer from inference worker %d in %.0fs; aborting it there and "
                                    "re-sending to %d", wire_id, p.idx, deadline, target)
@@ -301,6 +369,7 @@ class InferenceClient:
         finally:
             if self._pending.pop(wire_id, None) is not None and p.idx >= 0:
                 self._load[p.idx] -= p.work
+                self._reqs[p.idx] -= 1
                 if not self._closing:  # given up (out of attempts, or the caller was cancelled): stop it there
                     self._abort_later(p.idx, wire_id, "abandoned")
             if info is not None:
@@ -325,6 +394,10 @@ class InferenceClient:
         dealer = self._dealers[idx]
         while True:
             msg_type, resp = await dealer.recv()
+            if msg_type == "route_stats":
+                if self._view is not None and not self._view.report(idx, resp, self._reqs[idx]):
+                    await self._subscribe(idx, True)  # a report was missed: the whole summary again
+                continue
             if msg_type != "gen_resp":
                 self.stats["unexpected"] += 1
                 continue
@@ -334,6 +407,7 @@ class InferenceClient:
                 continue
             del self._pending[resp.qid]
             self._load[p.idx] -= p.work
+            self._reqs[p.idx] -= 1
             if p.idx != idx:  # an earlier attempt answered first: stop the re-sent one (no double work)
                 self._abort_later(p.idx, resp.qid, "superseded")
             p.idx = -1

@@ -10,7 +10,7 @@ import os
 import sys
 from typing import Any, Awaitable, Callable, Optional
 
-from arl.config import ExperimentConfig, rollout_deadlines
+from arl.config import ExperimentConfig, RoutingMode, rollout_deadlines
 from arl.transport.control import ControlChannel, RoleParts, make_socket
 from arl.transport.messages import Eval, EvalDone, LearnerRestarted, Lookup, SendControl, WorkerBack, WorkerLost
 from arl.transport.sockets import Dealer, Push
@@ -169,7 +169,13 @@ def inference_client(cfg: ExperimentConfig, dealers: list[Any]) -> Any:
     from arl.rollout.client import InferenceClient
 
     base, per_token, _ = rollout_deadlines(cfg)  # 0 = auto: from the generation budget
-    client = InferenceClient(dealers, request_timeout=base, timeout_per_token=per_token)
+    rc, view = cfg.inference.routing, None
+    if rc.mode == RoutingMode.global_view and len(dealers) > 1:  # one view of every server's load and cache
+        from arl.rollout.routing import RoutingView
+
+        view = RoutingView(len(dealers), block_tokens=rc.block_tokens, load_weight=rc.load_weight,
+                           sticky_slack=rc.sticky_slack)
+    client = InferenceClient(dealers, request_timeout=base, timeout_per_token=per_token, view=view)
     client.start()
     return client
 

@@ -47,7 +47,7 @@ from arl.api.types import (FINISH_REASONS, GenerateRequest, GenerateResponse, Ge
 from arl.transport.replay import STAMP_SIZE, ReplayGuard, fresh_stamp
 
 __all__ = ["PROTOCOL_VERSION", "DEFAULT_MAX_BYTES", "TAG_SIZE", "TYPED_TYPES", "CONTROL_TYPES", "ENV_TYPES",
-           "MESSAGE_TYPES",
+           "ROUTE_TYPES", "MESSAGE_TYPES",
            "MalformedMessage", "ReplayedMessage", "encode", "decode"]
 
 PROTOCOL_VERSION = 2  # 2: "traj" carries turn_discount (a peer of another version is refused by name, not by keys)
@@ -64,7 +64,12 @@ CONTROL_TYPES = frozenset({"register", "heartbeat", "lookup", "addresses", "gate
 # {"replies": [...]}: one frame, one HMAC, per batch), between a rollout worker and an env server only (the
 # controller never sees them, so they have no class in messages.py)
 ENV_TYPES = frozenset({"env_calls", "env_replies"})
-MESSAGE_TYPES = TYPED_TYPES | CONTROL_TYPES | ENV_TYPES
+# the routing view (arl/inference/routing_feed.py, arl/rollout/routing.py): a rollout worker's client subscribes to
+# an inference server over its request DEALER ("route_sub"), the server answers every publish interval with its load
+# and the change of its cached prefix blocks ("route_stats": hashes as raw uint64 bytes); plain maps like env calls
+ROUTE_TYPES = frozenset({"route_sub", "route_stats"})
+_PLAIN_TYPES = ENV_TYPES | ROUTE_TYPES  # plain maps that are not control messages
+MESSAGE_TYPES = TYPED_TYPES | CONTROL_TYPES | _PLAIN_TYPES
 
 _METADATA_MAX_DEPTH = 32
 
@@ -378,7 +383,7 @@ def encode(msg_type: str, payload: Any = None, *, secret: Optional[bytes] = None
     conv = _TO_WIRE.get(msg_type)
     if conv is not None:
         payload = conv(payload)
-    elif msg_type in CONTROL_TYPES or msg_type in ENV_TYPES:
+    elif msg_type in CONTROL_TYPES or msg_type in _PLAIN_TYPES:
         if payload is None:
             payload = {}
         elif type(payload) is not dict:
@@ -451,7 +456,7 @@ def decode(
             raise
         except Exception as e:  # dataclass __post_init__ checks, etc.
             raise MalformedMessage(f"{msg_type}: {str(e)[:200]}") from None
-    if msg_type not in CONTROL_TYPES and msg_type not in ENV_TYPES:
+    if msg_type not in CONTROL_TYPES and msg_type not in _PLAIN_TYPES:
         raise MalformedMessage(f"unknown message type {msg_type[:40]!r}")
     if type(payload) is not dict:
         raise MalformedMessage(f"{msg_type}: payload must be a map")

@@ -466,6 +466,15 @@ class Router(_Socket):
             raise SocketClosed(f"{self.name} is closed")
         self._queue(identity, self._encode(msg_type, payload), flush)
 
+    def send_each(self, identities: list[bytes], msg_type: str, payload: Any = None) -> None:
+        """The same message to every peer in `identities`, encoded (and tagged) once: a server's report to all
+        its subscribers. Never waits, like `send`."""
+        if self._closed:
+            raise SocketClosed(f"{self.name} is closed")
+        frame = self._encode(msg_type, payload)
+        for identity in identities:
+            self._queue(identity, frame)
+
 
 class Dealer(_Socket):
     """Client side of request/response: ``send(type, payload)``, ``recv() -> (type, payload)``.

@@ -186,12 +186,37 @@ async def test_bad_input_answers_with_an_error():
 
 
 @pytest.mark.asyncio
-async def test_prefix_cache_charges_only_new_tokens():
-    e = SimEngine(SimEngineConfig(len_median=4, len_sigma=0.0, time_scale=1e-4, **FAST))
-    await e.agenerate(req(prompt=tuple(range(1, 11)), session="s"))
+async def test_prefix_cache_charges_only_new_tokens(tmp_path):
+    e = SimEngine(SimEngineConfig(len_median=4, len_sigma=0.0, time_scale=1e-4, cache_block_tokens=2, **FAST))
+    first = tuple(range(1, 11))
+    r = await e.agenerate(req(prompt=first, session="s"))
     assert e.stats()["prefill_tokens"] == 10
-    await e.agenerate(req(prompt=tuple(range(1, 21)), session="s"))  # 10 cached + 4 generated, 6 new
+    nxt = first + tuple(int(t) for t in r.samples[0].output_ids) + (5, 6, 7, 8, 9, 10)  # the next turn
+    await e.agenerate(req(prompt=nxt, session="s"))  # 10 prompt + 4 generated cached: 6 new
     assert e.stats()["prefill_tokens"] == 16
+    await e.agenerate(req(prompt=first[:8] + (99, 98), session="other"))  # a shared prefix hits whatever the session
+    st = e.stats()
+    assert st["prefill_tokens"] == 18 and st["prefix_hit_tokens"] == 14 + 8 and st["prompt_tokens"] == 10 + 20 + 10
+    (tmp_path / "w").write_text("x")
+    await e.update_weights(str(tmp_path / "w"), 1)  # new weights: nothing cached is reused
+    await e.agenerate(req(prompt=nxt, session="s"))
+    assert e.stats()["prefill_tokens"] == 18 + 20 and e.stats()["cache_flushes"] == 1
+    await e.close()
+
+
+@pytest.mark.asyncio
+async def test_prefix_cache_is_bounded_least_recent_out():
+    e = SimEngine(SimEngineConfig(len_median=1, len_sigma=0.0, time_scale=1e-4, cache_block_tokens=2,
+                                  cache_tokens=8, **FAST))
+    a, b = (1, 2, 3, 4, 5, 6), (7, 8, 9, 10, 11, 12)
+    await e.agenerate(req(prompt=a))
+    await e.agenerate(req(prompt=b))  # 3 blocks each (+ none for the 1 generated token): a's oldest go
+    assert e.stats()["cache_blocks"] == 4
+    await e.agenerate(req(prompt=b))
+    await e.agenerate(req(prompt=a))
+    st = e.stats()
+    # b hit whole; a's deeper blocks were evicted first, its first block (the shallow end, most recent) is left
+    assert st["prefix_hit_tokens"] == 6 + 2 and st["prefill_tokens"] == 6 + 6 + 0 + 4
     await e.close()
 
 

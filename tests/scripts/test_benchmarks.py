@@ -84,6 +84,23 @@ def test_scale_run_smoke(tmp_path):
     assert 0 <= res["servers_busy"] <= 1 and res["controller_cpu_share"] >= 0
 
 
+def test_bench_routing_smoke(tmp_path):
+    """Both routing modes through the real launcher (sim servers): the servers' reports reach the rollout workers'
+    view only with global_view, and it keeps a group's chats (one prompt) where the prompt is cached."""
+    out = tmp_path / "routing.json"
+    proc = run_script("bench_routing.py", ["--duration", "4", "--warmup", "1", "--servers", "4",
+                                           "--servers-per-process", "4", "--rollout-workers", "2", "--groups", "8",
+                                           "--group-size", "4", "--system-tokens", "64", "--prompt-tokens", "1024", "--turns-max", "1",
+                                           "--cache-tokens", "20000", "--time-scale", "0.05", "--out",
+                                           str(tmp_path / "runs"), "--json", str(out)])
+    assert "global routing:" in proc.stdout
+    runs = json.loads(out.read_text())["runs"]
+    g, p = runs["global_view"][0], runs["per_worker"][0]
+    assert not g["error"] and not p["error"]
+    assert g["route_reports"] > 0 and p["route_reports"] == 0
+    assert g["hit_rate"] > p["hit_rate"]
+
+
 def test_scale_run_smoke_through_ray(tmp_path):
     pytest.importorskip("ray")
     out = tmp_path / "scale.json"

@@ -227,6 +227,28 @@ class RoutingConfig:
 
 
 @dataclasses.dataclass
+class AutoscaleConfig:
+    """Grow the inference fleet while the learner waits for data, shrink it while generation waits on the learner
+    (`arl/controller/autoscale.py`); each change is an `autoscale` record and a console line."""
+
+    enabled: bool = field(False, "Scale inference servers by rule (needs servers_per_process=1, the local launcher "
+                                 "and weights.transport=disk).")
+    min_servers: int = field(1, "Fewest inference servers it shrinks to.")
+    max_servers: int = field(8, "Most inference servers it grows to.")
+    interval_s: float = field(10.0, "Seconds of signals behind each decision.")
+    cooldown_s: float = field(20.0, "Seconds after a change before the next decision.")
+    learner_idle_above: float = field(0.3, "Grow when the learner waited for data more than this share of its time.")
+    gate_blocked_above: float = field(0.5, "Shrink when rollout workers waited on the staleness gate more than this "
+                                           "share of the samples.")
+
+    def __post_init__(self) -> None:
+        _require([(1 <= self.min_servers <= self.max_servers,
+                   "inference.autoscale needs 1 <= min_servers <= max_servers"),
+                  (self.interval_s > 0 and self.cooldown_s >= 0,
+                   "inference.autoscale.interval_s must be > 0 and cooldown_s >= 0")])
+
+
+@dataclasses.dataclass
 class InferenceConfig:
     backend: str = field("torch", "Engine backend (a registered name): 'torch' (embedded PyTorch engine), "
                                   "'sglang' (an SGLang server per worker, GPU) or 'sim' (simulated).")
@@ -247,10 +269,13 @@ class InferenceConfig:
     max_restarts: int = field(3, "Most restarts of inference worker processes in one run; later losses stay lost.")
     servers_per_process: int = field(1, "Inference servers one worker process hosts (>1: for the sim backend, "
                                         "so dozens of simulated servers fit a small machine).")
+    drain_timeout_s: float = field(60.0, "A server leaving the run (`arl.ctl scale inference=-n`) gets no new "
+                                         "requests and this long to finish its own; what is left is re-sent.")
     torch: TorchEngineConfig = field(factory=TorchEngineConfig)
     sim: SimEngineConfig = field(factory=SimEngineConfig)
     sglang: SGLangConfig = field(factory=SGLangConfig)
     routing: RoutingConfig = field(factory=RoutingConfig)
+    autoscale: AutoscaleConfig = field(factory=AutoscaleConfig)
 
 
 class JudgeMode(enum.StrEnum):

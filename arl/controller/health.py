@@ -195,9 +195,11 @@ class Health:
         self.reporter.say(line)
         return rb.actions
 
-    async def rejoined(self, role: str, index: int, address: str) -> None:
-        """Restarted server `role` `index` is back at `address`: the rollout workers route to it again."""
-        self.reporter.event("worker_back", role=role, server=index, address=address)
+    async def rejoined(self, role: str, index: int, address: str, version: Optional[int] = None) -> None:
+        """Restarted (or added) server `role` `index` is back at `address` (with weights `version`): the rollout
+        workers route to it (again)."""
+        self.reporter.event("worker_back", role=role, server=index, address=address,
+                            **({} if version is None else {"version": version}))
         await self.sends.tell_rollouts(m.WorkerBack(role=role, index=index, address=address))
 
     async def weight_actions(self, actions: list[Action]) -> None:
@@ -208,7 +210,7 @@ class Health:
                 self.sup.heard(("inference", a.server), time.monotonic())
                 address = self.roster.addresses["inference"][a.server]
                 logger.warning("inference server %d is back (at %s) with version %s", a.server, address, a.version)
-                await self.rejoined("inference", a.server, address)
+                await self.rejoined("inference", a.server, address, a.version)
             elif isinstance(a, GiveUp):
                 why = f"could not load weights v{a.version} ({a.attempts} tries in a row): {a.error}"
                 if not await self.on_failure(self.sup.process_of("inference", a.server), why):

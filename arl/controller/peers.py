@@ -61,7 +61,7 @@ class Peers:
 
     def unknown_peer(self, ident: bytes, msg_type: str, payload: Any) -> Optional[Refusal]:
         """A message from a peer that is not registered (other than `register`/`lookup`) is refused."""
-        if msg_type in ("register", "lookup") or ident in self.who:
+        if msg_type in ("register", "lookup", "scale") or ident in self.who:  # scale: checked by its own key
             return None
         what = f"dropped {msg_type} from an unregistered peer {ident[:16]!r}"
         if msg_type == "error" and isinstance(payload, dict):  # e.g. a role that failed before registering

@@ -7,9 +7,9 @@ are evaluated, when the run is done; `Reporter`: records and accounting), helped
 addresses) and `GroupOutcomes` (where a group's end is booked), and maps their actions to sends. The weight
 transport's controller side (`arl.weights.strategy`) says which messages move weights; `Health` (`health.py`) is
 the watch loop that finds lost, late or silent processes and a run without progress, carries out what the
-supervisor decides and brings restarted servers back into the routing. Control traffic is request/response over
-one ROUTER socket (the roles hold DEALERs); each message is parsed into its typed form (`arl.transport.messages`).
-Commands to a role are sent to its ROUTER identity, so they are never lost to a PUB/SUB slow joiner.
+supervisor decides and brings restarted servers back into the routing; `Scaling` adds and drains servers on
+`arl.ctl scale`. Control traffic is request/response over one ROUTER socket (the roles hold DEALERs), each message
+parsed into its typed form (`arl.transport.messages`), commands sent to a role's ROUTER identity.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from arl.controller.health import Health
 from arl.controller.outcomes import GroupOutcomes
 from arl.controller.peers import Peers, Refusals
 from arl.controller.reporting import JsonlSink, MetricsSink, ProgressWatch, Reporter
+from arl.controller.scaling import Scaling, write_control_file
 from arl.transport.security import advertised_address
 from arl.controller.steering import StalenessSteering
 from arl.controller.supervision import RoleLauncher, Supervisor
@@ -55,7 +56,7 @@ class Controller:
                  secret: Optional[bytes] = None, bind_host: str = "127.0.0.1", max_bytes: Optional[int] = None,
                  stack_dump_wait: float = 2.0, sinks: Optional[list[MetricsSink]] = None,
                  max_no_progress_s: float = 0.0, max_consecutive_drops: int = 0, steering: Optional[StalenessSteering]
-                 = None, weights_settings: Optional[WeightsSettings] = None) -> None:
+                 = None, weights_settings: Optional[WeightsSettings] = None, scaling: Optional[dict] = None) -> None:
         """`supervisor` holds the run's shape (servers, rollout workers) and its restart and timeout policy.
         `weights_settings` name the transport of weights (default: disk); its controller side says what to send when
         a role registers and turns `WeightSync`'s sends into messages (`arl.weights.strategy`)."""
@@ -71,6 +72,7 @@ class Controller:
                                  process_of=supervisor.process_of, path=os.path.join(run_dir, "addresses.json"),
                                  prompt_positions=positions, num_env=supervisor.num_env,
                                  num_judge=supervisor.num_judge)
+        self.peers: dict[Key, bytes] = self.roster.peers  # (role, index) -> router identity (the same dict)
         self.schedule = EvalSchedule(total_steps=total_train_steps, every=eval_every, start_version=v)
         self.weights = WeightSync(supervisor.num_inference)
         self.reporter = Reporter([JsonlSink(os.path.join(run_dir, "metrics.jsonl")), *(sinks or [])],
@@ -82,7 +84,7 @@ class Controller:
                                             max_consecutive_drops=max_consecutive_drops, warn_after_s=None)
         self.weights_link = make_transport(weights_settings or WeightsSettings()).controller(
             weights_dir=os.path.join(run_dir, "weights"), num_servers=supervisor.num_inference, secret=secret)
-        self._secret, self._bind_host, self._max_bytes = secret, bind_host, max_bytes
+        self._secret, self._bind_host, self._max_bytes, self._scaling = secret, bind_host, max_bytes, scaling
         self.router: Optional[Router] = None
         self.address = ""
         self.role_stats: dict[Key, dict] = {}  # each role's latest heartbeat stats
@@ -106,16 +108,14 @@ class Controller:
     def gate(self) -> StalenessGate:
         return self.admission.gate
 
-    @property
-    def peers(self) -> dict[Key, bytes]:
-        return self.roster.peers
-
     # -- lifecycle ---------------------------------------------------------------------------------------------
     def bind(self) -> str:
         kw = {"max_bytes": self._max_bytes} if self._max_bytes else {}
         self.router = Router(secret=self._secret, **kw)
         self.address = advertised_address(bind_random(self.router, self._bind_host))
         self.roster.write(self.address)
+        key = write_control_file(self.run_dir, self.address, signed=self._secret is not None)  # for `arl.ctl`
+        self._handlers.update(Scaling(self, key=key, **(self._scaling or {})).handlers)  # scale, leaving
         return self.address
 
     def spawn_roles(self, python: str = sys.executable) -> None:
@@ -161,8 +161,7 @@ class Controller:
                 await self._send(ident, m.Shutdown(reason="run finished"))
 
     def fail(self, message: str) -> None:
-        if self._failure is None:
-            self._failure = message
+        self._failure = self._failure or message
         self._done.set()
 
     def accounting(self) -> dict:

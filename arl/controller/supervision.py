@@ -36,6 +36,8 @@ class RoleLauncher(Protocol):
     runs_ranks: bool
     #: extra environment of every role process (the run's shared secret), set before the first spawn
     env: dict[str, str]
+    #: (optional, default False) `spawn` may start a new role while the run goes on without blocking it long
+    #: (`arl.ctl scale`)
 
     def spawn(self, name: str, argv: Sequence[str], log_path: str) -> None: ...
 
@@ -151,7 +153,7 @@ class Supervisor:
         """(process name, argv) of every role process of the run (`arl.launch.role`). Learner ranks > 1 run under
         torchrun unless the launcher starts each rank itself (`torchrun=False`): rank 0 registers and talks to the
         controller, the others follow it (`arl.learner.ranks`)."""
-        base = [python, "-m", "arl.launch.role", "--run-dir", run_dir, "--controller", controller]
+        base = self.command(python, run_dir, controller)
         k = self.servers_per_process
         out = [(f"inference{i}", base + ["--role", "inference", "--index", str(i)])
                for i in range(-(-self.num_inference // k))]  # process i hosts servers i*k..i*k+k-1
@@ -163,6 +165,12 @@ class Supervisor:
         out += [(f"env{i}", base + ["--role", "env", "--index", str(i)]) for i in range(self.num_env)]
         out += [(f"judge{i}", base + ["--role", "judge", "--index", str(i)]) for i in range(self.num_judge)]
         return out + [(f"rollout{i}", base + ["--role", "rollout", "--index", str(i)]) for i in range(self.num_rollout)]
+
+    @staticmethod
+    def command(python: str, run_dir: str, controller: str, role: str = "", index: int = 0) -> list[str]:
+        """The argv of a role process (`role` empty: without its role and index, which `commands` adds)."""
+        base = [python, "-m", "arl.launch.role", "--run-dir", run_dir, "--controller", controller]
+        return base + ["--role", role, "--index", str(index)] if role else base
 
     def servers_of(self, name: str) -> list[int]:
         """Server indices hosted by process `name` ('inference<p>'); [] for other roles."""

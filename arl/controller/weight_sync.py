@@ -168,6 +168,18 @@ class WeightSync:
             self.failures[s] = 0
         self.rejoining.update(servers)
 
+    def add_server(self, initial_version: int = 0) -> int:
+        """A server joins the run (its process starts with the `initial_version` weights): out of the ack set until
+        it registered and loaded the newest version, then `Rejoin`, as a restarted one. Returns its index."""
+        s = self.num_servers
+        self.num_servers += 1
+        self.acked.append(initial_version)
+        self.sent.append(initial_version)
+        self.failures.append(0)
+        self.lost.add(s)
+        self.rejoining.add(s)
+        return s
+
     def registered(self, server: int) -> list[Action]:
         """A restarted server's new process registered: it loads the newest version (or rejoins at once if none
         was published: it started with the initial weights)."""

@@ -30,7 +30,9 @@ async def run_inference(cfg: ExperimentConfig, ctl: ControlChannel, index: int, 
     first = index * ic.servers_per_process
     workers: list[Any] = []
     addresses: list[str] = []
-    for i in range(first, min(ic.num_workers, first + ic.servers_per_process)):
+    # a process started by `arl.ctl scale` hosts one server past the configured ones (scaling needs one per process)
+    end = min(ic.num_workers, first + ic.servers_per_process) if first < ic.num_workers else first + 1
+    for i in range(first, end):
         # LoRA: a server keeps the adapters of the versions a consumed token may come from (eta + 1)
         engine = build_engine(cfg.model.path, ic, seed=cfg.seed, index=i, run_dir=run_dir, lora=cfg.learner.lora,
                               adapters_keep=eta_bound(cfg) + 1)

@@ -159,7 +159,7 @@ class InferenceWorker:
         engine_stats = getattr(self.engine, "stats", None)
         st = {**self.stats, **(engine_stats() if callable(engine_stats) else {}),
               **(self.feed.stats if self.feed is not None else {}),
-              "uptime": time.monotonic() - self._t0, "version": self.engine.version}
+              "uptime": time.monotonic() - self._t0, "version": self.engine.version, "inflight": len(self._inflight)}
         return {**st, "waiting_on": self._waiting_on(st), "transport": dict(getattr(self.router, "stats", {}))}
 
     def _waiting_on(self, st: dict) -> str:

@@ -34,6 +34,7 @@ class LocalLauncher:
     (arl.launch.ray) runs its one role process on its node with one of these too."""
 
     runs_ranks = False  # a learner on several ranks is one process: torchrun, which starts the ranks
+    elastic = True  # starts a role mid-run at once (`arl.ctl scale`)
 
     def __init__(self) -> None:
         self.children: dict[str, Child] = {}

@@ -24,7 +24,7 @@ from arl.rollout.entry import run_rollout
 from arl.rollout.env_server import run_env_server
 from arl.transport.control import SOCKET_OPTIONS, ControlChannel
 from arl.transport.loop import run as run_loop
-from arl.transport.messages import Error
+from arl.transport.messages import Error, Leaving
 from arl.transport.security import effective_bind_host, resolve_secret
 from arl.utils.forensics import install_stack_dump_handler
 
@@ -41,6 +41,20 @@ async def amain(cfg: ExperimentConfig, role: str, index: int, controller: str, r
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, ctl.stopped.set)
+    if role == "inference":  # a preemption notice: leave by being drained, not by dying (docs/routing.md)
+        leaving: list[bool] = []
+
+        def preempted() -> None:
+            if ctl.stopped.is_set() or leaving:  # the run is ending, or a second notice: stop now
+                ctl.stopped.set()
+                return
+            leaving.append(True)
+            grace = cfg.inference.drain_timeout_s
+            logger.warning("%s%d: SIGTERM: asking to be drained (stopping in %.0fs at the latest)", role, index, grace)
+            loop.create_task(ctl.post(Leaving(grace_s=grace)))
+            loop.call_later(grace + 5.0, ctl.stopped.set)
+
+        loop.add_signal_handler(signal.SIGTERM, preempted)
     cleanups: list[Awaitable] = []
     tasks: list[asyncio.Task] = []
     try:

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 from arl.config import (ExperimentConfig, LauncherKind, auto_eta, judge_workers, resolve_weights, staleness_policy,
                         to_yaml, weights_settings)
+from arl.controller.autoscale import AutoscalePolicy
 from arl.controller.shell import Controller, RunFailed
 from arl.controller.steering import StalenessSteering
 from arl.utils.errors import ConfigError
@@ -122,6 +123,16 @@ def make_controller(cfg: ExperimentConfig, run_dir: str, **overrides: Any) -> Co
         raise
 
 
+def autoscale_policy(ic: Any) -> Optional[AutoscalePolicy]:
+    """`inference.autoscale` as the controller's policy (None: off)."""
+    a = ic.autoscale
+    if not a.enabled:
+        return None
+    return AutoscalePolicy(min_servers=a.min_servers, max_servers=a.max_servers, interval_s=a.interval_s,
+                           cooldown_s=a.cooldown_s, learner_idle_above=a.learner_idle_above,
+                           gate_blocked_above=a.gate_blocked_above)
+
+
 def _controller(cfg: ExperimentConfig, run_dir: str, bind_host: str, secret: Optional[bytes],
                 resume: Optional[dict], trains_model: bool, overrides: dict[str, Any]) -> Controller:
     ic, rc = cfg.inference, cfg.rollout
@@ -162,6 +173,7 @@ def _controller(cfg: ExperimentConfig, run_dir: str, bind_host: str, secret: Opt
         max_no_progress_s=rc.max_no_progress_s,
         max_consecutive_drops=rc.max_consecutive_drops,
         weights_settings=weights_settings(cfg),
+        scaling=dict(drain_timeout_s=ic.drain_timeout_s, autoscale=autoscale_policy(ic)),
         steering=StalenessSteering(**dataclasses.asdict(cfg.staleness_auto)) if auto_eta(cfg) else None,
         sinks=make_sinks(cfg.loggers, run_dir, dataclasses.asdict(dataclasses.replace(cfg, secret="")),
                          cfg.experiment),

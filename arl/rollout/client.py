@@ -105,12 +105,14 @@ class InferenceClient:
         self._reqs = [0] * len(dealers)  # requests in flight per worker (the view's load unit)
         self._view = view
         self._alive = [True] * len(dealers)
+        self._draining: set[int] = set()  # leaving the run: no new requests, the ones in flight finish there
         self._pending: dict[str, _Pending] = {}
         self._sticky: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._max_sessions = max_sessions
         self._version = -1
         self._ids = itertools.count()
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: dict[int, asyncio.Task] = {}  # worker index -> its receive loop (once started)
+        self._started = False
         self._renewer: Optional[asyncio.Task] = None
         self._sweep_every = min(_SWEEP_MAX_S, request_timeout / 8)
         self._sweeper: Optional[asyncio.TimerHandle] = None
@@ -130,7 +132,8 @@ class InferenceClient:
         return [i for i, a in enumerate(self._alive) if a]
 
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._recv_loop(i)) for i in range(len(self._dealers))]
+        self._started = True
+        self._tasks = {i: asyncio.create_task(self._recv_loop(i)) for i, d in enumerate(self._dealers) if d is not None}
         if self._view is not None:
             self._renewer = asyncio.create_task(self._renew_subscriptions())
 
@@ -157,9 +160,9 @@ class InferenceClient:
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = self._sweep_loop = None
-        for t in self._tasks:
+        for t in self._tasks.values():
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
         for p in self._pending.values():
             if not p.future.done():
                 p.future.set_result(None)
@@ -216,11 +219,11 @@ class InferenceClient:
             return self._choose_by_view(session_id, exclude, hashes)
         if session_id is not None and session_id in self._sticky:
             idx = self._sticky[session_id]
-            if self._alive[idx] and idx != exclude:
+            if self._alive[idx] and idx != exclude and idx not in self._draining:
                 self._sticky.move_to_end(session_id)
                 return idx
             del self._sticky[session_id]
-        live = [i for i, a in enumerate(self._alive) if a and i != exclude]
+        live = [i for i, a in enumerate(self._alive) if a and i != exclude and i not in self._draining]
         if not live:
             return -1
         idx = min(live, key=self._load.__getitem__)
@@ -232,7 +235,7 @@ class InferenceClient:
 
     def _choose_by_view(self, session_id: Optional[str], exclude: int, hashes: Any) -> int:
         assert self._view is not None
-        live = [i for i, a in enumerate(self._alive) if a and i != exclude]
+        live = [i for i, a in enumerate(self._alive) if a and i != exclude and i not in self._draining]
         if not live:
             return -1
         sticky = self._sticky.get(session_id) if session_id is not None else None
@@ -280,17 +283,39 @@ class InferenceClient:
             await self._send(p, target)
             self.stats["resent_lost"] += 1
 
-    def worker_back(self, idx: int, dealer: Any) -> None:
-        """Worker `idx` was restarted (a new process, a new address): route to it again over `dealer`."""
-        if not 0 <= idx < len(self._dealers):
+    def worker_draining(self, idx: int) -> None:
+        """Worker `idx` is leaving the run: route nothing new to it; its requests in flight finish there (a
+        `worker_lost` once it is gone re-sends whatever did not)."""
+        if not 0 <= idx < len(self._dealers) or idx in self._draining:
             return
+        self._draining.add(idx)
+        self.stats["workers_draining"] += 1
+        for sid in [s for s, i in self._sticky.items() if i == idx]:
+            del self._sticky[sid]
+        if self._view is not None:
+            self._view.forget(idx)
+
+    def worker_back(self, idx: int, dealer: Any) -> None:
+        """Worker `idx` was restarted (a new process, a new address), or joined the run (the next index): route
+        to it (again) over `dealer`."""
+        if idx < 0:
+            return
+        while len(self._dealers) <= idx:  # a server added to the run (ones after it may have joined first)
+            self._dealers.append(None)
+            self._load.append(0)
+            self._reqs.append(0)
+            self._alive.append(False)
+            if self._view is not None:
+                self._view.add_server()
         old = self._dealers[idx]
         self._dealers[idx] = dealer
-        if idx < len(self._tasks):
-            self._tasks[idx].cancel()
+        if self._started:
+            if idx in self._tasks:
+                self._tasks[idx].cancel()
             self._tasks[idx] = asyncio.create_task(self._recv_loop(idx))
-        if old is not dealer and hasattr(old, "close"):
+        if old is not None and old is not dealer and hasattr(old, "close"):
             old.close()
+        self._draining.discard(idx)
         self._alive[idx] = True
         self._load[idx] = sum(p.work for p in self._pending.values() if p.idx == idx)
         self._reqs[idx] = sum(1 for p in self._pending.values() if p.idx == idx)

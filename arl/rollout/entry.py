@@ -12,7 +12,8 @@ from typing import Any, Awaitable, Callable, Optional
 
 from arl.config import ExperimentConfig, RoutingMode, rollout_deadlines
 from arl.transport.control import ControlChannel, RoleParts, make_socket
-from arl.transport.messages import Eval, EvalDone, LearnerRestarted, Lookup, SendControl, WorkerBack, WorkerLost
+from arl.transport.messages import (Eval, EvalDone, LearnerRestarted, Lookup, SendControl, WorkerBack, WorkerDraining,
+                                    WorkerLost)
 from arl.transport.sockets import Dealer, Push
 
 logger = logging.getLogger("arl.worker")
@@ -242,6 +243,8 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
     link = {"push": make_socket(Push).connect(addrs["learner"])}  # replaced when a lost learner is restarted
     prompts = PromptStream(parts.train_rows, seed=cfg.seed, shard=index, num_shards=cfg.rollout.num_workers)
     client = inference_client(cfg, [make_socket(Dealer).connect(a) for a in addrs["inference"]])
+    for i in addrs.get("retired") or ():  # servers scaled out of the run before this worker started
+        await client.worker_lost(int(i))
     env_client = None
     if cfg.env.servers:  # envs as a role: sessions on the env servers, spread by least load
         from arl.rollout.env_server import EnvServerClient
@@ -296,6 +299,10 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
         elif msg.role == "judge" and judge_client is not None:
             judge_client.worker_back(msg.index, make_socket(Dealer).connect(msg.address))
 
+    async def on_worker_draining(msg: WorkerDraining) -> None:  # a server leaves the run: nothing new to it
+        if msg.role == "inference":
+            client.worker_draining(msg.index)
+
     async def on_learner_restarted(msg: LearnerRestarted) -> None:  # back from its checkpoint: push to the new one
         old, link["push"] = link["push"], make_socket(Push).connect(msg.address)
         old.close()  # what it still queued for the dead learner goes with it (those groups were lost there)
@@ -307,7 +314,8 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
         link["push"].close()
 
     ctl.handlers.update(gate_grant=lambda msg: worker.on_grant(msg.n), eval=on_eval, worker_lost=on_worker_lost,
-                        worker_back=on_worker_back, learner_restarted=on_learner_restarted)
+                        worker_back=on_worker_back, learner_restarted=on_learner_restarted,
+                        worker_draining=on_worker_draining)
     ack = await ctl.register(cfg.startup_timeout)
     if ack.get("prompt_position"):  # resuming a run or restarted: re-draw what had not settled, then go on
         try:

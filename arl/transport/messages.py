@@ -120,6 +120,7 @@ class Addresses(ControlMessage):
     learner: Optional[str]
     env: Optional[list[Optional[str]]] = None  # env servers (env.servers > 0)
     judge: Optional[list[Optional[str]]] = None  # judge workers (judge.model.path set)
+    retired: Optional[list[int]] = None  # inference servers scaled out of the run (`arl.ctl scale`): route none
 
 
 class GateAcquire(ControlMessage):
@@ -244,6 +245,37 @@ class WorkerBack(ControlMessage):
     role: str
     index: int
     address: str
+
+
+class WorkerDraining(ControlMessage):
+    """Controller -> rollout worker: server `index` of `role` is leaving the run (scaled down, or its preemption
+    notice): send it nothing new; what it has in flight finishes there (a `worker_lost` follows once it is gone)."""
+
+    role: str
+    index: int
+
+
+class Leaving(ControlMessage):
+    """Inference process -> controller: it got a preemption notice (SIGTERM) and will stop within `grace_s`: drain
+    its servers now (nothing new to them, the rollout workers re-send what they do not finish)."""
+
+    grace_s: float = 0.0
+
+
+class Scale(ControlMessage):
+    """`python -m arl.ctl <run> scale ...` -> controller: change the fleet by `changes` (role -> +n / -n);
+    `token`: the run's control key (run_dir/control.key, readable by its owner only)."""
+
+    token: str
+    changes: dict
+
+
+class Scaled(ControlMessage):
+    """Controller -> `arl.ctl`: what the scale did (`ok`, `message`: the new fleet, or why nothing changed)."""
+
+    ok: bool
+    message: str = ""
+    extra: dict = dataclasses.field(default_factory=dict)
 
 
 class PromptSettled(ControlMessage):

@@ -95,6 +95,8 @@ class DiskLoader:
 class DiskLink:
     """The controller's side: ``update_weights`` with the file's path is all a server needs."""
 
+    elastic = True  # a server added mid-run needs nothing set up beforehand (`arl.ctl scale`)
+
     def __init__(self, weights_dir: str) -> None:
         self.weights_dir = weights_dir
 

@@ -110,6 +110,7 @@ class SendLike(Protocol):  # `arl.controller.weight_sync.Send`
 
 
 class ControllerSide(Protocol):
+    #: (optional, default False) servers may join the run after the learner started (`arl.ctl scale`)
     def on_register(self, msg: Any, registered: Callable[[Key], bool]) -> Outgoing:
         """Role `msg.role` / `msg.index` registered (`msg`, a ``Register``; `registered` says which roles are):
         what to send. Called after its ack."""

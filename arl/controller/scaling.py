@@ -1,0 +1,238 @@
+"""Servers join and leave a running run: `python -m arl.ctl <run_dir> scale inference=+2` (or `=-1`).
+
+Why through the controller: it owns who is in the run. A joining server is what a restarted one is to the rest
+of the run: its process starts, registers, is sent the newest weights, and only once it has loaded them do the
+rollout workers route to it (`WeightSync.add_server`, then the usual `Rejoin` -> `worker_back`, which a rollout
+worker's client takes for a new index too). A leaving server is drained: the rollout workers send it nothing new
+(`worker_draining`), it leaves the weight acks at once (the run never waits for its loads again), and once its
+heartbeats say nothing is in flight (or `inference.drain_timeout_s` passed) it is stopped and the rollout workers
+hear `worker_lost`, which re-sends whatever it had not answered: nothing accepted is lost. Indices are never
+reused: a server that left stays out (`Addresses.retired`, so a rollout worker restarted later does not route to
+it).
+
+Authentication: a `scale` comes from outside the run, so it is accepted from any peer that has the run's control
+key (`run_dir/control.json`, readable by its owner only, written when the controller binds) and, on a run with a
+shared secret, only over frames signed with it. What is refused (a wrong key, an unknown role, no server left, a
+launcher or weight transport that cannot add servers) is answered with the reason and changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+import sys
+import time
+from typing import Any, Optional
+
+from arl.controller.autoscale import Autoscaler, AutoscalePolicy
+from arl.transport import messages as m
+
+logger = logging.getLogger("arl.controller")
+
+CONTROL_FILE = "control.json"
+
+
+class ScaleRefused(ValueError):
+    """A scale request that changes nothing, with the reason the caller is told."""
+
+
+def write_control_file(run_dir: str, address: str, signed: bool) -> str:
+    """run_dir/control.json (mode 0600): where the controller listens and the key `arl.ctl` must show; the key."""
+    key = secrets.token_hex(16)
+    path = os.path.join(run_dir, CONTROL_FILE)
+    fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"controller": address, "key": key, "signed": signed, "pid": os.getpid()}, f)
+    os.replace(path + ".tmp", path)
+    return key
+
+
+class Scaling:
+    """The controller's `scale` handler. `ctl`: the controller shell (its pieces and its sends)."""
+
+    def __init__(self, ctl: Any, *, key: str, drain_timeout_s: float = 60.0, python: str = sys.executable,
+                 autoscale: Optional[AutoscalePolicy] = None) -> None:
+        """`autoscale`: scale by rule (`arl.controller.autoscale`); its loop starts with the controller's."""
+        self.ctl, self.key, self.drain_timeout_s, self.python = ctl, key, drain_timeout_s, python
+        self.retired: set[int] = set()  # servers scaled out (never reused)
+        self._busy = False  # one scale at a time
+        self._tasks: set[asyncio.Task] = set()
+        self.handlers = {"scale": self.on_scale, "leaving": self.on_leaving}
+        self.autoscaler = Autoscaler(autoscale) if autoscale is not None else None
+        if self.autoscaler is not None:
+            self._spawn(self.watch())
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def on_leaving(self, ident: bytes, msg: m.Leaving) -> None:
+        """An inference process got a preemption notice: drain its servers as a scale-down would (it stops by
+        itself after its grace period if the drain takes longer)."""
+        role, index = self.ctl.roster.who[ident]
+        name = self.ctl.sup.process_of(role, index)
+        servers = [s for s in self.ctl.sup.servers_of(name) if s not in self.ctl.weights.lost]
+        if role != "inference" or not servers:
+            return
+        logger.warning("%s got a preemption notice (grace %.0fs): draining servers %s", name, msg.grace_s, servers)
+        self.ctl.reporter.event("preempted", role=name, servers=servers, grace_s=msg.grace_s)
+        self._spawn(self._remove(servers, min(self.drain_timeout_s, max(0.0, float(msg.grace_s)))))
+
+    async def on_scale(self, ident: bytes, msg: m.Scale) -> None:
+        """Check the request now; carry it out in a task (a drain takes seconds: the controller goes on)."""
+        try:
+            if not secrets.compare_digest(str(msg.token), self.key):
+                raise ScaleRefused("wrong control key (run_dir/control.json of this run)")
+            if self._busy:
+                raise ScaleRefused("another scale of this run is under way")
+            plan = self._plan(msg.changes)
+        except ScaleRefused as e:
+            logger.warning("scale refused: %s", e)
+            return await self._reply(ident, m.Scaled(ok=False, message=str(e)))
+        self._busy = True
+        self._spawn(self._carry_out(ident, plan))
+
+    async def _reply(self, ident: bytes, msg: m.Scaled) -> None:
+        await self.ctl.router.send(ident, msg.TYPE, msg.to_payload())
+
+    def _plan(self, changes: Any) -> dict[str, int]:
+        if not isinstance(changes, dict) or not changes:
+            raise ScaleRefused("nothing to scale: give role=+n or role=-n")
+        plan: dict[str, int] = {}
+        for role, n in changes.items():
+            if role != "inference":
+                raise ScaleRefused(f"cannot scale {role!r}: only inference servers join and leave a running run "
+                                   "(rollout workers and env servers: not yet)")
+            if not isinstance(n, int) or isinstance(n, bool) or n == 0:
+                raise ScaleRefused(f"{role}={n!r}: give a non-zero whole number (+2, -1)")
+            plan[role] = n
+        sup, weights = self.ctl.sup, self.ctl.weights
+        n = plan["inference"]
+        if sup.servers_per_process != 1:
+            raise ScaleRefused("scaling inference servers needs inference.servers_per_process=1 (one per process)")
+        if n > 0:
+            if not getattr(self.ctl.weights_link, "elastic", False):
+                raise ScaleRefused("this run's weight transport cannot add servers after the learner started "
+                                   "(weights.transport=disk can)")
+            if not getattr(self.ctl.launcher, "elastic", False):
+                raise ScaleRefused(f"the {type(self.ctl.launcher).__name__} cannot start roles mid-run yet "
+                                   "(the local launcher can)")
+        else:
+            serving = [i for i in range(weights.num_servers) if i not in weights.lost]
+            if len(serving) + n < 1:
+                raise ScaleRefused(f"inference={n} would leave {len(serving) + n} servers: a run needs at least one "
+                                   f"(serving now: {serving})")
+        return plan
+
+    async def _carry_out(self, ident: bytes, plan: dict[str, int]) -> None:
+        try:
+            n = plan["inference"]
+            if n > 0:
+                done = await self._add(n)
+            else:
+                serving = [i for i in range(self.ctl.weights.num_servers) if i not in self.ctl.weights.lost]
+                done = await self._remove(serving[n:], self.drain_timeout_s)  # the newest go
+            serving = [i for i in range(self.ctl.weights.num_servers) if i not in self.ctl.weights.lost]
+            text = f"inference {n:+d}: {done}; serving now: {serving}"
+            self.ctl.reporter.event("scale", role="inference", change=n, servers=serving, done=done)
+            logger.warning("scale: %s", text)
+            await self._reply(ident, m.Scaled(ok=True, message=text, extra={"serving": serving}))
+        except Exception as e:  # noqa: BLE001 - the run goes on; the caller hears why
+            logger.exception("scale failed")
+            await self._reply(ident, m.Scaled(ok=False, message=f"scale failed: {type(e).__name__}: {e}"))
+        finally:
+            self._busy = False
+
+    async def _add(self, n: int) -> str:
+        """Start `n` new servers; they join the routing once they loaded the newest weights (`Rejoin`)."""
+        ctl, sup = self.ctl, self.ctl.sup
+        added = []
+        for _ in range(n):
+            index = ctl.weights.add_server()
+            sup.num_inference += 1
+            ctl.roster.limits["inference"] += 1
+            ctl.roster.addresses["inference"].append(None)
+            name = sup.process_of("inference", index)
+            argv = sup.command(self.python, ctl.run_dir, ctl.address, "inference", index)
+            sup.restarted_at[name] = time.monotonic()  # it must register within startup_timeout, as a restart
+            ctl.launcher.spawn(name, argv, os.path.join(ctl.run_dir, "logs", f"{name}.log"))
+            ctl.health.names.append(name)
+            added.append(index)
+        return f"started servers {added} (they take requests once they loaded the newest weights)"
+
+    async def _remove(self, leaving: list[int], drain_s: float) -> str:
+        """Drain `leaving` (at most `drain_s` seconds), then stop their processes."""
+        ctl = self.ctl
+        t0 = time.monotonic()
+        for s in leaving:
+            self.retired.add(s)
+            ctl.weights.lose([s])  # out of the weight acks now: a version goes live without it
+            await ctl.tell_rollouts(m.WorkerDraining(role="inference", index=s))
+        ctl.roster.addresses["retired"] = sorted(self.retired)
+        await ctl.advance()
+        left = await self._drained(leaving, t0, drain_s)
+        for s in leaving:
+            name = ctl.sup.process_of("inference", s)
+            ctl.launcher.kill(name)  # an expected exit: not a failure
+            ctl.sup.forget(("inference", s))
+            ctl.roster.forget(("inference", s))
+            ctl.role_stats.pop(("inference", s), None)
+            await ctl.tell_rollouts(m.WorkerLost(role="inference", indices=[s]))  # re-sends what it still had
+        ctl.roster.write(ctl.address)
+        late = f"; {left} requests not finished within {drain_s:g}s were re-sent" if left else ""
+        return f"drained and stopped servers {leaving} in {time.monotonic() - t0:.1f}s{late}"
+
+    async def _drained(self, servers: list[int], since: float, drain_s: float) -> int:
+        """Wait until each server's heartbeat (one sent after the drain began) says nothing is in flight, or
+        `drain_s` passed; returns the requests still in flight then."""
+        deadline = since + drain_s
+        while True:
+            inflight = 0
+            for s in servers:
+                heard = self.ctl.sup.last_seen.get(("inference", s), 0.0)
+                st = self.ctl.role_stats.get(("inference", s), {})
+                if heard > since:
+                    inflight += int(st.get("inflight", 0))
+                elif self.ctl.launcher.alive(self.ctl.sup.process_of("inference", s)):
+                    inflight += 1  # not heard from since the drain began: unknown, wait for its next heartbeat
+            if inflight == 0 or time.monotonic() >= deadline:
+                return inflight
+            await asyncio.sleep(0.2)
+
+    # -- scaling by rule -------------------------------------------------------------------------------------
+    def serving(self) -> list[int]:
+        return [i for i in range(self.ctl.weights.num_servers) if i not in self.ctl.weights.lost]
+
+    async def watch(self, sample_s: float = 0.5) -> None:
+        """`inference.autoscale`: sample the gate, and at each interval let the `Autoscaler` decide."""
+        ctl, auto = self.ctl, self.autoscaler
+        assert auto is not None
+        while not ctl._done.is_set():
+            await asyncio.sleep(sample_s)
+            if not ctl.admission.is_open or self._busy:
+                continue
+            auto.sample(ctl.admission.waiting() > 0)
+            learner = ctl.role_stats.get(("learner", 0), {})
+            serving = self.serving()
+            joining = len(ctl.weights.rejoining)
+            d = auto.decide(time.monotonic(), learner_idle_s=float(learner.get("idle_seconds", 0.0)),
+                            learner_train_s=float(learner.get("train_seconds", 0.0)), serving=len(serving),
+                            joining=joining)
+            if d is None:
+                continue
+            self._busy = True
+            try:
+                done = await (self._add(1) if d.change > 0 else self._remove(serving[-1:], self.drain_timeout_s))
+            except Exception:  # noqa: BLE001 - a failed change: the run goes on with the fleet it has
+                logger.exception("autoscale %+d failed", d.change)
+                continue
+            finally:
+                self._busy = False
+            line = f"autoscale {d.change:+d} ({d.reason}): {done}"
+            ctl.reporter.event("autoscale", change=d.change, reason=d.reason, learner_idle=d.learner_idle,
+                               gate_blocked=d.gate_blocked, servers=self.serving())
+            ctl.reporter.say(line)

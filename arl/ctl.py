@@ -1,0 +1,123 @@
+"""`python -m arl.ctl RUN_DIR scale inference=+2` — change a running run's fleet (and say what happened).
+
+The command talks to the run's controller over its control socket, showing the run's control key
+(RUN_DIR/control.json, written by the controller, readable by its owner only) and, on a run that signs its
+frames, the shared secret (env ARL_SECRET, as the run was given it). It waits for the controller's answer: what
+changed, or why nothing did. Exit status: 0 done, 1 refused by the run, 2 no run to talk to (not a run
+directory, the run is not running, or the secret is missing or wrong: frames without it are dropped unanswered).
+
+    python -m arl.ctl runs/my-run scale inference=+2      # two more inference servers
+    python -m arl.ctl runs/my-run scale inference=-1      # drain the newest server, then stop it
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from typing import Optional, Sequence
+
+from arl.controller.scaling import CONTROL_FILE
+from arl.transport.messages import Scale
+from arl.transport.security import SECRET_ENV
+from arl.transport.sockets import Dealer
+
+
+class CtlError(RuntimeError):
+    """No run to talk to, with the reason."""
+
+
+def parse_changes(items: Sequence[str]) -> dict[str, int]:
+    """['inference=+2', 'inference=-1'] -> {'inference': 1}; ValueError naming a malformed item."""
+    changes: dict[str, int] = {}
+    for item in items:
+        role, sep, n = item.partition("=")
+        try:
+            delta = int(n)
+        except ValueError:
+            delta = 0
+        if not sep or not role or not n.strip().lstrip("+-").isdigit() or delta == 0:
+            raise ValueError(f"{item!r}: expected ROLE=+N or ROLE=-N (e.g. inference=+2)")
+        changes[role] = changes.get(role, 0) + delta
+    return changes
+
+
+def control_info(run_dir: str) -> dict:
+    path = os.path.join(run_dir, CONTROL_FILE)
+    if not os.path.isdir(run_dir):
+        raise CtlError(f"{run_dir!r} is not a directory")
+    try:
+        with open(path) as f:
+            info = json.load(f)
+    except FileNotFoundError:
+        raise CtlError(f"{run_dir!r} has no {CONTROL_FILE}: not a run directory, or the run has not started") from None
+    except (OSError, ValueError) as e:
+        raise CtlError(f"cannot read {path}: {e}") from None
+    if not isinstance(info, dict) or not {"controller", "key"} <= set(info):
+        raise CtlError(f"{path} is not a control file")
+    return info
+
+
+async def send_scale(run_dir: str, changes: dict[str, int], timeout: float) -> dict:
+    """The controller's answer (`scaled`) to a scale of `changes`; CtlError when nothing answers."""
+    info = control_info(run_dir)
+    secret = os.environ.get(SECRET_ENV, "")
+    if info.get("signed") and not secret:
+        raise CtlError(f"the run signs its control frames: set {SECRET_ENV} to its shared secret")
+    pid = info.get("pid")
+    if isinstance(pid, int) and not _alive(pid):
+        raise CtlError(f"the run in {run_dir!r} is not running (its controller, pid {pid}, has exited)")
+    dealer = Dealer(secret=secret.encode() if info.get("signed") else None)
+    try:
+        dealer.connect(info["controller"])
+        await dealer.send(Scale.TYPE, Scale(token=str(info["key"]), changes=changes).to_payload())
+        while True:
+            try:
+                msg_type, payload = await dealer.recv(timeout=timeout)
+            except asyncio.TimeoutError:
+                raise CtlError(f"no answer from the run's controller at {info['controller']} in {timeout:g}s: it "
+                               "is not running, busy, or the secret is wrong") from None
+            if msg_type == "scaled":
+                return payload
+    finally:
+        dealer.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m arl.ctl", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run_dir")
+    sub = ap.add_subparsers(dest="command", required=True)
+    sc = sub.add_parser("scale", help="add or drain servers: inference=+N | inference=-N")
+    sc.add_argument("changes", nargs="+")
+    sc.add_argument("--timeout", type=float, default=300.0,
+                    help="seconds to wait for the answer (a drain takes up to inference.drain_timeout_s)")
+    a = ap.parse_args(argv)
+    try:
+        changes = parse_changes(a.changes)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        reply = asyncio.run(send_scale(a.run_dir, changes, a.timeout))
+    except CtlError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(reply.get("message", ""))
+    return 0 if reply.get("ok") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""`arl.ctl scale` in the controller, without processes: refusals change nothing; a joining server is started,
+routed to once it loaded the newest weights; a leaving one is drained (no new requests, in-flight ones finish),
+then stopped and its leftovers re-sent."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import stat
+
+import pytest
+
+from arl.controller.scaling import Scaling, write_control_file
+from tests.controller.test_controller_faults import make_controller
+
+
+def scaled(ctl) -> list[dict]:
+    return [p for _, t, p in ctl.router.sent if t == "scaled"]
+
+
+def sent(ctl, msg_type: str) -> list[tuple[bytes, dict]]:
+    return [(i, p) for i, t, p in ctl.router.sent if t == msg_type]
+
+
+async def settle(ctl) -> None:
+    for _ in range(200):
+        if not ctl._handlers["scale"].__self__._busy and not ctl._handlers["scale"].__self__._tasks:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("scale did not finish")
+
+
+@pytest.fixture
+def run(tmp_path):
+    ctl = make_controller(tmp_path, num_inference=2, num_rollout=1)
+    ctl.launcher.elastic = True
+    key = write_control_file(str(tmp_path), "tcp://127.0.0.1:1", signed=False)
+    ctl._handlers.update(Scaling(ctl, key=key, drain_timeout_s=2.0).handlers)
+    yield ctl, key
+    ctl.reporter.close()
+
+
+def test_control_file_is_private(tmp_path):
+    key = write_control_file(str(tmp_path), "tcp://127.0.0.1:5", signed=True)
+    path = tmp_path / "control.json"
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert json.loads(path.read_text()) == {"controller": "tcp://127.0.0.1:5", "key": key, "signed": True,
+                                            "pid": os.getpid()}
+
+
+@pytest.mark.asyncio
+async def test_refusals_change_nothing(run):
+    ctl, key = run
+    await ctl._dispatch(b"ctl", "scale", {"token": "nope", "changes": {"inference": 1}})
+    await ctl._dispatch(b"ctl", "scale", {"token": key, "changes": {"rollout": 1}})
+    await ctl._dispatch(b"ctl", "scale", {"token": key, "changes": {"inference": "+x"}})
+    await ctl._dispatch(b"ctl", "scale", {"token": key, "changes": {"inference": -2}})  # would leave none
+    await ctl._dispatch(b"ctl", "scale", {"token": key, "changes": {}})
+    replies = scaled(ctl)
+    assert [r["ok"] for r in replies] == [False] * 5
+    assert "wrong control key" in replies[0]["message"] and "rollout" in replies[1]["message"]
+    assert "at least one" in replies[3]["message"]
+    ctl.launcher.elastic = False
+    await ctl._dispatch(b"ctl", "scale", {"token": key, "changes": {"inference": 1}})
+    assert "cannot start roles mid-run" in scaled(ctl)[-1]["message"]
+    assert ctl.weights.num_servers == 2 and ctl.sup.num_inference == 2 and ctl.launcher.spawns == [
+        "inference0", "inference1", "learner", "rollout0"]
+
+
+@pytest.mark.asyncio
+async def test_join_then_drain(run):
+    ctl, key = run
+    for ident, reg in ((b"i0", {"role": "inference", "index": 0, "address": "tcp://a:0"}),
+                       (b"i1", {"role": "inference", "index": 1, "address": "tcp://a:1"}),
+                       (b"L", {"role": "learner", "index": 0}), (b"r0", {"role": "rollout", "index": 0})):
+        await ctl._dispatch(ident, "register", reg)
+    await ctl._dispatch(b"L", "weights_published", {"version": 1, "path": "/w/v1"})
+    for ident, i in ((b"i0", 0), (b"i1", 1)):
+        await ctl._dispatch(ident, "weights_loaded", {"version": 1, "index": i})
+    assert ctl.weights.live == 1
+
+    await ctl._dispatch(b"ctl", "scale", {"token": key, "changes": {"inference": 1}})
+    await settle(ctl)
+    assert scaled(ctl)[-1]["ok"] and "inference2" in ctl.launcher.spawns
+    assert ctl.weights.num_servers == 3 and 2 in ctl.weights.lost and not sent(ctl, "worker_back")
+    await ctl._dispatch(b"i2", "register", {"role": "inference", "index": 2, "address": "tcp://a:2"})
+    assert sent(ctl, "update_weights")[-1] == (b"i2", {"version": 1, "path": "/w/v1"})  # the newest first
+    assert not sent(ctl, "worker_back")  # not routed to before it has it
+    await ctl._dispatch(b"i2", "weights_loaded", {"version": 1, "index": 2})
+    assert sent(ctl, "worker_back") == [(b"r0", {"role": "inference", "index": 2, "address": "tcp://a:2"})]
+    assert 2 not in ctl.weights.lost
+
+    await ctl._dispatch(b"ctl", "scale", {"token": key, "changes": {"inference": -1}})
+    await asyncio.sleep(0.05)
+    assert sent(ctl, "worker_draining") == [(b"r0", {"role": "inference", "index": 2})]
+    assert 2 in ctl.weights.lost and not ctl.launcher.killed  # in flight still: waits
+    await ctl._dispatch(b"i2", "heartbeat", {"role": "inference", "index": 2, "stats": {"inflight": 3}})
+    await asyncio.sleep(0.3)
+    assert not ctl.launcher.killed
+    await ctl._dispatch(b"i2", "heartbeat", {"role": "inference", "index": 2, "stats": {"inflight": 0}})
+    await settle(ctl)
+    assert ctl.launcher.killed == ["inference2"] and scaled(ctl)[-1]["ok"]
+    assert sent(ctl, "worker_lost")[-1] == (b"r0", {"role": "inference", "indices": [2]})
+    assert ctl.roster.addresses["retired"] == [2] and ("inference", 2) not in ctl.peers
+    assert not await_dead(ctl)  # its exit was expected: not a failure
+    records = [json.loads(x) for x in open(os.path.join(ctl.run_dir, "metrics.jsonl"))]
+    assert [r["change"] for r in records if r.get("type") == "scale"] == [1, -1]
+
+
+def await_dead(ctl) -> list:
+    return ctl.launcher.dead()
+
+
+@pytest.mark.asyncio
+async def test_a_preemption_notice_drains_the_server(run):
+    ctl, _ = run
+    for ident, reg in ((b"i0", {"role": "inference", "index": 0, "address": "tcp://a:0"}),
+                       (b"i1", {"role": "inference", "index": 1, "address": "tcp://a:1"}),
+                       (b"L", {"role": "learner", "index": 0}), (b"r0", {"role": "rollout", "index": 0})):
+        await ctl._dispatch(ident, "register", reg)
+    await ctl._dispatch(b"i1", "leaving", {"grace_s": 0.5})  # SIGTERM on its machine
+    await asyncio.sleep(0.05)
+    assert sent(ctl, "worker_draining") == [(b"r0", {"role": "inference", "index": 1})] and 1 in ctl.weights.lost
+    await settle(ctl)  # it never said it was idle: stopped at the end of its grace, leftovers re-sent
+    assert ctl.launcher.killed == ["inference1"] and not ctl.launcher.dead()
+    assert sent(ctl, "worker_lost") == [(b"r0", {"role": "inference", "indices": [1]})]
+    assert [r["type"] for r in map(json.loads, open(os.path.join(ctl.run_dir, "metrics.jsonl")))
+            if r["type"] == "preempted"] == ["preempted"]

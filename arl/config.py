@@ -238,8 +238,11 @@ class AutoscaleConfig:
     interval_s: float = field(10.0, "Seconds of signals behind each decision.")
     cooldown_s: float = field(20.0, "Seconds after a change before the next decision.")
     learner_idle_above: float = field(0.3, "Grow when the learner waited for data more than this share of its time.")
-    gate_blocked_above: float = field(0.5, "Shrink when rollout workers waited on the staleness gate more than this "
-                                           "share of the samples.")
+    learner_idle_below: float = field(0.05, "Shrink only while the learner waited for data at most this share of "
+                                            "its time ...")
+    gate_blocked_above: float = field(0.5, "... and rollout workers waited on the staleness gate in at least this "
+                                           "share of the samples (the fleet makes more than the learner takes).")
+    memory_s: float = field(120.0, "Never shrink back to a size at which the learner waited for data this recently.")
 
     def __post_init__(self) -> None:
         _require([(1 <= self.min_servers <= self.max_servers,

@@ -1,7 +1,7 @@
 """`inference.autoscale` against fixed fleets: the same sim run with the minimum fleet, the maximum fleet, and a
 fleet that starts at the minimum and scales itself.
 
-    python scripts/bench_autoscale.py                 # 2 vs 8 vs autoscale 2..8 servers, 40 learner steps each
+    python scripts/bench_autoscale.py                 # 2 vs 8 vs autoscale 2..8 servers, 50 learner steps each
 
 Each run goes through the real launcher (simulated servers, one per process, and the simulated learner), trains
 `--steps` steps and reports:
@@ -81,7 +81,8 @@ def run_one(a: argparse.Namespace, root: str, label: str, servers: int, auto: bo
     print(f"  {label:10s}: {r['steps']} steps in {r['wall_s']:.1f} s = {r['groups_per_s']:.2f} groups/s, "
           f"{r['server_s']:.0f} server-seconds{'  ERROR ' + r['error'] if r['error'] else ''}", flush=True)
     for m in r["autoscale"]:
-        print(f"      autoscale {m['change']:+d} -> {len(m['servers'])} servers ({m['reason']})")
+        print(f"      {m['elapsed']:6.1f} s: autoscale {m['change']:+d} -> {len(m['servers']) + len(m.get('joining', []))} "
+              f"servers ({m['reason']})")
     return r
 
 
@@ -89,13 +90,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--min-servers", type=int, default=2)
     ap.add_argument("--max-servers", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--batch", type=int, default=16, help="groups per learner step")
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--concurrency", type=int, default=64, help="groups running at once")
     ap.add_argument("--max-batch", type=int, default=16, help="samples one server decodes at once")
     ap.add_argument("--len-median", type=float, default=200.0)
-    ap.add_argument("--learner-step-s", type=float, default=1.6, help="simulated seconds per learner step")
+    ap.add_argument("--learner-step-s", type=float, default=3.2, help="simulated seconds per learner step")
     ap.add_argument("--eta", type=int, default=2)
     ap.add_argument("--interval-s", type=float, default=4.0)
     ap.add_argument("--cooldown-s", type=float, default=6.0)

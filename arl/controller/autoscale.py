@@ -6,13 +6,17 @@ The two signals, each over the last `interval_s`:
 
 * **the learner waits for data**: the share of the learner's time spent waiting for its next batch
   (``idle_seconds`` against ``train_seconds`` from its heartbeats). Above `learner_idle_above`, generation is the
-  bottleneck: one more server helps, unless the staleness gate is holding generation back anyway.
-* **generation waits on the learner**: the share of samples in which rollout workers had asked the staleness
-  gate for groups it would not admit yet (the learner is behind by eta versions). Above `gate_blocked_above`,
-  servers sit idle: one fewer loses nothing.
+  bottleneck: one more server helps.
+* **generation waits on the learner**: the learner hardly waits (at most `learner_idle_below` of its time) and
+  rollout workers wait on the staleness gate (the learner is eta versions behind) in at least
+  `gate_blocked_above` of the samples: the fleet makes more than the learner takes, one server fewer loses
+  nothing. (The gate alone is no signal: with more groups asked for than eta admits it holds them back whichever
+  side is slow.)
 
 After a change nothing is decided for `cooldown_s` (a joining server needs time to load weights and fill up), or
-while a server is still joining; the fleet stays within [`min_servers`, `max_servers`].
+while a server is still joining; the fleet stays within [`min_servers`, `max_servers`]. It does not shrink back to
+a size at which it saw the learner wait in the last `memory_s` seconds: without that memory a learner that is just
+the bottleneck at n servers and starved at n - 1 makes the fleet swing between the two.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ class AutoscalePolicy:
     interval_s: float = 10.0
     cooldown_s: float = 20.0
     learner_idle_above: float = 0.3
+    learner_idle_below: float = 0.05
     gate_blocked_above: float = 0.5
+    memory_s: float = 120.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_servers <= self.max_servers:
@@ -53,6 +59,7 @@ class Autoscaler:
         self._blocked = self._samples = 0
         self._learner0: Optional[tuple[float, float]] = None  # (idle_s, train_s) at the window's start
         self._last_change = -1e18
+        self._starved: dict[int, float] = {}  # fleet size -> when the learner was last seen waiting at it
 
     def sample(self, gate_blocked: bool) -> None:
         """One sample of whether rollout workers wait on the staleness gate (taken every fraction of a second)."""
@@ -77,11 +84,17 @@ class Autoscaler:
         if joining or now - self._last_change < p.cooldown_s:
             return None
         decision = None
-        if blocked >= p.gate_blocked_above and serving > p.min_servers:
-            decision = Decision(-1, f"generation waited on the learner {blocked:.0%} of the time", idle, blocked)
-        elif idle is not None and idle >= p.learner_idle_above and blocked < p.gate_blocked_above \
-                and serving < p.max_servers:
+        if idle is None:
+            return None
+        if idle >= p.learner_idle_above:
+            self._starved[serving] = now
+        starved_below = now - self._starved.get(serving - 1, -1e18) < p.memory_s
+        if idle >= p.learner_idle_above and serving < p.max_servers:
             decision = Decision(+1, f"the learner waited for data {idle:.0%} of the time", idle, blocked)
+        elif idle <= p.learner_idle_below and blocked >= p.gate_blocked_above and serving > p.min_servers \
+                and not starved_below:
+            decision = Decision(-1, f"the learner never waited ({idle:.0%}) and rollout workers waited on the "
+                                    f"staleness gate {blocked:.0%} of the time", idle, blocked)
         if decision is not None:
             self._last_change = now
         return decision

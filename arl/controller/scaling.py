@@ -234,5 +234,6 @@ class Scaling:
                 self._busy = False
             line = f"autoscale {d.change:+d} ({d.reason}): {done}"
             ctl.reporter.event("autoscale", change=d.change, reason=d.reason, learner_idle=d.learner_idle,
-                               gate_blocked=d.gate_blocked, servers=self.serving())
+                               gate_blocked=d.gate_blocked, servers=self.serving(),
+                               joining=sorted(ctl.weights.rejoining))
             ctl.reporter.say(line)

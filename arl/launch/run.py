@@ -130,7 +130,8 @@ def autoscale_policy(ic: Any) -> Optional[AutoscalePolicy]:
         return None
     return AutoscalePolicy(min_servers=a.min_servers, max_servers=a.max_servers, interval_s=a.interval_s,
                            cooldown_s=a.cooldown_s, learner_idle_above=a.learner_idle_above,
-                           gate_blocked_above=a.gate_blocked_above)
+                           learner_idle_below=a.learner_idle_below, gate_blocked_above=a.gate_blocked_above,
+                           memory_s=a.memory_s)
 
 
 def _controller(cfg: ExperimentConfig, run_dir: str, bind_host: str, secret: Optional[bytes],

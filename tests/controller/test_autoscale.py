@@ -15,7 +15,7 @@ def window(a: Autoscaler, t: float, blocked: float, idle: float, train: float, s
 
 
 def test_grows_when_the_learner_waits_and_shrinks_when_generation_waits():
-    a = Autoscaler(AutoscalePolicy(min_servers=1, max_servers=3, interval_s=10, cooldown_s=15))
+    a = Autoscaler(AutoscalePolicy(min_servers=1, max_servers=3, interval_s=10, cooldown_s=15, memory_s=35))
     assert window(a, 0, 0, 0, 0, serving=1) is None  # the first call starts the window
     d = window(a, 10, blocked=0.0, idle=8, train=2, serving=1)  # learner idle 80%
     assert d.change == +1 and d.learner_idle == pytest.approx(0.8) and "learner waited" in d.reason
@@ -23,11 +23,16 @@ def test_grows_when_the_learner_waits_and_shrinks_when_generation_waits():
     assert window(a, 30, blocked=0.0, idle=24, train=6, serving=2, joining=1) is None  # still joining
     assert window(a, 40, blocked=0.0, idle=32, train=8, serving=2).change == +1
     assert window(a, 60, blocked=0.0, idle=40, train=10, serving=3) is None  # at max_servers
-    d = window(a, 80, blocked=0.8, idle=40, train=20, serving=3)  # rollout workers wait on the gate
-    assert d.change == -1 and d.gate_blocked == pytest.approx(0.8)
+    d = window(a, 80, blocked=0.8, idle=40, train=20, serving=3)  # the learner never waits, the gate holds
+    assert d.change == -1 and d.gate_blocked == pytest.approx(0.8) and d.learner_idle == 0
     assert window(a, 100, blocked=0.9, idle=40, train=30, serving=1) is None  # at min_servers
-    # an idle learner does not grow the fleet while the gate holds generation back anyway
-    assert window(a, 120, blocked=0.6, idle=60, train=30, serving=2).change == -1
+    # the gate holding groups while the learner waits is no reason to shrink (more groups asked than eta admits)
+    assert window(a, 120, blocked=0.9, idle=48, train=32, serving=2).change == +1
+    assert window(a, 140, blocked=0.9, idle=49, train=40, serving=2) is None  # learner idle 10%: neither
+    # at 3 the learner is the bottleneck, but it starved at 2 a moment ago (t=120): no swing back ...
+    assert window(a, 150, blocked=0.9, idle=49, train=50, serving=3) is None
+    # ... until that is memory_s (35 s) old
+    assert window(a, 160, blocked=0.9, idle=49, train=60, serving=3).change == -1
 
 
 def test_no_step_in_the_window_is_no_signal():

@@ -101,6 +101,17 @@ def test_bench_routing_smoke(tmp_path):
     assert g["hit_rate"] > p["hit_rate"]
 
 
+def test_bench_autoscale_smoke(tmp_path):
+    """The three runs (fixed minimum, fixed maximum, autoscale) through the real launcher at a tiny size."""
+    out = tmp_path / "autoscale.json"
+    proc = run_script("bench_autoscale.py", ["--steps", "2", "--batch", "2", "--concurrency", "4",
+                                             "--min-servers", "1", "--max-servers", "2", "--time-scale", "0.05",
+                                             "--out", str(tmp_path / "runs"), "--json", str(out)])
+    assert "autoscale:" in proc.stdout
+    runs = json.loads(out.read_text())["runs"]
+    assert all(r["steps"] == 2 and not r["error"] and r["server_s"] > 0 for r in runs.values())
+
+
 def test_scale_run_smoke_through_ray(tmp_path):
     pytest.importorskip("ray")
     out = tmp_path / "scale.json"

@@ -951,6 +951,11 @@ def validate(cfg: Any) -> None:
         (cfg.weights.backend in ("auto", "gloo", "nccl"), "weights.backend must be 'auto', 'gloo' or 'nccl'"),
         (cfg.weights.bucket_mb >= 1 and cfg.weights.timeout_s > 0,
          "weights.bucket_mb must be >= 1 and weights.timeout_s > 0"),
+        (ic.drain_timeout_s >= 0, "inference.drain_timeout_s must be >= 0"),
+        (not ic.autoscale.enabled or (ic.servers_per_process == 1 and cfg.launcher == LauncherKind.local
+                                      and cfg.weights.transport == "disk"),
+         "inference.autoscale needs inference.servers_per_process=1, launcher=local and weights.transport=disk "
+         "(it starts servers mid-run)"),
     ]
     from arl.weights.strategy import weights_problems
 

@@ -125,13 +125,8 @@ def make_controller(cfg: ExperimentConfig, run_dir: str, **overrides: Any) -> Co
 
 def autoscale_policy(ic: Any) -> Optional[AutoscalePolicy]:
     """`inference.autoscale` as the controller's policy (None: off)."""
-    a = ic.autoscale
-    if not a.enabled:
-        return None
-    return AutoscalePolicy(min_servers=a.min_servers, max_servers=a.max_servers, interval_s=a.interval_s,
-                           cooldown_s=a.cooldown_s, learner_idle_above=a.learner_idle_above,
-                           learner_idle_below=a.learner_idle_below, gate_blocked_above=a.gate_blocked_above,
-                           memory_s=a.memory_s)
+    fields = dataclasses.asdict(ic.autoscale)
+    return AutoscalePolicy(**fields) if fields.pop("enabled") else None
 
 
 def _controller(cfg: ExperimentConfig, run_dir: str, bind_host: str, secret: Optional[bytes],

@@ -31,6 +31,13 @@ async def settle(ctl) -> None:
     raise AssertionError("scale did not finish")
 
 
+async def register_all(ctl) -> None:
+    for ident, reg in ((b"i0", {"role": "inference", "index": 0, "address": "tcp://a:0"}),
+                       (b"i1", {"role": "inference", "index": 1, "address": "tcp://a:1"}),
+                       (b"L", {"role": "learner", "index": 0}), (b"r0", {"role": "rollout", "index": 0})):
+        await ctl._dispatch(ident, "register", reg)
+
+
 @pytest.fixture
 def run(tmp_path):
     ctl = make_controller(tmp_path, num_inference=2, num_rollout=1)
@@ -71,10 +78,7 @@ async def test_refusals_change_nothing(run):
 @pytest.mark.asyncio
 async def test_join_then_drain(run):
     ctl, key = run
-    for ident, reg in ((b"i0", {"role": "inference", "index": 0, "address": "tcp://a:0"}),
-                       (b"i1", {"role": "inference", "index": 1, "address": "tcp://a:1"}),
-                       (b"L", {"role": "learner", "index": 0}), (b"r0", {"role": "rollout", "index": 0})):
-        await ctl._dispatch(ident, "register", reg)
+    await register_all(ctl)
     await ctl._dispatch(b"L", "weights_published", {"version": 1, "path": "/w/v1"})
     for ident, i in ((b"i0", 0), (b"i1", 1)):
         await ctl._dispatch(ident, "weights_loaded", {"version": 1, "index": i})
@@ -115,10 +119,7 @@ def await_dead(ctl) -> list:
 @pytest.mark.asyncio
 async def test_a_preemption_notice_drains_the_server(run):
     ctl, _ = run
-    for ident, reg in ((b"i0", {"role": "inference", "index": 0, "address": "tcp://a:0"}),
-                       (b"i1", {"role": "inference", "index": 1, "address": "tcp://a:1"}),
-                       (b"L", {"role": "learner", "index": 0}), (b"r0", {"role": "rollout", "index": 0})):
-        await ctl._dispatch(ident, "register", reg)
+    await register_all(ctl)
     await ctl._dispatch(b"i1", "leaving", {"grace_s": 0.5})  # SIGTERM on its machine
     await asyncio.sleep(0.05)
     assert sent(ctl, "worker_draining") == [(b"r0", {"role": "inference", "index": 1})] and 1 in ctl.weights.lost

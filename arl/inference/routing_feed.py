@@ -65,22 +65,26 @@ class RoutingFeed:
 
     # ------------------------------------------------------------------ what the server tells it
 
-    def request_started(self, req: GenerateRequest) -> int:
-        """A request arrived; returns the token to give `request_done` (its flush epoch)."""
+    def request_started(self, req: GenerateRequest) -> tuple[int, Optional[np.ndarray]]:
+        """A request arrived; returns the token to give `request_done` (its flush epoch and its prompt's hashes)."""
         self.reqs += 1
         self.work += req.gconfig.n * req.gconfig.max_new_tokens
+        hashes = None
         if self.cache is not None:
-            self.cache.touch(prefix_hashes(req.input_ids, self.block))
-        return self._flushes
+            hashes = prefix_hashes(req.input_ids, self.block)
+            self.cache.touch(hashes)
+        return self._flushes, hashes
 
-    def request_done(self, req: GenerateRequest, resp: Optional[GenerateResponse], epoch: int) -> None:
+    def request_done(self, req: GenerateRequest, resp: Optional[GenerateResponse],
+                     token: tuple[int, Optional[np.ndarray]]) -> None:
         self.reqs -= 1
         self.work -= req.gconfig.n * req.gconfig.max_new_tokens
+        epoch, prompt = token
         if self.cache is None or resp is None or epoch != self._flushes:
             return
-        for s in resp.samples:
+        for s in resp.samples:  # the prompt's blocks hashed at its arrival: only the answer's are new
             if len(s.output_ids):
-                self.cache.touch(prefix_hashes(np.concatenate([req.input_ids, s.output_ids]), self.block))
+                self.cache.touch(prefix_hashes(np.concatenate([req.input_ids, s.output_ids]), self.block, prompt))
 
     def weights_loaded(self) -> None:
         """New weights: nothing cached is reused (the engines flush), and subscribers learn it with one empty

@@ -364,7 +364,7 @@ class SimEngine:
             return
         for s in r.samples:
             if s is not None and len(s.output_ids):
-                self._cache.touch(prefix_hashes(np.concatenate([r.ids, s.output_ids]), self._block))
+                self._cache.touch(prefix_hashes(np.concatenate([r.ids, s.output_ids]), self._block, r.hashes))
 
     def _forget_old_updates(self) -> None:
         """Keep the update points a running sample may still be stamped from (the last one at or before its start,

@@ -87,7 +87,7 @@ class InferenceWorker:
     async def _answer(self, ident: bytes, req: GenerateRequest, key: tuple[bytes, str]) -> None:
         self.stats["requests"] += 1
         feed, resp = self.feed, None
-        epoch = feed.request_started(req) if feed is not None else 0
+        token = feed.request_started(req) if feed is not None else None
         try:
             try:
                 resp = await self.engine.agenerate(req)  # a cancellation (gen_abort) cancels the engine's request
@@ -97,7 +97,7 @@ class InferenceWorker:
             await self.router.send(ident, "gen_resp", resp)
         finally:
             if feed is not None:
-                feed.request_done(req, resp, epoch)
+                feed.request_done(req, resp, token)
             # forget this task here, not in a done callback (one callback less per request); the identity check
             # keeps a later request under the same key (a re-send that came back here) in the table
             if self._inflight.get(key) is asyncio.current_task():

@@ -23,7 +23,7 @@ publishes to the routers).
 from __future__ import annotations
 
 import collections
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -51,17 +51,25 @@ def _depths(k: int) -> np.ndarray:
     return _R[:k]
 
 
-def prefix_hashes(ids: Sequence[int] | np.ndarray, block: int) -> np.ndarray:
-    """H_0 .. H_{K-1} of the K whole blocks of `ids` (uint64; empty when `ids` is shorter than one block)."""
+def prefix_hashes(ids: Sequence[int] | np.ndarray, block: int, known: Optional[np.ndarray] = None) -> np.ndarray:
+    """H_0 .. H_{K-1} of the K whole blocks of `ids` (uint64; empty when `ids` is shorter than one block).
+
+    `known`: the hashes of a sequence `ids` starts with (a prompt, for the prompt + its answer): those blocks are
+    taken as they are and only the ones after them are hashed (the caller vouches for the prefix)."""
     if block < 1:
         raise ValueError(f"block must be >= 1, got {block}")
     a = np.asarray(ids)
     k = len(a) // block
-    if k == 0:
-        return np.zeros(0, np.uint64)
-    blocks = a[:k * block].astype(np.uint64).reshape(k, block)
+    s = 0 if known is None else min(len(known), k)
+    if k == s:
+        return known[:k] if known is not None else np.zeros(0, np.uint64)
+    blocks = a[s * block:k * block].astype(np.uint64).reshape(k - s, block)
     digest = blocks.dot(_columns(block)) + np.uint64(1)  # uint64 arrays wrap silently (mod 2**64)
-    return np.cumsum(digest * _depths(k), dtype=np.uint64)
+    tail = np.cumsum(digest * _depths(k)[s:], dtype=np.uint64)
+    if not s:
+        return tail
+    tail += known[s - 1]  # H_m = H_{s-1} + sum over the new blocks (the sums chain)
+    return np.concatenate([known[:s], tail])
 
 
 def as_hashes(raw: bytes | np.ndarray | Iterable[int]) -> np.ndarray:

@@ -25,6 +25,17 @@ def test_hash_names_each_prefix_and_changes_from_the_first_differing_block():
     assert (as_hashes(h.tobytes()) == h).all() and (as_hashes(h.tolist()) == h).all()
 
 
+def test_extending_known_hashes_equals_hashing_the_whole():
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(0, 32000, size=70, dtype=np.int32)
+    whole = np.concatenate([prompt, rng.integers(0, 32000, size=45, dtype=np.int32)])
+    known = prefix_hashes(prompt, 16)  # 4 blocks; the prompt's last 6 tokens are part of block 4 of `whole`
+    assert (prefix_hashes(whole, 16, known) == prefix_hashes(whole, 16)).all()
+    assert (prefix_hashes(prompt, 16, known) == known).all()  # nothing new
+    assert (prefix_hashes(whole[:20], 16, known) == known[:1]).all()  # shorter than what is known
+    assert len(prefix_hashes(whole[:10], 16, known)) == 0
+
+
 def test_hashes_are_the_same_in_another_process():
     code = ("import numpy as np; from arl.utils.prefix_hash import prefix_hashes; "
             "print(prefix_hashes(np.arange(9000) % 32000, 64).tolist()[-1])")

@@ -110,9 +110,8 @@ class Scaling:
             if not isinstance(n, int) or isinstance(n, bool) or n == 0:
                 raise ScaleRefused(f"{role}={n!r}: give a non-zero whole number (+2, -1)")
             plan[role] = n
-        sup, weights = self.ctl.sup, self.ctl.weights
         n = plan["inference"]
-        if sup.servers_per_process != 1:
+        if self.ctl.sup.servers_per_process != 1:
             raise ScaleRefused("scaling inference servers needs inference.servers_per_process=1 (one per process)")
         if n > 0:
             if not getattr(self.ctl.weights_link, "elastic", False):
@@ -122,7 +121,7 @@ class Scaling:
                 raise ScaleRefused(f"the {type(self.ctl.launcher).__name__} cannot start roles mid-run yet "
                                    "(the local launcher can)")
         else:
-            serving = [i for i in range(weights.num_servers) if i not in weights.lost]
+            serving = self.ctl.weights.alive()
             if len(serving) + n < 1:
                 raise ScaleRefused(f"inference={n} would leave {len(serving) + n} servers: a run needs at least one "
                                    f"(serving now: {serving})")
@@ -134,9 +133,8 @@ class Scaling:
             if n > 0:
                 done = await self._add(n)
             else:
-                serving = [i for i in range(self.ctl.weights.num_servers) if i not in self.ctl.weights.lost]
-                done = await self._remove(serving[n:], self.drain_timeout_s)  # the newest go
-            serving = [i for i in range(self.ctl.weights.num_servers) if i not in self.ctl.weights.lost]
+                done = await self._remove(self.ctl.weights.alive()[n:], self.drain_timeout_s)  # the newest go
+            serving = self.ctl.weights.alive()
             text = f"inference {n:+d}: {done}; serving now: {serving}"
             self.ctl.reporter.event("scale", role="inference", change=n, servers=serving, done=done)
             logger.warning("scale: %s", text)
@@ -176,12 +174,11 @@ class Scaling:
         await ctl.advance()
         left = await self._drained(leaving, t0, drain_s)
         for s in leaving:
-            name = ctl.sup.process_of("inference", s)
-            ctl.launcher.kill(name)  # an expected exit: not a failure
+            ctl.launcher.kill(ctl.sup.process_of("inference", s))  # an expected exit: not a failure
             ctl.sup.forget(("inference", s))
             ctl.roster.forget(("inference", s))
             ctl.role_stats.pop(("inference", s), None)
-            await ctl.tell_rollouts(m.WorkerLost(role="inference", indices=[s]))  # re-sends what it still had
+        await ctl.tell_rollouts(m.WorkerLost(role="inference", indices=leaving))  # re-sends what they still had
         ctl.roster.write(ctl.address)
         late = f"; {left} requests not finished within {drain_s:g}s were re-sent" if left else ""
         return f"drained and stopped servers {leaving} in {time.monotonic() - t0:.1f}s{late}"
@@ -204,9 +201,6 @@ class Scaling:
             await asyncio.sleep(0.2)
 
     # -- scaling by rule -------------------------------------------------------------------------------------
-    def serving(self) -> list[int]:
-        return [i for i in range(self.ctl.weights.num_servers) if i not in self.ctl.weights.lost]
-
     async def watch(self, sample_s: float = 0.5) -> None:
         """`inference.autoscale`: sample the gate, and at each interval let the `Autoscaler` decide."""
         ctl, auto = self.ctl, self.autoscaler
@@ -217,7 +211,7 @@ class Scaling:
                 continue
             auto.sample(ctl.admission.waiting() > 0)
             learner = ctl.role_stats.get(("learner", 0), {})
-            serving = self.serving()
+            serving = ctl.weights.alive()
             joining = len(ctl.weights.rejoining)
             d = auto.decide(time.monotonic(), learner_idle_s=float(learner.get("idle_seconds", 0.0)),
                             learner_train_s=float(learner.get("train_seconds", 0.0)), serving=len(serving),
@@ -234,6 +228,6 @@ class Scaling:
                 self._busy = False
             line = f"autoscale {d.change:+d} ({d.reason}): {done}"
             ctl.reporter.event("autoscale", change=d.change, reason=d.reason, learner_idle=d.learner_idle,
-                               gate_blocked=d.gate_blocked, servers=self.serving(),
+                               gate_blocked=d.gate_blocked, servers=ctl.weights.alive(),
                                joining=sorted(ctl.weights.rejoining))
             ctl.reporter.say(line)

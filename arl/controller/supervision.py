@@ -153,24 +153,26 @@ class Supervisor:
         """(process name, argv) of every role process of the run (`arl.launch.role`). Learner ranks > 1 run under
         torchrun unless the launcher starts each rank itself (`torchrun=False`): rank 0 registers and talks to the
         controller, the others follow it (`arl.learner.ranks`)."""
-        base = self.command(python, run_dir, controller)
+        def cmd(role: str, i: int) -> list[str]:
+            return self.command(python, run_dir, controller, role, i)
+
         k = self.servers_per_process
-        out = [(f"inference{i}", base + ["--role", "inference", "--index", str(i)])
-               for i in range(-(-self.num_inference // k))]  # process i hosts servers i*k..i*k+k-1
-        learner = base + ["--role", "learner", "--index", "0"]
+        # process i hosts servers i*k..i*k+k-1
+        out = [(f"inference{i}", cmd("inference", i)) for i in range(-(-self.num_inference // k))]
+        learner = cmd("learner", 0)
         if learner_ranks > 1 and torchrun:
             learner = [python, "-m", "torch.distributed.run", "--nproc_per_node", str(learner_ranks),
                        "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", *learner[2:]]
         out.append(("learner", learner))
-        out += [(f"env{i}", base + ["--role", "env", "--index", str(i)]) for i in range(self.num_env)]
-        out += [(f"judge{i}", base + ["--role", "judge", "--index", str(i)]) for i in range(self.num_judge)]
-        return out + [(f"rollout{i}", base + ["--role", "rollout", "--index", str(i)]) for i in range(self.num_rollout)]
+        out += [(f"env{i}", cmd("env", i)) for i in range(self.num_env)]
+        out += [(f"judge{i}", cmd("judge", i)) for i in range(self.num_judge)]
+        return out + [(f"rollout{i}", cmd("rollout", i)) for i in range(self.num_rollout)]
 
     @staticmethod
-    def command(python: str, run_dir: str, controller: str, role: str = "", index: int = 0) -> list[str]:
-        """The argv of a role process (`role` empty: without its role and index, which `commands` adds)."""
-        base = [python, "-m", "arl.launch.role", "--run-dir", run_dir, "--controller", controller]
-        return base + ["--role", role, "--index", str(index)] if role else base
+    def command(python: str, run_dir: str, controller: str, role: str, index: int) -> list[str]:
+        """The argv of process `index` of `role` (`arl.launch.role`)."""
+        return [python, "-m", "arl.launch.role", "--run-dir", run_dir, "--controller", controller, "--role", role,
+                "--index", str(index)]
 
     def servers_of(self, name: str) -> list[int]:
         """Server indices hosted by process `name` ('inference<p>'); [] for other roles."""

@@ -81,8 +81,8 @@ def run_one(a: argparse.Namespace, root: str, label: str, servers: int, auto: bo
     print(f"  {label:10s}: {r['steps']} steps in {r['wall_s']:.1f} s = {r['groups_per_s']:.2f} groups/s, "
           f"{r['server_s']:.0f} server-seconds{'  ERROR ' + r['error'] if r['error'] else ''}", flush=True)
     for m in r["autoscale"]:
-        print(f"      {m['elapsed']:6.1f} s: autoscale {m['change']:+d} -> {len(m['servers']) + len(m.get('joining', []))} "
-              f"servers ({m['reason']})")
+        fleet = len(m["servers"]) + len(m.get("joining", []))
+        print(f"      {m['elapsed']:6.1f} s: autoscale {m['change']:+d} -> {fleet} servers ({m['reason']})")
     return r
 
 

@@ -40,7 +40,8 @@ def overrides(a: argparse.Namespace, run_root: str, mode: str) -> list[str]:
         f"agent.group_size={a.group_size}", f"agent.args.system_tokens={a.system_tokens}",
         f"agent.args.prompt_tokens={a.prompt_tokens}", "agent.args.max_new_tokens=8192",
         "agent.args.max_total_tokens=32000", "agent.args.length_mode=engine", f"agent.args.seed={a.seed}",
-        f"env.args.latency_median_s={a.tool_latency}", "env.args.latency_sigma=1.0", f"env.args.time_scale={a.time_scale}",
+        f"env.args.latency_median_s={a.tool_latency}", "env.args.latency_sigma=1.0",
+        f"env.args.time_scale={a.time_scale}",
         f"env.args.turns_min={a.turns_min}", f"env.args.turns_max={a.turns_max}",
         f"env.args.tool_tokens_median={a.tool_tokens}", f"env.args.seed={a.seed}",
         "inference.backend=sim", f"inference.num_workers={a.servers}",
@@ -81,11 +82,13 @@ def measure(rec: Any, warmup: float) -> dict[str, Any]:
             cpu[kind] = cpu.get(kind, 0.0) + (st["cpu"] - st0["cpu"]) / (p1["t"] - p0["t"])
     reports = sum((st.get("client") or {}).get("route_reports", 0) for name, st in a1.get("roles", {}).items()
                   if name.startswith("rollout"))
-    return {"window_s": span, "route_reports": reports, "hit_rate": tot["prefix_hit_tokens"] / max(1.0, tot["prompt_tokens"]),
+    return {"window_s": span, "route_reports": reports,
+            "hit_rate": tot["prefix_hit_tokens"] / max(1.0, tot["prompt_tokens"]),
             "prefill_per_s": tot["prefill_tokens"] / span, "tokens_per_s": tot["tokens_generated"] / span,
             "requests_per_s": tot["requests_done"] / span, "flushes": tot["cache_flushes"], "servers_busy": busy,
             "mean_batch": batch, "version": a1.get("version"), "cpu": cpu, "error": rec.error,
-            "server_tokens_per_s": sorted(t for t, _ in per_server), "server_steps_per_s": sorted(x for _, x in per_server)}
+            "server_tokens_per_s": sorted(t for t, _ in per_server),
+            "server_steps_per_s": sorted(x for _, x in per_server)}
 
 
 def run_one(a: argparse.Namespace, root: str, mode: str, rnd: int) -> dict[str, Any]:

@@ -1,10 +1,10 @@
 """A synthetic multi-turn tool-use agent for benchmarks (registered as "sim-agent"; pair it with "sim-tool").
 
 Per prompt it runs `group_size` independent chats concurrently, each starting with the run's `system_tokens` and
-the prompt's `prompt_tokens` (prefixes the chats share, as agents' system prompts and tasks are). A chat sends its whole history (n=1, sticky
-session), appends the generated tokens, calls the tool (the env's latency), appends the tool's tokens as
-context, and goes on until the env ends it or the context is full. It never decodes text, so it runs with any
-engine and tokenizer:
+the prompt's `prompt_tokens` (prefixes the chats share, as agents' system prompts and tasks are). A chat sends its
+whole history (n=1, sticky session), appends the generated tokens, calls the tool (the env's latency), appends
+the tool's tokens as context, and goes on until the env ends it or the context is full. It never decodes text, so
+it runs with any engine and tokenizer:
 
 * ``length_mode="engine"``: asks for up to ``max_new_tokens`` and lets the engine decide the length (the sim
   engine draws long-tailed lengths);

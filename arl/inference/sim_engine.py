@@ -15,8 +15,8 @@ request's prompt blocks are cached from its admission (a request that shares a p
 it, as a radix cache does), its whole sequence once it finishes, least recently used evicted first, and the whole
 cache is flushed by a weight update (``flush_cache_on_update``, as SGLang and the torch engine do). So shared
 prefixes (a system prompt, a group's task) hit wherever they were computed, and a session's turns hit only on a
-server that still holds its history: what routing decides. A weight update stalls decoding for ``update_pause_s``. Every duration is multiplied by ``time_scale`` (< 1 runs faster than
-real time).
+server that still holds its history: what routing decides. A weight update stalls decoding for
+``update_pause_s``. Every duration is multiplied by ``time_scale`` (< 1 runs faster than real time).
 
 Defaults are a linear fit to published H100 figures for a 7B Llama (rough, on purpose: the benchmarks need the
 right shape and order of magnitude, not a faithful GPU model):
@@ -237,8 +237,8 @@ class SimEngine:
         if self._loop is not None and not self._closed:
             self._advance(self._loop.time())
         return {"name": self.name, "backend": "sim", "version": self._version, "decode_steps": int(self._clock),
-                **self._n, "cache_blocks": len(self._cache), "running": self._rows, "waiting": len(self._waiting), "paused": self._paused,
-                "closed": self._closed}
+                **self._n, "cache_blocks": len(self._cache), "running": self._rows, "waiting": len(self._waiting),
+                "paused": self._paused, "closed": self._closed}
 
     def step_seconds(self, batch: int) -> float:
         """Wall seconds of one decode step with `batch` running samples (time scale applied)."""

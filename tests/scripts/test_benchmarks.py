@@ -90,7 +90,8 @@ def test_bench_routing_smoke(tmp_path):
     out = tmp_path / "routing.json"
     proc = run_script("bench_routing.py", ["--duration", "4", "--warmup", "1", "--servers", "4",
                                            "--servers-per-process", "4", "--rollout-workers", "2", "--groups", "8",
-                                           "--group-size", "4", "--system-tokens", "64", "--prompt-tokens", "1024", "--turns-max", "1",
+                                           "--group-size", "4", "--system-tokens", "64", "--prompt-tokens", "1024",
+                                           "--turns-max", "1",
                                            "--cache-tokens", "20000", "--time-scale", "0.05", "--out",
                                            str(tmp_path / "runs"), "--json", str(out)])
     assert "global routing:" in proc.stdout

@@ -335,6 +335,10 @@ class RolloutConfig:
     max_restarts: int = field(3, "Most restarts of rollout workers in one run; one more failure stops the run.")
     heartbeat_timeout: float = field(120.0, "A rollout worker silent this long is named, its stacks dumped, "
                                             "then restarted (or the run stops).")
+    drain_timeout_s: float = field(120.0, "A rollout worker leaving the run (`arl.ctl scale rollout=-n`, or a "
+                                          "SIGTERM) asks for no new groups and finishes its running ones for at "
+                                          "most this long, then stops; its prompt streams go on at a worker that "
+                                          "stays (what it had not finished is drawn again there).")
     num_env_groups: int = field(0, "Env groups over all rollout workers, pooled and reused with reset (ROLL "
                                    "style); 0: a fresh env group per prompt group.")
     group_size: int = field(0, "Envs per group = trajectories per prompt, same env config and seed within a "
@@ -952,6 +956,7 @@ def validate(cfg: Any) -> None:
         (cfg.weights.bucket_mb >= 1 and cfg.weights.timeout_s > 0,
          "weights.bucket_mb must be >= 1 and weights.timeout_s > 0"),
         (ic.drain_timeout_s >= 0, "inference.drain_timeout_s must be >= 0"),
+        (rc.drain_timeout_s >= 0, "rollout.drain_timeout_s must be >= 0"),
         (not ic.autoscale.enabled or (ic.servers_per_process == 1 and cfg.launcher == LauncherKind.local
                                       and cfg.weights.transport == "disk"),
          "inference.autoscale needs inference.servers_per_process=1, launcher=local and weights.transport=disk "

@@ -46,6 +46,7 @@ class Admission:
         self._lost: collections.Counter = collections.Counter()  # (w, incarnation) -> groups released as lost
         self.max_remembered, self.max_closed = max_remembered, max_closed
         self._reopen_at: Optional[int] = None  # paused for a lost learner: reopens when this version is live
+        self.leaving: set[Hashable] = set()  # workers draining out of the run: asked for nothing more
 
     def open(self) -> list[Grant]:
         self.is_open = True
@@ -55,7 +56,7 @@ class Admission:
         """`worker` (its process `incarnation`, which names its groups' ids) wants `want` more groups."""
         if incarnation is not None:
             self.incarnation[worker] = incarnation
-        if want > 0:
+        if want > 0 and worker not in self.leaving:
             self._wants.append([worker, want])
         return self.grant()
 
@@ -167,6 +168,12 @@ class Admission:
             self._lost[(worker, incarnation)] += lost
         self._wants = collections.deque(w for w in self._wants if w[0] != worker)
         return lost, self.grant()
+
+    def leave(self, worker: Hashable) -> None:
+        """`worker` is draining out of the run: what it asked for and was not granted is forgotten, and so is
+        anything it asks for later (its running groups end as usual, by their group_done)."""
+        self.leaving.add(worker)
+        self._wants = collections.deque(w for w in self._wants if w[0] != worker)
 
     def orphans(self, worker: Hashable) -> list[int]:
         """Forget the groups of `worker` the learner received and whose group_done never came (the worker died):

@@ -66,7 +66,7 @@ def describe_stall(now: float, *, sup: Supervisor, admission: Admission, role_st
                    last_messages: dict[str, dict[str, float]]) -> str:
     """`stall_report` of every role of the run, grouped by the process that hosts it."""
     processes: dict[str, list[Key]] = {}
-    for key in ([("rollout", i) for i in range(sup.num_rollout)] + [("learner", 0)]
+    for key in ([("rollout", i) for i in sup.rollouts()] + [("learner", 0)]
                 + [("inference", i) for i in range(sup.num_inference)] + [("env", i) for i in range(sup.num_env)]
                 + [("judge", i) for i in range(sup.num_judge)]):
         processes.setdefault(sup.process_of(*key), []).append(key)

@@ -176,13 +176,14 @@ class Health:
         try:
             rb = plan_rollback(resumed if isinstance(resumed, dict) else {}, address=address,
                                path=path_of(version if isinstance(version, int) else 0), admission=self.admission,
-                               weights=self.weights, schedule=self.schedule, num_rollout=self.sup.num_rollout)
+                               weights=self.weights, schedule=self.schedule,
+                               streams={i: self.roster.streams_of(i) for i in self.sup.rollouts()})
         except ValueError as e:
             self.fail(f"learner restart: {e}")
             return []
         lost = self.reporter.learner_rollback(rb.groups_settled, rb.trajectories_settled)
-        for i, msg in rb.tell.items():
-            self.roster.positions[i] = msg.position  # a rollout worker restarted later starts where this one rewinds to
+        for i, msg in rb.tell.items():  # a rollout worker restarted later starts where this one rewinds to
+            self.roster.positions.update({int(s): p for s, p in msg.position.items()})
             await self.sends.tell_rollouts(msg, i)
         restarts, cap = self.sup.learner_restarts, self.sup.max_learner_restarts
         self.reporter.fault("learner_restart", reason=self.learner_lost_for[:300], from_version=rb.from_version,

@@ -15,7 +15,7 @@ import os
 import time
 from typing import Any, Callable, Container, Optional
 
-from arl.data.position import DataPosition
+from arl.data.position import DataPosition, stream_states
 
 logger = logging.getLogger("arl.controller")
 
@@ -45,7 +45,9 @@ class Peers:
                  path: str = "", prompt_positions: Optional[dict[int, Any]] = None, num_env: int = 0,
                  num_judge: int = 0) -> None:
         """`process_of(role, index)` names the process hosting a role; `path`: addresses.json ('' writes none);
-        `prompt_positions`: rollout worker -> data position (`DataPosition` state: a resumed run's)."""
+        `prompt_positions`: prompt stream -> data position (`DataPosition` state: a resumed run's; stream `s`
+        is drawn by rollout worker `s`, or `s % num_rollout` for a stream of a worker that joined the run it
+        resumes)."""
         self.limits = {"inference": num_inference, "learner": 1, "rollout": num_rollout, "env": num_env,
                        "judge": num_judge}
         self.process_of, self.path = process_of, path
@@ -56,7 +58,9 @@ class Peers:
             self.addresses["env"] = [None] * num_env
         if num_judge:
             self.addresses["judge"] = [None] * num_judge
-        self.positions = dict(prompt_positions or {})
+        self.positions = dict(prompt_positions or {})  # prompt stream -> its data position, last reported
+        # prompt stream -> the rollout worker that draws it (absent: the worker of its index)
+        self.owners = {s: s % num_rollout for s in self.positions if s >= num_rollout}
         self.last_messages: dict[str, dict[str, float]] = {}  # process -> message type -> when last heard
 
     def unknown_peer(self, ident: bytes, msg_type: str, payload: Any) -> Optional[Refusal]:
@@ -115,19 +119,34 @@ class Peers:
         return (None not in self.addresses["inference"] and self.addresses["learner"] is not None
                 and None not in self.addresses.get("env", ()) and None not in self.addresses.get("judge", ()))
 
+    def streams_of(self, index: int) -> list[int]:
+        """The prompt streams rollout worker `index` draws: its own and those it adopted."""
+        return sorted({s for s, w in self.owners.items() if w == index} | ({index} - set(self.owners)))
+
+    def adopt(self, streams: list[int], index: int) -> dict[str, Any]:
+        """Rollout worker `index` draws `streams` from now on; returns their positions (for `AdoptStreams`)."""
+        for s in streams:
+            self.owners[s] = index
+        return {str(s): self.positions.get(s, 0) for s in streams}
+
     def note_position(self, index: int, position: Any) -> None:
-        """Rollout worker `index` reported which of its prompts ended (a `DataPosition` state): a restart of it
-        draws again the ones that had not (its groups in flight die with it). A malformed report is ignored."""
+        """Rollout worker `index` reported which of its prompts ended, per stream (`stream_states`): a restart of
+        it draws again the ones that had not (its groups in flight die with it). A malformed report is ignored."""
         try:
-            reported = DataPosition.from_state(position)
-            known = DataPosition.from_state(self.positions.get(index, 0))
+            states = stream_states(position, index)
+            for s, state in states.items():
+                reported = DataPosition.from_state(state)
+                known = DataPosition.from_state(self.positions.get(s, 0))
+                if len(reported) >= len(known):  # a report from before a resume's position reached it: ignored
+                    self.positions[s] = state
         except ValueError:
             return
-        if len(reported) >= len(known):  # a report from before a resume's position reached the worker: ignored
-            self.positions[index] = position
 
     def prompt_position(self, role: str, index: int) -> Any:
-        return self.positions.get(index) if role == "rollout" else None
+        """What a registering rollout worker continues from: {stream: data position} of the streams it draws."""
+        if role != "rollout":
+            return None
+        return {str(s): self.positions[s] for s in self.streams_of(index) if s in self.positions} or None
 
     def write(self, controller: str) -> None:
         """run_dir/addresses.json: where every role listens (for tools and the fault tests)."""

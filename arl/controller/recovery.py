@@ -153,7 +153,7 @@ def _count(state: dict, key: str, default: Optional[int] = None) -> int:
 
 
 def plan_rollback(resumed: dict, *, address: str, path: str, admission: Admission, weights: WeightSync,
-                  schedule: EvalSchedule, num_rollout: int) -> Rollback:
+                  schedule: EvalSchedule, streams: dict[int, list[int]]) -> Rollback:
     """The restarted learner registered at `address` with `resumed` (its `Register.resumed`); `path`: where the
     inference servers find the checkpoint's weights. Books the rollback in the gate, the weight sync and the
     evaluation schedule; ValueError (nothing booked) for a state without a usable field."""
@@ -170,10 +170,11 @@ def plan_rollback(resumed: dict, *, address: str, path: str, admission: Admissio
     admission.rollback(v, consumed)
     schedule.rollback(v)
     actions = weights.rollback(v, path)
-    # a worker the checkpoint settled nothing of (none yet, or no checkpoint: v0) draws every prompt again
+    # per rollout worker, each stream it draws (`streams`: worker -> stream ids): a stream the checkpoint settled
+    # nothing of (none yet, or no checkpoint: v0) is drawn again from its start
     tell = {i: m.LearnerRestarted(address=address, version=m.Count(v),
-                                  position=positions.get(str(i), DataPosition().to_state()))
-            for i in range(num_rollout)}
+                                  position={str(s): positions.get(str(s), DataPosition().to_state()) for s in ids})
+            for i, ids in streams.items()}
     return Rollback(from_version, v, settled, trajs, actions, tell)
 
 

@@ -1,4 +1,5 @@
-"""Servers join and leave a running run: `python -m arl.ctl <run_dir> scale inference=+2` (or `=-1`).
+"""Servers and rollout workers join and leave a running run: `python -m arl.ctl <run_dir> scale inference=+2` (or
+`=-1`, and `rollout=+1` / `rollout=-1`).
 
 Why through the controller: it owns who is in the run. A joining server is what a restarted one is to the rest
 of the run: its process starts, registers, is sent the newest weights, and only once it has loaded them do the
@@ -9,6 +10,15 @@ heartbeats say nothing is in flight (or `inference.drain_timeout_s` passed) it i
 hear `worker_lost`, which re-sends whatever it had not answered: nothing accepted is lost. Indices are never
 reused: a server that left stays out (`Addresses.retired`, so a rollout worker restarted later does not route to
 it).
+
+A joining rollout worker is a new process of a new index with a prompt stream of its own (`arl.rollout.prompts`:
+every row, its own order); it asks the gate for groups like the others. A leaving one is drained: the gate forgets
+what it asked for (`Admission.leave`), it asks for nothing more (`Drain`) and finishes its running groups (pushed,
+accepted, as any other), and once its heartbeat says it drains with nothing running (or `rollout.drain_timeout_s`
+passed: those groups are lost, their budget returned) it is stopped and a worker that stays adopts its prompt
+streams (`AdoptStreams`, from the positions of its last heartbeat): what it had not finished is drawn again there,
+and the streams go on, so a resume or a learner rollback later draws them exactly. Rollout worker 0 runs the
+evaluations and never leaves.
 
 Authentication: a `scale` comes from outside the run, so it is accepted from any peer that has the run's control
 key (`run_dir/control.json`, readable by its owner only, written when the controller binds) and, on a run with a
@@ -54,9 +64,12 @@ class Scaling:
     """The controller's `scale` handler. `ctl`: the controller shell (its pieces and its sends)."""
 
     def __init__(self, ctl: Any, *, key: str, drain_timeout_s: float = 60.0, python: str = sys.executable,
-                 autoscale: Optional[AutoscalePolicy] = None) -> None:
-        """`autoscale`: scale by rule (`arl.controller.autoscale`); its loop starts with the controller's."""
+                 autoscale: Optional[AutoscalePolicy] = None, rollout_drain_timeout_s: float = 120.0,
+                 rollout_refusal: str = "") -> None:
+        """`autoscale`: scale by rule (`arl.controller.autoscale`); its loop starts with the controller's.
+        `rollout_refusal`: why this run's rollout workers cannot be added ('' : they can)."""
         self.ctl, self.key, self.drain_timeout_s, self.python = ctl, key, drain_timeout_s, python
+        self.rollout_drain_timeout_s, self.rollout_refusal = rollout_drain_timeout_s, rollout_refusal
         self.retired: set[int] = set()  # servers scaled out (never reused)
         self._busy = False  # one scale at a time
         self._tasks: set[asyncio.Task] = set()
@@ -71,10 +84,20 @@ class Scaling:
         task.add_done_callback(self._tasks.discard)
 
     async def on_leaving(self, ident: bytes, msg: m.Leaving) -> None:
-        """An inference process got a preemption notice: drain its servers as a scale-down would (it stops by
-        itself after its grace period if the drain takes longer)."""
+        """An inference process or a rollout worker got a preemption notice: drain it as a scale-down would (it
+        stops by itself after its grace period if the drain takes longer)."""
         role, index = self.ctl.roster.who[ident]
         name = self.ctl.sup.process_of(role, index)
+        if role == "rollout":
+            if index == 0:  # it runs the evaluations: it is restarted once it stops, as after any exit
+                logger.warning("rollout0 got a preemption notice: it runs the evaluations, so it is restarted "
+                               "when it stops, not drained")
+                return
+            logger.warning("%s got a preemption notice (grace %.0fs): draining it", name, msg.grace_s)
+            self.ctl.reporter.event("preempted", role=name, grace_s=msg.grace_s)
+            grace = min(self.rollout_drain_timeout_s, max(0.0, float(msg.grace_s)))
+            self._spawn(self._remove_rollouts([index], grace))
+            return
         servers = [s for s in self.ctl.sup.servers_of(name) if s not in self.ctl.weights.lost]
         if role != "inference" or not servers:
             return
@@ -104,41 +127,61 @@ class Scaling:
             raise ScaleRefused("nothing to scale: give role=+n or role=-n")
         plan: dict[str, int] = {}
         for role, n in changes.items():
-            if role != "inference":
-                raise ScaleRefused(f"cannot scale {role!r}: only inference servers join and leave a running run "
-                                   "(rollout workers and env servers: not yet)")
+            if role not in ("inference", "rollout"):
+                raise ScaleRefused(f"cannot scale {role!r}: inference servers and rollout workers join and leave a "
+                                   "running run (env servers: not yet)")
             if not isinstance(n, int) or isinstance(n, bool) or n == 0:
                 raise ScaleRefused(f"{role}={n!r}: give a non-zero whole number (+2, -1)")
             plan[role] = n
-        n = plan["inference"]
+        if plan.get("rollout", 0) > 0 or plan.get("inference", 0) > 0:
+            if not getattr(self.ctl.launcher, "elastic", False):
+                raise ScaleRefused(f"the {type(self.ctl.launcher).__name__} cannot start roles mid-run yet "
+                                   "(the local launcher can)")
+        if "rollout" in plan:
+            self._check_rollout(plan["rollout"])
+        if "inference" in plan:
+            self._check_inference(plan["inference"])
+        return plan
+
+    def _check_rollout(self, n: int) -> None:
+        if n > 0 and self.rollout_refusal:
+            raise ScaleRefused(f"rollout workers cannot join this run: {self.rollout_refusal}")
+        live = self.ctl.sup.rollouts()
+        if len(live) + n < 1:
+            raise ScaleRefused(f"rollout={n} would leave {len(live) + n} rollout workers: a run needs at least one "
+                               f"(running now: {live})")
+
+    def _check_inference(self, n: int) -> None:
         if self.ctl.sup.servers_per_process != 1:
             raise ScaleRefused("scaling inference servers needs inference.servers_per_process=1 (one per process)")
         if n > 0:
             if not getattr(self.ctl.weights_link, "elastic", False):
                 raise ScaleRefused("this run's weight transport cannot add servers after the learner started "
                                    "(weights.transport=disk can)")
-            if not getattr(self.ctl.launcher, "elastic", False):
-                raise ScaleRefused(f"the {type(self.ctl.launcher).__name__} cannot start roles mid-run yet "
-                                   "(the local launcher can)")
         else:
             serving = self.ctl.weights.alive()
             if len(serving) + n < 1:
                 raise ScaleRefused(f"inference={n} would leave {len(serving) + n} servers: a run needs at least one "
                                    f"(serving now: {serving})")
-        return plan
 
     async def _carry_out(self, ident: bytes, plan: dict[str, int]) -> None:
         try:
-            n = plan["inference"]
-            if n > 0:
-                done = await self._add(n)
-            else:
-                done = await self._remove(self.ctl.weights.alive()[n:], self.drain_timeout_s)  # the newest go
-            serving = self.ctl.weights.alive()
-            text = f"inference {n:+d}: {done}; serving now: {serving}"
-            self.ctl.reporter.event("scale", role="inference", change=n, servers=serving, done=done)
+            lines, extra = [], {}
+            for role, n in plan.items():
+                if role == "inference":
+                    done = await (self._add(n) if n > 0 else  # the newest go
+                                  self._remove(self.ctl.weights.alive()[n:], self.drain_timeout_s))
+                    now = extra["serving"] = self.ctl.weights.alive()
+                    lines.append(f"inference {n:+d}: {done}; serving now: {now}")
+                else:
+                    done = await (self._add_rollouts(n) if n > 0 else  # the newest go; never rollout0
+                                  self._remove_rollouts(self.ctl.sup.rollouts()[n:], self.rollout_drain_timeout_s))
+                    now = extra["rollout"] = self.ctl.sup.rollouts()
+                    lines.append(f"rollout {n:+d}: {done}; rollout workers now: {now}")
+                self.ctl.reporter.event("scale", role=role, change=n, servers=now, done=done)
+            text = "; ".join(lines)
             logger.warning("scale: %s", text)
-            await self._reply(ident, m.Scaled(ok=True, message=text, extra={"serving": serving}))
+            await self._reply(ident, m.Scaled(ok=True, message=text, extra=extra))
         except Exception as e:  # noqa: BLE001 - the run goes on; the caller hears why
             logger.exception("scale failed")
             await self._reply(ident, m.Scaled(ok=False, message=f"scale failed: {type(e).__name__}: {e}"))
@@ -154,11 +197,7 @@ class Scaling:
             sup.num_inference += 1
             ctl.roster.limits["inference"] += 1
             ctl.roster.addresses["inference"].append(None)
-            name = sup.process_of("inference", index)
-            argv = sup.command(self.python, ctl.run_dir, ctl.address, "inference", index)
-            sup.restarted_at[name] = time.monotonic()  # it must register within startup_timeout, as a restart
-            ctl.launcher.spawn(name, argv, os.path.join(ctl.run_dir, "logs", f"{name}.log"))
-            ctl.health.names.append(name)
+            self._start("inference", index)
             added.append(index)
         return f"started servers {added} (they take requests once they loaded the newest weights)"
 
@@ -182,6 +221,78 @@ class Scaling:
         ctl.roster.write(ctl.address)
         late = f"; {left} requests not finished within {drain_s:g}s were re-sent" if left else ""
         return f"drained and stopped servers {leaving} in {time.monotonic() - t0:.1f}s{late}"
+
+    def _start(self, role: str, index: int) -> str:
+        """Start the process of a new `role` `index`; it must register within startup_timeout, as a restart."""
+        ctl, sup = self.ctl, self.ctl.sup
+        name = sup.process_of(role, index)
+        argv = sup.command(self.python, ctl.run_dir, ctl.address, role, index)
+        sup.restarted_at[name] = time.monotonic()
+        ctl.launcher.spawn(name, argv, os.path.join(ctl.run_dir, "logs", f"{name}.log"))
+        ctl.health.names.append(name)
+        return name
+
+    async def _add_rollouts(self, n: int) -> str:
+        """Start `n` rollout workers of new indices, each with a prompt stream of its own."""
+        ctl, sup = self.ctl, self.ctl.sup
+        added = []
+        for _ in range(n):
+            index = sup.num_rollout
+            sup.num_rollout += 1
+            ctl.roster.limits["rollout"] += 1
+            self._start("rollout", index)
+            added.append(index)
+        return f"started rollout workers {added} (each draws a prompt stream of its own)"
+
+    async def _remove_rollouts(self, leaving: list[int], drain_s: float) -> str:
+        """Drain rollout workers `leaving` (their running groups finish, at most `drain_s` seconds), stop them,
+        and hand their prompt streams to the worker that stays with the fewest."""
+        ctl, sup = self.ctl, self.ctl.sup
+        leaving = [i for i in leaving if i != 0 and i not in sup.retired_rollouts]
+        t0 = time.monotonic()
+        for i in leaving:
+            ctl.admission.leave(i)
+            await ctl.tell_rollouts(m.Drain(), i)
+        left = await self._rollouts_drained(leaving, t0, drain_s)
+        handed: dict[int, list[int]] = {}
+        accepted: dict[int, int] = {}
+        for i in leaving:
+            ctl.launcher.kill(sup.process_of("rollout", i))  # an expected exit: not a failure
+            sup.retired_rollouts.add(i)
+            sup.forget(("rollout", i))
+            ctl.roster.forget(("rollout", i))
+            orphans = ctl.admission.orphans(i)  # pushed and received, group_done never came: accepted
+            lost, grants = ctl.admission.worker_lost(i)  # past the drain timeout: lost in flight
+            last = ctl.role_stats.pop(("rollout", i), {})
+            accepted[i] = int(last.get("groups_accepted", 0))
+            ctl.reporter.rollout_lost(orphans, lost, last)
+            await ctl.grant(grants)
+            streams = ctl.roster.streams_of(i)
+            stays = [w for w in sup.rollouts() if w not in leaving]
+            to = min(stays, key=lambda w: (len(ctl.roster.streams_of(w)), w))
+            await ctl.tell_rollouts(m.AdoptStreams(streams=ctl.roster.adopt(streams, to)), to)
+            handed.setdefault(to, []).extend(streams)
+        ctl.roster.write(ctl.address)
+        late = f"; {left} groups not finished within {drain_s:g}s were lost (their prompts drawn again)" if left else ""
+        moved = ", ".join(f"streams {s} to rollout{w}" for w, s in sorted(handed.items()))
+        return (f"drained and stopped rollout workers {leaving} in {time.monotonic() - t0:.1f}s (groups accepted "
+                f"there: {accepted}; {moved}){late}")
+
+    async def _rollouts_drained(self, workers: list[int], since: float, drain_s: float) -> int:
+        """Wait until each worker's heartbeat says it drains with no group running (or `drain_s` passed);
+        returns the groups still running then."""
+        deadline = since + drain_s
+        while True:
+            running = 0
+            for i in workers:
+                st = self.ctl.role_stats.get(("rollout", i), {})
+                if st.get("draining"):
+                    running += int(st.get("running", 0))
+                elif self.ctl.launcher.alive(self.ctl.sup.process_of("rollout", i)):
+                    running += 1  # has not said it drains yet: wait for its next heartbeat
+            if running == 0 or time.monotonic() >= deadline:
+                return running
+            await asyncio.sleep(0.2)
 
     async def _drained(self, servers: list[int], since: float, drain_s: float) -> int:
         """Wait until each server's heartbeat (one sent after the drain began) says nothing is in flight, or

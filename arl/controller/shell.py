@@ -327,7 +327,7 @@ class Controller:
 
     async def tell_rollouts(self, msg: m.ControlMessage, index: Optional[int] = None) -> None:
         """Send `msg` to every rollout worker (or only to `index`)."""
-        for r in range(self.sup.num_rollout) if index is None else [index]:
+        for r in self.sup.rollouts() if index is None else [index]:
             await self._send_to(("rollout", r), msg)
 
     async def _maybe_start(self) -> None:

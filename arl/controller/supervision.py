@@ -135,13 +135,18 @@ class Supervisor:
         self.restarted_at: dict[str, float] = {}  # process name -> when it was restarted (until it registers)
         self.started_at: Optional[float] = None
         self.all_up = False  # every role registered once (later gaps are restarts, timed by restarted_at)
+        self.retired_rollouts: set[int] = set()  # rollout workers scaled out of the run (indices never reused)
 
     # -- names -----------------------------------------------------------------------------------------------
     @property
     def expected(self) -> int:
         """Registrations of a complete run: every inference server, the learner, every rollout worker and env
         server."""
-        return self.num_inference + self.num_rollout + self.num_env + self.num_judge + 1
+        return self.num_inference + self.num_rollout - len(self.retired_rollouts) + self.num_env + self.num_judge + 1
+
+    def rollouts(self) -> list[int]:
+        """The rollout workers of the run now (those scaled out are not)."""
+        return [i for i in range(self.num_rollout) if i not in self.retired_rollouts]
 
     def process_of(self, role: str, index: int) -> str:
         if role == "inference":

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Iterator
 
-__all__ = ["DataPosition"]
+__all__ = ["DataPosition", "stream_states"]
 
 
 class DataPosition:
@@ -82,3 +82,23 @@ class DataPosition:
         if not isinstance(above, list) or not all(isinstance(p, int) and not isinstance(p, bool) for p in above):
             raise ValueError(f"data position 'above' must be a list of ints, got {above!r:.200}")
         return cls(state["low"], above)
+
+
+def stream_states(state: Any, own: int) -> dict[int, Any]:
+    """A worker's prompt position as ``{stream id: DataPosition state}``: the per-stream map (string keys on the
+    wire), or one stream's bare state (an int or ``{"low", "above"}``), taken as stream `own`'s. ValueError
+    naming what is wrong."""
+    if isinstance(state, dict) and "low" not in state:
+        out: dict[int, Any] = {}
+        for k, v in state.items():
+            try:
+                sid = int(k)
+            except (TypeError, ValueError):
+                raise ValueError(f"data position: stream ids must be whole numbers, got {k!r:.40}") from None
+            if sid < 0:
+                raise ValueError(f"data position: stream ids must be >= 0, got {sid}")
+            DataPosition.from_state(v)
+            out[sid] = v
+        return out
+    DataPosition.from_state(state)
+    return {own: state}

@@ -41,7 +41,7 @@ async def amain(cfg: ExperimentConfig, role: str, index: int, controller: str, r
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, ctl.stopped.set)
-    if role == "inference":  # a preemption notice: leave by being drained, not by dying (docs/routing.md)
+    if role in ("inference", "rollout"):  # a preemption notice: leave by being drained, not by dying (docs/routing.md)
         leaving: list[bool] = []
 
         def preempted() -> None:
@@ -49,7 +49,7 @@ async def amain(cfg: ExperimentConfig, role: str, index: int, controller: str, r
                 ctl.stopped.set()
                 return
             leaving.append(True)
-            grace = cfg.inference.drain_timeout_s
+            grace = cfg.inference.drain_timeout_s if role == "inference" else cfg.rollout.drain_timeout_s
             logger.warning("%s%d: SIGTERM: asking to be drained (stopping in %.0fs at the latest)", role, index, grace)
             loop.create_task(ctl.post(Leaving(grace_s=grace)))
             loop.call_later(grace + 5.0, ctl.stopped.set)

@@ -123,6 +123,18 @@ def make_controller(cfg: ExperimentConfig, run_dir: str, **overrides: Any) -> Co
         raise
 
 
+def rollout_scaling_refusal(cfg: ExperimentConfig) -> str:
+    """Why rollout workers cannot join this run mid-run ('' : they can): what is laid out per worker index at the
+    start and would not cover a new one."""
+    rc = cfg.rollout
+    if rc.num_env_groups:
+        return (f"rollout.num_env_groups={rc.num_env_groups} partitions the env groups over the first "
+                f"rollout.num_workers={rc.num_workers} workers")
+    if rc.endpoint_port:
+        return f"rollout.endpoint_port={rc.endpoint_port} gives worker i the port endpoint_port + i (use 0)"
+    return ""
+
+
 def autoscale_policy(ic: Any) -> Optional[AutoscalePolicy]:
     """`inference.autoscale` as the controller's policy (None: off)."""
     fields = dataclasses.asdict(ic.autoscale)
@@ -169,7 +181,8 @@ def _controller(cfg: ExperimentConfig, run_dir: str, bind_host: str, secret: Opt
         max_no_progress_s=rc.max_no_progress_s,
         max_consecutive_drops=rc.max_consecutive_drops,
         weights_settings=weights_settings(cfg),
-        scaling=dict(drain_timeout_s=ic.drain_timeout_s, autoscale=autoscale_policy(ic)),
+        scaling=dict(drain_timeout_s=ic.drain_timeout_s, autoscale=autoscale_policy(ic),
+                     rollout_drain_timeout_s=rc.drain_timeout_s, rollout_refusal=rollout_scaling_refusal(cfg)),
         steering=StalenessSteering(**dataclasses.asdict(cfg.staleness_auto)) if auto_eta(cfg) else None,
         sinks=make_sinks(cfg.loggers, run_dir, dataclasses.asdict(dataclasses.replace(cfg, secret="")),
                          cfg.experiment),
@@ -292,10 +305,14 @@ def resume_state(cfg: ExperimentConfig, run_dir: str) -> Optional[dict]:
             DataPosition.from_state(p)
         except ValueError as e:
             raise RunFailed(f"recover=auto: the checkpoint's data position of rollout worker {k}: {e}") from None
-    if any(int(k) >= cfg.rollout.num_workers for k in positions):
-        logger.warning("recover=auto: the checkpoint has prompt positions for rollout workers %s but the run has "
-                       "%d; prompt streams are sharded differently now and restart", sorted(positions),
-                       cfg.rollout.num_workers)
+    # the streams are defined by the run's first rollout.num_workers (streams past it: workers that joined mid-run,
+    # drawn again by the workers there are now); a checkpoint from before that was kept has one per worker
+    shards = state.get("prompt_shards")
+    if shards != cfg.rollout.num_workers and (shards is not None
+                                              or any(int(k) >= cfg.rollout.num_workers for k in positions)):
+        logger.warning("recover=auto: the checkpoint's prompt streams (%s of %s rollout workers) are not this "
+                       "run's (%d rollout workers): prompt streams are sharded differently now and restart",
+                       sorted(positions), shards if shards is not None else "?", cfg.rollout.num_workers)
         state["data_position"] = {}
     logger.info("recover=auto: resuming at version %d (data position %s)", state["version"],
                 {k: DataPosition.from_state(p) for k, p in state.get("data_position", {}).items()})

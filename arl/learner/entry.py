@@ -69,6 +69,7 @@ async def run_learner(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
         pull=pull,
         send_control=ctl.post,
         batch_size=lc.batch_size,
+        prompt_shards=cfg.rollout.num_workers,
         total_steps=cfg.total_train_steps,
         weights=weights_side,
         staleness=actor.staleness,  # the actor's own: one rule for the group drop and the token mask

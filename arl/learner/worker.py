@@ -92,17 +92,21 @@ class LearnerWorker:
         engine: Optional[TrainEngine] = None,
         export_final: Optional[Callable[[Any, int], Any]] = None,
         recorder: Optional[BatchRecorder] = None,
+        prompt_shards: int = 1,
     ) -> None:
         """`staleness`: the run's rule, the one the actor masks tokens by (the default has no bound): buffered
         groups it calls stale are dropped before a batch is taken. `weights`: how each version reaches inference, the
         learner's side of a transport (`arl.weights.strategy.LearnerSide`); without one, files under `weights_dir`
         (`arl.weights.disk`), the newest `keep_versions` always kept. `recorder`: writes every batch as the actor
-        gets it (`learner.record_batches`, `arl.learner.record`), so the run can be replayed."""
+        gets it (`learner.record_batches`, `arl.learner.record`), so the run can be replayed. `prompt_shards`: the
+        run's `rollout.num_workers`, which defines its prompt streams (`arl.rollout.prompts`): kept in checkpoints,
+        so a resume with another count knows the positions are of other streams."""
         self.actor = actor  # prepare / compute_logp / compute_advantages / ppo_update (`PPOActor`, `RankLeader`)
         self.engine: Any = engine if engine is not None else actor.engine  # version, save / load / export_weights
         self.pull = pull
         self._send = send_control
         self.batch_size = batch_size
+        self.prompt_shards = prompt_shards
         self.total_steps = total_steps
         self.weights = weights if weights is not None else DiskLearner(weights_dir, keep_versions)
         self.staleness = staleness
@@ -240,7 +244,7 @@ class LearnerWorker:
         counters = {k: v for k, v in self.stats.items() if isinstance(v, (int, float))}  # staleness, accounting
         positions = {w: d.to_state() for w, d in self.data_position.items()}
         return {"groups_consumed": self.groups_consumed, "data_position": positions,
-                "batch_size": self.batch_size, "counters": counters,
+                "prompt_shards": self.prompt_shards, "batch_size": self.batch_size, "counters": counters,
                 "received_group_ids": self._received_ids.to_state()}
 
     def restore(self, state: dict) -> None:

@@ -12,8 +12,8 @@ from typing import Any, Awaitable, Callable, Optional
 
 from arl.config import ExperimentConfig, RoutingMode, rollout_deadlines
 from arl.transport.control import ControlChannel, RoleParts, make_socket
-from arl.transport.messages import (Eval, EvalDone, LearnerRestarted, Lookup, SendControl, WorkerBack, WorkerDraining,
-                                    WorkerLost)
+from arl.transport.messages import (AdoptStreams, Eval, EvalDone, LearnerRestarted, Lookup, SendControl, WorkerBack,
+                                    WorkerDraining, WorkerLost)
 from arl.transport.sockets import Dealer, Push
 
 logger = logging.getLogger("arl.worker")
@@ -236,12 +236,15 @@ def rollout_worker(cfg: ExperimentConfig, parts: AgentParts, client: Any, *, ind
 
 
 async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, run_dir: str) -> RoleParts:
-    from arl.rollout.worker import PromptStream
+    from arl.rollout.prompts import PromptStream, PromptStreams
 
     parts = agent_parts(cfg, index)
     addrs = await ctl.request(Lookup(role="rollout", index=index), "addresses", cfg.startup_timeout)
     link = {"push": make_socket(Push).connect(addrs["learner"])}  # replaced when a lost learner is restarted
-    prompts = PromptStream(parts.train_rows, seed=cfg.seed, shard=index, num_shards=cfg.rollout.num_workers)
+    # stream `s` < rollout.num_workers: worker s's shard; a worker that joined mid-run (or a stream it adopted)
+    # draws its own order of every row (`arl.rollout.prompts`)
+    prompts = PromptStreams(lambda sid: PromptStream(parts.train_rows, seed=cfg.seed, shard=sid,
+                                                     num_shards=cfg.rollout.num_workers), own=index)
     client = inference_client(cfg, [make_socket(Dealer).connect(a) for a in addrs["inference"]])
     for i in addrs.get("retired") or ():  # servers scaled out of the run before this worker started
         await client.worker_lost(int(i))
@@ -310,20 +313,28 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
         worker.learner_back(msg.version)
         logger.info("rollout%d: the learner is back at %s from checkpoint v%d", index, msg.address, msg.version)
 
+    async def on_adopt_streams(msg: AdoptStreams) -> None:  # a worker left the run: its prompts go on here
+        try:
+            worker.adopt_streams(msg.streams)
+        except ValueError as e:
+            logger.error("rollout%d: refused to adopt prompt streams %.200r: %s", index, msg.streams, e)
+
     async def close_push() -> None:
         link["push"].close()
 
     ctl.handlers.update(gate_grant=lambda msg: worker.on_grant(msg.n), eval=on_eval, worker_lost=on_worker_lost,
                         worker_back=on_worker_back, learner_restarted=on_learner_restarted,
-                        worker_draining=on_worker_draining)
+                        worker_draining=on_worker_draining, drain=lambda msg: worker.drain(),
+                        adopt_streams=on_adopt_streams)
     ack = await ctl.register(cfg.startup_timeout)
     if ack.get("prompt_position"):  # resuming a run or restarted: re-draw what had not settled, then go on
         try:
             worker.rewind_prompts(ack["prompt_position"])
         except ValueError as e:
             raise RuntimeError(f"rollout{index}: the controller sent a bad prompt position: {e}") from None
-        logger.info("rollout%d: prompt stream resumes: %d prompts drawn again, then position %d", index,
-                    prompts.redraws, prompts.position)
+        logger.info("rollout%d: prompt streams resume: %d prompts drawn again, then positions %s", index,
+                    prompts.redraws, prompts.positions())
+    logger.info("rollout%d: registered; drawing prompt streams %s", index, prompts.ids)
     closers = [worker.close(), client.close(), close_push()] + ([env_client.close()] if env_client else [])
     if judge_client is not None:
         closers.insert(1, judge_client.close())

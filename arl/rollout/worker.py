@@ -14,14 +14,13 @@ import dataclasses
 import itertools
 import logging
 import os
-import random
 import time
 from typing import Any, Awaitable, Callable, Optional, Sequence
 
 import numpy as np
 
 from arl.agents.common import live_queue_clients
-from arl.data.position import DataPosition
+from arl.data.position import DataPosition, stream_states
 from arl.api.agent import Agent, EnvironmentService
 from arl.api.types import GenerateResponse, Trajectory, checked_turn_discount, one_reward
 from arl.rollout.client import InferenceClient, to_request
@@ -29,6 +28,7 @@ from arl.rollout.env_groups import EnvGroupSpec
 from arl.rollout.filters import apply_filters
 from arl.rollout.ledger import EngineLog, TokenLedgerError, verify_trajectory
 from arl.rollout.loop_watchdog import LoopWatchdog
+from arl.rollout.prompts import PromptStream, PromptStreams
 from arl.rollout.guards import EnvCallError, GuardedEnv, call_with_deadline
 from arl.rollout.staleness import make_group_id
 from arl.transport.messages import Count, Error, GateAcquire, GroupDone, PromptSettled, SendControl
@@ -43,91 +43,6 @@ logger = logging.getLogger("arl.rollout")
 # drop reasons that settle no prompt: the group was lost with a learner (its policy version, or the learner itself
 # did not come back in time), so its prompt is drawn again; every other drop is by a counted rule
 REDRAWN = frozenset({"lost_version", "learner_lost"})
-
-
-class PromptStream:
-    """Endless shuffled passes over the training rows; each worker takes every k-th row of a pass.
-
-    Pass ``e`` is shuffled by its own RNG seeded with ``(seed, e)``, so any position's row is known without
-    replaying the stream: a resumed run `restore`s the checkpoint's exact data position (`DataPosition`) and draws
-    its unsettled positions again first, then fresh ones from one past the highest settled.
-    """
-
-    def __init__(self, rows: Sequence[dict], seed: int, shard: int = 0, num_shards: int = 1) -> None:
-        if not rows:
-            raise ValueError("the training data set is empty")
-        self._rows = list(rows)
-        self._shard, self._num_shards = shard, num_shards
-        self._seed = seed
-        self._orders: dict[int, list[int]] = {}  # the last two passes' orders (a re-draw may reach back one)
-        self._per_pass = len(self._pass(0))
-        # a restore's re-draw, walked lazily (a bogus settled position far ahead costs nothing): positions from
-        # `_cursor` up to `position` not in `_skip`; and positions put back (their groups were lost), drawn first
-        self._cursor = 0
-        self._skip: set[int] = set()
-        self._back: collections.deque[int] = collections.deque()
-        self.position = 0  # the next fresh position (every position below it was drawn)
-
-    def _pass(self, epoch: int) -> list[int]:
-        order = self._orders.get(epoch)
-        if order is None:
-            order = list(range(len(self._rows)))
-            random.Random(f"{self._seed}:{epoch}").shuffle(order)
-            order = order[self._shard :: self._num_shards] or order
-            if len(self._orders) >= 2:
-                self._orders.pop(next(iter(self._orders)))
-            self._orders[epoch] = order
-        return order
-
-    def row(self, position: int) -> dict:
-        """The row drawn at `position`."""
-        epoch, offset = divmod(int(position), self._per_pass)
-        return self._rows[self._pass(epoch)[offset]]
-
-    def restore(self, state: Any, drawn: Sequence[int] = ()) -> None:
-        """Continue from a data position (`DataPosition.from_state`'s forms; a bare int: every position below it
-        was drawn): its unsettled positions are drawn first, in order, then fresh ones. `drawn`: positions whose
-        groups are still running here (a rewind while they run): not drawn again."""
-        done = DataPosition.from_state(state)
-        running = {int(p) for p in drawn}
-        self.position = max([done.next_fresh, *(p + 1 for p in running)])
-        self._cursor, self._skip, self._back = done.low, set(done.above) | running, collections.deque()
-
-    def seek(self, position: int) -> None:
-        """Continue as if ``position`` prompts had been drawn."""
-        if position < 0:
-            raise ValueError(f"prompt position must be >= 0, got {position}")
-        self.restore(int(position))
-
-    def put_back(self, position: int) -> None:
-        """Draw `position` again (next, before fresh ones): its group was lost, not dropped by a rule."""
-        if position not in self._back:
-            self._back.appendleft(int(position))
-
-    @property
-    def redraws(self) -> int:
-        """Positions still to be drawn again (a restore's, and those put back)."""
-        ahead = sum(1 for p in self._skip if self._cursor <= p < self.position)
-        return len(self._back) + self.position - self._cursor - ahead
-
-    def draw(self) -> tuple[int, dict]:
-        """(position, row) of the next prompt."""
-        if self._back:
-            p = self._back.popleft()
-            return p, self.row(p)
-        while self._cursor < self.position:  # a restore's unsettled positions, in order
-            p, self._cursor = self._cursor, self._cursor + 1
-            if p in self._skip:
-                self._skip.discard(p)
-            else:
-                return p, self.row(p)
-        self._skip.clear()
-        p, self.position = self.position, self.position + 1
-        self._cursor = self.position
-        return p, self.row(p)
-
-    def __next__(self) -> dict:
-        return self.draw()[1]
 
 
 class _ObsQueue(asyncio.Queue):
@@ -253,7 +168,8 @@ def trajectory_stats(trajs: Sequence[Trajectory]) -> dict[str, float]:
 
 class RolloutWorker:
     def __init__(self, *, index: int, make_agent: Callable[[], Agent], make_eval_agent: Callable[[], Agent],
-                 make_env: Callable[[], EnvironmentService], prompts: PromptStream, test_rows: Sequence[dict],
+                 make_env: Callable[[], EnvironmentService], prompts: PromptStream | PromptStreams,
+                 test_rows: Sequence[dict],
                  client: InferenceClient, send_control: SendControl,
                  push_group: Callable[[list[Trajectory]], Awaitable[None]], capacity: int, trajectory_timeout: float,
                  eval_concurrency: int = 64, seed: int = 0, env_timeout: Optional[float] = None,
@@ -272,7 +188,8 @@ class RolloutWorker:
         self._agent_name, self._loop_block_s = agent_name, loop_block_s
         self._watchdog: Optional[LoopWatchdog] = None
         self._make_agent, self._make_eval_agent, self._make_env = make_agent, make_eval_agent, make_env
-        self._prompts = prompts
+        # the prompt streams this worker draws (its own, and those it adopted from workers that left)
+        self._prompts = prompts if isinstance(prompts, PromptStreams) else PromptStreams.of(prompts, index)
         self._test_rows = list(test_rows)
         self._client = client
         self._send = send_control
@@ -280,8 +197,9 @@ class RolloutWorker:
         self._push_settled = push_settled
         # prompt positions whose groups ended here (pushed or dropped): what a restart of this worker, sent it back
         # by the controller from the heartbeats, does not draw again; and the positions of the running groups
-        self._ended = DataPosition()
-        self._running_pos: dict[asyncio.Task, int] = {}
+        self._ended: dict[int, DataPosition] = {sid: DataPosition() for sid in self._prompts.ids}  # per stream
+        self._running_pos: dict[asyncio.Task, tuple[int, int]] = {}  # (stream, position)
+        self.draining = False  # leaving the run: asks for no new groups, finishes the ones it has
         self._timeout = trajectory_timeout
         self._eval_concurrency = eval_concurrency
         self._seed = seed
@@ -333,10 +251,10 @@ class RolloutWorker:
                 entry[1] -= 1
                 if entry[1] == 0:
                     self._acquires.popleft()
-            pos, prompt = self._prompts.draw()
-            t = asyncio.create_task(self._run_group(prompt, pos, wait))
+            sid, pos, prompt = self._prompts.draw()
+            t = asyncio.create_task(self._run_group(prompt, (sid, pos), wait))
             self._running.add(t)
-            self._running_pos[t] = pos
+            self._running_pos[t] = (sid, pos)
             t.add_done_callback(self._group_finished)
 
     def learner_lost(self) -> None:
@@ -351,14 +269,33 @@ class RolloutWorker:
         self._learner_up.set()
 
     def rewind_prompts(self, state: Any) -> None:
-        """Continue the prompt stream from data position `state` (a resume's, a restart's, a rolled-back
-        learner's checkpoint; None: nothing to rewind): its unsettled positions are drawn again, except those of
-        groups running here (a running group dropped as `lost_version` puts its prompt back, see `_settle`)."""
+        """Continue the prompt streams from data position `state` (a resume's, a restart's, a rolled-back
+        learner's checkpoint; per stream, `stream_states`; None: nothing to rewind): their unsettled positions are
+        drawn again, except those of groups running here (a running group dropped as `lost_version` puts its
+        prompt back, see `_settle`). A stream not drawn here yet is adopted. ValueError for a malformed state."""
         if state is None:
             return
-        drawn = sorted(self._running_pos.values())
-        self._prompts.restore(state, drawn)
-        self._ended = DataPosition.from_state(state)
+        states = stream_states(state, self._prompts.own)
+        drawn: dict[int, list[int]] = collections.defaultdict(list)
+        for sid, pos in self._running_pos.values():
+            drawn[sid].append(pos)
+        self._prompts.restore(states, drawn)
+        for sid, st in states.items():
+            self._ended[sid] = DataPosition.from_state(st)
+
+    def adopt_streams(self, state: Any) -> None:
+        """Draw the streams of a worker that left the run too, from their data positions (`stream_states` form):
+        what it had not finished is drawn again here, then fresh prompts of those streams in turn with ours."""
+        self.rewind_prompts(state)
+        logger.info("rollout%d: adopted prompt streams %s (drawing streams %s)", self.index,
+                    sorted(stream_states(state, self._prompts.own)), self._prompts.ids)
+
+    def drain(self) -> None:
+        """Leave the run: ask the gate for nothing more; the groups running here finish (and are pushed)."""
+        self.draining = True
+        self._wake.set()
+        logger.warning("rollout%d: leaving the run: asking for no new groups, finishing the %d running", self.index,
+                       len(self._running))
 
     async def _learner_takes(self, trajs: Sequence[Trajectory], epoch: int) -> str:
         """'accepted' once a learner is up that may train `trajs` (a group started in learner `epoch`), else why
@@ -388,7 +325,7 @@ class RolloutWorker:
         self.start_watchdog()
         while True:
             want = self._capacity - len(self._running) - self._wanted
-            if want > 0:
+            if want > 0 and not self.draining:
                 self._wanted += want
                 self._acquires.append([time.monotonic(), want])
                 await self._send(GateAcquire(want=Count(want), incarnation=self._incarnation))
@@ -396,7 +333,9 @@ class RolloutWorker:
             await self._wake.wait()
 
     # -- one prompt group ------------------------------------------------------------------------------------
-    async def _run_group(self, prompt: dict, prompt_pos: int = -1, admission_s: Optional[float] = None) -> None:
+    async def _run_group(self, prompt: dict, prompt_pos: tuple[int, int] = (-1, -1),
+                         admission_s: Optional[float] = None) -> None:
+        """`prompt_pos`: (stream, position) the prompt was drawn at ((-1, -1): none, e.g. a test's)."""
         gid = make_group_id(self.index, self._incarnation, next(self._group_ids))
         epoch = self._learner_epoch
         timer = PhaseTimer()
@@ -453,7 +392,7 @@ class RolloutWorker:
             try:
                 for t in trajs:
                     t.group_id = f"{gid}:{t.group_id}"
-                    t.metadata["prompt_pos"] = [self.index, prompt_pos]  # the learner's checkpoint keeps data position
+                    t.metadata["prompt_pos"] = list(prompt_pos)  # the learner's checkpoint keeps data position
                 await self._push(trajs)
                 self.stats["trajectories"] += len(trajs)
             except Exception as e:  # noqa: BLE001 - e.g. metadata the wire cannot carry, a frame over the limit
@@ -476,22 +415,23 @@ class RolloutWorker:
         done.traces = traces or None
         await self._report(done)
 
-    async def _settle(self, prompt_pos: int, reason: str) -> None:
-        """The group of `prompt_pos` ended (pushed or dropped): booked here, and a drop is told to the learner,
-        whose checkpoint settles it (a pushed group is settled when the learner trains it)."""
-        if prompt_pos < 0:
+    async def _settle(self, prompt_pos: tuple[int, int], reason: str) -> None:
+        """The group of `prompt_pos` (stream, position) ended (pushed or dropped): booked here, and a drop is told
+        to the learner, whose checkpoint settles it (a pushed group is settled when the learner trains it)."""
+        sid, pos = prompt_pos
+        if pos < 0:
             return
         if reason in REDRAWN:  # no rule dropped it: the learner that would have trained it is gone
-            self._prompts.put_back(prompt_pos)
+            self._prompts.put_back(sid, pos)
             return
-        self._ended.settle(prompt_pos)
+        self._ended.setdefault(sid, DataPosition()).settle(pos)
         if reason == "accepted" or self._push_settled is None:
             return
         try:
-            await self._push_settled(PromptSettled(worker=self.index, position=prompt_pos, reason=reason[:100]))
+            await self._push_settled(PromptSettled(worker=sid, position=pos, reason=reason[:100]))
         except Exception as e:  # noqa: BLE001 - the drop is still counted; a resume would draw the prompt again
             self.stats["settle_notice_errors"] += 1
-            logger.warning("could not tell the learner that prompt %d was dropped: %s: %s", prompt_pos,
+            logger.warning("could not tell the learner that prompt %s was dropped: %s: %s", prompt_pos,
                            type(e).__name__, e)
 
     async def _report(self, done: GroupDone) -> None:
@@ -580,8 +520,10 @@ class RolloutWorker:
 
     def heartbeat_stats(self) -> dict:
         return {
-            "prompt_position": self._ended.to_state(),  # a restarted worker draws again what had not ended
+            # per stream: a restarted worker (or one adopting this one's streams) draws again what had not ended
+            "prompt_position": {str(sid): d.to_state() for sid, d in sorted(self._ended.items())},
             "running": len(self._running),  # live groups: with queue_clients, flat in a long run (no leak)
+            **({"draining": True} if self.draining else {}),  # leaving the run: stopped once nothing runs
             "queue_clients": live_queue_clients(),
             "wanted": self._wanted,
             **{k: int(v) for k, v in self.stats.items()},

@@ -60,7 +60,7 @@ CONTROL_TYPES = frozenset({"register", "heartbeat", "lookup", "addresses", "gate
                            "metrics", "shutdown", "ack", "error", "eval_done", "eval", "groups_dropped",
                            "worker_lost", "worker_back", "learner_restarted", "join_weight_group", "open_weight_group",
                            "send_weights", "group_received", "prompt_settled", "worker_draining", "scale", "scaled",
-                           "leaving"})
+                           "leaving", "drain", "adopt_streams"})
 # env servers' calls and replies (arl/rollout/env_server.py): plain maps like control messages ({"calls": [...]},
 # {"replies": [...]}: one frame, one HMAC, per batch), between a rollout worker and an env server only (the
 # controller never sees them, so they have no class in messages.py)

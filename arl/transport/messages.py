@@ -100,7 +100,7 @@ class Register(ControlMessage):
 
 class Ack(ControlMessage):
     ok: bool = True
-    # rollout: where its prompt stream continues (a `DataPosition` state, or an int from before that form)
+    # rollout: where its prompt streams continue ({stream id: `DataPosition` state}; `arl.rollout.prompts`)
     prompt_position: Any = None
 
 
@@ -255,9 +255,22 @@ class WorkerDraining(ControlMessage):
     index: int
 
 
+class Drain(ControlMessage):
+    """Controller -> rollout worker: it leaves the run (scaled down, or its preemption notice): ask the gate for no
+    new groups and finish the running ones; the controller stops it once its heartbeat says none runs."""
+
+
+class AdoptStreams(ControlMessage):
+    """Controller -> rollout worker: draw the prompt streams of a worker that left too, from `streams` ({stream id:
+    `DataPosition` state}, its last heartbeat's): what it had not finished is drawn again, then fresh prompts."""
+
+    streams: dict
+
+
 class Leaving(ControlMessage):
-    """Inference process -> controller: it got a preemption notice (SIGTERM) and will stop within `grace_s`: drain
-    its servers now (nothing new to them, the rollout workers re-send what they do not finish)."""
+    """Inference process or rollout worker -> controller: it got a preemption notice (SIGTERM) and will stop within
+    `grace_s`: drain it now (nothing new to its servers, whose unfinished requests the rollout workers re-send; a
+    rollout worker finishes its groups and its prompt streams go on elsewhere)."""
 
     grace_s: float = 0.0
 
@@ -279,8 +292,8 @@ class Scaled(ControlMessage):
 
 
 class PromptSettled(ControlMessage):
-    """Rollout worker -> learner, on the trajectory push socket: the group of prompt-stream `position` of rollout
-    worker `worker` was dropped by a counted rule (`reason`), so the learner's checkpoint books the prompt as
+    """Rollout worker -> learner, on the trajectory push socket: the group of `position` of prompt stream `worker`
+    (a rollout worker's own stream has its index; `arl.rollout.prompts`) was dropped by a counted rule (`reason`), so the learner's checkpoint books the prompt as
     settled (`arl.data.position`) and a resume does not draw it again."""
 
     worker: int

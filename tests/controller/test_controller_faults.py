@@ -88,7 +88,7 @@ async def test_dead_rollout_worker_is_restarted_and_its_groups_released(tmp_path
     assert not await ctl.health.on_failure("rollout1", "died while starting")
     # ... and once it registered, one more failure is over the cap: not restarted (the caller stops the run)
     await ctl._dispatch(b"r1b", "register", {"role": "rollout", "index": 1})
-    assert ctl.router.sent[-1] == (b"r1b", "ack", {"ok": True, "prompt_position": 7})
+    assert ctl.router.sent[-1] == (b"r1b", "ack", {"ok": True, "prompt_position": {"1": 7}})
     assert ctl.accounting()["env"] == {"env_timeout": 2}  # the dead incarnation's counts are kept
     assert not await ctl.health.on_failure("rollout1", "again") and ctl.sup.restarts == 1
     recs = records(tmp_path)
@@ -404,9 +404,9 @@ async def test_a_lost_learner_is_restarted_and_the_run_rolls_back_to_its_checkpo
         "trajectories_settled": 8}})
     out = [s for s in sent[n:] if s[1] != "ack"]
     v1 = str(tmp_path / "weights" / "v1.safetensors")  # exported by the new learner, as on a recover=auto resume
-    assert out == [(b"r0", "learner_restarted", {"address": "tcp://l:2", "version": 1, "position": 5}),
+    assert out == [(b"r0", "learner_restarted", {"address": "tcp://l:2", "version": 1, "position": {"0": 5}}),
                    (b"r1", "learner_restarted", {"address": "tcp://l:2", "version": 1,
-                                                           "position": {"low": 0, "above": []}}),
+                                                           "position": {"1": {"low": 0, "above": []}}}),
                    (b"i0", "update_weights", {"version": 1, "path": v1, "rollback": True}),
                    (b"i1", "update_weights", {"version": 1, "path": v1, "rollback": True})]
     assert ctl.roster.addresses["learner"] == "tcp://l:2" and ctl.roster.positions[0] == 5

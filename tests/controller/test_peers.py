@@ -49,8 +49,23 @@ def test_processes_lookups_and_prompt_positions():
     r.note_position(1, 3)  # behind the resumed position: kept
     r.note_position(0, 7)
     r.note_position(0, "8")  # not a position
-    assert r.prompt_position("rollout", 1) == 5 and r.prompt_position("rollout", 0) == 7
+    assert r.prompt_position("rollout", 1) == {"1": 5} and r.prompt_position("rollout", 0) == {"0": 7}
     assert r.prompt_position("inference", 0) is None
+
+
+def test_prompt_streams_are_reported_per_stream_and_adopted_by_a_worker_that_stays():
+    # resumed from a run that had scaled to 4 workers: streams 2 and 3 go to workers 0 and 1 (s % 2)
+    r = registry(prompt_positions={0: 4, 2: {"low": 3, "above": [5]}, 3: 1})
+    assert r.streams_of(0) == [0, 2] and r.streams_of(1) == [1, 3]
+    assert r.prompt_position("rollout", 0) == {"0": 4, "2": {"low": 3, "above": [5]}}
+    assert r.prompt_position("rollout", 1) == {"3": 1}  # stream 1: nothing settled yet
+    r.note_position(1, {"1": 6, "3": {"low": 2, "above": []}})  # each stream moves on by itself
+    assert r.positions[1] == 6 and r.positions[3] == {"low": 2, "above": []}
+    r.note_position(1, {"x": 1})  # malformed: ignored
+    # worker 1 leaves: worker 0 draws its streams from their last reported positions
+    assert r.adopt(r.streams_of(1), 0) == {"1": 6, "3": {"low": 2, "above": []}}
+    assert r.streams_of(0) == [0, 1, 2, 3] and r.streams_of(1) == []
+    assert set(r.prompt_position("rollout", 0)) == {"0", "1", "2", "3"}
 
 
 def test_addresses_file(tmp_path):

@@ -82,15 +82,17 @@ def test_a_lost_learner_is_restarted_and_its_return_rolls_the_run_back_to_its_ch
     assert [(x.TYPE, x.to_payload()) for x in p.tell] == [("worker_lost", {"role": "learner", "indices": [0]})]
     assert ("learner", 0) not in sup.last_seen and sup.restarted_at == {"learner": 100.0}
     schedule = EvalSchedule(total_steps=10, every=1)
-    state = {"version": 1, "groups_consumed": 2, "data_position": {"0": 7}, "groups_settled": 3,
+    state = {"version": 1, "groups_consumed": 2, "data_position": {"0": 7, "2": 4}, "groups_settled": 3,
              "trajectories_settled": 12}
+    # worker 0 also draws stream 2 (adopted from a worker that left the run)
     r = plan_rollback(state, address="tcp://h:1", path="/c1", admission=admission, weights=weights,
-                      schedule=schedule, num_rollout=2)
+                      schedule=schedule, streams={0: [0, 2], 1: [1]})
     assert (r.from_version, r.to_version, r.groups_settled, r.trajectories_settled) == (3, 1, 3, 12)
     assert r.actions == [Send(0, 1, "/c1", rollback=True), Send(1, 1, "/c1", rollback=True)]
-    assert r.tell == {0: m.LearnerRestarted(address="tcp://h:1", version=1, position=7),
+    assert r.tell == {0: m.LearnerRestarted(address="tcp://h:1", version=1, position={"0": 7, "2": 4}),
                       # the checkpoint settled none of worker 1's prompts: it draws them all again
-                      1: m.LearnerRestarted(address="tcp://h:1", version=1, position={"low": 0, "above": []})}
+                      1: m.LearnerRestarted(address="tcp://h:1", version=1,
+                                            position={"1": {"low": 0, "above": []}})}
     assert (admission.gate.version, admission.gate.accepted, admission.gate.running) == (1, 2, 2)
     # over the cap: the run stops, saying why
     assert plan("learner", sup, admission, weights) == Fatal("the run already restarted 1 learners "
@@ -100,4 +102,4 @@ def test_a_lost_learner_is_restarted_and_its_return_rolls_the_run_back_to_its_ch
                 {"version": 1, "data_position": [1]}):
         with pytest.raises(ValueError, match="version|groups_consumed|data_position"):
             plan_rollback(bad, address="a", path="p", admission=admission, weights=weights, schedule=schedule,
-                          num_rollout=2)
+                          streams={0: [0], 1: [1]})

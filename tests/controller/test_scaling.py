@@ -60,14 +60,19 @@ def test_control_file_is_private(tmp_path):
 async def test_refusals_change_nothing(run):
     ctl, key = run
     await ctl._dispatch(b"ctl", "scale", {"token": "nope", "changes": {"inference": 1}})
-    await ctl._dispatch(b"ctl", "scale", {"token": key, "changes": {"rollout": 1}})
+    await ctl._dispatch(b"ctl", "scale", {"token": key, "changes": {"env": 1}})
     await ctl._dispatch(b"ctl", "scale", {"token": key, "changes": {"inference": "+x"}})
     await ctl._dispatch(b"ctl", "scale", {"token": key, "changes": {"inference": -2}})  # would leave none
     await ctl._dispatch(b"ctl", "scale", {"token": key, "changes": {}})
+    await ctl._dispatch(b"ctl", "scale", {"token": key, "changes": {"rollout": -1}})  # would leave none
+    ctl._handlers["scale"].__self__.rollout_refusal = "rollout.num_env_groups=4 partitions the env groups"
+    await ctl._dispatch(b"ctl", "scale", {"token": key, "changes": {"rollout": 1, "inference": 1}})
     replies = scaled(ctl)
-    assert [r["ok"] for r in replies] == [False] * 5
-    assert "wrong control key" in replies[0]["message"] and "rollout" in replies[1]["message"]
-    assert "at least one" in replies[3]["message"]
+    assert [r["ok"] for r in replies] == [False] * 7
+    assert "wrong control key" in replies[0]["message"] and "'env'" in replies[1]["message"]
+    assert "at least one" in replies[3]["message"] and "1 rollout workers" not in replies[5]["message"]
+    assert "0 rollout workers: a run needs at least one" in replies[5]["message"]
+    assert "num_env_groups" in replies[6]["message"]
     ctl.launcher.elastic = False
     await ctl._dispatch(b"ctl", "scale", {"token": key, "changes": {"inference": 1}})
     assert "cannot start roles mid-run" in scaled(ctl)[-1]["message"]
@@ -128,3 +133,49 @@ async def test_a_preemption_notice_drains_the_server(run):
     assert sent(ctl, "worker_lost") == [(b"r0", {"role": "inference", "indices": [1]})]
     assert [r["type"] for r in map(json.loads, open(os.path.join(ctl.run_dir, "metrics.jsonl")))
             if r["type"] == "preempted"] == ["preempted"]
+
+
+@pytest.mark.asyncio
+async def test_a_rollout_worker_joins_then_drains_and_its_prompt_streams_go_on_elsewhere(run):
+    ctl, key = run
+    await register_all(ctl)
+    await ctl.grant(ctl.admission.open())
+    await ctl._dispatch(b"ctl", "scale", {"token": key, "changes": {"rollout": 2}})
+    await settle(ctl)
+    assert scaled(ctl)[-1]["ok"] and ctl.sup.rollouts() == [0, 1, 2]
+    assert ctl.launcher.spawns[-2:] == ["rollout1", "rollout2"]
+    await ctl._dispatch(b"r1", "register", {"role": "rollout", "index": 1})
+    await ctl._dispatch(b"r2", "register", {"role": "rollout", "index": 2})
+    assert sent(ctl, "ack")[-1] == (b"r2", {"ok": True})  # no prompt position: a new stream, from its start
+    await ctl._dispatch(b"r2", "gate_acquire", {"want": 2, "incarnation": "c"})
+    assert sent(ctl, "gate_grant")[-1] == (b"r2", {"n": 2})
+    await ctl._dispatch(b"r1", "heartbeat", {"role": "rollout", "index": 1, "stats": {"prompt_position": {"1": 3}}})
+
+    # rollout -2: the newest two go (never rollout0); each drains, then its streams go to rollout0
+    await ctl._dispatch(b"ctl", "scale", {"token": key, "changes": {"rollout": -2}})
+    await asyncio.sleep(0.05)
+    assert {i for i, _ in sent(ctl, "drain")} == {b"r1", b"r2"} and not ctl.launcher.killed
+    await ctl._dispatch(b"r2", "gate_acquire", {"want": 5, "incarnation": "c"})  # sent before it heard: ignored
+    assert ctl.admission.waiting() == 0
+    await ctl._dispatch(b"r1", "heartbeat", {"role": "rollout", "index": 1,
+                                             "stats": {"prompt_position": {"1": 4}, "running": 0, "draining": True}})
+    await ctl._dispatch(b"r2", "heartbeat", {"role": "rollout", "index": 2, "stats": {
+        "prompt_position": {"2": {"low": 1, "above": []}}, "running": 1, "draining": True}})
+    await asyncio.sleep(0.3)
+    assert not ctl.launcher.killed  # rollout2 still finishes a group
+    await ctl._dispatch(b"r2", "group_done", {"accepted": True, "reason": "accepted", "n_traj": 4})
+    await ctl._dispatch(b"r2", "group_done", {"accepted": True, "reason": "accepted", "n_traj": 4})
+    await ctl._dispatch(b"r2", "heartbeat", {"role": "rollout", "index": 2, "stats": {
+        "prompt_position": {"2": {"low": 2, "above": []}}, "running": 0, "draining": True}})
+    await settle(ctl)
+    assert scaled(ctl)[-1]["ok"] and sorted(ctl.launcher.killed) == ["rollout1", "rollout2"]
+    assert ctl.sup.rollouts() == [0] and not ctl.launcher.dead() and ctl.reporter.lost_groups == 0
+    assert ctl.reporter.accepted_groups == 2 and ctl.admission.held[2] == 0
+    adopted = [p["streams"] for i, p in sent(ctl, "adopt_streams") if i == b"r0"]
+    assert adopted == [{"1": 4}, {"2": {"low": 2, "above": []}}]
+    assert ctl.roster.streams_of(0) == [0, 1, 2]
+    assert "streams [1, 2] to rollout0" in scaled(ctl)[-1]["message"]
+    # a restart of rollout0 continues all three streams; a learner rollback rewinds all three
+    await ctl._dispatch(b"r0", "heartbeat", {"role": "rollout", "index": 0, "stats": {"prompt_position": {
+        "0": 5, "1": 4, "2": {"low": 2, "above": []}}}})
+    assert ctl.roster.prompt_position("rollout", 0) == {"0": 5, "1": 4, "2": {"low": 2, "above": []}}

@@ -34,7 +34,8 @@ TINY = [
 
 HOLD_MODULE = '''
 """The math single-step agent, except that a group with tokens of policy version >= ARL_TEST_HOLD_FROM waits for
-the file ARL_TEST_RELEASE before it is returned: the run cannot train past that version until the test says so."""
+the file ARL_TEST_RELEASE before it is returned: the run cannot train past that version until the test says so.
+Several versions ("2,4"): past the k-th (k >= 1) it waits for ARL_TEST_RELEASE + str(k) too."""
 import asyncio
 import os
 
@@ -42,14 +43,15 @@ from arl.agents.math_single_step import MathSingleStepAgent
 from arl.api import register_agent
 
 RELEASE = os.environ["ARL_TEST_RELEASE"]
-HOLD_FROM = int(os.environ["ARL_TEST_HOLD_FROM"])
+HOLD_FROM = [int(v) for v in os.environ["ARL_TEST_HOLD_FROM"].split(",")]
 
 
 class HoldAgent(MathSingleStepAgent):
     async def collect_trajectory(self, prompt, env, obs_queue, act_queue):
         trajs = await super().collect_trajectory(prompt, env, obs_queue, act_queue)
-        if any(len(t.versions) and int(t.versions.max()) >= HOLD_FROM for t in trajs):
-            while not os.path.exists(RELEASE):
+        newest = max((int(t.versions.max()) for t in trajs if len(t.versions)), default=-1)
+        for k, v in enumerate(HOLD_FROM):
+            while newest >= v and not os.path.exists(RELEASE + (str(k) if k else "")):
                 await asyncio.sleep(0.1)
         return trajs
 
@@ -62,7 +64,8 @@ class Hold:
     """Keeps a run from training past step `hold_from` until `release()`: the test's injections happen while the
     run is known to be training, however fast the machine is."""
 
-    def __init__(self, tmp_dir: str, hold_from: int) -> None:
+    def __init__(self, tmp_dir: str, hold_from: int | tuple[int, ...]) -> None:
+        """`hold_from`: a version, or several, each released by its own `release(k)`."""
         self.dir = os.path.join(tmp_dir, "hold")
         os.makedirs(self.dir, exist_ok=True)
         with open(os.path.join(self.dir, "hold_agent.py"), "w") as f:
@@ -70,11 +73,12 @@ class Hold:
         self.flag = os.path.join(self.dir, "release")
         # a held run is stalled on purpose (no group finishes until the test says so): not the stall rule's case
         self.args = ["imports=[hold_agent]", "agent.name=hold-math", "rollout.max_no_progress_s=3600"]
-        self.env = {"ARL_TEST_RELEASE": self.flag, "ARL_TEST_HOLD_FROM": str(hold_from),
+        versions = hold_from if isinstance(hold_from, tuple) else (hold_from,)
+        self.env = {"ARL_TEST_RELEASE": self.flag, "ARL_TEST_HOLD_FROM": ",".join(map(str, versions)),
                     "PYTHONPATH": os.pathsep.join([self.dir, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
 
-    def release(self) -> None:
-        open(self.flag, "w").close()
+    def release(self, k: int = 0) -> None:
+        open(self.flag + (str(k) if k else ""), "w").close()
 
 
 _STARTED: list[subprocess.Popen] = []  # every launcher start_run started, for stop_runs_left_running

@@ -1,9 +1,11 @@
-"""`python -m arl.ctl <run> scale` on the default run: +2, -1, +1 inference servers while it trains. Each joining
-server loads the newest weights before the rollout worker routes to it, the leaving one is drained, and the run
-finishes with nothing accepted lost."""
+"""`python -m arl.ctl <run> scale` on the default run: +2, -1, +1 inference servers and +1, -1 rollout workers while
+it trains. Each joining server loads the newest weights before the rollout workers route to it, the leaving one is
+drained; the joining rollout worker trains groups of a prompt stream of its own, and when it leaves its running
+groups finish (accepted) and its stream goes on at rollout0; the run finishes with nothing accepted lost."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -12,7 +14,7 @@ import pytest
 from .harness import (ROOT, Hold, assert_accounting, assert_no_leftovers, finish, read_metrics, record, start_run,
                       summary, train_steps, wait_for)
 
-STEPS = 5
+STEPS = 7
 
 
 def ctl(run_dir: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -26,7 +28,7 @@ def joined(run_dir: str) -> set[int]:
 
 @pytest.mark.slow
 def test_scale_inference_up_down_up_mid_run(tmp_path, model_cache):
-    hold = Hold(str(tmp_path), hold_from=2)  # the run trains past step 2 only once the fleet changes are done
+    hold = Hold(str(tmp_path), hold_from=(2, 4))  # the run trains past steps 2 and 4 only once the test says so
     proc, run_dir = start_run(str(tmp_path), model_cache, [f"total_train_steps={STEPS}", "inference.drain_timeout_s=30",
                                                            *hold.args], env=hold.env)
     wait_for(lambda: len(train_steps(run_dir)) >= 1, proc, what="the first step")
@@ -40,12 +42,26 @@ def test_scale_inference_up_down_up_mid_run(tmp_path, model_cache):
     up = ctl(run_dir, "scale", "inference=+1")
     assert up.returncode == 0 and "started servers [3]" in up.stdout, up.stdout + up.stderr
     wait_for(lambda: 3 in joined(run_dir), proc, timeout=300, what="server 3 to join")
-    hold.release()
+    up = ctl(run_dir, "scale", "rollout=+1")
+    assert up.returncode == 0 and "started rollout workers [1]" in up.stdout, up.stdout + up.stderr
+    wait_for(lambda: "rollout1: registered" in log_of(run_dir, "rollout1"), proc, timeout=300,
+             what="rollout1 to register")
+    hold.release()  # to step 4: rollout1's groups (first in the gate's queue) train beside rollout0's
+    wait_for(lambda: len(train_steps(run_dir)) >= 4, proc, timeout=300, what="step 4")
+    # groups of version 4 wait for the second release: rollout1 is drained while they run, they finish once released
+    down = subprocess.Popen([sys.executable, "-m", "arl.ctl", run_dir, "scale", "rollout=-1"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: "leaving the run" in log_of(run_dir, "rollout1"), proc, what="rollout1 to drain")
+    hold.release(1)
+    out, err = down.communicate(timeout=300)
+    assert down.returncode == 0 and "drained and stopped rollout workers [1]" in out, out + err
+    assert "streams [1] to rollout0" in out and int(re.search(r"accepted there: \{1: (\d+)\}", out)[1]) > 0, out
     code, _, err = finish(proc)
     assert code == 0, err[-6000:]
     assert train_steps(run_dir) == list(range(1, STEPS + 1))
     metrics = read_metrics(run_dir)
-    assert [m["change"] for m in metrics if m["type"] == "scale"] == [2, -1, 1]
+    assert [(m["role"], m["change"]) for m in metrics if m["type"] == "scale"] == [
+        ("inference", 2), ("inference", -1), ("inference", 1), ("rollout", 1), ("rollout", -1)]
     final = [m for m in metrics if m["type"] == "eval"][-1]["roles"]
     client = final["rollout0"]["client"]
     # each server joined with the newest weights published before it joined, and served requests
@@ -57,11 +73,20 @@ def test_scale_inference_up_down_up_mid_run(tmp_path, model_cache):
             assert m["version"] >= published, (m, published)
     assert client["back_w1"] == client["back_w2"] == client["back_w3"] == 1, client
     assert client["sent_w1"] > 0 and client["sent_w3"] > 0 and client["workers_draining"] == 1, client
-    assert "inference2" not in final
+    assert "inference2" not in final and "rollout1" not in final
+    assert set(final["rollout0"]["prompt_position"]) == {"0", "1"}  # it draws the stream rollout1 left
     s = summary(run_dir)
     assert s["inference_restarts"] == 0
     assert_accounting(s)
     assert_no_leftovers(run_dir)
     gone = ctl(run_dir, "scale", "inference=+1")  # the run has ended
     assert gone.returncode == 2 and "not running" in gone.stderr, gone.stderr
-    record("test_scale_inference", "scale inference +2 / -1 / +1 mid-run", 0, run_dir, True)
+    record("test_scale_inference", "scale inference +2 / -1 / +1, rollout +1 / -1 mid-run", 0, run_dir, True)
+
+
+def log_of(run_dir: str, process: str) -> str:
+    try:
+        with open(f"{run_dir}/logs/{process}.log") as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""

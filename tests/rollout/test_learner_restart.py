@@ -50,7 +50,7 @@ async def test_groups_wait_for_the_restarted_learner_and_those_of_lost_versions_
     await asyncio.sleep(0.1)
     assert pushed == [] and [t for t, _ in sent if t == "group_done"] == []  # held: the old learner is gone
     worker.rewind_prompts({"low": 0, "above": []})  # the checkpoint settled none of this worker's prompts
-    assert worker._prompts.position == 2 and worker._prompts.redraws == 0  # 0 and 1 still run here
+    assert worker._prompts.positions() == {0: 2} and worker._prompts.redraws == 0  # 0 and 1 still run here
     with pytest.raises(ValueError, match="data position"):
         worker.rewind_prompts({"exact": "state"})
     worker.learner_back(1)  # resumed from checkpoint v1

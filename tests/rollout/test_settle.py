@@ -23,14 +23,13 @@ async def test_drops_are_told_to_the_learner_and_the_heartbeat_says_what_ended()
         told.append(msg)
 
     worker._push_settled = settled
-    worker._prompts.seek(0)
-    rows_at = {p: worker._prompts.row(p)["id"] for p in range(3)}
+    rows_at = {p: worker._prompts.stream(0).row(p)["id"] for p in range(3)}
     await run_groups(worker, 3)
     assert sorted((m.position, m.reason) for m in told) == sorted(
         (p, r) for p, r in ((p, {"raise": "env_error:step:ValueError", "hang": "env_timeout:step"}.get(rows_at[p]))
                             for p in range(3)) if r)
     assert all(m.worker == 0 for m in told) and len(pushed) == 1  # the pushed one settles when trained
-    assert DataPosition.from_state(worker.heartbeat_stats()["prompt_position"]) == DataPosition(3)
+    assert DataPosition.from_state(worker.heartbeat_stats()["prompt_position"]["0"]) == DataPosition(3)
 
 
 @pytest.mark.asyncio
@@ -42,13 +41,13 @@ async def test_a_restarted_worker_draws_again_what_had_not_ended_and_a_rewind_sk
     await run_groups(worker, 3)
     positions = sorted(g[0].metadata["prompt_pos"][1] for g in pushed)
     assert positions == [2, 3, 5]
-    assert DataPosition.from_state(worker.heartbeat_stats()["prompt_position"]) == DataPosition(6)
+    assert DataPosition.from_state(worker.heartbeat_stats()["prompt_position"]["0"]) == DataPosition(6)
     # a rewind while a group runs: that group's position is not drawn again
     hang = make_worker([{"id": "h", "mode": "hang"}, {"id": "h2", "mode": "hang"}], [], [], env_timeout=5.0)
     hang.on_grant(1)  # position 0 runs (its env step hangs)
     await asyncio.sleep(0.05)
     hang.rewind_prompts({"low": 0, "above": []})
-    assert hang._prompts.draw()[0] == 1
+    assert hang._prompts.draw()[:2] == (0, 1)
     await hang.close()
 
 
@@ -63,6 +62,6 @@ async def test_a_group_lost_with_the_learner_puts_its_prompt_back_and_tells_nobo
 
     worker._push_settled = settled
     for reason in ("lost_version", "learner_lost"):
-        await worker._settle(1, reason)
-    assert told == [] and worker._prompts.draw()[0] == 1 and worker._prompts.draw()[0] == 0
-    assert 1 not in DataPosition.from_state(worker.heartbeat_stats()["prompt_position"])
+        await worker._settle((0, 1), reason)
+    assert told == [] and worker._prompts.draw()[1] == 1 and worker._prompts.draw()[1] == 0
+    assert 1 not in DataPosition.from_state(worker.heartbeat_stats()["prompt_position"]["0"])

@@ -36,6 +36,9 @@ EXAMPLES = [
     m.OpenWeightGroup(name="arl-weights-s1-2", server=1),
     m.SendWeights(version=3, servers=[0, 1]),
     m.Register(role="learner", address="tcp://a:1", weights_store="10.0.0.1:29500"),
+    m.Ack(ok=True, prompt_position={"0": {"low": 3, "above": [5]}, "2": 0}),
+    m.Drain(),
+    m.AdoptStreams(streams={"2": {"low": 4, "above": []}}),
 ]
 
 

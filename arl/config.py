@@ -106,6 +106,9 @@ class EnvConfig:
     max_restarts: int = field(3, "env servers: most restarts of env servers in one run; one more failure stops it.")
     heartbeat_timeout: float = field(60.0, "env servers: one silent this long is restarted (its sessions' groups "
                                            "are dropped).")
+    drain_timeout_s: float = field(60.0, "env servers: one leaving the run (`arl.ctl scale env=-n`) opens no new "
+                                         "session and is stopped once its open ones ended, or after this long (the "
+                                         "groups of sessions still open then are dropped, counted).")
 
 
 class ModelDType(enum.StrEnum):
@@ -957,10 +960,10 @@ def validate(cfg: Any) -> None:
          "weights.bucket_mb must be >= 1 and weights.timeout_s > 0"),
         (ic.drain_timeout_s >= 0, "inference.drain_timeout_s must be >= 0"),
         (rc.drain_timeout_s >= 0, "rollout.drain_timeout_s must be >= 0"),
-        (not ic.autoscale.enabled or (ic.servers_per_process == 1 and cfg.launcher == LauncherKind.local
-                                      and cfg.weights.transport == "disk"),
-         "inference.autoscale needs inference.servers_per_process=1, launcher=local and weights.transport=disk "
-         "(it starts servers mid-run)"),
+        (cfg.env.drain_timeout_s >= 0, "env.drain_timeout_s must be >= 0"),
+        (not ic.autoscale.enabled or (ic.servers_per_process == 1 and cfg.weights.transport == "disk"),
+         "inference.autoscale needs inference.servers_per_process=1 and weights.transport=disk (it starts servers "
+         "mid-run; on Ray, wherever Ray places them or its autoscaler adds a node)"),
     ]
     from arl.weights.strategy import weights_problems
 

@@ -1,13 +1,17 @@
-"""`python -m arl.ctl RUN_DIR scale inference=+2` — change a running run's fleet (and say what happened).
+"""`python -m arl.ctl RUN_DIR scale inference=+2 rollout=+1` — change a running run's fleet (and say what happened).
 
 The command talks to the run's controller over its control socket, showing the run's control key
 (RUN_DIR/control.json, written by the controller, readable by its owner only) and, on a run that signs its
-frames, the shared secret (env ARL_SECRET, as the run was given it). It waits for the controller's answer: what
+frames, the shared secret (env ARL_SECRET, as the run was given it; a secret the run made itself, as a run on Ray
+does, is in the control file). It waits for the controller's answer: what
 changed, or why nothing did. Exit status: 0 done, 1 refused by the run, 2 no run to talk to (not a run
 directory, the run is not running, or the secret is missing or wrong: frames without it are dropped unanswered).
 
     python -m arl.ctl runs/my-run scale inference=+2      # two more inference servers
     python -m arl.ctl runs/my-run scale inference=-1      # drain the newest server, then stop it
+    python -m arl.ctl runs/my-run scale rollout=+1        # one more rollout worker (a prompt stream of its own)
+    python -m arl.ctl runs/my-run scale rollout=-1        # drain the newest one; rollout0 takes its prompt streams
+    python -m arl.ctl runs/my-run scale env=+1            # one more env server (a run with env.servers=N)
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ def control_info(run_dir: str) -> dict:
 async def send_scale(run_dir: str, changes: dict[str, int], timeout: float) -> dict:
     """The controller's answer (`scaled`) to a scale of `changes`; CtlError when nothing answers."""
     info = control_info(run_dir)
-    secret = os.environ.get(SECRET_ENV, "")
+    secret = os.environ.get(SECRET_ENV, "") or str(info.get("secret") or "")  # the file's: a secret the run made
     if info.get("signed") and not secret:
         raise CtlError(f"the run signs its control frames: set {SECRET_ENV} to its shared secret")
     pid = info.get("pid")
@@ -100,10 +104,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir")
     sub = ap.add_subparsers(dest="command", required=True)
-    sc = sub.add_parser("scale", help="add or drain servers: inference=+N | inference=-N")
+    sc = sub.add_parser("scale", help="add or drain roles: inference=+N | rollout=-N | env=+N ... (ROLE=+N or ROLE=-N)")
     sc.add_argument("changes", nargs="+")
     sc.add_argument("--timeout", type=float, default=300.0,
-                    help="seconds to wait for the answer (a drain takes up to inference.drain_timeout_s)")
+                    help="seconds to wait for the answer (a drain takes up to inference.drain_timeout_s or "
+                         "rollout.drain_timeout_s)")
     a = ap.parse_args(argv)
     try:
         changes = parse_changes(a.changes)

@@ -70,18 +70,26 @@ class Health:
         given_up, failure = self.sup.deadlines(now, self.names, self.roster.has_process)
         if failure:  # restarted roles that did not come back: why, where the launcher knows (waiting for resources)
             failure += "".join(f"; {why}" for why in map(self.launcher.pending, self.sup.late(now)) if why)
-        for name in given_up:  # a restarted inference process that did not come back: the run goes on without it
+        for name in given_up:  # a restarted (or added) process that did not come back: the run goes on without it
             why = self.launcher.pending(name)
-            reason = f"did not register within {self.sup.startup_timeout}s of its restart{f'; {why}' if why else ''}"
+            added = name in self.sup.joining
+            reason = (f"did not register within {self.sup.startup_timeout}s of its "
+                      f"{'start (added by arl.ctl scale)' if added else 'restart'}{f'; {why}' if why else ''}")
             give_up(name, sup=self.sup, weights=self.weights)
             self.launcher.kill(name)
+            if self.sup.rollout_index(name) is not None:
+                self.admission.leave(self.sup.rollout_index(name))
+                logger.error("rollout worker %s %s; the run goes on without it", name, reason)
+                self.reporter.event("fault", kind="scale_failed", role=name, reason=reason)
+                continue
             # servers in the run, or coming back
             left = (set(range(self.sup.num_inference)) - self.weights.lost) | self.weights.rejoining
-            logger.error("restarted inference process %s %s; %s", name, reason,
+            logger.error("inference process %s %s; %s", name, reason,
                          "the run goes on without it" if left else "no inference server is left")
-            self.reporter.event("fault", kind="inference_restart_failed", role=name, reason=reason)
+            self.reporter.event("fault", kind="scale_failed" if added else "inference_restart_failed", role=name,
+                                reason=reason)
             if not left and not failure:  # nothing would generate again: stop now, with why
-                failure = f"no inference server is left: restarted inference process {name} {reason}"
+                failure = f"no inference server is left: inference process {name} {reason}"
         if failure:
             self.fail(failure)
         if failure or not self.progressing(now):

@@ -35,7 +35,7 @@ import os
 import secrets
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from arl.controller.autoscale import Autoscaler, AutoscalePolicy
 from arl.transport import messages as m
@@ -49,13 +49,16 @@ class ScaleRefused(ValueError):
     """A scale request that changes nothing, with the reason the caller is told."""
 
 
-def write_control_file(run_dir: str, address: str, signed: bool) -> str:
-    """run_dir/control.json (mode 0600): where the controller listens and the key `arl.ctl` must show; the key."""
+def write_control_file(run_dir: str, address: str, signed: bool, secret: Optional[str] = None) -> str:
+    """run_dir/control.json (mode 0600): where the controller listens and the key `arl.ctl` must show; the key.
+    `secret`: the run's shared secret when the run made it itself (Ray), so that `arl.ctl` on this machine, as
+    this user, can sign its frames; a secret the user gave is never written (they have it)."""
     key = secrets.token_hex(16)
     path = os.path.join(run_dir, CONTROL_FILE)
     fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        json.dump({"controller": address, "key": key, "signed": signed, "pid": os.getpid()}, f)
+        json.dump({"controller": address, "key": key, "signed": signed, "pid": os.getpid(),
+                   **({"secret": secret} if secret else {})}, f)
     os.replace(path + ".tmp", path)
     return key
 
@@ -63,13 +66,19 @@ def write_control_file(run_dir: str, address: str, signed: bool) -> str:
 class Scaling:
     """The controller's `scale` handler. `ctl`: the controller shell (its pieces and its sends)."""
 
-    def __init__(self, ctl: Any, *, key: str, drain_timeout_s: float = 60.0, python: str = sys.executable,
-                 autoscale: Optional[AutoscalePolicy] = None, rollout_drain_timeout_s: float = 120.0,
-                 rollout_refusal: str = "") -> None:
-        """`autoscale`: scale by rule (`arl.controller.autoscale`); its loop starts with the controller's.
+    def __init__(self, ctl: Any, *, signed: bool = False, key: Optional[str] = None, drain_timeout_s: float = 60.0,
+                 python: str = sys.executable, autoscale: Optional[AutoscalePolicy] = None,
+                 rollout_drain_timeout_s: float = 120.0, rollout_refusal: str = "",
+                 env_drain_timeout_s: float = 60.0, made_secret: Optional[str] = None) -> None:
+        """Writes run_dir/control.json (`write_control_file`: `signed`, `made_secret`) unless given its `key`.
+        `autoscale`: scale by rule (`arl.controller.autoscale`); its loop starts with the controller's.
         `rollout_refusal`: why this run's rollout workers cannot be added ('' : they can)."""
+        if key is None:
+            key = write_control_file(ctl.run_dir, ctl.address, signed=signed, secret=made_secret)
         self.ctl, self.key, self.drain_timeout_s, self.python = ctl, key, drain_timeout_s, python
         self.rollout_drain_timeout_s, self.rollout_refusal = rollout_drain_timeout_s, rollout_refusal
+        self.env_drain_timeout_s = env_drain_timeout_s
+        self.retired_env: set[int] = set()  # env servers scaled out (never reused)
         self.retired: set[int] = set()  # servers scaled out (never reused)
         self._busy = False  # one scale at a time
         self._tasks: set[asyncio.Task] = set()
@@ -127,13 +136,13 @@ class Scaling:
             raise ScaleRefused("nothing to scale: give role=+n or role=-n")
         plan: dict[str, int] = {}
         for role, n in changes.items():
-            if role not in ("inference", "rollout"):
-                raise ScaleRefused(f"cannot scale {role!r}: inference servers and rollout workers join and leave a "
-                                   "running run (env servers: not yet)")
+            if role not in ("inference", "rollout", "env"):
+                raise ScaleRefused(f"cannot scale {role!r}: inference servers, rollout workers and env servers join "
+                                   "and leave a running run (inference=, rollout=, env=)")
             if not isinstance(n, int) or isinstance(n, bool) or n == 0:
                 raise ScaleRefused(f"{role}={n!r}: give a non-zero whole number (+2, -1)")
             plan[role] = n
-        if plan.get("rollout", 0) > 0 or plan.get("inference", 0) > 0:
+        if any(n > 0 for n in plan.values()):
             if not getattr(self.ctl.launcher, "elastic", False):
                 raise ScaleRefused(f"the {type(self.ctl.launcher).__name__} cannot start roles mid-run yet "
                                    "(the local launcher can)")
@@ -141,6 +150,15 @@ class Scaling:
             self._check_rollout(plan["rollout"])
         if "inference" in plan:
             self._check_inference(plan["inference"])
+        if "env" in plan:
+            self._check_env(plan["env"])
+        first = {"inference": self.ctl.weights.num_servers, "rollout": self.ctl.sup.num_rollout,
+                 "env": self.ctl.sup.num_env}
+        for role, n in plan.items():  # beyond what the launcher could ever place (Ray: no node has the resources)
+            for index in range(first[role], first[role] + max(0, n)):
+                why = self.ctl.launcher.fits(role, index)
+                if why:
+                    raise ScaleRefused(why)
         return plan
 
     def _check_rollout(self, n: int) -> None:
@@ -150,6 +168,19 @@ class Scaling:
         if len(live) + n < 1:
             raise ScaleRefused(f"rollout={n} would leave {len(live) + n} rollout workers: a run needs at least one "
                                f"(running now: {live})")
+
+    def env_servers(self) -> list[int]:
+        """The env servers of the run now (those scaled out are not)."""
+        return [i for i in range(self.ctl.sup.num_env) if i not in self.retired_env]
+
+    def _check_env(self, n: int) -> None:
+        if not self.ctl.sup.num_env:
+            raise ScaleRefused("this run has no env servers: its envs run inside the rollout workers (start it with "
+                               "env.servers=N to scale them)")
+        live = self.env_servers()
+        if len(live) + n < 1:
+            raise ScaleRefused(f"env={n} would leave {len(live) + n} env servers: a run started with env servers "
+                               f"needs at least one (running now: {live})")
 
     def _check_inference(self, n: int) -> None:
         if self.ctl.sup.servers_per_process != 1:
@@ -173,6 +204,11 @@ class Scaling:
                                   self._remove(self.ctl.weights.alive()[n:], self.drain_timeout_s))
                     now = extra["serving"] = self.ctl.weights.alive()
                     lines.append(f"inference {n:+d}: {done}; serving now: {now}")
+                elif role == "env":
+                    done = await (self._add_envs(n) if n > 0 else  # the newest go
+                                  self._remove_envs(self.env_servers()[n:], self.env_drain_timeout_s))
+                    now = extra["env"] = self.env_servers()
+                    lines.append(f"env {n:+d}: {done}; env servers now: {now}")
                 else:
                     done = await (self._add_rollouts(n) if n > 0 else  # the newest go; never rollout0
                                   self._remove_rollouts(self.ctl.sup.rollouts()[n:], self.rollout_drain_timeout_s))
@@ -211,9 +247,9 @@ class Scaling:
             await ctl.tell_rollouts(m.WorkerDraining(role="inference", index=s))
         ctl.roster.addresses["retired"] = sorted(self.retired)
         await ctl.advance()
-        left = await self._drained(leaving, t0, drain_s)
+        left = await self._drained("inference", leaving, t0, drain_s, lambda st: int(st.get("inflight", 0)))
         for s in leaving:
-            ctl.launcher.kill(ctl.sup.process_of("inference", s))  # an expected exit: not a failure
+            ctl.launcher.remove(ctl.sup.process_of("inference", s))  # an expected exit; its resources go back
             ctl.sup.forget(("inference", s))
             ctl.roster.forget(("inference", s))
             ctl.role_stats.pop(("inference", s), None)
@@ -228,9 +264,45 @@ class Scaling:
         name = sup.process_of(role, index)
         argv = sup.command(self.python, ctl.run_dir, ctl.address, role, index)
         sup.restarted_at[name] = time.monotonic()
-        ctl.launcher.spawn(name, argv, os.path.join(ctl.run_dir, "logs", f"{name}.log"))
+        sup.joining.add(name)  # not registered within startup_timeout: given up, the run goes on without it
+        ctl.launcher.add(name, argv, os.path.join(ctl.run_dir, "logs", f"{name}.log"))
         ctl.health.names.append(name)
         return name
+
+    async def _add_envs(self, n: int) -> str:
+        """Start `n` env servers; the rollout workers open sessions there once it registered (`worker_back`)."""
+        ctl, sup = self.ctl, self.ctl.sup
+        added = []
+        for _ in range(n):
+            index = sup.num_env
+            sup.num_env += 1
+            ctl.roster.limits["env"] += 1
+            ctl.roster.addresses["env"].append(None)
+            self._start("env", index)
+            added.append(index)
+        return f"started env servers {added} (sessions go there once they registered)"
+
+    async def _remove_envs(self, leaving: list[int], drain_s: float) -> str:
+        """Drain env servers `leaving` (no new session; open ones end, at most `drain_s` seconds), then stop them;
+        a session still open then is gone with its server (its group is dropped, counted, as for a lost one)."""
+        ctl = self.ctl
+        t0 = time.monotonic()
+        for s in leaving:
+            self.retired_env.add(s)
+            await ctl.tell_rollouts(m.WorkerDraining(role="env", index=s))
+        ctl.roster.addresses["retired_env"] = sorted(self.retired_env)
+        left = await self._drained("env", leaving, t0, drain_s, lambda st: int(st.get("sessions", 0)))
+        served: dict[int, int] = {}
+        for s in leaving:
+            ctl.launcher.remove(ctl.sup.process_of("env", s))  # an expected exit; its resources go back
+            ctl.sup.forget(("env", s))
+            ctl.roster.forget(("env", s))
+            served[s] = int(ctl.role_stats.pop(("env", s), {}).get("sessions_opened", 0))
+        await ctl.tell_rollouts(m.WorkerLost(role="env", indices=leaving))
+        ctl.roster.write(ctl.address)
+        late = f"; {left} sessions still open after {drain_s:g}s were closed with it" if left else ""
+        return (f"drained and stopped env servers {leaving} in {time.monotonic() - t0:.1f}s (sessions they had "
+                f"opened: {served}){late}")
 
     async def _add_rollouts(self, n: int) -> str:
         """Start `n` rollout workers of new indices, each with a prompt stream of its own."""
@@ -253,11 +325,12 @@ class Scaling:
         for i in leaving:
             ctl.admission.leave(i)
             await ctl.tell_rollouts(m.Drain(), i)
-        left = await self._rollouts_drained(leaving, t0, drain_s)
+        left = await self._drained("rollout", leaving, t0, drain_s,  # running groups, once it said it drains
+                                   lambda st: int(st.get("running", 0)) if st.get("draining") else 1)
         handed: dict[int, list[int]] = {}
         accepted: dict[int, int] = {}
         for i in leaving:
-            ctl.launcher.kill(sup.process_of("rollout", i))  # an expected exit: not a failure
+            ctl.launcher.remove(sup.process_of("rollout", i))  # an expected exit; its resources go back
             sup.retired_rollouts.add(i)
             sup.forget(("rollout", i))
             ctl.roster.forget(("rollout", i))
@@ -278,37 +351,21 @@ class Scaling:
         return (f"drained and stopped rollout workers {leaving} in {time.monotonic() - t0:.1f}s (groups accepted "
                 f"there: {accepted}; {moved}){late}")
 
-    async def _rollouts_drained(self, workers: list[int], since: float, drain_s: float) -> int:
-        """Wait until each worker's heartbeat says it drains with no group running (or `drain_s` passed);
-        returns the groups still running then."""
+    async def _drained(self, role: str, indices: list[int], since: float, drain_s: float,
+                       busy: Callable[[dict], int]) -> int:
+        """Wait until the heartbeat of each of `role`'s `indices` sent after the drain began says it is idle
+        (`busy(stats)`: what it still has: requests in flight, groups running, sessions open), or `drain_s` passed;
+        returns what they still had then."""
         deadline = since + drain_s
         while True:
-            running = 0
-            for i in workers:
-                st = self.ctl.role_stats.get(("rollout", i), {})
-                if st.get("draining"):
-                    running += int(st.get("running", 0))
-                elif self.ctl.launcher.alive(self.ctl.sup.process_of("rollout", i)):
-                    running += 1  # has not said it drains yet: wait for its next heartbeat
-            if running == 0 or time.monotonic() >= deadline:
-                return running
-            await asyncio.sleep(0.2)
-
-    async def _drained(self, servers: list[int], since: float, drain_s: float) -> int:
-        """Wait until each server's heartbeat (one sent after the drain began) says nothing is in flight, or
-        `drain_s` passed; returns the requests still in flight then."""
-        deadline = since + drain_s
-        while True:
-            inflight = 0
-            for s in servers:
-                heard = self.ctl.sup.last_seen.get(("inference", s), 0.0)
-                st = self.ctl.role_stats.get(("inference", s), {})
-                if heard > since:
-                    inflight += int(st.get("inflight", 0))
-                elif self.ctl.launcher.alive(self.ctl.sup.process_of("inference", s)):
-                    inflight += 1  # not heard from since the drain began: unknown, wait for its next heartbeat
-            if inflight == 0 or time.monotonic() >= deadline:
-                return inflight
+            left = 0
+            for i in indices:
+                if self.ctl.sup.last_seen.get((role, i), 0.0) > since:
+                    left += busy(self.ctl.role_stats.get((role, i), {}))
+                elif self.ctl.launcher.alive(self.ctl.sup.process_of(role, i)):
+                    left += 1  # not heard from since the drain began: unknown, wait for its next heartbeat
+            if left == 0 or time.monotonic() >= deadline:
+                return left
             await asyncio.sleep(0.2)
 
     # -- scaling by rule -------------------------------------------------------------------------------------

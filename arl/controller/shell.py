@@ -28,7 +28,7 @@ from arl.controller.health import Health
 from arl.controller.outcomes import GroupOutcomes
 from arl.controller.peers import Peers, Refusals
 from arl.controller.reporting import JsonlSink, MetricsSink, ProgressWatch, Reporter
-from arl.controller.scaling import Scaling, write_control_file
+from arl.controller.scaling import Scaling
 from arl.transport.security import advertised_address
 from arl.controller.steering import StalenessSteering
 from arl.controller.supervision import RoleLauncher, Supervisor
@@ -114,8 +114,8 @@ class Controller:
         self.router = Router(secret=self._secret, **kw)
         self.address = advertised_address(bind_random(self.router, self._bind_host))
         self.roster.write(self.address)
-        key = write_control_file(self.run_dir, self.address, signed=self._secret is not None)  # for `arl.ctl`
-        self._handlers.update(Scaling(self, key=key, **(self._scaling or {})).handlers)  # scale, leaving
+        # scale, leaving; it writes run_dir/control.json for `arl.ctl`
+        self._handlers.update(Scaling(self, signed=self._secret is not None, **(self._scaling or {})).handlers)
         return self.address
 
     def spawn_roles(self, python: str = sys.executable) -> None:

@@ -36,10 +36,17 @@ class RoleLauncher(Protocol):
     runs_ranks: bool
     #: extra environment of every role process (the run's shared secret), set before the first spawn
     env: dict[str, str]
-    #: (optional, default False) `spawn` may start a new role while the run goes on without blocking it long
+    #: (optional, default False) the launcher has `add`, `remove` and `fits`: roles join and leave a running run
     #: (`arl.ctl scale`)
 
     def spawn(self, name: str, argv: Sequence[str], log_path: str) -> None: ...
+
+    # elastic launchers only:
+    #   add(name, argv, log_path): start a role mid-run without blocking the caller (the controller's event loop);
+    #     one that cannot be placed does not register within startup_timeout, and `pending` says why
+    #   remove(name): stop a role that left the run (an expected exit) and give back what it held (Ray: its
+    #     placement group, so its node's resources are free again)
+    #   fits(role, index) -> str: why a new `role` `index` could never be placed ('' : it could)
 
     def abort(self) -> None:
         """Ctrl-C during start-up: end a wait in `spawn` now (it raises) and refuse further spawns."""
@@ -136,6 +143,7 @@ class Supervisor:
         self.started_at: Optional[float] = None
         self.all_up = False  # every role registered once (later gaps are restarts, timed by restarted_at)
         self.retired_rollouts: set[int] = set()  # rollout workers scaled out of the run (indices never reused)
+        self.joining: set[str] = set()  # processes added mid-run (`arl.ctl scale`) that have not registered yet
 
     # -- names -----------------------------------------------------------------------------------------------
     @property
@@ -213,6 +221,7 @@ class Supervisor:
         """`key` registered (now `registrations` in all); True if its process was a restart being waited for."""
         self.heard(key, now)
         self.all_up = self.all_up or registrations >= self.expected
+        self.joining.discard(self.process_of(*key))
         return self.restarted_at.pop(self.process_of(*key), None) is not None
 
     def silent(self, now: float) -> list[tuple[tuple[str, int], float]]:
@@ -229,7 +238,7 @@ class Supervisor:
         the run goes on without them; the reason to stop the run, or ''). `processes`: those the run started,
         `registered(name)`: a role it hosts registered."""
         late = self.late(now)
-        given_up = [n for n in late if self.servers_of(n)]
+        given_up = [n for n in late if self.servers_of(n) or n in self.joining]  # the run goes on without them
         late = [n for n in late if n not in given_up]
         if late:
             return given_up, f"restarted roles did not register within {self.startup_timeout}s: {late}"
@@ -296,3 +305,7 @@ class Supervisor:
 
     def gave_up(self, name: str) -> None:
         self.restarted_at.pop(name, None)
+        self.joining.discard(name)
+        index = self.rollout_index(name)
+        if index is not None:  # a rollout worker added mid-run that never registered: not of the run
+            self.retired_rollouts.add(index)

@@ -66,6 +66,15 @@ class LocalLauncher:
         del self.children[name]
         self.spawn(name, list(old.proc.args), old.log_path)
 
+    add = spawn  # a process starts at once: nothing to wait for
+
+    def remove(self, name: str) -> None:
+        """A role that left the run: stopped (nothing else to give back on one host)."""
+        self.kill(name)
+
+    def fits(self, role: str, index: int) -> str:
+        return ""  # one host: a role that starts here fits as the others did
+
     def kill(self, name: str) -> None:
         """Kill `name` now if it runs; its exit is expected (not reported by `dead`)."""
         child = self.children.get(name)

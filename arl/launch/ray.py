@@ -250,6 +250,7 @@ class RayLauncher:
     `learner_ranks` learner processes form the role 'learner' (rank 0 registers, the others follow it)."""
 
     runs_ranks = True  # the controller does not wrap the learner in torchrun: each rank is a process of its own
+    elastic = True  # roles join mid-run (placed off the controller's thread, `add`) and leave (`remove`)
 
     def __init__(self, ray_cfg: Any, *, startup_timeout: float, learner_ranks: int = 1, servers_per_process: int = 1,
                  run_dir: str = "", log_poll_s: float = 0.5, processes: Optional[Mapping[str, int]] = None) -> None:
@@ -298,6 +299,17 @@ class RayLauncher:
         self._aborted.set()
 
     def spawn(self, name: str, argv: Sequence[str], log_path: str) -> None:
+        role = self._new_role(name, argv, log_path)
+        if not self._checked:
+            self.check_fits()
+            self._checked = True
+        if self._deadline is None:
+            self._deadline = time.monotonic() + self.startup_timeout
+        with self._lock:
+            self.roles[name] = role
+        self._start(role, wait=True)
+
+    def _new_role(self, name: str, argv: Sequence[str], log_path: str) -> _Role:
         if self._aborted.is_set():
             raise RolePlacementError(f"not starting {name}: the run was interrupted")
         if name in self.roles:
@@ -306,15 +318,47 @@ class RayLauncher:
             raise ValueError(f"not a role process name: {name!r}")
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
         open(log_path, "ab").close()  # there from the start, like a local role's (copies append to it)
-        if not self._checked:
-            self.check_fits()
-            self._checked = True
-        if self._deadline is None:
-            self._deadline = time.monotonic() + self.startup_timeout
-        role = _Role(name, list(argv), log_path, [])
+        return _Role(name, list(argv), log_path, [])
+
+    def add(self, name: str, argv: Sequence[str], log_path: str) -> None:
+        """Start a role mid-run (`arl.ctl scale`): placed and started off the caller's thread, as a restart is (a
+        new actor and placement group wherever Ray puts them, or a node its autoscaler adds); one that is not
+        placed shows as one that does not register within startup_timeout, and `pending` says why."""
+        role = self._new_role(name, argv, log_path)
         with self._lock:
             self.roles[name] = role
-        self._start(role, wait=True)
+        role.starting = threading.Thread(target=self._start_later, args=(role,), name=f"arl-ray-add-{name}",
+                                         daemon=True)
+        role.starting.start()
+
+    def remove(self, name: str) -> None:
+        """A role that left the run: its process stopped (an expected exit), then, off the caller's thread, its
+        log copied, its actor ended and its placement group removed, so its node's resources are free again."""
+        self.kill(name)
+        role = self.roles.get(name)
+        if role is not None:
+            threading.Thread(target=self._reap, args=(role, True), name=f"arl-ray-remove-{name}",
+                             daemon=True).start()
+
+    def fits(self, role: str, index: int) -> str:
+        """Why a new process of `role` `index` could never be placed on this cluster ('' : it could): CPUs or GPUs
+        no node has, or (a Ray started here, one node) a custom resource the node lacks or cannot spare."""
+        import ray
+
+        bundle = bundle_for(self.cfg, role, index, self.servers_per_process)
+        nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+        local = self._connected_here and str(self.cfg.address) == "local"
+        short = [k for k, v in bundle.items() if (k in ("CPU", "GPU") or local)
+                 and not any(r.get(k, 0.0) >= v for r in nodes)]
+        if local and not short:  # one node, no autoscaler: what it has free now is all there will be
+            free = {k: float(v) for k, v in ray.available_resources().items()}
+            short = [k for k, v in bundle.items() if free.get(k, 0.0) + 1e-9 < v]
+        if not short:
+            return ""
+        have = " | ".join(sorted(plain_resources(r) for r in nodes)) or "no live node"
+        return (f"launcher=ray: a new {role} process needs {plain_resources(bundle)} on one node, and this Ray "
+                f"cluster has no node with {' or '.join(f'{bundle[k]:g} {k}' for k in short)} "
+                f"{'free ' if local else ''}(its nodes: {have}). {_HOW_TO_FIT}")
 
     def respawn(self, name: str) -> None:
         """Start `name` again (new actors and placement group; its log goes on in the same file). Does not block on
@@ -332,15 +376,21 @@ class RayLauncher:
         role.starting.start()
 
     def _restart(self, role: _Role) -> None:
-        import ray
-
         try:
             # a node whose actor stopped answering may be gone while Ray still lists it (its health checks take tens
             # of seconds): the new process goes elsewhere at once, without waiting for Ray to decide
             avoid = {str(h.where["node_id"]) for h in role.hosts if h.unreachable and (h.where or {}).get("node_id")}
             self._reap(role, force=True)
-            if role.expected_exit:  # killed (or the run ended) while the old one was reaped
-                return
+        except Exception as e:  # noqa: BLE001 - the controller hears of it as an exit (`dead`) and applies its policy
+            logger.exception("restarting %s failed", role.name)
+            role.start_failed = f"{type(e).__name__}: {e}"
+            return
+        if not role.expected_exit:  # else killed (or the run ended) while the old one was reaped
+            self._start_later(role, avoid)
+
+    def _start_later(self, role: _Role, avoid: Collection[str] = ()) -> None:
+        """Place and start `role` on this (a restart's or an addition's) thread, waiting for its placement."""
+        try:
             self._start(role, wait=False, avoid=avoid)
             if role.expected_exit:
                 self.kill(role.name)
@@ -349,7 +399,7 @@ class RayLauncher:
             for r, h in enumerate(role.hosts):  # where it landed, for its role_placed record (or None if pending)
                 h.where = self._node_of(h.pg, r) or h.where
         except Exception as e:  # noqa: BLE001 - the controller hears of it as an exit (`dead`) and applies its policy
-            logger.exception("restarting %s failed", role.name)
+            logger.exception("starting %s failed", role.name)
             role.start_failed = f"{type(e).__name__}: {e}"
 
     def _start(self, role: _Role, wait: bool, avoid: Collection[str] = ()) -> None:

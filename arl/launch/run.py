@@ -109,7 +109,7 @@ def make_controller(cfg: ExperimentConfig, run_dir: str, **overrides: Any) -> Co
     from arl.learner.backends import LEARNER_BACKENDS
 
     bind_host = effective_bind_host(cfg.bind_host)
-    secret = resolve_secret(cfg.secret, bind_host)
+    secret = given = resolve_secret(cfg.secret, bind_host)
     trains_model = LEARNER_BACKENDS.get(cfg.learner.backend).trains_model  # only a real model runs on several ranks
     resume = resume_state(cfg, run_dir)  # may refuse the run: before a launcher (Ray) is connected
     if cfg.launcher == LauncherKind.ray and "launcher" not in overrides:
@@ -117,7 +117,8 @@ def make_controller(cfg: ExperimentConfig, run_dir: str, **overrides: Any) -> Co
                                                    cfg.learner.num_ranks if trains_model else 1)
         overrides = {**overrides, "launcher": launcher}
     try:
-        return _controller(cfg, run_dir, bind_host, secret, resume, trains_model, overrides)
+        return _controller(cfg, run_dir, bind_host, secret, resume, trains_model, overrides,
+                           made_secret=secret is not None and given is None)
     except BaseException:
         close_launcher(overrides.get("launcher"))
         raise
@@ -142,7 +143,9 @@ def autoscale_policy(ic: Any) -> Optional[AutoscalePolicy]:
 
 
 def _controller(cfg: ExperimentConfig, run_dir: str, bind_host: str, secret: Optional[bytes],
-                resume: Optional[dict], trains_model: bool, overrides: dict[str, Any]) -> Controller:
+                resume: Optional[dict], trains_model: bool, overrides: dict[str, Any],
+                made_secret: bool = False) -> Controller:
+    """`made_secret`: the run made its `secret` (Ray): it goes into the 0600 control file, for `arl.ctl`."""
     ic, rc = cfg.inference, cfg.rollout
     supervisor = Supervisor(
         num_inference=ic.num_workers,
@@ -182,7 +185,9 @@ def _controller(cfg: ExperimentConfig, run_dir: str, bind_host: str, secret: Opt
         max_consecutive_drops=rc.max_consecutive_drops,
         weights_settings=weights_settings(cfg),
         scaling=dict(drain_timeout_s=ic.drain_timeout_s, autoscale=autoscale_policy(ic),
-                     rollout_drain_timeout_s=rc.drain_timeout_s, rollout_refusal=rollout_scaling_refusal(cfg)),
+                     rollout_drain_timeout_s=rc.drain_timeout_s, rollout_refusal=rollout_scaling_refusal(cfg),
+                     env_drain_timeout_s=cfg.env.drain_timeout_s,
+                     made_secret=secret.decode("utf-8") if made_secret and secret is not None else None),
         steering=StalenessSteering(**dataclasses.asdict(cfg.staleness_auto)) if auto_eta(cfg) else None,
         sinks=make_sinks(cfg.loggers, run_dir, dataclasses.asdict(dataclasses.replace(cfg, secret="")),
                          cfg.experiment),

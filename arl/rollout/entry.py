@@ -254,6 +254,8 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
 
         env_client = EnvServerClient([make_socket(Dealer).connect(a) for a in addrs["env"]],
                                      timeout=cfg.rollout.env_timeout)
+        for i in addrs.get("retired_env") or ():  # scaled out of the run before this worker started
+            env_client.server_lost(int(i))
         env_client.start()
     judge_client, judge = judge_link(cfg, addrs.get("judge"))
     per_worker = max(1, cfg.rollout.max_concurrent_rollouts // cfg.rollout.num_workers)
@@ -305,6 +307,8 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
     async def on_worker_draining(msg: WorkerDraining) -> None:  # a server leaves the run: nothing new to it
         if msg.role == "inference":
             client.worker_draining(msg.index)
+        elif msg.role == "env" and env_client is not None:
+            env_client.server_draining(msg.index)
 
     async def on_learner_restarted(msg: LearnerRestarted) -> None:  # back from its checkpoint: push to the new one
         old, link["push"] = link["push"], make_socket(Push).connect(msg.address)

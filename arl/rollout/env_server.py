@@ -328,6 +328,7 @@ class EnvServerClient:
         self._sids = itertools.count()
         self._tag = os.urandom(4).hex()
         self.stats: collections.Counter = collections.Counter()
+        self.draining: set[int] = set()  # servers leaving the run: no new session goes there
 
     def start(self) -> None:
         for i, d in enumerate(self.dealers):
@@ -339,9 +340,9 @@ class EnvServerClient:
 
     def pick(self) -> int:
         """The live server with the fewest open sessions (EnvServerLost when none is live)."""
-        live = [i for i, d in enumerate(self.dealers) if d is not None]
+        live = [i for i, d in enumerate(self.dealers) if d is not None and i not in self.draining]
         if not live:
-            raise EnvServerLost("no env server is live (all lost; waiting for restarts)")
+            raise EnvServerLost("no env server is live (all lost or leaving; waiting for restarts)")
         return min(live, key=lambda i: (self.load[i], i))
 
     async def _read(self, i: int, dealer: Any) -> None:
@@ -444,10 +445,19 @@ class EnvServerClient:
         if dealer is not None:
             dealer.close()
 
+    def server_draining(self, i: int) -> None:
+        """Server `i` leaves the run: its open sessions go on there, no new one starts there."""
+        self.draining.add(i)
+
     def server_back(self, i: int, dealer: Any) -> None:
-        if not 0 <= i < len(self.dealers):
+        """Server `i` is (back) at `dealer`'s address: restarted, or new (an index past the known ones: joined)."""
+        if i < 0 or i in self.draining:
             dealer.close()
             return
+        while len(self.dealers) <= i:  # a server that joined the run (`arl.ctl scale env=+1`)
+            self.dealers.append(None)
+            self.epoch.append(0)
+            self.load.append(0)
         if self.dealers[i] is not None:
             self.server_lost(i)
         self.dealers[i] = dealer

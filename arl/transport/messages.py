@@ -121,6 +121,7 @@ class Addresses(ControlMessage):
     env: Optional[list[Optional[str]]] = None  # env servers (env.servers > 0)
     judge: Optional[list[Optional[str]]] = None  # judge workers (judge.model.path set)
     retired: Optional[list[int]] = None  # inference servers scaled out of the run (`arl.ctl scale`): route none
+    retired_env: Optional[list[int]] = None  # env servers scaled out of the run: open no session there
 
 
 class GateAcquire(ControlMessage):

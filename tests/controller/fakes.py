@@ -44,6 +44,15 @@ class FakeLauncher:
     def respawn(self, name: str) -> None:
         self.spawn(name, [], "")
 
+    add = spawn  # elastic (tests set `elastic`): a role added mid-run
+    unfit = ""  # what `fits` answers
+
+    def fits(self, role: str, index: int) -> str:
+        return self.unfit
+
+    def remove(self, name: str) -> None:
+        self.kill(name)
+
     def kill(self, name: str) -> None:
         self.expected.add(name)
         if self.running.get(name):

@@ -54,13 +54,17 @@ def test_control_file_is_private(tmp_path):
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     assert json.loads(path.read_text()) == {"controller": "tcp://127.0.0.1:5", "key": key, "signed": True,
                                             "pid": os.getpid()}
+    # a secret the run made itself (Ray) is kept there for `arl.ctl` on this machine
+    write_control_file(str(tmp_path), "tcp://10.0.0.1:5", signed=True, secret="made-for-the-run")
+    assert json.loads(path.read_text())["secret"] == "made-for-the-run"
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
 
 
 @pytest.mark.asyncio
 async def test_refusals_change_nothing(run):
     ctl, key = run
     await ctl._dispatch(b"ctl", "scale", {"token": "nope", "changes": {"inference": 1}})
-    await ctl._dispatch(b"ctl", "scale", {"token": key, "changes": {"env": 1}})
+    await ctl._dispatch(b"ctl", "scale", {"token": key, "changes": {"judge": 1}})
     await ctl._dispatch(b"ctl", "scale", {"token": key, "changes": {"inference": "+x"}})
     await ctl._dispatch(b"ctl", "scale", {"token": key, "changes": {"inference": -2}})  # would leave none
     await ctl._dispatch(b"ctl", "scale", {"token": key, "changes": {}})
@@ -69,7 +73,7 @@ async def test_refusals_change_nothing(run):
     await ctl._dispatch(b"ctl", "scale", {"token": key, "changes": {"rollout": 1, "inference": 1}})
     replies = scaled(ctl)
     assert [r["ok"] for r in replies] == [False] * 7
-    assert "wrong control key" in replies[0]["message"] and "'env'" in replies[1]["message"]
+    assert "wrong control key" in replies[0]["message"] and "'judge'" in replies[1]["message"]
     assert "at least one" in replies[3]["message"] and "1 rollout workers" not in replies[5]["message"]
     assert "0 rollout workers: a run needs at least one" in replies[5]["message"]
     assert "num_env_groups" in replies[6]["message"]
@@ -179,3 +183,64 @@ async def test_a_rollout_worker_joins_then_drains_and_its_prompt_streams_go_on_e
     await ctl._dispatch(b"r0", "heartbeat", {"role": "rollout", "index": 0, "stats": {"prompt_position": {
         "0": 5, "1": 4, "2": {"low": 2, "above": []}}}})
     assert ctl.roster.prompt_position("rollout", 0) == {"0": 5, "1": 4, "2": {"low": 2, "above": []}}
+
+
+@pytest.mark.asyncio
+async def test_what_the_launcher_cannot_place_is_refused_and_an_added_role_that_never_registers_is_given_up(run):
+    ctl, key = run
+    await register_all(ctl)
+    ctl.launcher.unfit = "launcher=ray: role rollout1 needs 8 CPU on one node, and no node has 8 CPU"
+    await ctl._dispatch(b"ctl", "scale", {"token": key, "changes": {"rollout": 1}})
+    assert not scaled(ctl)[-1]["ok"] and "no node has 8 CPU" in scaled(ctl)[-1]["message"]
+    assert ctl.sup.rollouts() == [0] and ctl.launcher.spawns[-1] == "rollout0"  # untouched
+    ctl.launcher.unfit = ""
+    await ctl._dispatch(b"ctl", "scale", {"token": key, "changes": {"rollout": 1, "inference": 1}})
+    await settle(ctl)
+    assert scaled(ctl)[-1]["ok"] and ctl.sup.joining == {"rollout1", "inference2"}
+    for name in ("rollout1", "inference2"):  # placed nowhere (Ray waits for a node): past startup_timeout
+        ctl.sup.restarted_at[name] -= ctl.sup.startup_timeout + 1
+    assert await ctl.health.check()  # the run goes on without them
+    assert ctl.sup.rollouts() == [0] and 1 in ctl.admission.leaving and 2 in ctl.weights.lost
+    assert sorted(ctl.launcher.killed) == ["inference2", "rollout1"] and not ctl.sup.joining
+    faults = [r for r in map(json.loads, open(os.path.join(ctl.run_dir, "metrics.jsonl")))
+              if r.get("kind") == "scale_failed"]
+    assert sorted(f["role"] for f in faults) == ["inference2", "rollout1"]
+    assert "start (added by arl.ctl scale)" in faults[0]["reason"]
+
+
+@pytest.mark.asyncio
+async def test_an_env_server_joins_and_one_drains(tmp_path):
+    ctl = make_controller(tmp_path, num_inference=1, num_rollout=1, num_env=1)
+    ctl.launcher.elastic = True
+    key = write_control_file(str(tmp_path), "tcp://127.0.0.1:1", signed=False)
+    ctl._handlers.update(Scaling(ctl, key=key, env_drain_timeout_s=2.0).handlers)
+    for ident, reg in ((b"i0", {"role": "inference", "index": 0, "address": "tcp://a:0"}),
+                       (b"e0", {"role": "env", "index": 0, "address": "tcp://e:0"}),
+                       (b"L", {"role": "learner", "index": 0}), (b"r0", {"role": "rollout", "index": 0})):
+        await ctl._dispatch(ident, "register", reg)
+    await ctl._dispatch(b"ctl", "scale", {"token": key, "changes": {"env": -1}})  # the only one: refused
+    assert not scaled(ctl)[-1]["ok"] and "at least one" in scaled(ctl)[-1]["message"]
+    await ctl._dispatch(b"ctl", "scale", {"token": key, "changes": {"env": 1}})
+    await settle(ctl)
+    assert scaled(ctl)[-1]["ok"] and ctl.launcher.spawns[-1] == "env1" and ctl.sup.num_env == 2
+    await ctl._dispatch(b"e1", "register", {"role": "env", "index": 1, "address": "tcp://e:1"})
+    assert sent(ctl, "worker_back")[-1] == (b"r0", {"role": "env", "index": 1, "address": "tcp://e:1"})
+    await ctl._dispatch(b"ctl", "scale", {"token": key, "changes": {"env": -1}})  # the newest goes
+    await asyncio.sleep(0.05)
+    assert sent(ctl, "worker_draining")[-1] == (b"r0", {"role": "env", "index": 1}) and not ctl.launcher.killed
+    await ctl._dispatch(b"e1", "heartbeat", {"role": "env", "index": 1, "stats": {"sessions": 2}})
+    await asyncio.sleep(0.3)
+    assert not ctl.launcher.killed  # its sessions still run
+    await ctl._dispatch(b"e1", "heartbeat", {"role": "env", "index": 1, "stats": {"sessions": 0}})
+    await settle(ctl)
+    assert scaled(ctl)[-1]["ok"] and ctl.launcher.killed == ["env1"] and not ctl.launcher.dead()
+    assert sent(ctl, "worker_lost")[-1] == (b"r0", {"role": "env", "indices": [1]})
+    assert ctl.roster.addresses["retired_env"] == [1] and "env servers now: [0]" in scaled(ctl)[-1]["message"]
+    ctl.reporter.close()
+
+
+@pytest.mark.asyncio
+async def test_env_servers_cannot_be_scaled_in_a_run_without_them(run):
+    ctl, key = run
+    await ctl._dispatch(b"ctl", "scale", {"token": key, "changes": {"env": 1}})
+    assert not scaled(ctl)[-1]["ok"] and "env.servers=N" in scaled(ctl)[-1]["message"]

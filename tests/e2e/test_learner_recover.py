@@ -54,7 +54,7 @@ def test_two_learner_ranks_checkpoint_and_recover(tmp_path):
     assert "resumed from checkpoint v2 (4 groups consumed" in log and "rank 1: stop after 2 steps" in log
     rollout = open(os.path.join(run_dir, "logs", "rollout0.log")).read()
     redrawn = len(list(done.unsettled(done.next_fresh)))
-    assert f"prompt stream resumes: {redrawn} prompts drawn again, then position {done.next_fresh}" in rollout
+    assert f"prompt streams resume: {redrawn} prompts drawn again, then positions {{0: {done.next_fresh}}}" in rollout
     recs = _records(run_dir)
     steps = [r["step"] for r in recs if r["type"] == "train"]
     assert steps == [1, 2, 3, 4]  # the resumed run went on from version 2, no step repeated

@@ -1,7 +1,8 @@
-"""`python -m arl.ctl <run> scale` on the default run: +2, -1, +1 inference servers and +1, -1 rollout workers while
-it trains. Each joining server loads the newest weights before the rollout workers route to it, the leaving one is
-drained; the joining rollout worker trains groups of a prompt stream of its own, and when it leaves its running
-groups finish (accepted) and its stream goes on at rollout0; the run finishes with nothing accepted lost."""
+"""`python -m arl.ctl <run> scale` on the default run (envs on an env server): +2, -1, +1 inference servers and +1, -1
+rollout workers and env servers while it trains. Each joining server loads the newest weights before the rollout
+workers route to it, the leaving one is drained; the joining rollout worker trains groups of a prompt stream of its
+own, and when it leaves its running groups finish (accepted) and its stream goes on at rollout0; the joining env
+server takes sessions, the leaving one is drained of them; the run finishes with nothing accepted lost."""
 
 from __future__ import annotations
 
@@ -22,15 +23,15 @@ def ctl(run_dir: str, *args: str, env: dict | None = None) -> subprocess.Complet
                           text=True, timeout=300, env=env)
 
 
-def joined(run_dir: str) -> set[int]:
-    return {m["server"] for m in read_metrics(run_dir) if m["type"] == "worker_back"}
+def joined(run_dir: str, role: str = "inference") -> set[int]:
+    return {m["server"] for m in read_metrics(run_dir) if m["type"] == "worker_back" and m["role"] == role}
 
 
 @pytest.mark.slow
 def test_scale_inference_up_down_up_mid_run(tmp_path, model_cache):
     hold = Hold(str(tmp_path), hold_from=(2, 4))  # the run trains past steps 2 and 4 only once the test says so
-    proc, run_dir = start_run(str(tmp_path), model_cache, [f"total_train_steps={STEPS}", "inference.drain_timeout_s=30",
-                                                           *hold.args], env=hold.env)
+    args = [f"total_train_steps={STEPS}", "inference.drain_timeout_s=30", "env.servers=1", *hold.args]
+    proc, run_dir = start_run(str(tmp_path), model_cache, args, env=hold.env)
     wait_for(lambda: len(train_steps(run_dir)) >= 1, proc, what="the first step")
     bad = ctl(run_dir, "scale", "inference=-1")  # the only server: refused, the run untouched
     assert bad.returncode == 1 and "at least one" in bad.stdout, bad.stdout + bad.stderr
@@ -42,26 +43,29 @@ def test_scale_inference_up_down_up_mid_run(tmp_path, model_cache):
     up = ctl(run_dir, "scale", "inference=+1")
     assert up.returncode == 0 and "started servers [3]" in up.stdout, up.stdout + up.stderr
     wait_for(lambda: 3 in joined(run_dir), proc, timeout=300, what="server 3 to join")
-    up = ctl(run_dir, "scale", "rollout=+1")
+    up = ctl(run_dir, "scale", "rollout=+1", "env=+1")
     assert up.returncode == 0 and "started rollout workers [1]" in up.stdout, up.stdout + up.stderr
-    wait_for(lambda: "rollout1: registered" in log_of(run_dir, "rollout1"), proc, timeout=300,
-             what="rollout1 to register")
+    assert "started env servers [1]" in up.stdout, up.stdout
+    wait_for(lambda: "rollout1: registered" in log_of(run_dir, "rollout1") and 1 in joined(run_dir, "env"), proc,
+             timeout=300, what="rollout1 and env server 1 to join")
     hold.release()  # to step 4: rollout1's groups (first in the gate's queue) train beside rollout0's
     wait_for(lambda: len(train_steps(run_dir)) >= 4, proc, timeout=300, what="step 4")
     # groups of version 4 wait for the second release: rollout1 is drained while they run, they finish once released
-    down = subprocess.Popen([sys.executable, "-m", "arl.ctl", run_dir, "scale", "rollout=-1"], cwd=ROOT,
+    down = subprocess.Popen([sys.executable, "-m", "arl.ctl", run_dir, "scale", "rollout=-1", "env=-1"], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for(lambda: "leaving the run" in log_of(run_dir, "rollout1"), proc, what="rollout1 to drain")
     hold.release(1)
     out, err = down.communicate(timeout=300)
     assert down.returncode == 0 and "drained and stopped rollout workers [1]" in out, out + err
     assert "streams [1] to rollout0" in out and int(re.search(r"accepted there: \{1: (\d+)\}", out)[1]) > 0, out
+    assert int(re.search(r"drained and stopped env servers \[1\] .*opened: \{1: (\d+)\}", out)[1]) > 0, out
     code, _, err = finish(proc)
     assert code == 0, err[-6000:]
     assert train_steps(run_dir) == list(range(1, STEPS + 1))
     metrics = read_metrics(run_dir)
     assert [(m["role"], m["change"]) for m in metrics if m["type"] == "scale"] == [
-        ("inference", 2), ("inference", -1), ("inference", 1), ("rollout", 1), ("rollout", -1)]
+        ("inference", 2), ("inference", -1), ("inference", 1), ("rollout", 1), ("env", 1), ("rollout", -1),
+        ("env", -1)]
     final = [m for m in metrics if m["type"] == "eval"][-1]["roles"]
     client = final["rollout0"]["client"]
     # each server joined with the newest weights published before it joined, and served requests
@@ -69,7 +73,7 @@ def test_scale_inference_up_down_up_mid_run(tmp_path, model_cache):
     for m in metrics:
         if m["type"] == "train":
             published = max(published, m["version"])
-        elif m["type"] == "worker_back":
+        elif m["type"] == "worker_back" and m["role"] == "inference":
             assert m["version"] >= published, (m, published)
     assert client["back_w1"] == client["back_w2"] == client["back_w3"] == 1, client
     assert client["sent_w1"] > 0 and client["sent_w3"] > 0 and client["workers_draining"] == 1, client

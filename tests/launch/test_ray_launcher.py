@@ -6,6 +6,7 @@ end leaves no role process, actor or placement group behind. Only the Ray these 
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -501,4 +502,77 @@ def test_dead_and_respawn_never_wait_on_ray_in_the_callers_thread(tmp_path, clus
     finally:
         monkeypatch.setattr(ray, "get", real_get)
         launcher.close()
+    wait_until(lambda: cluster_leftovers(cluster) == ([], []), 30, "no actor or placement group left")
+
+
+def groups_on(cluster, node_id: str) -> list:
+    """Placement groups not removed that have a bundle on node `node_id`."""
+    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+    try:
+        return [p for p in ray.util.placement_group_table().values()
+                if p.get("state") != "REMOVED" and node_id in (p.get("bundles_to_node_id") or {}).values()]
+    finally:
+        ray.shutdown()
+
+
+def scale(run_dir: str, *changes: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "arl.ctl", run_dir, "scale", *changes], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_servers_and_rollout_workers_join_and_leave_on_ray(tmp_path, model_cache, cluster):
+    """`arl.ctl scale inference=+1 rollout=+1` on Ray: Ray places both on a node that joined the cluster; then
+    `-1 -1` drains them and gives their placement back, so that node can leave without costing the run a role."""
+    node_c = cluster.add_node(num_cpus=2, resources={"node_c": 1})
+    cluster.wait_for_nodes()
+    place = ["ray.placement.inference=[{node_a: 0.01}, {node_c: 0.01}]",
+             "ray.placement.rollout=[{node_b: 0.01}, {node_c: 0.01}]", "eval.every_n_steps=100"]
+    steps = 150  # here both joined ~20 s after the first step (~step 60) and had left by ~step 70 (0.2 s a step)
+    proc, run_dir = start_on_ray(cluster, [f"total_train_steps={steps}", *SMALL, *ONE_RANK, *place], str(tmp_path),
+                                 model_cache)
+    try:
+        wait_until(lambda: len(train_records(run_dir)) >= 1 or proc.poll() is not None, 300, "a first step")
+        up = scale(run_dir, "inference=+1", "rollout=+1")
+        assert up.returncode == 0 and "started servers [1]" in up.stdout, up.stdout + up.stderr
+        assert "started rollout workers [1]" in up.stdout, up.stdout
+
+        def placed() -> dict:
+            return {m["role"]: m for m in read_metrics(run_dir) if m["type"] == "role_placed"}
+
+        wait_until(lambda: {"inference1", "rollout1"} <= set(placed()) and any(
+            m["type"] == "worker_back" and m.get("server") == 1 for m in read_metrics(run_dir))
+            or proc.poll() is not None, 300, "server 1 and rollout1 to join")
+        joined_at = len(train_records(run_dir))
+        wait_until(lambda: len(train_records(run_dir)) >= joined_at + 10 or proc.poll() is not None, 300,
+                   "ten steps with both")
+        down = scale(run_dir, "inference=-1", "rollout=-1")
+        assert down.returncode == 0, down.stdout + down.stderr
+        assert "drained and stopped servers [1]" in down.stdout, down.stdout
+        assert "drained and stopped rollout workers [1]" in down.stdout and "streams [1] to rollout0" in down.stdout
+        assert int(re.search(r"accepted there: \{1: (\d+)\}", down.stdout)[1]) > 0, down.stdout
+        wait_until(lambda: not groups_on(cluster, node_c.node_id), 30, "node_c's placement groups to go")
+        cluster.remove_node(node_c)  # given back: nothing of the run is on it any more
+        out, err = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstderr:\n{err[-6000:]}"
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics if m["type"] == "train"] == list(range(1, steps + 1))
+    where = placed()
+    assert where["inference1"]["node_resources"] == ["node_c"] == where["rollout1"]["node_resources"], where
+    published = 0  # server 1 joined with the newest weights
+    for m in metrics:
+        if m["type"] == "train":
+            published = max(published, m["version"])
+        elif m["type"] == "worker_back":
+            assert m["version"] >= published, (m, published)
+    summary = [m for m in metrics if m["type"] == "summary"][-1]
+    assert summary["lost_accepted_groups"] == 0 and summary["learner_balance"] == 0
+    assert summary["rollout_restarts"] == summary["inference_restarts"] == 0
+    assert not [m for m in metrics if m["type"] == "worker_restarted"]
+    client = [m for m in metrics if m["type"] == "eval"][-1]["roles"]["rollout0"]["client"]
+    assert client["sent_w1"] > 0, client
+    wait_until(lambda: leftover_processes(run_dir) == [], 30, "the roles to exit")
     wait_until(lambda: cluster_leftovers(cluster) == ([], []), 30, "no actor or placement group left")

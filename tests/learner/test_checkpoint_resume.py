@@ -67,7 +67,7 @@ def test_resume_in_process_matches_straight_run(tmp_path):
     counters = state.pop("counters")
     assert state.pop("received_group_ids") == {"bits": {}, "other": []}  # put in the buffer, not received
     assert state == {"version": 2, "groups_consumed": 8, "data_position": {"0": {"low": 8, "above": []}},
-                     "batch_size": tf.BATCH}
+                     "prompt_shards": 1, "batch_size": tf.BATCH}
     assert counters["stale_groups_dropped"] == 0 and counters["steps"] == 2
     w1.stats["stale_groups_dropped"] = 99  # not in the checkpoint: must not survive the crash
     del first, w1

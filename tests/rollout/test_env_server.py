@@ -358,3 +358,24 @@ def test_badly_shaped_calls_in_an_authentic_batch_are_answered_bad_request_and_t
         raw.close()
         await stop(srvs, client)
     asyncio.run(go())
+
+
+def test_a_server_that_joins_takes_new_sessions_and_one_draining_takes_none():
+    async def go():
+        srvs, client = await servers(2)
+        router = Router(secret=SECRET)  # a third server joins the run as index 2
+        address = router.bind_random("127.0.0.1")
+        joined = EnvServer(index=2, router=router, make_env=make_env, call_timeout=5.0, lease_s=60.0)
+        joined.task = asyncio.create_task(joined.serve())
+        client.server_back(2, Dealer(secret=SECRET).connect(address))
+        envs = [RemoteEnv(client, "slow") for _ in range(3)]
+        for e in envs:
+            await e.reset()
+        assert sorted(e.server for e in envs) == [0, 1, 2] and len(client.dealers) == 3
+        client.server_draining(0)  # leaving: its session goes on there, new ones go elsewhere
+        assert (await envs[[e.server for e in envs].index(0)].step("a"))[2] is not None
+        late = RemoteEnv(client, "slow")
+        await late.reset()
+        assert late.server in (1, 2)
+        await stop(srvs + [joined], client)
+    asyncio.run(go())

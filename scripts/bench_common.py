@@ -16,7 +16,7 @@ import os
 import platform
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, Awaitable, Callable, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -109,8 +109,8 @@ def _snapshot(ctl: Any, with_procs: bool) -> dict:
                                    "admission_hist", "idle_seconds", "train_seconds", "steps", "prompt_tokens",
                                    "prefix_hit_tokens", "prefill_tokens", "cache_flushes", "client") if k in st}
         roles[f"{role}{idx}"] = keep
-    snap = {"t": time.monotonic(), "started": ctl.gate.started, "version": ctl.gate.version,
-            "running": ctl.gate.running, "roles": roles}
+    snap = {"t": time.monotonic(), "started": ctl.gate.started, "accepted": ctl.gate.accepted,
+            "version": ctl.gate.version, "running": ctl.gate.running, "roles": roles}
     if with_procs:
         snap["procs"] = _proc_stats(ctl)
     return snap
@@ -118,8 +118,11 @@ def _snapshot(ctl: Any, with_procs: bool) -> dict:
 
 async def run_monitored(cfg: ExperimentConfig, run_dir: str, *, sample_every: float = 0.5,
                         proc_every: float = 2.0, duration: Optional[float] = None,
-                        timeout: float = 3600.0) -> RunRecord:
-    """Run `cfg` through the Controller; with `duration`, stop that many seconds after the gate opened."""
+                        timeout: float = 3600.0, during: Optional[Callable[[Any], Awaitable[None]]] = None
+                        ) -> RunRecord:
+    """Run `cfg` through the Controller; with `duration`, stop that many seconds after the gate opened. `during(ctl)`:
+    a coroutine started once the gate opened (e.g. `arl.ctl scale` calls); when it returns, the run ends as a
+    finished one does (its summary record written)."""
     from arl.launch.run import close_launcher, make_controller
 
     os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
@@ -150,6 +153,13 @@ async def run_monitored(cfg: ExperimentConfig, run_dir: str, *, sample_every: fl
     ctl.spawn_roles()
     run_task = asyncio.create_task(ctl.run())
     sample_task = asyncio.create_task(sampler())
+
+    async def driver() -> None:
+        await opened.wait()
+        await during(ctl)
+        ctl._done.set()
+
+    drive_task = asyncio.create_task(driver()) if during is not None else None
     try:
         if duration is None:
             summary = await asyncio.wait_for(run_task, timeout)
@@ -169,8 +179,10 @@ async def run_monitored(cfg: ExperimentConfig, run_dir: str, *, sample_every: fl
     finally:
         samples.append(_snapshot(ctl, True))
         t_end = time.monotonic()
-        sample_task.cancel()
-        await asyncio.gather(sample_task, return_exceptions=True)
+        for t in (sample_task, drive_task):
+            if t is not None:
+                t.cancel()
+                await asyncio.gather(t, return_exceptions=True)
         if not run_task.done():
             run_task.cancel()
             await asyncio.gather(run_task, return_exceptions=True)

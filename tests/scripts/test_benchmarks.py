@@ -113,6 +113,19 @@ def test_bench_autoscale_smoke(tmp_path):
     assert all(r["steps"] == 2 and not r["error"] and r["server_s"] > 0 for r in runs.values())
 
 
+def test_bench_fleet_smoke(tmp_path):
+    """One run whose fleet goes 1 -> 2 -> 1 servers through `arl.ctl`, at a tiny size: every phase measured, the
+    changes answered, nothing accepted lost."""
+    out = tmp_path / "fleet.json"
+    proc = run_script("bench_fleet.py", ["--fleet", "1,2,1", "--phase-s", "2", "--warmup-s", "1", "--concurrency",
+                                         "8", "--rollout-workers", "1", "--batch", "2", "--time-scale", "0.05",
+                                         "--out", str(tmp_path / "runs"), "--json", str(out)])
+    assert "lost accepted groups: 0" in proc.stdout, proc.stdout
+    res = json.loads(out.read_text())
+    assert [p["size"] for p in res["phases"]] == [1, 2, 1] and [p["servers"] for p in res["phases"]] == [1, 2, 1]
+    assert all(p.get("ctl_exit", 0) == 0 for p in res["phases"]) and res["phases"][1]["tokens_per_s"] > 0
+
+
 def test_scale_run_smoke_through_ray(tmp_path):
     pytest.importorskip("ray")
     out = tmp_path / "scale.json"

@@ -199,21 +199,11 @@ class Scaling:
         try:
             lines, extra = [], {}
             for role, n in plan.items():
-                if role == "inference":
-                    done = await (self._add(n) if n > 0 else  # the newest go
-                                  self._remove(self.ctl.weights.alive()[n:], self.drain_timeout_s))
-                    now = extra["serving"] = self.ctl.weights.alive()
-                    lines.append(f"inference {n:+d}: {done}; serving now: {now}")
-                elif role == "env":
-                    done = await (self._add_envs(n) if n > 0 else  # the newest go
-                                  self._remove_envs(self.env_servers()[n:], self.env_drain_timeout_s))
-                    now = extra["env"] = self.env_servers()
-                    lines.append(f"env {n:+d}: {done}; env servers now: {now}")
-                else:
-                    done = await (self._add_rollouts(n) if n > 0 else  # the newest go; never rollout0
-                                  self._remove_rollouts(self.ctl.sup.rollouts()[n:], self.rollout_drain_timeout_s))
-                    now = extra["rollout"] = self.ctl.sup.rollouts()
-                    lines.append(f"rollout {n:+d}: {done}; rollout workers now: {now}")
+                live, remove, drain_s, key, what = self._roles()[role]
+                # the newest go (never rollout0: it runs the evaluations, and the newest go first)
+                done = await (self._add(role, n) if n > 0 else remove(live()[n:], drain_s))
+                now = extra[key] = live()
+                lines.append(f"{role} {n:+d}: {done}; {what} now: {now}")
                 self.ctl.reporter.event("scale", role=role, change=n, servers=now, done=done)
             text = "; ".join(lines)
             logger.warning("scale: %s", text)
@@ -224,18 +214,33 @@ class Scaling:
         finally:
             self._busy = False
 
-    async def _add(self, n: int) -> str:
-        """Start `n` new servers; they join the routing once they loaded the newest weights (`Rejoin`)."""
+    def _roles(self) -> dict[str, tuple[Callable[[], list[int]], Callable[..., Any], float, str, str]]:
+        """Per role: (its live indices, how one leaves, its drain timeout, the answer's key, its name)."""
+        return {"inference": (self.ctl.weights.alive, self._remove, self.drain_timeout_s, "serving", "serving"),
+                "rollout": (self.ctl.sup.rollouts, self._remove_rollouts, self.rollout_drain_timeout_s, "rollout",
+                            "rollout workers"),
+                "env": (self.env_servers, self._remove_envs, self.env_drain_timeout_s, "env", "env servers")}
+
+    ADDED = {"inference": "servers {} (they take requests once they loaded the newest weights)",
+             "rollout": "rollout workers {} (each draws a prompt stream of its own)",
+             "env": "env servers {} (sessions go there once they registered)"}
+
+    async def _add(self, role: str, n: int) -> str:
+        """Start `n` new processes of `role` (new indices, never reused), each booked in the run's shape first."""
         ctl, sup = self.ctl, self.ctl.sup
+        count = {"inference": "num_inference", "rollout": "num_rollout", "env": "num_env"}[role]
         added = []
         for _ in range(n):
-            index = ctl.weights.add_server()
-            sup.num_inference += 1
-            ctl.roster.limits["inference"] += 1
-            ctl.roster.addresses["inference"].append(None)
-            self._start("inference", index)
+            index = getattr(sup, count)
+            if role == "inference":  # out of the weight acks and the routing until it loaded the newest weights
+                ctl.weights.add_server()
+            setattr(sup, count, index + 1)
+            ctl.roster.limits[role] += 1
+            if isinstance(ctl.roster.addresses.get(role), list):  # where it listens, once it registered
+                ctl.roster.addresses[role].append(None)
+            self._start(role, index)
             added.append(index)
-        return f"started servers {added} (they take requests once they loaded the newest weights)"
+        return "started " + self.ADDED[role].format(added)
 
     async def _remove(self, leaving: list[int], drain_s: float) -> str:
         """Drain `leaving` (at most `drain_s` seconds), then stop their processes."""
@@ -269,19 +274,6 @@ class Scaling:
         ctl.health.names.append(name)
         return name
 
-    async def _add_envs(self, n: int) -> str:
-        """Start `n` env servers; the rollout workers open sessions there once it registered (`worker_back`)."""
-        ctl, sup = self.ctl, self.ctl.sup
-        added = []
-        for _ in range(n):
-            index = sup.num_env
-            sup.num_env += 1
-            ctl.roster.limits["env"] += 1
-            ctl.roster.addresses["env"].append(None)
-            self._start("env", index)
-            added.append(index)
-        return f"started env servers {added} (sessions go there once they registered)"
-
     async def _remove_envs(self, leaving: list[int], drain_s: float) -> str:
         """Drain env servers `leaving` (no new session; open ones end, at most `drain_s` seconds), then stop them;
         a session still open then is gone with its server (its group is dropped, counted, as for a lost one)."""
@@ -303,18 +295,6 @@ class Scaling:
         late = f"; {left} sessions still open after {drain_s:g}s were closed with it" if left else ""
         return (f"drained and stopped env servers {leaving} in {time.monotonic() - t0:.1f}s (sessions they had "
                 f"opened: {served}){late}")
-
-    async def _add_rollouts(self, n: int) -> str:
-        """Start `n` rollout workers of new indices, each with a prompt stream of its own."""
-        ctl, sup = self.ctl, self.ctl.sup
-        added = []
-        for _ in range(n):
-            index = sup.num_rollout
-            sup.num_rollout += 1
-            ctl.roster.limits["rollout"] += 1
-            self._start("rollout", index)
-            added.append(index)
-        return f"started rollout workers {added} (each draws a prompt stream of its own)"
 
     async def _remove_rollouts(self, leaving: list[int], drain_s: float) -> str:
         """Drain rollout workers `leaving` (their running groups finish, at most `drain_s` seconds), stop them,
@@ -388,7 +368,8 @@ class Scaling:
                 continue
             self._busy = True
             try:
-                done = await (self._add(1) if d.change > 0 else self._remove(serving[-1:], self.drain_timeout_s))
+                done = await (self._add("inference", 1) if d.change > 0 else
+                              self._remove(serving[-1:], self.drain_timeout_s))
             except Exception:  # noqa: BLE001 - a failed change: the run goes on with the fleet it has
                 logger.exception("autoscale %+d failed", d.change)
                 continue

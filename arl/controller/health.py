@@ -17,7 +17,8 @@ from typing import Any, Callable, Optional, Protocol
 from arl.controller.admission import Admission, Grant
 from arl.controller.diagnosis import describe_stall, investigate_silence, resume_hint
 from arl.controller.evaluation import EvalSchedule
-from arl.controller.recovery import (EnvLost, Fatal, InferenceLost, LearnerLost, RolloutLost, give_up, plan_failure,
+from arl.controller.recovery import (EnvLost, Fatal, InferenceLost, JoinFailed, LearnerLost, RolloutLost, give_up,
+                                    plan_failure,
                                     plan_rollback)
 from arl.controller.peers import Peers
 from arl.controller.reporting import ProgressWatch, Reporter
@@ -72,24 +73,20 @@ class Health:
             failure += "".join(f"; {why}" for why in map(self.launcher.pending, self.sup.late(now)) if why)
         for name in given_up:  # a restarted (or added) process that did not come back: the run goes on without it
             why = self.launcher.pending(name)
-            added = name in self.sup.joining
-            reason = (f"did not register within {self.sup.startup_timeout}s of its "
-                      f"{'start (added by arl.ctl scale)' if added else 'restart'}{f'; {why}' if why else ''}")
+            if name in self.sup.joining:
+                self.join_failed(name, f"did not register within {self.sup.startup_timeout}s of its start (added "
+                                       f"by arl.ctl scale){f'; {why}' if why else ''}")
+                continue
+            reason = f"did not register within {self.sup.startup_timeout}s of its restart{f'; {why}' if why else ''}"
             give_up(name, sup=self.sup, weights=self.weights)
             self.launcher.kill(name)
-            if self.sup.rollout_index(name) is not None:
-                self.admission.leave(self.sup.rollout_index(name))
-                logger.error("rollout worker %s %s; the run goes on without it", name, reason)
-                self.reporter.event("fault", kind="scale_failed", role=name, reason=reason)
-                continue
             # servers in the run, or coming back
             left = (set(range(self.sup.num_inference)) - self.weights.lost) | self.weights.rejoining
-            logger.error("inference process %s %s; %s", name, reason,
+            logger.error("restarted inference process %s %s; %s", name, reason,
                          "the run goes on without it" if left else "no inference server is left")
-            self.reporter.event("fault", kind="scale_failed" if added else "inference_restart_failed", role=name,
-                                reason=reason)
+            self.reporter.event("fault", kind="inference_restart_failed", role=name, reason=reason)
             if not left and not failure:  # nothing would generate again: stop now, with why
-                failure = f"no inference server is left: inference process {name} {reason}"
+                failure = f"no inference server is left: restarted inference process {name} {reason}"
         if failure:
             self.fail(failure)
         if failure or not self.progressing(now):
@@ -127,6 +124,18 @@ class Health:
             self.fail(failure)
         return failure is None
 
+    def join_failed(self, name: str, reason: str) -> None:
+        """A process added mid-run (`arl.ctl scale`) did not join (never registered, or exited first, e.g. refused as
+        another model): it is not of the run; the run goes on with the fleet it had."""
+        self.weights.lose(self.sup.servers_of(name))  # no longer joining
+        for role, index in self.sup.gave_up(name):
+            self.roster.retire(role, index)
+            if role == "rollout":
+                self.admission.leave(index)
+        self.launcher.kill(name)
+        logger.error("%s %s; the run goes on without it", name, reason)
+        self.reporter.event("fault", kind="scale_failed", role=name, reason=reason[:500])
+
     async def on_failure(self, name: str, reason: str) -> bool:
         """Process `name` died, went silent or reported a fatal error: restart it or go on without it, as the
         supervisor decides (`plan_failure` books it); False: the failure is fatal (the caller stops the run)."""
@@ -137,6 +146,9 @@ class Health:
             if plan.note:
                 logger.error("%s failed (%s); %s", name, reason, plan.note)
             return False
+        if isinstance(plan, JoinFailed):
+            self.join_failed(name, f"{reason}; {plan.note}")
+            return True
         if isinstance(plan, RolloutLost):  # the new process continues the prompt stream, gets its evaluations
             self.roster.forget(("rollout", plan.index))
             self.reporter.rollout_lost(plan.orphans, plan.lost_groups, self.role_stats.pop(("rollout", plan.index), {}))

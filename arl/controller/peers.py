@@ -16,6 +16,7 @@ import time
 from typing import Any, Callable, Container, Optional
 
 from arl.data.position import DataPosition, stream_states
+from arl.utils.fingerprint import fingerprint_mismatch
 
 logger = logging.getLogger("arl.controller")
 
@@ -43,14 +44,17 @@ class Refusals:
 class Peers:
     def __init__(self, *, num_inference: int, num_rollout: int, process_of: Callable[[str, int], str],
                  path: str = "", prompt_positions: Optional[dict[int, Any]] = None, num_env: int = 0,
-                 num_judge: int = 0) -> None:
+                 num_judge: int = 0, fingerprint: Optional[dict] = None,
+                 retired: Optional[dict[str, set[int]]] = None) -> None:
         """`process_of(role, index)` names the process hosting a role; `path`: addresses.json ('' writes none);
         `prompt_positions`: prompt stream -> data position (`DataPosition` state: a resumed run's; stream `s`
         is drawn by rollout worker `s`, or `s % num_rollout` for a stream of a worker that joined the run it
-        resumes)."""
+        resumes). `fingerprint`: what the run runs (`arl.utils.fingerprint`): a role that registers with another is
+        refused. `retired`: role -> indices scaled out of the run (the supervisor's): no address is awaited."""
         self.limits = {"inference": num_inference, "learner": 1, "rollout": num_rollout, "env": num_env,
                        "judge": num_judge}
-        self.process_of, self.path = process_of, path
+        self.process_of, self.path, self.fingerprint = process_of, path, fingerprint
+        self.retired = retired if retired is not None else {}
         self.peers: dict[Key, bytes] = {}  # (role, index) -> router identity
         self.who: dict[bytes, Key] = {}  # router identity of a registered role -> (role, index)
         self.addresses: dict[str, Any] = {"inference": [None] * num_inference, "learner": None}
@@ -86,11 +90,14 @@ class Peers:
             self.last_messages.setdefault(self.process_of(*key), {})[msg_type] = now
 
     def register(self, ident: bytes, role: str, index: int, address: Optional[str],
-                 heard: Container[Key]) -> Optional[Refusal]:
-        """Bind `ident` to (`role`, `index`) listening at `address`; `heard`: the roles alive now. Returns None, or
-        (kind, text) of the refusal to count."""
+                 heard: Container[Key], fingerprint: Optional[dict] = None) -> Optional[Refusal]:
+        """Bind `ident` to (`role`, `index`) listening at `address`; `heard`: the roles alive now; `fingerprint`:
+        what it runs. Returns None, or (kind, text) of the refusal to count ('not_this_run': it is told why)."""
         if not 0 <= index < self.limits.get(role, 0) or (role in ("inference", "env", "judge") and address is None):
             return "bad_register", f"refused a registration as {role}/{index}"
+        differs = fingerprint_mismatch(self.fingerprint, fingerprint) if role != "judge" else ""  # judge: own model
+        if differs:
+            return "not_this_run", f"refused {role}{index}: {differs}"
         key = (role, index)
         old = self.peers.get(key)
         if old is not None and old != ident and key in heard:
@@ -116,8 +123,19 @@ class Peers:
 
     def complete(self) -> bool:
         """Every inference server, env server and the learner said where they listen (lookups can be answered)."""
-        return (None not in self.addresses["inference"] and self.addresses["learner"] is not None
-                and None not in self.addresses.get("env", ()) and None not in self.addresses.get("judge", ()))
+        def known(role: str) -> bool:  # a server scaled out (or never joined) is not waited for
+            return all(a is not None or i in self.retired.get(role, ())
+                       for i, a in enumerate(self.addresses.get(role) or ()))
+
+        return self.addresses["learner"] is not None and all(map(known, ("inference", "env", "judge")))
+
+    def retire(self, role: str, index: int) -> None:
+        """`role` `index` left the run (or never joined it): a lookup does not wait for it, and rollout workers
+        that start later are told (`Addresses.retired`, `retired_env`)."""
+        self.retired.setdefault(role, set()).add(index)
+        key = {"inference": "retired", "env": "retired_env"}.get(role)
+        if key:
+            self.addresses[key] = sorted(self.retired[role])
 
     def streams_of(self, index: int) -> list[int]:
         """The prompt streams rollout worker `index` draws: its own and those it adopted."""

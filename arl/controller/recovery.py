@@ -29,6 +29,13 @@ class Fatal:
 
 
 @dataclasses.dataclass(frozen=True)
+class JoinFailed:
+    """A process added mid-run (`arl.ctl scale`) failed before it joined: it is given up, the run goes on."""
+
+    note: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
 class RolloutLost:
     """Rollout worker `index` is restarted (restart number `restarts`): its in-flight groups are lost
     (`lost_groups`, their budget returned as `grants`) except `orphans` (the n_traj of groups the learner already
@@ -126,7 +133,7 @@ class LearnerLost:
                        sup.max_learner_restarts, log_tail)
 
 
-Plan = Union[Fatal, RolloutLost, InferenceLost, EnvLost, LearnerLost]
+Plan = Union[Fatal, JoinFailed, RolloutLost, InferenceLost, EnvLost, LearnerLost]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,6 +192,8 @@ def plan_failure(name: str, *, sup: Supervisor, admission: Admission, weights: W
     d = sup.decide(name, registered=registered, lost=weights.lost, rejoining=weights.rejoining, spawned=spawned)
     if d.action == "fatal":
         return Fatal(d.note)
+    if d.action == "give_up":
+        return JoinFailed(d.note)
     if d.action == "restart_env":
         role, index = ("env", sup.env_index(name)) if sup.env_index(name) is not None else ("judge",
                                                                                             sup.judge_index(name))

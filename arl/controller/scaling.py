@@ -78,8 +78,6 @@ class Scaling:
         self.ctl, self.key, self.drain_timeout_s, self.python = ctl, key, drain_timeout_s, python
         self.rollout_drain_timeout_s, self.rollout_refusal = rollout_drain_timeout_s, rollout_refusal
         self.env_drain_timeout_s = env_drain_timeout_s
-        self.retired_env: set[int] = set()  # env servers scaled out (never reused)
-        self.retired: set[int] = set()  # servers scaled out (never reused)
         self._busy = False  # one scale at a time
         self._tasks: set[asyncio.Task] = set()
         self.handlers = {"scale": self.on_scale, "leaving": self.on_leaving}
@@ -171,7 +169,7 @@ class Scaling:
 
     def env_servers(self) -> list[int]:
         """The env servers of the run now (those scaled out are not)."""
-        return [i for i in range(self.ctl.sup.num_env) if i not in self.retired_env]
+        return [i for i in range(self.ctl.sup.num_env) if i not in self.ctl.sup.retired["env"]]
 
     def _check_env(self, n: int) -> None:
         if not self.ctl.sup.num_env:
@@ -247,10 +245,9 @@ class Scaling:
         ctl = self.ctl
         t0 = time.monotonic()
         for s in leaving:
-            self.retired.add(s)
+            ctl.roster.retire("inference", s)
             ctl.weights.lose([s])  # out of the weight acks now: a version goes live without it
             await ctl.tell_rollouts(m.WorkerDraining(role="inference", index=s))
-        ctl.roster.addresses["retired"] = sorted(self.retired)
         await ctl.advance()
         left = await self._drained("inference", leaving, t0, drain_s, lambda st: int(st.get("inflight", 0)))
         for s in leaving:
@@ -280,9 +277,8 @@ class Scaling:
         ctl = self.ctl
         t0 = time.monotonic()
         for s in leaving:
-            self.retired_env.add(s)
+            ctl.roster.retire("env", s)
             await ctl.tell_rollouts(m.WorkerDraining(role="env", index=s))
-        ctl.roster.addresses["retired_env"] = sorted(self.retired_env)
         left = await self._drained("env", leaving, t0, drain_s, lambda st: int(st.get("sessions", 0)))
         served: dict[int, int] = {}
         for s in leaving:
@@ -300,7 +296,7 @@ class Scaling:
         """Drain rollout workers `leaving` (their running groups finish, at most `drain_s` seconds), stop them,
         and hand their prompt streams to the worker that stays with the fewest."""
         ctl, sup = self.ctl, self.ctl.sup
-        leaving = [i for i in leaving if i != 0 and i not in sup.retired_rollouts]
+        leaving = [i for i in leaving if i != 0 and i not in sup.retired["rollout"]]
         t0 = time.monotonic()
         for i in leaving:
             ctl.admission.leave(i)
@@ -311,7 +307,7 @@ class Scaling:
         accepted: dict[int, int] = {}
         for i in leaving:
             ctl.launcher.remove(sup.process_of("rollout", i))  # an expected exit; its resources go back
-            sup.retired_rollouts.add(i)
+            ctl.roster.retire("rollout", i)
             sup.forget(("rollout", i))
             ctl.roster.forget(("rollout", i))
             orphans = ctl.admission.orphans(i)  # pushed and received, group_done never came: accepted

@@ -56,10 +56,11 @@ class Controller:
                  secret: Optional[bytes] = None, bind_host: str = "127.0.0.1", max_bytes: Optional[int] = None,
                  stack_dump_wait: float = 2.0, sinks: Optional[list[MetricsSink]] = None,
                  max_no_progress_s: float = 0.0, max_consecutive_drops: int = 0, steering: Optional[StalenessSteering]
-                 = None, weights_settings: Optional[WeightsSettings] = None, scaling: Optional[dict] = None) -> None:
+                 = None, weights_settings: Optional[WeightsSettings] = None, scaling: Optional[dict] = None,
+                 fingerprint: Optional[dict] = None) -> None:
         """`supervisor` holds the run's shape (servers, rollout workers) and its restart and timeout policy.
         `weights_settings` name the transport of weights (default: disk); its controller side says what to send when
-        a role registers and turns `WeightSync`'s sends into messages (`arl.weights.strategy`)."""
+        a role registers and turns `WeightSync`'s sends into messages (`arl.weights.strategy`). `fingerprint`: Peers."""
         self.run_dir, self.sup, self.launcher, self.eval_max_prompts = run_dir, supervisor, launcher, eval_max_prompts
         self.learner_ranks = max(1, int(learner_ranks))  # > 1: the learner role runs under torchrun
         # resuming from a learner checkpoint: its version, and each rollout worker's prompt stream position
@@ -70,8 +71,8 @@ class Controller:
         positions = {int(k): p for k, p in dict(resume.get("data_position", {})).items()}
         self.roster = Peers(num_inference=supervisor.num_inference, num_rollout=supervisor.num_rollout,
                                  process_of=supervisor.process_of, path=os.path.join(run_dir, "addresses.json"),
-                                 prompt_positions=positions, num_env=supervisor.num_env,
-                                 num_judge=supervisor.num_judge)
+                                 prompt_positions=positions, num_env=supervisor.num_env, fingerprint=fingerprint,
+                                 num_judge=supervisor.num_judge, retired=supervisor.retired)
         self.peers: dict[Key, bytes] = self.roster.peers  # (role, index) -> router identity (the same dict)
         self.schedule = EvalSchedule(total_steps=total_train_steps, every=eval_every, start_version=v)
         self.weights = WeightSync(supervisor.num_inference)
@@ -91,8 +92,7 @@ class Controller:
         self._lookups: list[bytes] = []
         self._done = asyncio.Event()
         self._failure: Optional[str] = None
-        self._asked_to_exit = False
-        self.refuse = Refusals()
+        self.refuse, self._asked_to_exit = Refusals(), False
         self.control_errors = self.refuse.counts
         self.outcomes = GroupOutcomes(self.admission, self.reporter, self.progress_watch, self.refuse)
         self.health = Health(run_dir=run_dir, sup=supervisor, launcher=launcher, roster=self.roster,
@@ -110,8 +110,7 @@ class Controller:
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
     def bind(self) -> str:
-        kw = {"max_bytes": self._max_bytes} if self._max_bytes else {}
-        self.router = Router(secret=self._secret, **kw)
+        self.router = Router(secret=self._secret, **({"max_bytes": self._max_bytes} if self._max_bytes else {}))
         self.address = advertised_address(bind_random(self.router, self._bind_host))
         self.roster.write(self.address)
         # scale, leaving; it writes run_dir/control.json for `arl.ctl`
@@ -215,8 +214,10 @@ class Controller:
             await self._send(ident, msg)
 
     async def _on_register(self, ident: bytes, msg: m.Register) -> None:
-        refused = self.roster.register(ident, msg.role, msg.index, msg.address, heard=self.sup.last_seen)
+        refused = self.roster.register(ident, msg.role, msg.index, msg.address, self.sup.last_seen, msg.fingerprint)
         if refused is not None:
+            if refused[0] == "not_this_run":  # another model or config: it is told why (it exits, naming it)
+                await self._send(ident, m.Ack(ok=False, message=refused[1]))
             return self.refuse(*refused)
         key = (msg.role, msg.index)
         restarted = self.sup.registered(key, time.monotonic(), len(self.peers))

@@ -142,7 +142,8 @@ class Supervisor:
         self.restarted_at: dict[str, float] = {}  # process name -> when it was restarted (until it registers)
         self.started_at: Optional[float] = None
         self.all_up = False  # every role registered once (later gaps are restarts, timed by restarted_at)
-        self.retired_rollouts: set[int] = set()  # rollout workers scaled out of the run (indices never reused)
+        # role -> indices scaled out of the run, or added and given up (indices are never reused)
+        self.retired: dict[str, set[int]] = {"inference": set(), "rollout": set(), "env": set()}
         self.joining: set[str] = set()  # processes added mid-run (`arl.ctl scale`) that have not registered yet
 
     # -- names -----------------------------------------------------------------------------------------------
@@ -150,11 +151,12 @@ class Supervisor:
     def expected(self) -> int:
         """Registrations of a complete run: every inference server, the learner, every rollout worker and env
         server."""
-        return self.num_inference + self.num_rollout - len(self.retired_rollouts) + self.num_env + self.num_judge + 1
+        return (self.num_inference + self.num_rollout + self.num_env + self.num_judge + 1
+                - sum(len(r) for r in self.retired.values()))
 
     def rollouts(self) -> list[int]:
         """The rollout workers of the run now (those scaled out are not)."""
-        return [i for i in range(self.num_rollout) if i not in self.retired_rollouts]
+        return [i for i in range(self.num_rollout) if i not in self.retired["rollout"]]
 
     def process_of(self, role: str, index: int) -> str:
         if role == "inference":
@@ -259,6 +261,8 @@ class Supervisor:
         """What a failure (death, silence, reported error) of process `name` means for the run; `registered`: its
         role had registered, `lost`: inference servers out of the run (`rejoining`: restarted ones not back yet),
         `spawned`: the launcher started it (so it can start it again)."""
+        if name in self.joining:  # added mid-run (arl.ctl scale): not restarted, not fatal; the run goes on
+            return Decision("give_up", note="it was added mid-run and exited before it registered")
         if self.rollout_index(name) is not None and self.restart_rollout:
             return _restart_or_stop(self.restarts, self.max_restarts, "rollout workers (max_restarts)",
                                     "restart_rollout", registered, spawned)
@@ -303,9 +307,16 @@ class Supervisor:
         self.restarts += 1
         return self.restarts
 
-    def gave_up(self, name: str) -> None:
+    def gave_up(self, name: str) -> list[tuple[str, int]]:
+        """Restarted (or added) process `name` did not come back; returns the roles of one added mid-run, which
+        are not of the run any more (retired)."""
         self.restarted_at.pop(name, None)
+        if name not in self.joining:
+            return []
         self.joining.discard(name)
-        index = self.rollout_index(name)
-        if index is not None:  # a rollout worker added mid-run that never registered: not of the run
-            self.retired_rollouts.add(index)
+        parsed = process_role(name)
+        roles = ([("inference", s) for s in self.servers_of(name)] if parsed and parsed[0] == "inference"
+                 else [parsed] if parsed else [])
+        for role, index in roles:
+            self.retired.setdefault(role, set()).add(index)
+        return roles

@@ -26,6 +26,7 @@ from arl.transport.control import SOCKET_OPTIONS, ControlChannel
 from arl.transport.loop import run as run_loop
 from arl.transport.messages import Error, Leaving
 from arl.transport.security import effective_bind_host, resolve_secret
+from arl.utils.fingerprint import run_fingerprint
 from arl.utils.forensics import install_stack_dump_handler
 
 logger = logging.getLogger("arl.worker")
@@ -36,7 +37,9 @@ ROLES = {"inference": run_inference, "learner": run_learner, "rollout": run_roll
 
 
 async def amain(cfg: ExperimentConfig, role: str, index: int, controller: str, run_dir: str) -> int:
-    ctl = ControlChannel(controller, role, index)
+    # what this process runs, for the controller to compare with the run's (`arl.utils.fingerprint`)
+    ctl = ControlChannel(controller, role, index, run_fingerprint(os.path.join(run_dir, "config.yaml"),
+                                                                  cfg.model.path))
     ctl_task = asyncio.create_task(ctl.loop())
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -19,6 +19,7 @@ from arl.controller.autoscale import AutoscalePolicy
 from arl.controller.shell import Controller, RunFailed
 from arl.controller.steering import StalenessSteering
 from arl.utils.errors import ConfigError
+from arl.utils.fingerprint import run_fingerprint
 from arl.launch.local import LocalLauncher
 from arl.transport.security import SECRET_ENV, effective_bind_host, is_loopback, resolve_secret
 from arl.controller.supervision import RoleLauncher, Supervisor
@@ -184,6 +185,7 @@ def _controller(cfg: ExperimentConfig, run_dir: str, bind_host: str, secret: Opt
         max_no_progress_s=rc.max_no_progress_s,
         max_consecutive_drops=rc.max_consecutive_drops,
         weights_settings=weights_settings(cfg),
+        fingerprint=run_fingerprint(os.path.join(run_dir, "config.yaml"), cfg.model.path),
         scaling=dict(drain_timeout_s=ic.drain_timeout_s, autoscale=autoscale_policy(ic),
                      rollout_drain_timeout_s=rc.drain_timeout_s, rollout_refusal=rollout_scaling_refusal(cfg),
                      env_drain_timeout_s=cfg.env.drain_timeout_s,

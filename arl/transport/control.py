@@ -43,9 +43,10 @@ HEARTBEAT_SECONDS = 1.0
 class ControlChannel:
     """The role's DEALER to the controller: replies are awaited by type, commands dispatched to handlers."""
 
-    def __init__(self, address: str, role: str, index: int) -> None:
+    def __init__(self, address: str, role: str, index: int, fingerprint: Optional[dict] = None) -> None:
+        """`fingerprint`: what this process runs (`arl.utils.fingerprint`), sent with its registrations."""
         self.dealer = make_socket(Dealer).connect(address)
-        self.role, self.index = role, index
+        self.role, self.index, self.fingerprint = role, index, fingerprint
         # command type -> handler of its typed message (a coroutine function, or a plain one for a quick command)
         self.handlers: dict[str, Callable[[Any], Any]] = {}
         self._waiters: dict[str, asyncio.Future] = {}
@@ -58,10 +59,14 @@ class ControlChannel:
     async def register(self, timeout: float, index: Optional[int] = None, address: Optional[str] = None,
                        weights_store: Optional[str] = None, resumed: Optional[dict] = None) -> dict:
         """Register as this role (or as hosted inference server `index`); returns the controller's ack.
-        `resumed`: a restarted learner's checkpoint (`Register.resumed`)."""
-        return await self.request(Register(role=self.role, index=self.index if index is None else index,
-                                           address=address, pid=os.getpid(), weights_store=weights_store,
-                                           resumed=resumed), "ack", timeout)
+        `resumed`: a restarted learner's checkpoint (`Register.resumed`). RuntimeError with the controller's reason
+        when it refuses this process (another model or config than the run's)."""
+        ack = await self.request(Register(role=self.role, index=self.index if index is None else index,
+                                          address=address, pid=os.getpid(), weights_store=weights_store,
+                                          resumed=resumed, fingerprint=self.fingerprint), "ack", timeout)
+        if ack.get("ok") is False:
+            raise RuntimeError(f"{self.role}{self.index}: the run refused this process: {ack.get('message')}")
+        return ack
 
     async def request(self, msg: ControlMessage, reply_type: str, timeout: float) -> dict:
         fut = asyncio.get_running_loop().create_future()

@@ -96,10 +96,14 @@ class Register(ControlMessage):
     # a restarted learner: the checkpoint it resumed from (version, groups_consumed, data_position, groups_settled,
     # trajectories_settled; `arl.learner.worker.LearnerWorker.resume_after_loss`)
     resumed: Optional[dict] = None
+    # what it runs: digests of the config it read and the model it loaded (`arl.utils.fingerprint`); one that is
+    # not the run's is refused, named
+    fingerprint: Optional[dict] = None
 
 
 class Ack(ControlMessage):
     ok: bool = True
+    message: Optional[str] = None  # a refusal's reason (ok=False): the process exits naming it
     # rollout: where its prompt streams continue ({stream id: `DataPosition` state}; `arl.rollout.prompts`)
     prompt_position: Any = None
 

@@ -244,3 +244,35 @@ async def test_env_servers_cannot_be_scaled_in_a_run_without_them(run):
     ctl, key = run
     await ctl._dispatch(b"ctl", "scale", {"token": key, "changes": {"env": 1}})
     assert not scaled(ctl)[-1]["ok"] and "env.servers=N" in scaled(ctl)[-1]["message"]
+
+
+@pytest.mark.asyncio
+async def test_a_server_joining_with_another_model_is_refused_named_and_the_run_goes_on(tmp_path):
+    run_fp = {"config": "c0", "model": "m0"}
+    ctl = make_controller(tmp_path, num_inference=1, num_rollout=1, fingerprint=run_fp)
+    ctl.launcher.elastic = True
+    key = write_control_file(str(tmp_path), "tcp://127.0.0.1:1", signed=False)
+    ctl._handlers.update(Scaling(ctl, key=key).handlers)
+    for ident, reg in ((b"i0", {"role": "inference", "index": 0, "address": "tcp://a:0", "fingerprint": run_fp}),
+                       (b"L", {"role": "learner", "index": 0, "address": "tcp://l:0", "fingerprint": run_fp}),
+                       (b"r0", {"role": "rollout", "index": 0, "fingerprint": run_fp})):
+        await ctl._dispatch(ident, "register", reg)
+    await ctl._dispatch(b"ctl", "scale", {"token": key, "changes": {"inference": 1, "rollout": 1}})
+    await settle(ctl)
+    assert scaled(ctl)[-1]["ok"] and ctl.sup.joining == {"inference1", "rollout1"}
+    # its node holds another model under model.path: refused, and told why (it exits naming it)
+    await ctl._dispatch(b"i1", "register", {"role": "inference", "index": 1, "address": "tcp://a:1",
+                                            "fingerprint": {"config": "c0", "model": "m9"}})
+    refusal = sent(ctl, "ack")[-1]
+    assert refusal[0] == b"i1" and refusal[1]["ok"] is False and "the model it loaded" in refusal[1]["message"]
+    assert ("inference", 1) not in ctl.peers and ctl.control_errors["not_this_run"] == 1
+    ctl.launcher.exit("inference1", 1)
+    await ctl._dispatch(b"r1", "register", {"role": "rollout", "index": 1, "fingerprint": run_fp})  # the same: in
+    assert await ctl.health.check()  # given up, not a failure of the run
+    assert 1 in ctl.weights.lost and 1 not in ctl.weights.rejoining and ctl.sup.retired["inference"] == {1}
+    assert ctl.roster.complete() and ctl.roster.addresses["retired"] == [1]  # lookups do not wait for it
+    assert ctl.sup.rollouts() == [0, 1] and not ctl.sup.joining
+    faults = [r for r in map(json.loads, open(os.path.join(ctl.run_dir, "metrics.jsonl")))
+              if r.get("kind") == "scale_failed"]
+    assert [f["role"] for f in faults] == ["inference1"] and "before it registered" in faults[0]["reason"]
+    ctl.reporter.close()

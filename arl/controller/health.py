@@ -18,8 +18,7 @@ from arl.controller.admission import Admission, Grant
 from arl.controller.diagnosis import describe_stall, investigate_silence, resume_hint
 from arl.controller.evaluation import EvalSchedule
 from arl.controller.recovery import (EnvLost, Fatal, InferenceLost, JoinFailed, LearnerLost, RolloutLost, give_up,
-                                    plan_failure,
-                                    plan_rollback)
+                                    plan_failure, plan_rollback)
 from arl.controller.peers import Peers
 from arl.controller.reporting import ProgressWatch, Reporter
 from arl.controller.supervision import RoleLauncher, Supervisor

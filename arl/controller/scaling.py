@@ -144,54 +144,28 @@ class Scaling:
             if not getattr(self.ctl.launcher, "elastic", False):
                 raise ScaleRefused(f"the {type(self.ctl.launcher).__name__} cannot start roles mid-run yet "
                                    "(the local launcher can)")
-        if "rollout" in plan:
-            self._check_rollout(plan["rollout"])
-        if "inference" in plan:
-            self._check_inference(plan["inference"])
-        if "env" in plan:
-            self._check_env(plan["env"])
-        first = {"inference": self.ctl.weights.num_servers, "rollout": self.ctl.sup.num_rollout,
-                 "env": self.ctl.sup.num_env}
-        for role, n in plan.items():  # beyond what the launcher could ever place (Ray: no node has the resources)
-            for index in range(first[role], first[role] + max(0, n)):
+        sup = self.ctl.sup
+        if plan.get("rollout", 0) > 0 and self.rollout_refusal:
+            raise ScaleRefused(f"rollout workers cannot join this run: {self.rollout_refusal}")
+        if "env" in plan and not sup.num_env:
+            raise ScaleRefused("this run has no env servers: its envs run inside the rollout workers (start it with "
+                               "env.servers=N to scale them)")
+        if "inference" in plan and sup.servers_per_process != 1:
+            raise ScaleRefused("scaling inference servers needs inference.servers_per_process=1 (one per process)")
+        if plan.get("inference", 0) > 0 and not getattr(self.ctl.weights_link, "elastic", False):
+            raise ScaleRefused("this run's weight transport cannot add servers after the learner started "
+                               "(weights.transport=disk can)")
+        for role, n in plan.items():
+            live, _, _, _, what = self._roles()[role]
+            if len(live()) + n < 1:
+                raise ScaleRefused(f"{role}={n} would leave {len(live()) + n} {what}: a run needs at least one (now: "
+                                   f"{live()})")
+            first = getattr(sup, sup.COUNTS[role])
+            for index in range(first, first + max(0, n)):  # beyond what the launcher could ever place (Ray)
                 why = self.ctl.launcher.fits(role, index)
                 if why:
                     raise ScaleRefused(why)
         return plan
-
-    def _check_rollout(self, n: int) -> None:
-        if n > 0 and self.rollout_refusal:
-            raise ScaleRefused(f"rollout workers cannot join this run: {self.rollout_refusal}")
-        live = self.ctl.sup.rollouts()
-        if len(live) + n < 1:
-            raise ScaleRefused(f"rollout={n} would leave {len(live) + n} rollout workers: a run needs at least one "
-                               f"(running now: {live})")
-
-    def env_servers(self) -> list[int]:
-        """The env servers of the run now (those scaled out are not)."""
-        return [i for i in range(self.ctl.sup.num_env) if i not in self.ctl.sup.retired["env"]]
-
-    def _check_env(self, n: int) -> None:
-        if not self.ctl.sup.num_env:
-            raise ScaleRefused("this run has no env servers: its envs run inside the rollout workers (start it with "
-                               "env.servers=N to scale them)")
-        live = self.env_servers()
-        if len(live) + n < 1:
-            raise ScaleRefused(f"env={n} would leave {len(live) + n} env servers: a run started with env servers "
-                               f"needs at least one (running now: {live})")
-
-    def _check_inference(self, n: int) -> None:
-        if self.ctl.sup.servers_per_process != 1:
-            raise ScaleRefused("scaling inference servers needs inference.servers_per_process=1 (one per process)")
-        if n > 0:
-            if not getattr(self.ctl.weights_link, "elastic", False):
-                raise ScaleRefused("this run's weight transport cannot add servers after the learner started "
-                                   "(weights.transport=disk can)")
-        else:
-            serving = self.ctl.weights.alive()
-            if len(serving) + n < 1:
-                raise ScaleRefused(f"inference={n} would leave {len(serving) + n} servers: a run needs at least one "
-                                   f"(serving now: {serving})")
 
     async def _carry_out(self, ident: bytes, plan: dict[str, int]) -> None:
         try:
@@ -214,10 +188,12 @@ class Scaling:
 
     def _roles(self) -> dict[str, tuple[Callable[[], list[int]], Callable[..., Any], float, str, str]]:
         """Per role: (its live indices, how one leaves, its drain timeout, the answer's key, its name)."""
-        return {"inference": (self.ctl.weights.alive, self._remove, self.drain_timeout_s, "serving", "serving"),
-                "rollout": (self.ctl.sup.rollouts, self._remove_rollouts, self.rollout_drain_timeout_s, "rollout",
+        sup = self.ctl.sup
+        return {"inference": (self.ctl.weights.alive, self._remove, self.drain_timeout_s, "serving",
+                              "servers serving"),
+                "rollout": (sup.rollouts, self._remove_rollouts, self.rollout_drain_timeout_s, "rollout",
                             "rollout workers"),
-                "env": (self.env_servers, self._remove_envs, self.env_drain_timeout_s, "env", "env servers")}
+                "env": (lambda: sup.live("env"), self._remove_envs, self.env_drain_timeout_s, "env", "env servers")}
 
     ADDED = {"inference": "servers {} (they take requests once they loaded the newest weights)",
              "rollout": "rollout workers {} (each draws a prompt stream of its own)",
@@ -226,7 +202,7 @@ class Scaling:
     async def _add(self, role: str, n: int) -> str:
         """Start `n` new processes of `role` (new indices, never reused), each booked in the run's shape first."""
         ctl, sup = self.ctl, self.ctl.sup
-        count = {"inference": "num_inference", "rollout": "num_rollout", "env": "num_env"}[role]
+        count = sup.COUNTS[role]
         added = []
         for _ in range(n):
             index = getattr(sup, count)
@@ -251,14 +227,20 @@ class Scaling:
         await ctl.advance()
         left = await self._drained("inference", leaving, t0, drain_s, lambda st: int(st.get("inflight", 0)))
         for s in leaving:
-            ctl.launcher.remove(ctl.sup.process_of("inference", s))  # an expected exit; its resources go back
-            ctl.sup.forget(("inference", s))
-            ctl.roster.forget(("inference", s))
-            ctl.role_stats.pop(("inference", s), None)
+            self._stop("inference", s)
         await ctl.tell_rollouts(m.WorkerLost(role="inference", indices=leaving))  # re-sends what they still had
         ctl.roster.write(ctl.address)
         late = f"; {left} requests not finished within {drain_s:g}s were re-sent" if left else ""
         return f"drained and stopped servers {leaving} in {time.monotonic() - t0:.1f}s{late}"
+
+    def _stop(self, role: str, index: int) -> dict:
+        """Stop the process of `role` `index` that left (an expected exit; its resources go back) and forget it;
+        returns its last heartbeat's stats."""
+        ctl = self.ctl
+        ctl.launcher.remove(ctl.sup.process_of(role, index))
+        ctl.sup.forget((role, index))
+        ctl.roster.forget((role, index))
+        return ctl.role_stats.pop((role, index), {})
 
     def _start(self, role: str, index: int) -> str:
         """Start the process of a new `role` `index`; it must register within startup_timeout, as a restart."""
@@ -280,12 +262,7 @@ class Scaling:
             ctl.roster.retire("env", s)
             await ctl.tell_rollouts(m.WorkerDraining(role="env", index=s))
         left = await self._drained("env", leaving, t0, drain_s, lambda st: int(st.get("sessions", 0)))
-        served: dict[int, int] = {}
-        for s in leaving:
-            ctl.launcher.remove(ctl.sup.process_of("env", s))  # an expected exit; its resources go back
-            ctl.sup.forget(("env", s))
-            ctl.roster.forget(("env", s))
-            served[s] = int(ctl.role_stats.pop(("env", s), {}).get("sessions_opened", 0))
+        served = {s: int(self._stop("env", s).get("sessions_opened", 0)) for s in leaving}
         await ctl.tell_rollouts(m.WorkerLost(role="env", indices=leaving))
         ctl.roster.write(ctl.address)
         late = f"; {left} sessions still open after {drain_s:g}s were closed with it" if left else ""
@@ -306,13 +283,10 @@ class Scaling:
         handed: dict[int, list[int]] = {}
         accepted: dict[int, int] = {}
         for i in leaving:
-            ctl.launcher.remove(sup.process_of("rollout", i))  # an expected exit; its resources go back
             ctl.roster.retire("rollout", i)
-            sup.forget(("rollout", i))
-            ctl.roster.forget(("rollout", i))
+            last = self._stop("rollout", i)
             orphans = ctl.admission.orphans(i)  # pushed and received, group_done never came: accepted
             lost, grants = ctl.admission.worker_lost(i)  # past the drain timeout: lost in flight
-            last = ctl.role_stats.pop(("rollout", i), {})
             accepted[i] = int(last.get("groups_accepted", 0))
             ctl.reporter.rollout_lost(orphans, lost, last)
             await ctl.grant(grants)

@@ -154,9 +154,15 @@ class Supervisor:
         return (self.num_inference + self.num_rollout + self.num_env + self.num_judge + 1
                 - sum(len(r) for r in self.retired.values()))
 
+    COUNTS = {"inference": "num_inference", "rollout": "num_rollout", "env": "num_env", "judge": "num_judge"}
+
+    def live(self, role: str) -> list[int]:
+        """The indices of `role` in the run now (those scaled out, or added and given up, are not)."""
+        gone = self.retired.get(role, ())
+        return [i for i in range(getattr(self, self.COUNTS[role])) if i not in gone]
+
     def rollouts(self) -> list[int]:
-        """The rollout workers of the run now (those scaled out are not)."""
-        return [i for i in range(self.num_rollout) if i not in self.retired["rollout"]]
+        return self.live("rollout")
 
     def process_of(self, role: str, index: int) -> str:
         if role == "inference":
@@ -309,14 +315,12 @@ class Supervisor:
 
     def gave_up(self, name: str) -> list[tuple[str, int]]:
         """Restarted (or added) process `name` did not come back; returns the roles of one added mid-run, which
-        are not of the run any more (retired)."""
+        are not of the run any more (the caller retires them: `Peers.retire`)."""
         self.restarted_at.pop(name, None)
         if name not in self.joining:
             return []
         self.joining.discard(name)
         parsed = process_role(name)
-        roles = ([("inference", s) for s in self.servers_of(name)] if parsed and parsed[0] == "inference"
-                 else [parsed] if parsed else [])
-        for role, index in roles:
-            self.retired.setdefault(role, set()).add(index)
-        return roles
+        if parsed and parsed[0] == "inference":
+            return [("inference", s) for s in self.servers_of(name)]
+        return [parsed] if parsed else []

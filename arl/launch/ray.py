@@ -213,6 +213,13 @@ def describe_pending(name: str, bundles: Sequence[Mapping[str, float]], state: s
             f"{said}; live nodes: {each}. {_HOW_TO_FIT}")
 
 
+def _no_node_has(bundle: Mapping[str, float], nodes: Sequence[Mapping[str, float]], local: bool) -> list[str]:
+    """The resources of `bundle` no node of `nodes` has as much of: CPUs and GPUs, and (`local`: one node, which
+    no other joins) custom resources too (elsewhere a node that has them may still join)."""
+    return [k for k, v in bundle.items()
+            if (k in ("CPU", "GPU") or local) and not any(r.get(k, 0.0) >= v for r in nodes)]
+
+
 @dataclasses.dataclass
 class _Host:
     """One process of a role: its actor, placement group and the driver-side copy of its log."""
@@ -346,10 +353,8 @@ class RayLauncher:
         import ray
 
         bundle = bundle_for(self.cfg, role, index, self.servers_per_process)
-        nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
-        local = self._connected_here and str(self.cfg.address) == "local"
-        short = [k for k, v in bundle.items() if (k in ("CPU", "GPU") or local)
-                 and not any(r.get(k, 0.0) >= v for r in nodes)]
+        nodes, local = self._nodes()
+        short = _no_node_has(bundle, nodes, local)
         if local and not short:  # one node, no autoscaler: what it has free now is all there will be
             free = {k: float(v) for k, v in ray.available_resources().items()}
             short = [k for k, v in bundle.items() if free.get(k, 0.0) + 1e-9 < v]
@@ -499,13 +504,11 @@ class RayLauncher:
 
         if not self.plan:
             return
-        nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+        nodes, local = self._nodes()
         total = {k: float(v) for k, v in ray.cluster_resources().items()}
-        local = self._connected_here and str(self.cfg.address) == "local"
         have = " | ".join(sorted(plain_resources(r) for r in nodes)) or "no live node"
         for name, bundle in self.plan:
-            short = [k for k, v in bundle.items()
-                     if (k in ("CPU", "GPU") or local) and not any(r.get(k, 0.0) >= v for r in nodes)]
+            short = _no_node_has(bundle, nodes, local)
             if short:
                 raise RolePlacementError(
                     f"launcher=ray: role {name} needs {plain_resources(bundle)} on one node, and no node of this Ray "
@@ -518,6 +521,13 @@ class RayLauncher:
                 raise RolePlacementError(
                     f"launcher=ray: the run's {len(self.plan)} role processes need {need:g} {key} in all ({each}), "
                     f"and this Ray cluster has {total.get(key, 0.0):g} {key} (its nodes: {have}). {_HOW_TO_FIT}")
+
+    def _nodes(self) -> tuple[list[dict], bool]:
+        """(the live nodes' resources, whether this is a Ray the run started: one node that no other joins)."""
+        import ray
+
+        nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+        return nodes, self._connected_here and str(self.cfg.address) == "local"
 
     def _placement_group(self, name: str, bundles: list[dict[str, float]], wait: bool,
                          avoid: Collection[str] = ()) -> Any:

@@ -122,8 +122,7 @@ class PromptStreams:
     @classmethod
     def of(cls, stream: PromptStream, own: int) -> "PromptStreams":
         """`stream` as stream `own`; streams adopted later are built like it (a worker given one stream)."""
-        streams = cls(lambda sid: stream if sid == own else stream.sibling(sid), own)
-        return streams
+        return cls(lambda sid: stream if sid == own else stream.sibling(sid), own)
 
     @property
     def ids(self) -> list[int]:

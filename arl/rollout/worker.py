@@ -268,13 +268,14 @@ class RolloutWorker:
         self._rollbacks.append((self._learner_epoch, int(version)))
         self._learner_up.set()
 
-    def rewind_prompts(self, state: Any) -> None:
+    def rewind_prompts(self, state: Any) -> list[int]:
         """Continue the prompt streams from data position `state` (a resume's, a restart's, a rolled-back
         learner's checkpoint; per stream, `stream_states`; None: nothing to rewind): their unsettled positions are
         drawn again, except those of groups running here (a running group dropped as `lost_version` puts its
-        prompt back, see `_settle`). A stream not drawn here yet is adopted. ValueError for a malformed state."""
+        prompt back, see `_settle`). A stream not drawn here yet is adopted. Returns the streams rewound; ValueError
+        for a malformed state."""
         if state is None:
-            return
+            return []
         states = stream_states(state, self._prompts.own)
         drawn: dict[int, list[int]] = collections.defaultdict(list)
         for sid, pos in self._running_pos.values():
@@ -282,13 +283,14 @@ class RolloutWorker:
         self._prompts.restore(states, drawn)
         for sid, st in states.items():
             self._ended[sid] = DataPosition.from_state(st)
+        return sorted(states)
 
     def adopt_streams(self, state: Any) -> None:
         """Draw the streams of a worker that left the run too, from their data positions (`stream_states` form):
         what it had not finished is drawn again here, then fresh prompts of those streams in turn with ours."""
-        self.rewind_prompts(state)
-        logger.info("rollout%d: adopted prompt streams %s (drawing streams %s)", self.index,
-                    sorted(stream_states(state, self._prompts.own)), self._prompts.ids)
+        adopted = self.rewind_prompts(state)
+        logger.info("rollout%d: adopted prompt streams %s (drawing streams %s)", self.index, adopted,
+                    self._prompts.ids)
 
     def drain(self) -> None:
         """Leave the run: ask the gate for nothing more; the groups running here finish (and are pushed)."""

@@ -11,17 +11,25 @@ it and reporting it (it would otherwise be released as lost, its budget given ba
 from __future__ import annotations
 
 import collections
+import logging
 from typing import Callable, Hashable, Optional
 
 from arl.api.staleness import StalenessPolicy
 from arl.controller.steering import StalenessChange, StalenessSteering
 from arl.rollout.staleness import StalenessGate
 
+logger = logging.getLogger("arl.controller")
+
 Grant = tuple[Hashable, int]  # (worker, number of groups it may start)
 
 
 class Admission:
-    """Rollout workers ask for groups (`acquire`); the gate admits them FIFO while the staleness bound allows.
+    """Rollout workers ask for groups (`acquire`); the gate admits them while the staleness bound allows, one group
+    at a time to each waiting worker in turn (round robin, in the order they first asked).
+
+    Why in turn and not FIFO over requests: a worker asks for all it can run (its capacity), so under FIFO the first
+    asker took every admission until its whole request was served, and a worker that joined mid-run (or came back)
+    waited idle behind it for as long as the gate stayed the bottleneck.
 
     Nothing is granted before `open()` (the controller opens after the first evaluation). `held[w]` counts the
     groups granted to `w` and not reported done: they are returned to the gate if `w` is lost, so a dead worker
@@ -36,7 +44,7 @@ class Admission:
             gate.admitted_eta = steering.eta
         self.is_open = False
         self.held: collections.Counter = collections.Counter()
-        self._wants: collections.deque[list] = collections.deque()  # [worker, remaining]
+        self._wants: collections.OrderedDict[Hashable, int] = collections.OrderedDict()  # worker -> not granted
         self.incarnation: dict[Hashable, str] = {}  # the process whose groups `held[w]` counts (from acquire)
         # how far each group got (`_note`): open ones wait for their other half (group_done or the learner's
         # receipt, seconds apart); closed ones are kept only to refuse a duplicate, the newest `max_closed` of them,
@@ -54,10 +62,12 @@ class Admission:
 
     def acquire(self, worker: Hashable, want: int, incarnation: Optional[str] = None) -> list[Grant]:
         """`worker` (its process `incarnation`, which names its groups' ids) wants `want` more groups."""
-        if incarnation is not None:
-            self.incarnation[worker] = incarnation
+        if incarnation is not None and self.incarnation.get(worker) != incarnation:
+            self.incarnation[worker] = incarnation  # a process's first request: one line (a joiner's first word)
+            logger.info("admission: rollout%s asks for its first %d groups (%d running, %d asked for by others)",
+                        worker, want, self.gate.running, self.waiting())
         if want > 0 and worker not in self.leaving:
-            self._wants.append([worker, want])
+            self._wants[worker] = self._wants.get(worker, 0) + want  # a worker waiting keeps its turn
         return self.grant()
 
     def group_done(self, worker: Hashable, accepted: bool, group_id: Optional[str] = None) -> list[Grant]:
@@ -166,14 +176,14 @@ class Admission:
         incarnation = self.incarnation.pop(worker, None)
         if incarnation is not None and lost:
             self._lost[(worker, incarnation)] += lost
-        self._wants = collections.deque(w for w in self._wants if w[0] != worker)
+        self._wants.pop(worker, None)
         return lost, self.grant()
 
     def leave(self, worker: Hashable) -> None:
         """`worker` is draining out of the run: what it asked for and was not granted is forgotten, and so is
         anything it asks for later (its running groups end as usual, by their group_done)."""
         self.leaving.add(worker)
-        self._wants = collections.deque(w for w in self._wants if w[0] != worker)
+        self._wants.pop(worker, None)
 
     def orphans(self, worker: Hashable) -> list[int]:
         """Forget the groups of `worker` the learner received and whose group_done never came (the worker died):
@@ -185,23 +195,22 @@ class Admission:
 
     def waiting(self) -> int:
         """Groups asked for and not granted yet."""
-        return sum(w[1] for w in self._wants)
+        return sum(self._wants.values())
 
     def grant(self) -> list[Grant]:
-        """Admit from the head of the queue while the gate has room (FIFO: an early asker is never starved)."""
-        out: list[Grant] = []
+        """Admit one group to each waiting worker in turn while the gate has room (nobody is starved, and the
+        gate's room is shared evenly among those asking); one `(worker, n)` per worker granted, in grant order."""
+        out: dict[Hashable, int] = {}
         while self.is_open and self._wants:
-            entry = self._wants[0]
-            n = self.gate.try_start(entry[1])
-            if n == 0:
+            worker, remaining = next(iter(self._wants.items()))
+            if self.gate.try_start(1) == 0:
                 break
-            entry[1] -= n
-            self.held[entry[0]] += n
-            out.append((entry[0], n))
-            if entry[1] == 0:
-                self._wants.popleft()
-        return out
-
+            self.held[worker] += 1
+            out[worker] = out.get(worker, 0) + 1
+            del self._wants[worker]
+            if remaining > 1:
+                self._wants[worker] = remaining - 1  # to the back of the line
+        return list(out.items())
 
 def resumed_admission(resume: dict, *, batch_size: int, policy: StalenessPolicy, max_concurrent: int,
                       total_steps: int, steering: Optional[StalenessSteering] = None) -> Admission:

@@ -1,4 +1,4 @@
-"""Admission: FIFO grants under the staleness gate, held groups, release on worker loss."""
+"""Admission: grants in turn under the staleness gate, held groups, release on worker loss."""
 
 from __future__ import annotations
 
@@ -20,16 +20,27 @@ def test_nothing_is_granted_before_open():
     assert a.open() == [("w0", 2)] and a.held == {"w0": 2}
 
 
-def test_grants_are_fifo_and_bounded_by_staleness():
+def test_grants_go_to_waiting_workers_in_turn_bounded_by_staleness():
     a = make(batch_size=2, eta=1)  # (0 + 1 + 1) * 2 = 4 groups may run at version 0
     a.open()
     assert a.acquire("w0", 3) == [("w0", 3)]
     assert a.acquire("w1", 3) == [("w1", 1)] and a.waiting() == 2
-    assert a.acquire("w0", 1) == []  # behind w1's request
+    assert a.acquire("w0", 2) == []  # behind w1, which asked first
     assert a.group_done("w0", True) == []  # accepted groups keep their budget until the version moves
-    assert a.set_version(1) == [("w1", 2)]  # budget 6: w1 first ...
-    assert a.group_done("w0", False) == [("w0", 1)]  # ... then w0; a rejected group frees its slot
-    assert a.waiting() == 0 and a.gate.running == 5
+    assert a.set_version(1) == [("w1", 1), ("w0", 1)]  # budget 6: one each, w1 first
+    assert a.group_done("w0", False) == [("w1", 1)]  # a rejected group frees its slot: w1's turn again
+    assert a.waiting() == 1 and a.gate.running == 5 and a.held == {"w0": 2, "w1": 3}
+
+
+def test_a_worker_that_joins_later_is_not_starved_by_an_earlier_ones_backlog():
+    a = make(batch_size=4, eta=0, max_concurrent=64)  # 4 groups may run at a time
+    a.open()
+    assert a.acquire("w0", 64) == [("w0", 4)]  # it asks for all it could run
+    assert a.acquire("w1", 64) == []
+    for _ in range(4):
+        a.group_done("w0", True)
+    assert a.set_version(1) == [("w0", 2), ("w1", 2)]  # the gate's room is shared evenly
+    assert a.waiting() == 58 + 62
 
 
 def test_groups_dropped_by_the_learner_return_budget():

@@ -35,21 +35,32 @@ TINY = [
 HOLD_MODULE = '''
 """The math single-step agent, except that a group with tokens of policy version >= ARL_TEST_HOLD_FROM waits for
 the file ARL_TEST_RELEASE before it is returned: the run cannot train past that version until the test says so.
-Several versions ("2,4"): past the k-th (k >= 1) it waits for ARL_TEST_RELEASE + str(k) too."""
+Several versions ("2,4"): past the k-th (k >= 1) it waits for ARL_TEST_RELEASE + str(k) too. ARL_TEST_HOLD_PROCESS
+("rollout1=1"): every group of that rollout process waits for release k whatever its versions, and the file
+ARL_TEST_RELEASE + ".held.rollout1" says one does."""
 import asyncio
 import os
+import sys
 
 from arl.agents.math_single_step import MathSingleStepAgent
 from arl.api import register_agent
 
 RELEASE = os.environ["ARL_TEST_RELEASE"]
 HOLD_FROM = [int(v) for v in os.environ["ARL_TEST_HOLD_FROM"].split(",")]
+_ARGS = dict(zip(sys.argv[1::2], sys.argv[2::2]))  # the role process's --role R --index I
+PROCESS = _ARGS.get("--role", "") + _ARGS.get("--index", "")
+HOLD_PROCESS = dict(kv.split("=") for kv in os.environ.get("ARL_TEST_HOLD_PROCESS", "").split(",") if kv)
 
 
 class HoldAgent(MathSingleStepAgent):
     async def collect_trajectory(self, prompt, env, obs_queue, act_queue):
         trajs = await super().collect_trajectory(prompt, env, obs_queue, act_queue)
         newest = max((int(t.versions.max()) for t in trajs if len(t.versions)), default=-1)
+        if PROCESS in HOLD_PROCESS:  # first: the marker says a group of this process is held, whatever its versions
+            open(RELEASE + ".held." + PROCESS, "w").close()
+            k = int(HOLD_PROCESS[PROCESS])
+            while not os.path.exists(RELEASE + (str(k) if k else "")):
+                await asyncio.sleep(0.1)
         for k, v in enumerate(HOLD_FROM):
             while newest >= v and not os.path.exists(RELEASE + (str(k) if k else "")):
                 await asyncio.sleep(0.1)
@@ -64,8 +75,10 @@ class Hold:
     """Keeps a run from training past step `hold_from` until `release()`: the test's injections happen while the
     run is known to be training, however fast the machine is."""
 
-    def __init__(self, tmp_dir: str, hold_from: int | tuple[int, ...]) -> None:
-        """`hold_from`: a version, or several, each released by its own `release(k)`."""
+    def __init__(self, tmp_dir: str, hold_from: int | tuple[int, ...], hold_process: str = "") -> None:
+        """`hold_from`: a version, or several, each released by its own `release(k)`; `hold_process`
+        ("rollout1=1"): every group of that rollout process is held until `release(k)` (`held(process)` says one
+        is)."""
         self.dir = os.path.join(tmp_dir, "hold")
         os.makedirs(self.dir, exist_ok=True)
         with open(os.path.join(self.dir, "hold_agent.py"), "w") as f:
@@ -75,10 +88,14 @@ class Hold:
         self.args = ["imports=[hold_agent]", "agent.name=hold-math", "rollout.max_no_progress_s=3600"]
         versions = hold_from if isinstance(hold_from, tuple) else (hold_from,)
         self.env = {"ARL_TEST_RELEASE": self.flag, "ARL_TEST_HOLD_FROM": ",".join(map(str, versions)),
+                    "ARL_TEST_HOLD_PROCESS": hold_process,
                     "PYTHONPATH": os.pathsep.join([self.dir, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
 
     def release(self, k: int = 0) -> None:
         open(self.flag + (str(k) if k else ""), "w").close()
+
+    def held(self, process: str) -> bool:
+        return os.path.exists(self.flag + ".held." + process)
 
 
 _STARTED: list[subprocess.Popen] = []  # every launcher start_run started, for stop_runs_left_running

@@ -12,10 +12,10 @@ import sys
 
 import pytest
 
-from .harness import (ROOT, Hold, assert_accounting, assert_no_leftovers, finish, read_metrics, record, start_run,
-                      summary, train_steps, wait_for)
+from .harness import (ROOT, Hold, assert_accounting, assert_no_leftovers, finish, launcher_log, read_metrics, record,
+                      start_run, summary, train_steps, wait_for)
 
-STEPS = 7
+STEPS = 10
 
 
 def ctl(run_dir: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -29,7 +29,8 @@ def joined(run_dir: str, role: str = "inference") -> set[int]:
 
 @pytest.mark.slow
 def test_scale_inference_up_down_up_mid_run(tmp_path, model_cache):
-    hold = Hold(str(tmp_path), hold_from=(2, 4))  # the run trains past steps 2 and 4 only once the test says so
+    # the run trains past steps 2 and 5 only once the test says so; rollout1's groups wait for the second release
+    hold = Hold(str(tmp_path), hold_from=(2, 5), hold_process="rollout1=1")
     args = [f"total_train_steps={STEPS}", "inference.drain_timeout_s=30", "env.servers=1", *hold.args]
     proc, run_dir = start_run(str(tmp_path), model_cache, args, env=hold.env)
     wait_for(lambda: len(train_steps(run_dir)) >= 1, proc, what="the first step")
@@ -48,9 +49,12 @@ def test_scale_inference_up_down_up_mid_run(tmp_path, model_cache):
     assert "started env servers [1]" in up.stdout, up.stdout
     wait_for(lambda: "rollout1: registered" in log_of(run_dir, "rollout1") and 1 in joined(run_dir, "env"), proc,
              timeout=300, what="rollout1 and env server 1 to join")
-    hold.release()  # to step 4: rollout1's groups (first in the gate's queue) train beside rollout0's
-    wait_for(lambda: len(train_steps(run_dir)) >= 4, proc, timeout=300, what="step 4")
-    # groups of version 4 wait for the second release: rollout1 is drained while they run, they finish once released
+    # the gate has rollout1's request before it moves: the groups it admits from now on go to the two in turn
+    wait_for(lambda: "admission: rollout1 asks" in launcher_log(proc), proc, what="rollout1 to ask the gate")
+    hold.release()  # the run trains on, and the gate admits groups to the two in turn
+    wait_for(lambda: hold.held("rollout1"), proc, timeout=300, what="a group running on rollout1")
+    # rollout1's groups wait for the second release (and the run for it past step 5): rollout1 is drained while
+    # they run, they finish once released
     down = subprocess.Popen([sys.executable, "-m", "arl.ctl", run_dir, "scale", "rollout=-1", "env=-1"], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for(lambda: "leaving the run" in log_of(run_dir, "rollout1"), proc, what="rollout1 to drain")

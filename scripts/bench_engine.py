@@ -18,6 +18,11 @@ Measured side by side in one run, on the same model and the same requests:
   without, alternating rounds in this process (fresh prompts each round); the figure is the process's CPU time
   per turn (`time.process_time`: both engine threads and the event loop), which a shared machine's load does not
   inflate the way it does wall time.
+* **Several LoRA policies in one batch** (`TorchEngine(max_loras=N)`, `arl.inference.multi_lora`). The same
+  long-tailed workload spread over N adapters (rank `--lora-rank` on the learner's default targets, q/k/v/o),
+  decoded together (each row its own adapter), against the strongest one-policy path: one adapter merged into the
+  weights (what the engine does with a single LoRA policy: plain weights at decode). Alternating rounds, medians;
+  the line also gives one adapter served unmerged through the same slots.
 
 Usage: python scripts/bench_engine.py [--num-requests 256 --batch-size 32 ...]; `--qwen none` skips the 0.5B part.
 """
@@ -258,6 +263,71 @@ async def measure_update_pause(engine: TorchEngine, paths: list[str], prompts: l
     }
 
 
+# ----------------------------------------------------------------------------------------------- multi-LoRA
+
+def lora_payload(model: torch.nn.Module, seed: int, rank: int,
+                 targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")) -> dict[str, torch.Tensor]:
+    """A random adapter payload (`arl.weights.adapter`) on `targets` of every layer."""
+    from arl.weights.adapter import LORA_A, LORA_B
+
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets:
+            out[name + LORA_A] = torch.randn((rank, mod.in_features), generator=g) * 0.05
+            out[name + LORA_B] = torch.randn((mod.out_features, rank), generator=g) * 0.05
+    return out
+
+
+async def run_policies(engine: TorchEngine, prompts: list[np.ndarray], lengths: list[int], policies: list,
+                       temperature: float) -> tuple[float, int]:
+    """Every request at once, request i under policy ``policies[i % len(policies)]``; (seconds, tokens)."""
+    t0 = time.perf_counter()
+    resps = await asyncio.gather(*(
+        engine.agenerate(GenerateRequest(qid=str(i), input_ids=p, policy=policies[i % len(policies)],
+                                         gconfig=GenerationConfig(max_new_tokens=n, temperature=temperature)))
+        for i, (p, n) in enumerate(zip(prompts, lengths))))
+    dt = time.perf_counter() - t0
+    for r, n in zip(resps, lengths):
+        assert r.error is None and len(r.samples[0].output_ids) == n, (r.error, n)
+    return dt, sum(lengths)
+
+
+async def measure_multi_lora(model: torch.nn.Module, prompts: list[np.ndarray], lengths: list[int],
+                             args: argparse.Namespace, max_ctx: int) -> dict[str, Any]:
+    """Tokens/s of N adapters mixed in one batch vs one adapter merged (and one unmerged), alternating rounds."""
+    import copy
+
+    n = args.loras
+    pays = [lora_payload(model, args.seed + k, args.lora_rank) for k in range(n)]
+    kw = dict(pad_token_id=0, eos_token_id=None, max_batch_size=args.batch_size, max_context_len=max_ctx,
+              seed=args.seed)
+    merged = TorchEngine(copy.deepcopy(model), name="bench-merged", **kw)
+    await merged.update_weights_from_tensors(dict(pays[0]), version=1)  # one LoRA policy: merged into the weights
+    slots = TorchEngine(copy.deepcopy(model), name="bench-slots", max_loras=n, max_lora_rank=args.lora_rank, **kw)
+    names = [f"p{k}" for k in range(n)]
+    for name, pay in zip(names, pays):
+        await slots.update_weights_from_tensors(dict(pay), version=1, policy=name)
+    cases = {"one_merged": (merged, [None]), "many": (slots, names), "one_unmerged": (slots, names[:1])}
+    runs: dict[str, list[float]] = {k: [] for k in cases}
+    try:
+        for engine, pol in cases.values():  # warm-up
+            await run_policies(engine, prompts[:8], [4] * 8, pol, args.temperature)
+        for k in range(args.lora_rounds):
+            order = list(cases) if k % 2 == 0 else list(reversed(cases))
+            for case in order:
+                engine, pol = cases[case]
+                dt, tok = await run_policies(engine, prompts, lengths, pol, args.temperature)
+                runs[case].append(tok / dt)
+    finally:
+        await merged.close()
+        await slots.close()
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    return {"adapters": n, "rank": args.lora_rank, "rounds": args.lora_rounds, "tokens_per_s": runs,
+            "tokens_per_s_median": med, "ratio_many_vs_one_merged": med["many"] / med["one_merged"],
+            "ratio_one_unmerged_vs_one_merged": med["one_unmerged"] / med["one_merged"]}
+
+
 # ----------------------------------------------------------------------------------------------- main
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
@@ -288,6 +358,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     ap.add_argument("--chat-batch-size", type=int, default=256, help="max_batch_size (the run's default)")
     ap.add_argument("--chat-rounds", type=int, default=4, help="rounds per engine, alternating on/off")
     ap.add_argument("--chat-cache-tokens", type=int, default=32768, help="the cache's token budget")
+    ap.add_argument("--loras", type=int, default=4, help="multi-LoRA part: adapters in one batch (0: skip)")
+    ap.add_argument("--lora-rank", type=int, default=8)
+    ap.add_argument("--lora-rounds", type=int, default=3, help="rounds per case, alternating")
     ap.add_argument("--json", default="", help="also write the results to this JSON file")
     return ap.parse_args(argv)
 
@@ -353,6 +426,14 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
               f"= {pc['cpu_ratio_off_vs_on']:.2f}x; prefill tokens per turn "
               f"on {pc['on']['prefill_tokens_per_turn']:.1f}, off {pc['off']['prefill_tokens_per_turn']:.1f}",
               flush=True)
+
+    if args.loras > 0:
+        ml = res["multi_lora"] = asyncio.run(measure_multi_lora(model, prompts, lengths, args, max_ctx))
+        med = ml["tokens_per_s_median"]
+        print(f"multi-lora: {ml['adapters']} adapters in one batch at {100 * ml['ratio_many_vs_one_merged']:.0f}% of "
+              f"one adapter's tokens/s ({med['many']:.1f} vs {med['one_merged']:.1f} tok/s merged, rank "
+              f"{ml['rank']}, {ml['rounds']} rounds each); one adapter unmerged: "
+              f"{100 * ml['ratio_one_unmerged_vs_one_merged']:.0f}%", flush=True)
 
     with tempfile.TemporaryDirectory(prefix="arl-bench-") as tmp:
         paths = [os.path.join(tmp, f"tiny{k}.safetensors") for k in range(2)]

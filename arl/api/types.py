@@ -139,12 +139,14 @@ class GenerationConfig:
 
 @dataclasses.dataclass
 class GenerateRequest:
-    """One prompt to complete. `session_id` keeps the turns of one multi-turn chat on one worker."""
+    """One prompt to complete. `session_id` keeps the turns of one multi-turn chat on one worker; `policy` names
+    the policy that answers (None: the engine's own weights; a LoRA policy it serves beside them by its name)."""
 
     qid: str
     input_ids: np.ndarray
     gconfig: GenerationConfig = dataclasses.field(default_factory=GenerationConfig)
     session_id: Optional[str] = None
+    policy: Optional[str] = None
 
     def __post_init__(self) -> None:
         self.input_ids = as_int32(self.input_ids)

@@ -3,7 +3,7 @@ input with the same words."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Collection, Optional
 
 from arl.api.types import GenerateRequest, GenerateResponse, GenerationConfig
 
@@ -24,13 +24,18 @@ def refusal(req: object, error: str) -> GenerateResponse:
 
 
 def check_request(req: GenerateRequest, *, max_context_len: int = 0, vocab_size: int = 0,
-                  max_batch_size: int = 0) -> Optional[str]:
+                  max_batch_size: int = 0, policies: Collection[str] = ()) -> Optional[str]:
     """Why `req` cannot be served (a message for the caller's error response), or None if it can.
 
-    A limit of 0 is not checked (e.g. an SGLang server enforces its own vocabulary). Never raises: anything odd
-    about the request is the caller's input error.
+    A limit of 0 is not checked (e.g. an SGLang server enforces its own vocabulary). `policies`: the named
+    policies the engine serves beside its own weights (a request naming another is refused). Never raises:
+    anything odd about the request is the caller's input error.
     """
     try:
+        policy = getattr(req, "policy", None)
+        if policy is not None and policy not in policies:
+            return (f"unknown policy {policy!r}: this engine serves its own weights (policy None)"
+                    f"{' and ' + str(sorted(policies)) if policies else ''}")
         return _check(req, max_context_len, vocab_size, max_batch_size)
     except Exception as e:  # noqa: BLE001
         return f"invalid request: {type(e).__name__}: {e}"

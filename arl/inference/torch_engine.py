@@ -61,6 +61,7 @@ from safetensors.torch import load_file
 from transformers import DynamicCache
 
 from arl.api.types import GenerateRequest, GenerateResponse, GenerationConfig, SampleOutput
+from arl.inference.multi_lora import LoraSlots, LoraUpdate
 from arl.inference.prefix_cache import KV, Entry, PrefixCache, Storage
 from arl.inference.running_kv import RunningKV
 from arl.inference.requests import ENGINE_CLOSED, check_limits, check_request, refusal
@@ -69,8 +70,9 @@ from arl.weights.adapter import adapter_expected, is_adapter, merged_weight, spl
 
 logger = logging.getLogger("arl.inference")
 
-# (source, [(parameter, new tensor)]); a parameter's name instead: a tied weight that gets its own tensor (`_untie`)
-_Prepared = tuple[str, list[tuple[torch.nn.Parameter | str, torch.Tensor]]]
+# (source, [(parameter, new tensor)]); a parameter's name instead: a tied weight that gets its own tensor (`_untie`);
+# or (source, a LoRA policy's adapter for its slot)
+_Prepared = tuple[str, list[tuple[torch.nn.Parameter | str, torch.Tensor]] | LoraUpdate]
 _Command = tuple[_Prepared, int, asyncio.AbstractEventLoop, asyncio.Future]  # a weight update: (weights, version, ...)
 
 
@@ -93,7 +95,7 @@ class _Request:
     """One accepted GenerateRequest: its prompt, sampling parameters and the samples finished so far."""
 
     __slots__ = ("qid", "gconfig", "prompt", "prompt_len", "n", "loop", "future", "samples", "remaining",
-                 "cancelled", "responded", "stop_set", "stop_list", "epoch", "source")
+                 "cancelled", "responded", "stop_set", "stop_list", "epoch", "source", "slot")
 
     def __init__(self, req: GenerateRequest, loop: asyncio.AbstractEventLoop, future: asyncio.Future,
                  eos_token_ids: Sequence[int], vocab_size: int) -> None:
@@ -114,6 +116,7 @@ class _Request:
         self.stop_list: list[int] = sorted(t for t in stops if t < vocab_size)
         self.epoch = -1  # the engine's weights epoch at this request's prefill (its KV is reusable only under it)
         self.source: Optional[Entry] = None  # the prefix-cache entry it was prefilled from
+        self.slot = 0  # the LoRA slot of its policy (0: the engine's own weights)
 
 
 class _Row:
@@ -158,12 +161,18 @@ class TorchEngine:
         name: used in the decode thread's name and in log lines.
         prefix_cache_tokens: token budget of the prefix KV cache (`arl.inference.prefix_cache`): a request that
             extends a finished sequence of the current weights prefills only its new tokens, and requests of one
-            step with the same ids share one prefill; 0 turns both off.
+            step with the same ids share one prefill; 0 turns both off. Each LoRA policy has a cache of its own
+            (its KV differs from the base's) of the same budget.
+        max_loras: most LoRA policies served at once beside the engine's own weights (`arl.inference.multi_lora`:
+            rows of different policies decode in one batch); 0: none. A request names its policy
+            (`GenerateRequest.policy`); `update_weights(..., policy=name)` loads or updates one.
+        max_lora_rank: most rank of such a policy's adapter.
     """
 
     def __init__(self, model: torch.nn.Module, *, pad_token_id: int, eos_token_id: int | Sequence[int] | None,
                  max_batch_size: int = 64, max_context_len: int = 512, device: str = "cpu", version: int = 0,
-                 seed: int = 0, name: str = "engine", prefix_cache_tokens: int = 0) -> None:
+                 seed: int = 0, name: str = "engine", prefix_cache_tokens: int = 0, max_loras: int = 0,
+                 max_lora_rank: int = 16) -> None:
         check_limits(max_batch_size, max_context_len)
         _check_attention_supported(getattr(model, "config", None), int(max_context_len))
         self.name = name
@@ -198,6 +207,8 @@ class TorchEngine:
         self._rows: list[_Row] = []
         self._kv: Optional[RunningKV] = None  # the rows' KV and mask ([B, T] long, 1 = real token, 0 = left padding)
         self._prefix: Optional[PrefixCache] = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
+        self._loras: Optional[LoraSlots] = LoraSlots(self.model, max_loras, max_lora_rank) if max_loras > 0 else None
+        self._lora_prefix: dict[int, PrefixCache] = {}  # a LoRA policy's slot -> its prefix cache
         self._weights_epoch = 0  # bumped by every weight update: KV of an older epoch is never reused
         # A prefill forward's own cost, in prompt tokens, for `length_groups`: ~2.5-3 ms of HF's Python per forward
         # against ~22 us a padded token for the tiny model on this CPU (DESIGN.md's machine); on a GPU a token costs
@@ -246,7 +257,8 @@ class TorchEngine:
     async def agenerate(self, req: GenerateRequest) -> GenerateResponse:
         """Generate ``req.gconfig.n`` samples. Never raises for bad input: returns a response with ``error``."""
         err = check_request(req, max_context_len=self.max_context_len, vocab_size=self.vocab_size,
-                            max_batch_size=self.max_batch_size)
+                            max_batch_size=self.max_batch_size,
+                            policies=self._loras.slots if self._loras is not None else ())
         if err is not None:
             with self._cv:
                 self._n["requests_refused"] += 1
@@ -254,6 +266,7 @@ class TorchEngine:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
         state = _Request(req, loop, fut, self.eos_token_ids, self.vocab_size)
+        state.slot = self._loras.slot(req.policy) if self._loras is not None else 0
         with self._cv:
             if self._closed:
                 self._n["requests_refused"] += 1
@@ -269,7 +282,7 @@ class TorchEngine:
                 self._cv.notify_all()
             raise
 
-    async def update_weights(self, source: str, version: int) -> None:
+    async def update_weights(self, source: str, version: int, policy: Optional[str] = None) -> None:
         """Load weights at the next decode-step boundary, set `version`, and go on decoding.
 
         `source` is a ``.safetensors`` file whose keys match ``model.state_dict()``, or a directory holding
@@ -281,17 +294,20 @@ class TorchEngine:
         weights, the AReaL-style choice: no recompute) together with their tokens so far, and they continue under
         the new weights; every token records the version that produced it. Returns once the weights are loaded.
         Raises (and keeps the old weights and version) if the file is missing or does not match the model.
+
+        `policy`: the LoRA policy (an adapter payload) this loads or updates, served beside the engine's own weights
+        (needs `max_loras`); its requests' tokens record `version`, the others' are untouched.
         """
         self.start()
         # read + check off the decode thread (decoding goes on); only the swap happens at the step boundary
-        await self._swap_in(await asyncio.to_thread(self._prepare_weights, str(source)), version)
+        await self._swap_in(await asyncio.to_thread(self._prepare_weights, str(source), policy), version)
 
     async def update_weights_from_tensors(self, tensors: dict[str, torch.Tensor], version: int,
-                                          source: str = "tensors") -> None:
+                                          source: str = "tensors", policy: Optional[str] = None) -> None:
         """`update_weights` from tensors already in memory (received by the `broadcast` transport):
         checked and cast off the decode thread, swapped in at the next step boundary. `tensors` is consumed."""
         self.start()
-        prepared = await asyncio.to_thread(self._prepare_tensors, tensors, source)
+        prepared = await asyncio.to_thread(self._prepare_tensors, tensors, source, policy)
         tensors.clear()
         await self._swap_in(prepared, version)
 
@@ -354,7 +370,10 @@ class TorchEngine:
         cache_stats = {} if prefix is None else {**prefix.stats, "prefix_cache_tokens": prefix.tokens,
                                                  "prefix_cache_entries": len(prefix),
                                                  "prefix_cache_budget": prefix.max_tokens}
+        policies = ({p: self._loras.versions[s] for p, s in sorted(self._loras.slots.items())}
+                    if self._loras is not None else {})
         return {"name": self.name, "version": self._version, **self._n, **cache_stats,
+                **({"policies": policies} if policies else {}),
                 "decode_steps": self._n["steps"],
                 "running": len(rows),  # samples (KV rows) in the batch
                 "running_requests": len({id(r.owner) for r in rows}),
@@ -416,6 +435,9 @@ class TorchEngine:
         """A weight update, between two steps."""
         prepared, version, loop, fut = cmd
         source = prepared[0]
+        if isinstance(prepared[1], LoraUpdate):
+            self._load_policy(prepared[1], version, source, loop, fut)
+            return
         # Point every parameter at its new tensor (no copy; tied weights share one Parameter, so they stay tied).
         # The old tensors go back to the caller, so that freeing them (hundreds of ms for a GB of weights) happens
         # on the caller's side, not in the decode loop.
@@ -437,11 +459,35 @@ class TorchEngine:
         self._weights_epoch += 1  # rows in flight keep their KV, but none of it is cached for reuse any more
         if self._prefix is not None:
             self._prefix.clear()
+        for cache in self._lora_prefix.values():  # a policy's adapter is a delta on the base: its KV changed too
+            cache.clear()
         self._n["weight_updates"] += 1
         self._n["last_update_s"] = time.perf_counter() - t0
         logger.info("%s: loaded %d tensors from %s in %.3fs, version %d (%d rows kept in flight)",
                     self.name, len(prepared[1]), source, self._n["last_update_s"], version, len(self._rows))
         _post(loop, fut, retired)
+
+    def _load_policy(self, update: LoraUpdate, version: int, source: str, loop: asyncio.AbstractEventLoop,
+                     fut: asyncio.Future) -> None:
+        """A LoRA policy's adapter into its slot, between two steps; the other policies' KV and caches stay."""
+        assert self._loras is not None
+        t0 = time.perf_counter()
+        try:
+            with torch.inference_mode(False), torch.no_grad():
+                self._loras.apply(update, version)
+        except Exception as e:  # noqa: BLE001 - reported to the caller of update_weights
+            logger.exception("%s: loading policy %s from %s failed", self.name, update.policy, source)
+            _post(loop, fut, exc=e)
+            return
+        self._weights_epoch += 1  # no row in flight is stored for reuse (its policy may be this one)
+        cache = self._lora_prefix.get(update.slot)
+        if cache is not None:
+            cache.clear()
+        self._n["weight_updates"] += 1
+        self._n["last_update_s"] = time.perf_counter() - t0
+        logger.info("%s: loaded policy %s (slot %d) from %s in %.3fs, version %d", self.name, update.policy,
+                    update.slot, source, self._n["last_update_s"], version)
+        _post(loop, fut, [])
 
     def _untie(self, name: str, new: torch.Tensor) -> None:
         """Give the tied weight `name` its own parameter holding `new`; the names it was tied to keep the old one.
@@ -496,12 +542,14 @@ class TorchEngine:
     # ---- model calls
 
     def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor,
-                 cache: DynamicCache) -> torch.Tensor:
+                 cache: DynamicCache, slots: Sequence[int]) -> torch.Tensor:
+        """The last position's logits; row i with LoRA slot `slots[i]` (0: the engine's own weights)."""
         kwargs: dict[str, Any] = dict(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
                                       past_key_values=cache, use_cache=True)
         if self._has_logits_to_keep:
             kwargs["logits_to_keep"] = 1
-        out = self.model(**kwargs)
+        with self._loras.rows(slots) if self._loras is not None else contextlib.nullcontext():
+            out = self.model(**kwargs)
         return out.logits[:, -1, :].float()
 
     def _decode(self) -> None:
@@ -510,7 +558,7 @@ class TorchEngine:
         dev = self.device
         input_ids = torch.tensor([[r.ids[-1]] for r in rows], dtype=torch.long, device=dev)
         position_ids = torch.tensor([[r.cached_len] for r in rows], dtype=torch.long, device=dev)
-        logits = self._forward(input_ids, kv.decode_mask(), position_ids, kv.cache)
+        logits = self._forward(input_ids, kv.decode_mask(), position_ids, kv.cache, [r.owner.slot for r in rows])
         self._n["decode_forwards"] += 1
         self._emit(rows, logits)
 
@@ -523,13 +571,13 @@ class TorchEngine:
             uniq, slot = reqs, list(range(len(reqs)))
             matches: list[tuple[Optional[Entry], int]] = [(None, 0)] * len(reqs)
         else:
-            first: dict[tuple[int, ...], int] = {}
+            first: dict[tuple[int, tuple[int, ...]], int] = {}
             for r in reqs:
-                j = first.setdefault(tuple(r.prompt), len(uniq))
+                j = first.setdefault((r.slot, tuple(r.prompt)), len(uniq))  # one policy's KV is not another's
                 if j == len(uniq):
                     uniq.append(r)
                 slot.append(j)
-            matches = [self._prefix.lookup(r.prompt, r.prompt_len - 1) for r in uniq]
+            matches = [self._cache_of(r.slot).lookup(r.prompt, r.prompt_len - 1) for r in uniq]
         for r, j in zip(reqs, slot):
             r.epoch, r.source = self._weights_epoch, matches[j][0]
         # one forward per run of similar lengths: a forward pads every row to its longest (a 50-token prompt that
@@ -552,7 +600,7 @@ class TorchEngine:
             lens = [r.prompt_len for r in uniq]
             ids, mask, position_ids = left_pad([r.prompt for r in uniq], self.pad_token_id, dev)
             cache = DynamicCache()
-            logits = self._forward(ids, mask, position_ids, cache)
+            logits = self._forward(ids, mask, position_ids, cache, [r.slot for r in uniq])
             if min(lens) < max(lens):  # keep padding KV finite (0 * NaN would leak through the masked attention)
                 pad = ~mask.bool()[:, None, :, None]
                 _map_kv(cache, lambda x: x.masked_fill(pad, 0))
@@ -594,7 +642,8 @@ class TorchEngine:
                     values[i, :, width_past - n:] = v[0, :, :n]
             past.append((keys, values))
         cache = DynamicCache(ddp_cache_data=past)
-        logits = self._forward(ids, torch.cat([past_mask, suffix_mask], dim=1), suffix_pos + m_t, cache)
+        logits = self._forward(ids, torch.cat([past_mask, suffix_mask], dim=1), suffix_pos + m_t, cache,
+                               [r.slot for r in reqs])
         # the batch's layout: row i's prefix (columns width_past - m_i ..) and suffix (the last s_i columns) made
         # contiguous at the right end of max(prompt_len) columns
         total = torch.tensor([r.prompt_len for r in reqs], dtype=torch.long, device=dev)[:, None]
@@ -611,6 +660,16 @@ class TorchEngine:
 
         _map_kv(cache, compact)
         return logits, cache, real.long()
+
+    def _cache_of(self, slot: int) -> PrefixCache:
+        """The prefix cache of the policy in LoRA `slot` (0: the engine's own); only with the prefix cache on."""
+        assert self._prefix is not None
+        if slot == 0:
+            return self._prefix
+        cache = self._lora_prefix.get(slot)
+        if cache is None:
+            cache = self._lora_prefix[slot] = PrefixCache(self._prefix.max_tokens)
+        return cache
 
     def _join(self, rows: list[_Row], cache: DynamicCache, mask: torch.Tensor) -> None:
         """Add the newcomers' KV rows to the running batch (`RunningKV`: written into its spare rows)."""
@@ -640,8 +699,11 @@ class TorchEngine:
             if owner.remaining == 0:
                 owner.responded = True
                 done.append(owner)
-        if finished:
-            self._store(finished)
+        by_policy: dict[int, list[int]] = {}
+        for i in finished:
+            by_policy.setdefault(rows[i].owner.slot, []).append(i)
+        for slot, some in by_policy.items():
+            self._store(some, self._cache_of(slot))
         if len(keep) != len(rows):
             self._select_rows(keep)
         for owner in done:
@@ -649,7 +711,7 @@ class TorchEngine:
             self._outbox.append((owner.loop, owner.future,
                                  GenerateResponse(qid=owner.qid, samples=list(owner.samples))))
 
-    def _store(self, finished: list[int]) -> None:
+    def _store(self, finished: list[int], prefix: PrefixCache) -> None:
         """Keep the KV of the finished rows `finished` (all computed under the current weights) in the prefix
         cache: for those it does not cover yet, one gather per layer packs their real tokens end to end (no
         padding) into a storage of at most the budget, each entry a view of it. A failure here only loses the
@@ -658,8 +720,8 @@ class TorchEngine:
         Why packed storages, not a copy per entry: a copy per entry costs 2 x layers copies per row (as much as
         the prefill it saves on a small model), a packed storage 2 x layers gathers per step; a storage over the
         budget would evict every entry and then itself, so a step whose rows together exceed it fills several."""
-        prefix, kv = self._prefix, self._kv
-        assert prefix is not None and kv is not None
+        kv = self._kv
+        assert kv is not None
         cache = kv.cache
         try:
             rows = [(i, self._rows[i]) for i in finished]
@@ -716,10 +778,11 @@ class TorchEngine:
         """Sample one token per row from `logits` [B, V], record it with its logprob and version, mark finishes."""
         tokens, logps = self._sample(rows, logits)
         version = self._version
+        versions = self._loras.versions if self._loras is not None else {}  # a LoRA policy's rows: its version
         for r, t, lp in zip(rows, tokens.tolist(), logps.tolist()):
             r.ids.append(t)
             r.logps.append(lp)
-            r.versions.append(version)
+            r.versions.append(versions[r.owner.slot] if r.owner.slot else version)
             g = r.owner.gconfig
             if t in r.owner.stop_set:
                 r.finish = "stop"
@@ -796,7 +859,7 @@ class TorchEngine:
 
     # ---- weights
 
-    def _prepare_weights(self, source: str) -> _Prepared:
+    def _prepare_weights(self, source: str, policy: Optional[str] = None) -> _Prepared:
         """Any thread: read the safetensors of `source`, check them against model.state_dict() (names, shapes) and
         cast them to each parameter's dtype/device. Raises (the model is untouched) when they do not match."""
         loaded: dict[str, torch.Tensor] = {}
@@ -809,12 +872,18 @@ class TorchEngine:
                     # file the learner deletes once every worker moved on
                     part = {k: v.clone() for k, v in part.items()}
                 loaded.update(part)
-        return self._prepare_tensors(loaded, source)
+        return self._prepare_tensors(loaded, source, policy)
 
-    def _prepare_tensors(self, loaded: dict[str, torch.Tensor], source: str) -> _Prepared:
+    def _prepare_tensors(self, loaded: dict[str, torch.Tensor], source: str,
+                         policy: Optional[str] = None) -> _Prepared:
         """Any thread: check `loaded` against model.state_dict() (names, shapes; a tied alias may be absent) and
         cast each tensor to its parameter's dtype/device. Raises (the model is untouched) when they do not match.
-        An adapter payload is merged instead (`_prepare_adapter`)."""
+        An adapter payload is merged instead (`_prepare_adapter`), or, for a LoRA `policy`, made its slot's."""
+        if policy is not None:
+            if self._loras is None:
+                raise ValueError(f"{self.name}: policy {policy!r}: this engine serves no LoRA policies "
+                                 f"(max_loras=0)")
+            return source, self._loras.prepare(policy, loaded)
         if is_adapter(loaded):
             return self._prepare_adapter(loaded, source)
         for name, tied in self._untied.items():  # a tied model's file may name one side; the other is an alias

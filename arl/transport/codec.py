@@ -16,7 +16,7 @@ read-only ``np.frombuffer`` view of the received bytes (copy it before writing i
 Typed messages (``encode`` takes, ``decode`` returns, the dataclass from ``arl.api.types``):
 
     "gen_req"   GenerateRequest   {"qid", "input_ids": arr[int32], "gconfig": {GenerationConfig fields},
-                                   "session_id": str | None}
+                                   "session_id": str | None, "policy": str | None}
     "gen_resp"  GenerateResponse  {"qid", "samples": [{"output_ids": arr[int32], "output_logprobs": arr[float32],
                                    "output_versions": arr[int32], "finish_reason"}], "error": str | None}
     "traj"      list[Trajectory]  [{"input_ids": arr[int32], "loss_mask": arr[int8], "logprobs": arr[float32],
@@ -196,7 +196,7 @@ def _gconfig_in(d: Any) -> GenerationConfig:
 
 # --------------------------------------------------------------------------------------------- gen_req / gen_resp
 
-_GEN_REQ_KEYS = frozenset({"qid", "input_ids", "gconfig", "session_id"})
+_GEN_REQ_KEYS = frozenset({"qid", "input_ids", "gconfig", "session_id", "policy"})
 _SAMPLE_KEYS = frozenset({*_SAMPLE_ARRAYS, "finish_reason"})
 _GEN_RESP_KEYS = frozenset({"qid", "samples", "error"})
 
@@ -210,10 +210,11 @@ def _expect(obj: Any, cls: type, what: str) -> None:
 def _gen_req_out(r: Any) -> dict:
     if not isinstance(r, GenerateRequest):  # _expect's check, inline on the per-request path
         _expect(r, GenerateRequest, "gen_req")
-    if type(r.qid) is not str or (r.session_id is not None and type(r.session_id) is not str):
-        raise TypeError("GenerateRequest.qid must be str and session_id str or None")
+    if (type(r.qid) is not str or (r.session_id is not None and type(r.session_id) is not str)
+            or (r.policy is not None and type(r.policy) is not str)):
+        raise TypeError("GenerateRequest.qid must be str and session_id and policy str or None")
     return {"qid": r.qid, "input_ids": _arr_out(r.input_ids, _I32), "gconfig": _gconfig_out(r.gconfig),
-            "session_id": r.session_id}
+            "session_id": r.session_id, "policy": r.policy}
 
 
 def _gen_req_in(p: Any) -> GenerateRequest:
@@ -221,7 +222,8 @@ def _gen_req_in(p: Any) -> GenerateRequest:
     return _build(GenerateRequest, {"qid": _str(p["qid"], "qid"),
                                     "input_ids": _arr_in(p["input_ids"], _I32, "input_ids"),
                                     "gconfig": _gconfig_in(p["gconfig"]),
-                                    "session_id": _str(p["session_id"], "session_id", nullable=True)})
+                                    "session_id": _str(p["session_id"], "session_id", nullable=True),
+                                    "policy": _str(p["policy"], "policy", nullable=True)})
 
 
 def _gen_resp_out(r: Any) -> dict:

@@ -32,7 +32,8 @@ def test_main_runs_on_tiny_sizes(tmp_path):
     try:
         res = bench.main(["--num-requests", "6", "--batch-size", "3", "--max-len", "8", "--hidden", "32",
                           "--updates", "2", "--qwen", "none", "--chat-groups", "2", "--chat-group-size", "2",
-                          "--chat-rounds", "2", "--json", str(tmp_path / "r.json")])
+                          "--chat-rounds", "2", "--loras", "2", "--lora-rounds", "1", "--json",
+                          str(tmp_path / "r.json")])
     finally:
         torch.set_num_threads(threads)
     assert res["continuous"]["tokens"] == res["hf_static"]["tokens"] == res["workload"]["tokens"]
@@ -42,4 +43,6 @@ def test_main_runs_on_tiny_sizes(tmp_path):
     pc = res["prefix_cache"]
     assert pc["prefix_hits"] > 0 and pc["cpu_ratio_off_vs_on"] > 0
     assert pc["on"]["prefill_tokens_per_turn"] < pc["off"]["prefill_tokens_per_turn"]
+    ml = res["multi_lora"]
+    assert ml["adapters"] == 2 and ml["ratio_many_vs_one_merged"] > 0 and ml["ratio_one_unmerged_vs_one_merged"] > 0
     assert (tmp_path / "r.json").is_file()

@@ -21,6 +21,7 @@ import asyncio
 import json
 import os
 import sys
+import time
 from typing import Optional, Sequence
 
 from arl.controller.scaling import CONTROL_FILE
@@ -77,12 +78,19 @@ async def send_scale(run_dir: str, changes: dict[str, int], timeout: float) -> d
     try:
         dealer.connect(info["controller"])
         await dealer.send(Scale.TYPE, Scale(token=str(info["key"]), changes=changes).to_payload())
+        deadline = time.monotonic() + timeout
         while True:
-            try:
-                msg_type, payload = await dealer.recv(timeout=timeout)
+            left = deadline - time.monotonic()
+            try:  # in slices: a run that ends while it drains (its last step came) is told at once, not at timeout
+                msg_type, payload = await dealer.recv(timeout=max(0.01, min(1.0, left)))
             except asyncio.TimeoutError:
-                raise CtlError(f"no answer from the run's controller at {info['controller']} in {timeout:g}s: it "
-                               "is not running, busy, or the secret is wrong") from None
+                if isinstance(pid, int) and not _alive(pid):
+                    raise CtlError(f"the run in {run_dir!r} ended (its controller, pid {pid}, exited) before it "
+                                   "answered: the change may be partly done; its log says how far") from None
+                if left <= 0:
+                    raise CtlError(f"no answer from the run's controller at {info['controller']} in {timeout:g}s: "
+                                   "it is not running, busy, or the secret is wrong") from None
+                continue
             if msg_type == "scaled":
                 return payload
     finally:

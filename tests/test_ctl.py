@@ -40,3 +40,20 @@ def test_no_run_to_talk_to(tmp_path, capsys):
     (tmp_path / "control.json").write_text(json.dumps({**info, "signed": False}))
     assert ctl.main([str(tmp_path), "scale", "inference=+1", "--timeout", "0.5"]) == 2  # nothing listens there
     assert "no answer" in capsys.readouterr().err
+
+
+def test_a_run_that_ends_while_it_answers_is_told_not_waited_out(tmp_path, capsys):
+    import subprocess
+    import sys
+
+    import threading
+
+    short = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"])  # the controller, then gone
+    threading.Thread(target=short.wait, daemon=True).start()  # reaped when it exits (no zombie keeps its pid)
+    try:
+        info = {"controller": "tcp://127.0.0.1:9", "key": "k", "signed": False, "pid": short.pid}
+        (tmp_path / "control.json").write_text(json.dumps(info))
+        assert ctl.main([str(tmp_path), "scale", "inference=+1", "--timeout", "120"]) == 2
+        assert "ended (its controller" in capsys.readouterr().err
+    finally:
+        short.wait()

@@ -305,6 +305,7 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
             judge_client.worker_back(msg.index, make_socket(Dealer).connect(msg.address))
 
     async def on_worker_draining(msg: WorkerDraining) -> None:  # a server leaves the run: nothing new to it
+        logger.info("%s server %d leaves the run: nothing new goes to it", msg.role, msg.index)
         if msg.role == "inference":
             client.worker_draining(msg.index)
         elif msg.role == "env" and env_client is not None:

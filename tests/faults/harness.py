@@ -36,8 +36,8 @@ HOLD_MODULE = '''
 """The math single-step agent, except that a group with tokens of policy version >= ARL_TEST_HOLD_FROM waits for
 the file ARL_TEST_RELEASE before it is returned: the run cannot train past that version until the test says so.
 Several versions ("2,4"): past the k-th (k >= 1) it waits for ARL_TEST_RELEASE + str(k) too. ARL_TEST_HOLD_PROCESS
-("rollout1=1"): every group of that rollout process waits for release k whatever its versions, and the file
-ARL_TEST_RELEASE + ".held.rollout1" says one does."""
+("rollout1=2"): every group of that rollout process waits for release k instead, whatever its versions, and the
+file ARL_TEST_RELEASE + ".held.rollout1" says one does."""
 import asyncio
 import os
 import sys
@@ -56,11 +56,12 @@ class HoldAgent(MathSingleStepAgent):
     async def collect_trajectory(self, prompt, env, obs_queue, act_queue):
         trajs = await super().collect_trajectory(prompt, env, obs_queue, act_queue)
         newest = max((int(t.versions.max()) for t in trajs if len(t.versions)), default=-1)
-        if PROCESS in HOLD_PROCESS:  # first: the marker says a group of this process is held, whatever its versions
+        if PROCESS in HOLD_PROCESS:  # instead of the version holds: held whatever its versions, and marked so
             open(RELEASE + ".held." + PROCESS, "w").close()
             k = int(HOLD_PROCESS[PROCESS])
             while not os.path.exists(RELEASE + (str(k) if k else "")):
                 await asyncio.sleep(0.1)
+            return trajs
         for k, v in enumerate(HOLD_FROM):
             while newest >= v and not os.path.exists(RELEASE + (str(k) if k else "")):
                 await asyncio.sleep(0.1)
@@ -77,8 +78,8 @@ class Hold:
 
     def __init__(self, tmp_dir: str, hold_from: int | tuple[int, ...], hold_process: str = "") -> None:
         """`hold_from`: a version, or several, each released by its own `release(k)`; `hold_process`
-        ("rollout1=1"): every group of that rollout process is held until `release(k)` (`held(process)` says one
-        is)."""
+        ("rollout1=2"): every group of that rollout process is held until `release(k)` instead (`held(process)` says
+        one is)."""
         self.dir = os.path.join(tmp_dir, "hold")
         os.makedirs(self.dir, exist_ok=True)
         with open(os.path.join(self.dir, "hold_agent.py"), "w") as f:

@@ -15,7 +15,7 @@ import pytest
 from .harness import (ROOT, Hold, assert_accounting, assert_no_leftovers, finish, launcher_log, read_metrics, record,
                       start_run, summary, train_steps, wait_for)
 
-STEPS = 10
+STEPS = 11
 
 
 def ctl(run_dir: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -29,8 +29,9 @@ def joined(run_dir: str, role: str = "inference") -> set[int]:
 
 @pytest.mark.slow
 def test_scale_inference_up_down_up_mid_run(tmp_path, model_cache):
-    # the run trains past steps 2 and 5 only once the test says so; rollout1's groups wait for the second release
-    hold = Hold(str(tmp_path), hold_from=(2, 5), hold_process="rollout1=1")
+    # the run trains past versions 2, 5 and 8 only once the test says so (releases 0, 1, 2); rollout1's groups
+    # wait for release 3 instead
+    hold = Hold(str(tmp_path), hold_from=(2, 5, 8), hold_process="rollout1=3")
     args = [f"total_train_steps={STEPS}", "inference.drain_timeout_s=30", "env.servers=1", *hold.args]
     proc, run_dir = start_run(str(tmp_path), model_cache, args, env=hold.env)
     wait_for(lambda: len(train_steps(run_dir)) >= 1, proc, what="the first step")
@@ -51,18 +52,25 @@ def test_scale_inference_up_down_up_mid_run(tmp_path, model_cache):
              timeout=300, what="rollout1 and env server 1 to join")
     # the gate has rollout1's request before it moves: the groups it admits from now on go to the two in turn
     wait_for(lambda: "admission: rollout1 asks" in launcher_log(proc), proc, what="rollout1 to ask the gate")
-    hold.release()  # the run trains on, and the gate admits groups to the two in turn
+    hold.release(0)
     wait_for(lambda: hold.held("rollout1"), proc, timeout=300, what="a group running on rollout1")
-    # rollout1's groups wait for the second release (and the run for it past step 5): rollout1 is drained while
-    # they run, they finish once released
-    down = subprocess.Popen([sys.executable, "-m", "arl.ctl", run_dir, "scale", "rollout=-1", "env=-1"], cwd=ROOT,
+    # rollout1 is drained while its held groups run; they finish once released (the run cannot pass version 5)
+    down = subprocess.Popen([sys.executable, "-m", "arl.ctl", run_dir, "scale", "rollout=-1"], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for(lambda: "leaving the run" in log_of(run_dir, "rollout1"), proc, what="rollout1 to drain")
-    hold.release(1)
+    hold.release(3)
     out, err = down.communicate(timeout=300)
     assert down.returncode == 0 and "drained and stopped rollout workers [1]" in out, out + err
     assert "streams [1] to rollout0" in out and int(re.search(r"accepted there: \{1: (\d+)\}", out)[1]) > 0, out
+    # env server 1 is drained while held groups have sessions there: they end once released (to version 8)
+    down = subprocess.Popen([sys.executable, "-m", "arl.ctl", run_dir, "scale", "env=-1"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: "env server 1 leaves the run" in log_of(run_dir, "rollout0"), proc, what="env server 1 to drain")
+    hold.release(1)
+    out, err = down.communicate(timeout=300)
+    assert down.returncode == 0, out + err
     assert int(re.search(r"drained and stopped env servers \[1\] .*opened: \{1: (\d+)\}", out)[1]) > 0, out
+    hold.release(2)
     code, _, err = finish(proc)
     assert code == 0, err[-6000:]
     assert train_steps(run_dir) == list(range(1, STEPS + 1))

@@ -141,3 +141,11 @@ def test_the_policy_travels_with_the_request():
     r = req("q", prompt(0, 4), policy="solver", max_new_tokens=3)
     assert decode(encode("gen_req", r))[1].policy == "solver"
     assert decode(encode("gen_req", req("q", prompt(0, 4))))[1].policy is None
+
+
+def test_every_engine_refuses_a_policy_it_does_not_serve():
+    from arl.inference.requests import check_request
+
+    assert "unknown policy 'a'" in check_request(req("q", prompt(0, 4), policy="a"))
+    assert check_request(req("q", prompt(0, 4), policy="a"), policies=("a",)) is None
+    assert check_request(req("q", prompt(0, 4))) is None

@@ -116,15 +116,7 @@ def save_weights(model: torch.nn.Module, path: str, scale: float = 1.0) -> None:
 
 async def run_continuous(engine: TorchEngine, prompts: list[np.ndarray], lengths: list[int],
                          temperature: float) -> tuple[float, int]:
-    t0 = time.perf_counter()
-    resps = await asyncio.gather(*(
-        engine.agenerate(GenerateRequest(qid=str(i), input_ids=p,
-                                         gconfig=GenerationConfig(max_new_tokens=n, temperature=temperature)))
-        for i, (p, n) in enumerate(zip(prompts, lengths))))
-    dt = time.perf_counter() - t0
-    for r, n in zip(resps, lengths):
-        assert r.error is None and len(r.samples[0].output_ids) == n, (r.error, n)
-    return dt, sum(lengths)
+    return await run_policies(engine, prompts, lengths, [None], temperature)
 
 
 async def run_engine_static(engine: TorchEngine, prompts: list[np.ndarray], lengths: list[int], batch: int,

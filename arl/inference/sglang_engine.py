@@ -53,6 +53,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -73,6 +74,9 @@ from arl.utils.net import free_port
 from arl.utils.proc import die_with_parent_preexec, signal_group, tail
 
 logger = logging.getLogger("arl.inference")
+
+_Adapter = tuple[Optional[str], int]  # (LoRA policy: None for the run's own, version)
+_POLICY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # it names an adapter and its folder
 
 # files of the base model directory linked into every per-version weights directory
 _MODEL_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -198,7 +202,9 @@ class SGLangEngine:
             no pause: requests in flight keep theirs), each request carries the adapter of the version it was
             admitted at (``lora_path``), and adapters of versions older than the newest minus ``adapters_keep - 1``
             (eta + 1: the oldest a consumed token may come from) are unloaded once no request uses them, so the
-            server's adapter memory stays bounded. 0: full weights only.
+            server's adapter memory stays bounded. 0: full weights only. The same holds per named LoRA policy
+            served beside (``update_weights(..., policy=name)``: adapters ``arl-{name}-v{N}``; a request names its
+            policy, `GenerateRequest.policy`), SGLang's multi-LoRA batching serving them together.
     """
 
     def __init__(self, base_url: str, *, model_path: str = "", version: int = 0, name: str = "sglang",
@@ -236,9 +242,11 @@ class SGLangEngine:
         self._busy_s = 0.0
         self._busy_since: Optional[float] = None
         self.adapters_keep = int(adapters_keep)
-        self._adapters: dict[int, str] = {}  # version -> loaded adapter's directory
-        self._adapter_users: collections.Counter[int] = collections.Counter()  # version -> samples in flight
+        # (policy, version) -> loaded adapter's directory; policy None: the run's own policy, a name: one served beside
+        self._adapters: dict[_Adapter, str] = {}
+        self._adapter_users: collections.Counter[_Adapter] = collections.Counter()  # -> samples in flight on it
         self._adapter_version: Optional[int] = None  # the adapter new requests get (None: the base weights)
+        self._policy_versions: dict[str, int] = {}  # a named policy -> the version of its newest adapter
 
     # ------------------------------------------------------------------ public API
 
@@ -252,7 +260,8 @@ class SGLangEngine:
 
     async def agenerate(self, req: GenerateRequest) -> GenerateResponse:
         """`req.gconfig.n` samples of `req.input_ids`. Never raises: failures come back as `error`."""
-        err = (check_request(req, max_context_len=self.max_context_len) or truncation_error(req.gconfig)
+        err = (check_request(req, max_context_len=self.max_context_len, policies=self._policy_versions)
+               or truncation_error(req.gconfig)
                or (ENGINE_CLOSED if self._closed else None)
                or (f"sglang server failed: {self._failed}" if self._failed else None))
         if err is not None:
@@ -282,11 +291,22 @@ class SGLangEngine:
         self._counters["samples"] += len(samples)
         return GenerateResponse(qid=req.qid, samples=samples)
 
-    async def update_weights(self, source: str, version: int) -> None:
+    async def update_weights(self, source: str, version: int, policy: Optional[str] = None) -> None:
         """Pause the server (per `pause_mode`), load `source` as `version`, resume. Raises (old weights and
         version kept) if SGLang refuses the update; generation is resumed either way. An adapter payload (with
-        `adapters_keep`) is loaded as an adapter instead (`_load_adapter`)."""
+        `adapters_keep`) is loaded as an adapter instead (`_load_adapter`); so is a named LoRA `policy`'s."""
         await self._ensure_session()
+        if policy is not None:
+            if not self.adapters_keep:
+                raise ValueError(f"{self.name}: policy {policy!r}: this server serves no LoRA policies (it runs "
+                                 "without --enable-lora: adapters_keep=0)")
+            if not _POLICY_NAME.fullmatch(policy):
+                raise ValueError(f"{self.name}: policy name {policy!r}: letters, digits, '_', '.', '-' only")
+            if not await asyncio.to_thread(_is_adapter_file, str(source)):
+                raise ValueError(f"{self.name}: policy {policy!r}: a LoRA policy is served from an adapter "
+                                 f"payload; {source} holds full weights")
+            await self._load_adapter(str(source), int(version), policy)
+            return
         if self.adapters_keep and await asyncio.to_thread(_is_adapter_file, str(source)):
             await self._load_adapter(str(source), int(version))
             return
@@ -306,59 +326,73 @@ class SGLangEngine:
             while len(self._built_dirs) > 2:  # keep the last two
                 shutil.rmtree(self._built_dirs.pop(0), ignore_errors=True)
 
-    async def _load_adapter(self, source: str, version: int) -> None:
-        """`source` (an adapter payload file) as the adapter ``arl-v{version}``: a peft folder per version, then
-        ``/load_lora_adapter``; no pause (requests in flight keep the adapter they were admitted with). New
-        requests get it from now on; adapters too old for any admissible token are unloaded (`_unload_old`)."""
+    async def _load_adapter(self, source: str, version: int, policy: Optional[str] = None) -> None:
+        """`source` (an adapter payload file) as the adapter ``arl-v{version}`` (``arl-{policy}-v{version}``): a
+        peft folder per version, then ``/load_lora_adapter``; no pause (requests in flight keep the adapter they
+        were admitted with). New requests (of that policy) get it from now on; its adapters too old for any
+        admissible token are unloaded (`_unload_old`)."""
         async with self._update_lock:
             t0 = time.perf_counter()
-            path = await asyncio.to_thread(self._adapter_dir, source, version)
-            name = adapter_name(version)
+            path = await asyncio.to_thread(self._adapter_dir, source, version, policy)
+            name = adapter_name(version, policy)
             data = await self._post("/load_lora_adapter", {"lora_name": name, "lora_path": path},
                                     self.control_timeout, accept=(200, 400))
             if not isinstance(data, dict) or not data.get("success"):
                 shutil.rmtree(path, ignore_errors=True)
                 msg = data.get("error_message") if isinstance(data, dict) else data
                 raise SGLangError(f"load_lora_adapter({name}, {path}) failed: {msg}")
-            self._adapters[version] = path
-            self._adapter_version = self._version = version
+            self._adapters[(policy, version)] = path
+            if policy is None:
+                self._adapter_version = self._version = version
+            else:
+                self._policy_versions[policy] = version
             self._last_update_s = time.perf_counter() - t0
             self._counters["weight_updates"] += 1
             logger.info("%s: loaded adapter %s from %s in %.3fs", self.name, name, source, self._last_update_s)
-            await self._unload_old()
+            await self._unload_old(policy)
 
-    async def _unload_old(self) -> None:
-        """Unload the adapters of versions below ``newest - (adapters_keep - 1)`` that no request in flight uses
-        (one still in use goes at a later update, once its requests are done): at most `adapters_keep` adapters
-        stay loaded, plus those that requests still run on."""
-        newest = self._adapter_version if self._adapter_version is not None else self._version
-        for v in sorted(self._adapters):
-            if v >= newest - (self.adapters_keep - 1) or self._adapter_users[v] > 0:
+    async def _unload_old(self, policy: Optional[str] = None) -> None:
+        """Unload `policy`'s adapters of versions below ``newest - (adapters_keep - 1)`` that no request in flight
+        uses (one still in use goes at a later update, once its requests are done): at most `adapters_keep`
+        adapters of each policy stay loaded, plus those that requests still run on."""
+        if policy is None:
+            newest = self._adapter_version if self._adapter_version is not None else self._version
+        else:
+            newest = self._policy_versions[policy]
+        for key in sorted(k for k in self._adapters if k[0] == policy):
+            v = key[1]
+            if v >= newest - (self.adapters_keep - 1) or self._adapter_users[key] > 0:
                 continue
-            data = await self._post("/unload_lora_adapter", {"lora_name": adapter_name(v)}, self.control_timeout,
+            name = adapter_name(v, policy)
+            data = await self._post("/unload_lora_adapter", {"lora_name": name}, self.control_timeout,
                                     accept=(200, 400))
             if isinstance(data, dict) and data.get("success"):
-                shutil.rmtree(self._adapters.pop(v), ignore_errors=True)
+                shutil.rmtree(self._adapters.pop(key), ignore_errors=True)
                 self._counters["adapters_unloaded"] = self._counters.get("adapters_unloaded", 0) + 1
             else:
-                logger.warning("%s: unload_lora_adapter(%s) failed: %s", self.name, adapter_name(v), data)
+                logger.warning("%s: unload_lora_adapter(%s) failed: %s", self.name, name, data)
 
-    def _adapter_dir(self, source: str, version: int) -> str:
-        """A peft folder of the adapter payload file `source`, ``<weights_dir>/lora/v{version}``."""
+    def _adapter_dir(self, source: str, version: int, policy: Optional[str] = None) -> str:
+        """A peft folder of the adapter payload file `source`, ``<weights_dir>/lora/v{version}`` (a named policy's:
+        ``lora/<policy>/v{version}``)."""
         from safetensors.torch import load_file
 
         from arl.weights.adapter import write_peft_folder
 
         root = Path(self.weights_dir) if self.weights_dir else Path(source).resolve().parent / "sglang-weights"
-        d = root / "lora" / f"v{version}"
+        d = root / "lora" / (policy or "") / f"v{version}"
         if d.exists():
             shutil.rmtree(d)
         return write_peft_folder(load_file(source), str(d), base_model=self.model_path)
 
     @property
     def adapters_loaded(self) -> list[int]:
-        """Versions whose adapter the server holds now."""
-        return sorted(self._adapters)
+        """Versions whose adapter (of the run's own policy) the server holds now."""
+        return sorted(v for p, v in self._adapters if p is None)
+
+    def policy_adapters_loaded(self, policy: str) -> list[int]:
+        """Versions whose adapter of the named LoRA `policy` the server holds now."""
+        return sorted(v for p, v in self._adapters if p == policy)
 
     async def update_weights_from_distributed(self, client: Any, wait_s: Optional[float] = None) -> int:
         """Load the next transfer of the learner's weight broadcast (the `broadcast` weight transport) through
@@ -455,7 +489,11 @@ class SGLangEngine:
         max_new = g.max_new_tokens  # like the embedded engine: prompt + output stop at max_context_len ("length")
         if self.max_context_len:
             max_new = min(max_new, self.max_context_len - len(prompt))
-        adapter = self._adapter_version  # LoRA: the adapter of the version this sample was admitted at, throughout
+        # LoRA: the adapter (policy, version) this sample was admitted at, throughout
+        if req.policy is not None:
+            adapter: Optional[_Adapter] = (req.policy, self._policy_versions[req.policy])
+        else:
+            adapter = (None, self._adapter_version) if self._adapter_version is not None else None
         if adapter is not None:
             self._adapter_users[adapter] += 1  # not unloaded while this sample runs on it
         try:
@@ -465,19 +503,19 @@ class SGLangEngine:
                 self._adapter_users[adapter] -= 1
 
     async def _sample_on(self, req: GenerateRequest, prompt: list[int], ids: list[int], logps: list[float],
-                         versions: list[int], max_new: int, adapter: Optional[int]) -> SampleOutput:
+                         versions: list[int], max_new: int, adapter: Optional[_Adapter]) -> SampleOutput:
         g = req.gconfig
         while True:
             epoch = self._abort_epoch
             body = {"rid": f"{self.name}-{uuid.uuid4().hex}", "input_ids": prompt + ids,
                     "sampling_params": self.sampling_params(g, len(ids), max_new), "return_logprob": True}
             if adapter is not None:
-                body["lora_path"] = adapter_name(adapter)
-            submitted_version = self._version if adapter is None else adapter
+                body["lora_path"] = adapter_name(adapter[1], adapter[0])
+            submitted_version = self._version if adapter is None else adapter[1]
             data = await self._post("/generate", body, self.request_timeout)
             out_ids, out_lp, out_v, finish = self._parse_generate(data, submitted_version)
             if adapter is not None:  # the server's weight version is the base's: every token is the adapter's
-                out_v = [adapter] * len(out_ids)
+                out_v = [adapter[1]] * len(out_ids)
             ids += out_ids
             logps += out_lp
             versions += out_v
@@ -618,11 +656,14 @@ class SGLangEngine:
         self._failed_event.set()
 
 
-def adapter_name(version: int) -> str:
-    """The SGLang adapter name of policy version `version`."""
+def adapter_name(version: int, policy: Optional[str] = None) -> str:
+    """The SGLang adapter name of version `version` of the run's policy (`arl-v3`) or of a named one
+    (`arl-solver-v3`)."""
     from arl.weights.adapter import ADAPTER_NAME_PREFIX
 
-    return f"{ADAPTER_NAME_PREFIX}{int(version)}"
+    if policy is None:
+        return f"{ADAPTER_NAME_PREFIX}{int(version)}"
+    return f"{ADAPTER_NAME_PREFIX[:-1]}{policy}-v{int(version)}"
 
 
 def _is_adapter_file(source: str) -> bool:

@@ -5,6 +5,7 @@ with, adapters older than eta + 1 versions are unloaded once no request runs on 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from arl.api.types import GenerateRequest
 from arl.inference.sglang_engine import SGLangError, lora_server_args, server_command
 from arl.weights.adapter import LORA_A, LORA_B
 from tests.inference.fake_sglang import toy_greedy
@@ -25,6 +27,10 @@ def adapter_file(path: Path, k: int) -> str:
     m = "model.layers.0.self_attn.q_proj"
     save_file({m + LORA_A: torch.full((2, 3), float(k)), m + LORA_B: torch.zeros(4, 2)}, str(path))
     return str(path)
+
+
+def preq(qid: str, ids, policy: str, **g) -> GenerateRequest:
+    return dataclasses.replace(req(qid, ids, **g), policy=policy)
 
 
 def shift(k: int) -> int:
@@ -77,6 +83,41 @@ async def test_adapters_per_version_requests_keep_theirs_and_old_ones_are_unload
     assert r.samples[0].output_versions.tolist() == [5] * 3
     # a full weights file still goes the usual way (pause, update_weights_from_disk)
     await engine.close()
+
+
+@pytest.mark.asyncio
+async def test_named_lora_policies_are_served_beside_the_runs_own(fake, tmp_path):  # noqa: F811
+    engine = make_engine(fake, tmp_path, adapters_keep=2)
+    await engine.update_weights(adapter_file(tmp_path / "own1.safetensors", 1), 1)
+    await engine.update_weights(adapter_file(tmp_path / "s3.safetensors", 2), 3, policy="solver")
+    assert engine.version == 1 and engine.adapters_loaded == [1] and engine.policy_adapters_loaded("solver") == [3]
+    assert sorted(fake.adapters) == ["arl-solver-v3", "arl-v1"]
+    own, solver = await asyncio.gather(engine.agenerate(req("o", [7, 8], greedy=True, max_new_tokens=5)),
+                                       engine.agenerate(preq("s", [7, 8], "solver", greedy=True,
+                                                             max_new_tokens=5)))
+    assert own.samples[0].output_versions.tolist() == [1] * 5
+    assert own.samples[0].output_ids.tolist() == toy_greedy([7, 8], 5, shift(1), VOCAB)
+    assert solver.samples[0].output_versions.tolist() == [3] * 5  # the policy's own version
+    assert solver.samples[0].output_ids.tolist() == toy_greedy([7, 8], 5, shift(2), VOCAB)
+    assert {b["lora_path"] for b in fake.posts("/generate")} == {"arl-v1", "arl-solver-v3"}
+    bad = await engine.agenerate(preq("x", [7, 8], "proposer", max_new_tokens=2))
+    assert bad.error is not None and "unknown policy 'proposer'" in bad.error and "solver" in bad.error
+    # a policy's updates unload only its own old adapters
+    for v in (4, 5):
+        await engine.update_weights(adapter_file(tmp_path / f"s{v}.safetensors", v), v, policy="solver")
+    assert engine.policy_adapters_loaded("solver") == [4, 5] and engine.adapters_loaded == [1]
+    assert sorted(os.listdir(tmp_path / "w" / "lora" / "solver")) == ["v4", "v5"]
+    with pytest.raises(ValueError, match="holds full weights"):
+        full = tmp_path / "full.safetensors"
+        save_file({"model.embed_tokens.weight": torch.zeros(4, 4)}, str(full))
+        await engine.update_weights(str(full), 6, policy="solver")
+    with pytest.raises(ValueError, match="letters, digits"):
+        await engine.update_weights(adapter_file(tmp_path / "e.safetensors", 1), 1, policy="../up")
+    await engine.close()
+    plain = make_engine(fake, tmp_path)  # a server without --enable-lora
+    with pytest.raises(ValueError, match="serves no LoRA policies"):
+        await plain.update_weights(adapter_file(tmp_path / "p.safetensors", 1), 1, policy="solver")
+    await plain.close()
 
 
 def test_server_gets_the_lora_flags():

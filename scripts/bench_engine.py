@@ -286,14 +286,15 @@ async def run_policies(engine: TorchEngine, prompts: list[np.ndarray], lengths: 
 
 
 async def measure_multi_lora(model: torch.nn.Module, prompts: list[np.ndarray], lengths: list[int],
-                             args: argparse.Namespace, max_ctx: int) -> dict[str, Any]:
-    """Tokens/s of N adapters mixed in one batch vs one adapter merged (and one unmerged), alternating rounds."""
+                             args: argparse.Namespace, max_ctx: int, device: str = "cpu") -> dict[str, Any]:
+    """Tokens/s of N adapters mixed in one batch vs one adapter merged (and one unmerged), alternating rounds
+    (`args`: loras, lora_rank, lora_rounds, batch_size, seed, temperature)."""
     import copy
 
     n = args.loras
     pays = [lora_payload(model, args.seed + k, args.lora_rank) for k in range(n)]
     kw = dict(pad_token_id=0, eos_token_id=None, max_batch_size=args.batch_size, max_context_len=max_ctx,
-              seed=args.seed)
+              seed=args.seed, device=device)
     merged = TorchEngine(copy.deepcopy(model), name="bench-merged", **kw)
     await merged.update_weights_from_tensors(dict(pays[0]), version=1)  # one LoRA policy: merged into the weights
     slots = TorchEngine(copy.deepcopy(model), name="bench-slots", max_loras=n, max_lora_rank=args.lora_rank, **kw)

@@ -4,7 +4,7 @@
     python scripts/gpu_check.py --device cpu             # every part, each in its own process, then the summary
     python scripts/gpu_check.py --device cpu --part b    # one part, in this process
 
-Parts (sizes in SIZES: a GPU run fits 8 minutes on one H100; `--device cpu` is the dry run of the same code with
+Parts (sizes in SIZES: a GPU run fits 10 minutes on one H100; `--device cpu` is the dry run of the same code with
 small sizes, the tiny model in place of the 0.5B one):
 
 a. the default experiment (`training/main_async_ppo.py`) with inference and the learner on the device, both in
@@ -15,7 +15,9 @@ b. a Qwen2.5-0.5B-shaped model (random weights, made on the spot) in the torch e
 c. the DeepSpeed learner (bf16, ZeRO-2) on that model: tokens/s and MFU of one PPO step (`PPOActor.step`: one
    no-grad forward for the proximal logprobs, then forward + backward of every token over the minibatches);
 d. the learner and the engine on one device in one process, weights by disk: each version the learner's step
-   (while the engine decodes beside it), its export and the engine's load.
+   (while the engine decodes beside it), its export and the engine's load;
+e. several LoRA policies in one batch on that model (`TorchEngine(max_loras=4)`, `arl/inference/multi_lora.py`):
+   the long-tailed workload spread over 4 rank-16 adapters vs one adapter merged into the weights.
 
 A part that fails or overruns its time is reported as such in the summary; the others still run. Exit status: 0
 when every part passed.
@@ -40,7 +42,7 @@ for p in (ROOT, os.path.join(ROOT, "scripts")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-PARTS = "abcd"
+PARTS = "abcde"
 FIGURE = "FIGURE "
 # Qwen2-0.5B's shape, which Qwen2.5-0.5B shares (scripts/bench_engine.py), and a tiny one of the same family.
 TINY_QWEN2 = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -50,11 +52,11 @@ SIZES: dict[str, dict[str, Any]] = {
     "cuda": dict(shape="0.5b", steps=100, eval_every=25, eval_prompts=200, requests=256, batch=64, max_len=512,
                  prompt_len=(16, 64), updates=3, seqs=128, seq_prompt=(32, 128), gen_median=256.0, seq_max=2048,
                  mb_tokens=8192, learner_steps=2, in_flight=16, overrides=[],
-                 timeout_s={"a": 300, "b": 150, "c": 120, "d": 150}, budget_s=480),
+                 timeout_s={"a": 300, "b": 150, "c": 120, "d": 150, "e": 150}, budget_s=600),
     "cpu": dict(shape="tiny", steps=4, eval_every=2, eval_prompts=20, requests=16, batch=8, max_len=32,
                 prompt_len=(4, 12), updates=2, seqs=8, seq_prompt=(4, 8), gen_median=8.0, seq_max=64,
                 mb_tokens=256, learner_steps=1, in_flight=4, overrides=["learner.batch_size=4"],
-                timeout_s={"a": 600, "b": 300, "c": 300, "d": 300}, budget_s=1500),  # shared CI cores
+                timeout_s={"a": 600, "b": 300, "c": 300, "d": 300, "e": 300}, budget_s=1800),  # shared CI cores
 }
 # Dense bf16 peak of one GPU (TFLOP/s), by a part of its name, first match wins; MFU is n/a for others.
 PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.4), ("H200", 989.4), ("GH200", 989.4), ("A100", 312.0))
@@ -201,6 +203,29 @@ def part_b(dev: str, sz: dict[str, Any], out_dir: str) -> None:
         f"{u['rows_in_flight_at_update'][0]} rows in flight): decode pause median {u['pause_ms_median']:.1f} ms, max "
         f"{u['pause_ms_max']:.1f} ms; update_weights latency median {u['caller_ms_median']:.0f} ms; "
         f"{u['requests_lost_or_cut']} requests lost")
+
+
+def part_e(dev: str, sz: dict[str, Any], out_dir: str) -> None:
+    import types
+
+    import torch
+
+    from bench_engine import long_tailed_lengths, make_prompts, measure_multi_lora, qwen2_05b_model
+
+    shape = _shape(sz)
+    model = qwen2_05b_model(shape, device=dev, dtype=torch.bfloat16)
+    label = _label(sz, model)
+    lengths = long_tailed_lengths(sz["requests"], 4, sz["max_len"], 1.2, seed=0)
+    prompts = make_prompts(sz["requests"], shape["vocab_size"], *sz["prompt_len"], seed=0)
+    args = types.SimpleNamespace(loras=4, lora_rank=16, lora_rounds=2 if dev == "cuda" else 1,
+                                 batch_size=sz["batch"], seed=0, temperature=1.0)
+    ml = asyncio.run(measure_multi_lora(model, prompts, lengths, args, sz["prompt_len"][1] + sz["max_len"] + 1,
+                                        device=dev))
+    med = ml["tokens_per_s_median"]
+    say(f"e. multi-lora, {label} bf16 on {dev}, {len(lengths)} long-tailed requests, batch {sz['batch']}: "
+        f"{ml['adapters']} rank-{ml['rank']} adapters in one batch at {100 * ml['ratio_many_vs_one_merged']:.0f}% of "
+        f"one adapter's tokens/s ({med['many']:.0f} vs {med['one_merged']:.0f} tok/s merged); one adapter unmerged "
+        f"{100 * ml['ratio_one_unmerged_vs_one_merged']:.0f}%")
 
 
 def _learner(dev: str, sz: dict[str, Any]) -> tuple[Any, Any, Any, Any]:

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # One GPU, one command: scripts/gpu_check.py's parts (default run, engine vs HF generate and the update pause,
-# learner tokens/s and MFU, learner + engine on one GPU), each printing FIGURE lines that a closing block sums up.
+# learner tokens/s and MFU, learner + engine on one GPU, several LoRA policies in one batch), each printing FIGURE
+# lines that a closing block sums up.
 #
 #   bash scripts/gpu_check.sh [--device cuda|cpu] [gpu_check.py options...]
 #
 # --device cuda (default; a GPU machine with torch and transformers but no network): installs the wheels that
 #   scripts/gpu_wheels.py put in .whl/ (pyzmq, omegaconf, deepspeed, math-verify, ...) into /tmp/arl-site without
 #   touching the machine's own packages, and runs the project from this working tree (PYTHONPATH); sized for
-#   8 minutes on one H100.
+#   10 minutes on one H100.
 # --device cpu: the dry run of the same code on this machine's Python (PYTHON, else python3), small sizes.
 # The whole output goes to $OUT/gpu-check.log when OUT is set, else to runs/gpu-check-<time>.log.
 set -uo pipefail

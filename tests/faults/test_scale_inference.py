@@ -32,7 +32,10 @@ def test_scale_inference_up_down_up_mid_run(tmp_path, model_cache):
     # the run trains past versions 2, 5 and 8 only once the test says so (releases 0, 1, 2); rollout1's groups
     # wait for release 3 instead
     hold = Hold(str(tmp_path), hold_from=(2, 5, 8), hold_process="rollout1=3")
-    args = [f"total_train_steps={STEPS}", "inference.drain_timeout_s=30", "env.servers=1", *hold.args]
+    # env.drain_timeout_s: a group rollout0 started at version 8 may have its sessions on env server 1 before that
+    # one drains, held until the end; the drain then closes them with the server after its timeout (dropped, counted)
+    args = [f"total_train_steps={STEPS}", "inference.drain_timeout_s=30", "env.drain_timeout_s=15", "env.servers=1",
+            *hold.args]
     proc, run_dir = start_run(str(tmp_path), model_cache, args, env=hold.env)
     wait_for(lambda: len(train_steps(run_dir)) >= 1, proc, what="the first step")
     bad = ctl(run_dir, "scale", "inference=-1")  # the only server: refused, the run untouched

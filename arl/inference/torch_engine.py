@@ -884,6 +884,10 @@ class TorchEngine:
                 raise ValueError(f"{self.name}: policy {policy!r}: this engine serves no LoRA policies "
                                  f"(max_loras=0)")
             return source, self._loras.prepare(policy, loaded)
+        # a named policy's adapter is a delta on the base: no adapter of the engine's own may be merged under it
+        if is_adapter(loaded) and self._loras is not None:
+            raise ValueError(f"{self.name}: an adapter for the engine's own weights, while it serves LoRA policies by "
+                             "name (max_loras > 0) on the base: load it as a named policy")
         if is_adapter(loaded):
             return self._prepare_adapter(loaded, source)
         for name, tied in self._untied.items():  # a tied model's file may name one side; the other is an alias

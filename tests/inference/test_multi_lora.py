@@ -137,6 +137,16 @@ async def test_an_engine_without_lora_slots_refuses_policies():
     await engine.close()
 
 
+@pytest.mark.asyncio
+async def test_an_engine_serving_named_policies_merges_no_adapter_of_its_own():
+    """A named policy is a delta on the base: never on top of an adapter merged into the engine's own weights."""
+    engine = make_engine(make_model(0), max_loras=1)
+    with pytest.raises(ValueError, match="load it as a named policy"):
+        await engine.update_weights_from_tensors(payload(engine.model, 1), version=1)
+    assert engine.version == 0
+    await engine.close()
+
+
 def test_the_policy_travels_with_the_request():
     r = req("q", prompt(0, 4), policy="solver", max_new_tokens=3)
     assert decode(encode("gen_req", r))[1].policy == "solver"

@@ -10,7 +10,8 @@
 #   2. sglang==0.5.23 installed with --no-deps, then its pure-Python runtime dependencies under a constraint that
 #      keeps torch at 2.14.1 (CUDA-only kernel packages are left out),
 #   3. the tests, with the stub and the repository on PYTHONPATH.
-# The venv is reused when its recipe did not change (a stamp file holds the recipe's hash). Usage:
+# The venv is reused when its recipe did not change (a stamp file holds the recipe's hash); ARL_SGLANG_BUILD_ONLY=1
+# builds (or checks) it and stops there. Usage:
 #   bash scripts/test_sglang_cpu.sh [extra pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -59,6 +60,9 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$HASH" ]; then
   echo "[sglang-cpu] venv ready in $(( $(date +%s) - t0 ))s ($(du -sh "$VENV" | cut -f1))"
 else
   echo "[sglang-cpu] reusing $VENV"
+fi
+if [ "${ARL_SGLANG_BUILD_ONLY:-0}" = 1 ]; then  # .ci/run builds the venv beside the suite (downloads, not cores)
+  exit 0
 fi
 
 t1=$(date +%s)

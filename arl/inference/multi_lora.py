@@ -31,10 +31,10 @@ __all__ = ["LoraSlots", "LoraUpdate"]
 
 @dataclasses.dataclass
 class LoraUpdate:
-    """One policy's adapter, checked and cast off the decode thread; `apply` installs it between two steps."""
+    """One policy's adapter, checked and cast off the decode thread; `apply` installs it between two steps (and
+    chooses its slot then: two new policies prepared at once must not both take the slot that was free)."""
 
     policy: str
-    slot: int
     pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]  # module name -> (A [max_rank, in], B [out, max_rank])
 
 
@@ -102,20 +102,28 @@ class LoraSlots:
                 pa[:r] = a.to(device=w.device, dtype=w.dtype)
                 pb[:, :r] = b.to(device=w.device, dtype=w.dtype)
                 out[name] = (pa, pb)
-        slot = self.slots.get(policy)
-        if slot is None:
-            free = sorted(set(range(1, self.max_adapters + 1)) - set(self.slots.values()))
-            if not free:
-                problems.append(f"no free adapter slot for a new policy {policy!r}: the engine serves "
-                                f"{sorted(self.slots)} (max_loras={self.max_adapters})")
-            slot = free[0] if free else -1
+        if policy not in self.slots and self._free_slot() is None:
+            problems.append(self._full(policy))
         if problems:
             raise ValueError(f"policy {policy!r}: adapter does not fit: {'; '.join(problems[:10])}")
-        return LoraUpdate(policy=policy, slot=slot, pairs=out)
+        return LoraUpdate(policy=policy, pairs=out)
 
-    def apply(self, update: LoraUpdate, version: int) -> None:
-        """The decode thread, between two steps: `update` becomes its slot's adapter (modules it leaves out get a
-        zero delta for that slot), `version` its policy's version."""
+    def _free_slot(self) -> Optional[int]:
+        free = sorted(set(range(1, self.max_adapters + 1)) - set(self.slots.values()))
+        return free[0] if free else None
+
+    def _full(self, policy: str) -> str:
+        return (f"no free adapter slot for a new policy {policy!r}: the engine serves {sorted(self.slots)} "
+                f"(max_loras={self.max_adapters})")
+
+    def apply(self, update: LoraUpdate, version: int) -> int:
+        """The decode thread, between two steps: `update` becomes its policy's slot's adapter (a new policy takes a
+        free slot; modules it leaves out get a zero delta there), `version` its version; returns the slot."""
+        slot = self.slots.get(update.policy)
+        if slot is None:
+            slot = self._free_slot()
+            if slot is None:
+                raise ValueError(f"policy {update.policy!r}: {self._full(update.policy)}")
         modules = dict(self.model.named_modules())
         for name in update.pairs:
             if name not in self._stacks:
@@ -124,13 +132,14 @@ class LoraSlots:
         for name, stack in self._stacks.items():
             a, b = update.pairs.get(name, (None, None))
             if a is None:
-                stack.a[update.slot].zero_()
-                stack.b[update.slot].zero_()
+                stack.a[slot].zero_()
+                stack.b[slot].zero_()
             else:
-                stack.a[update.slot].copy_(a)
-                stack.b[update.slot].copy_(b)
-        self.slots[update.policy] = update.slot
-        self.versions[update.slot] = int(version)
+                stack.a[slot].copy_(a)
+                stack.b[slot].copy_(b)
+        self.slots[update.policy] = slot
+        self.versions[slot] = int(version)
+        return slot
 
     @contextlib.contextmanager
     def rows(self, slots: Sequence[int]) -> Iterator[None]:

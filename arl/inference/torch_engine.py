@@ -474,19 +474,19 @@ class TorchEngine:
         t0 = time.perf_counter()
         try:
             with torch.inference_mode(False), torch.no_grad():
-                self._loras.apply(update, version)
+                slot = self._loras.apply(update, version)
         except Exception as e:  # noqa: BLE001 - reported to the caller of update_weights
             logger.exception("%s: loading policy %s from %s failed", self.name, update.policy, source)
             _post(loop, fut, exc=e)
             return
         self._weights_epoch += 1  # no row in flight is stored for reuse (its policy may be this one)
-        cache = self._lora_prefix.get(update.slot)
+        cache = self._lora_prefix.get(slot)
         if cache is not None:
             cache.clear()
         self._n["weight_updates"] += 1
         self._n["last_update_s"] = time.perf_counter() - t0
         logger.info("%s: loaded policy %s (slot %d) from %s in %.3fs, version %d", self.name, update.policy,
-                    update.slot, source, self._n["last_update_s"], version)
+                    slot, source, self._n["last_update_s"], version)
         _post(loop, fut, [])
 
     def _untie(self, name: str, new: torch.Tensor) -> None:

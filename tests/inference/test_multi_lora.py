@@ -83,6 +83,13 @@ def test_adapters_that_do_not_fit_are_refused_by_name():
         slots.prepare("b", payload(base, 2))
     slots.apply(slots.prepare("a", payload(base, 3)), 2)  # a policy it serves is updated in its slot
     assert slots.slots == {"a": 1} and slots.versions == {1: 2}
+    # two new policies prepared while one slot was free: the second to be applied finds it taken
+    two = LoraSlots(base, max_adapters=1, max_rank=4)
+    first, second = two.prepare("a", payload(base, 1)), two.prepare("b", payload(base, 2))
+    assert two.apply(first, 1) == 1
+    with pytest.raises(ValueError, match="no free adapter slot for a new policy 'b'"):
+        two.apply(second, 1)
+    assert two.slots == {"a": 1}
 
 
 @pytest.mark.asyncio

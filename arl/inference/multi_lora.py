@@ -64,7 +64,6 @@ class LoraSlots:
         self.slots: dict[str, int] = {}  # policy -> slot
         self.versions: dict[int, int] = {}  # slot -> version of the adapter it holds (the base: the engine's own)
         self._stacks: dict[str, _Stack] = {}
-        self._hooks: list[Any] = []
         self._sel: Optional[int | torch.Tensor] = None  # the current forward's rows: None (base), a slot, or [B]
 
     def slot(self, policy: Optional[str]) -> int:
@@ -128,7 +127,7 @@ class LoraSlots:
         for name in update.pairs:
             if name not in self._stacks:
                 self._stacks[name] = _Stack(modules[name], self.max_adapters + 1, self.max_rank)
-                self._hooks.append(modules[name].register_forward_hook(self._hook(name)))
+                modules[name].register_forward_hook(self._hook(name))  # lives as long as the engine's model
         for name, stack in self._stacks.items():
             a, b = update.pairs.get(name, (None, None))
             if a is None:
@@ -170,8 +169,3 @@ class LoraSlots:
             return out + torch.bmm(torch.bmm(x3, a.transpose(1, 2)), b.transpose(1, 2)).view_as(out)
 
         return add_delta
-
-    def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()

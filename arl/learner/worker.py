@@ -137,6 +137,7 @@ class LearnerWorker:
         # CPU seconds: the actor's phases of this step (their threads' own clocks) and the whole process since the
         # last step's record, so a run tells the step's cost from everything else the process does
         self._step_cpu = 0.0
+        self._phase_wall: dict[str, float] = {}  # this step's wall seconds per phase (prepare .. export)
         self._process_cpu = time.process_time()
         self.export_final = export_final  # called with the last step's weights (file or state dict) and version
         self.recorder = recorder
@@ -318,14 +319,17 @@ class LearnerWorker:
             self.waiting_on = f"train step {self.engine.version + 1} ({len(trajs)} trajectories)"
             self._in_step = len(_group_ids(trajs))
             self._step_cpu = 0.0
+            self._phase_wall = {}
             if self.recorder is not None:  # as the actor gets it; encoded and written by the recorder's thread
                 await asyncio.to_thread(self.recorder.record, self.engine.version, trajs)
-            batch = await self._phase(self.actor.prepare, trajs)  # per-token staleness, weights, minibatches
-            await self._phase(self.actor.compute_logp, batch)  # proximal logprobs, before any update
-            await self._phase(self.actor.compute_advantages, batch)  # group-normalised rewards
-            metrics = await self._phase(self.actor.ppo_update, batch)  # a step per minibatch; version + 1
+            batch = await self._phase("prepare", self.actor.prepare, trajs)  # per-token staleness, minibatches
+            await self._phase("logp", self.actor.compute_logp, batch)  # proximal logprobs, before any update
+            await self._phase("advantages", self.actor.compute_advantages, batch)  # group-normalised rewards
+            metrics = await self._phase("update", self.actor.ppo_update, batch)  # a step per minibatch; version + 1
             self._count_trained(trajs)
+            t_export = time.perf_counter()
             export = await self._export()  # the new weights, for the inference workers
+            self._phase_wall["export"] = time.perf_counter() - t_export
             metrics = self._step_metrics(metrics, trajs, self.timer.pop(), stale_tokens)
             await self.maybe_checkpoint(force=self.engine.version >= self.total_steps)
             if self.recorder is not None and self.engine.version >= self.total_steps:  # the last batch on disk
@@ -336,8 +340,9 @@ class LearnerWorker:
             await self._send(WeightsPublished(version=self.engine.version, path=export.path, metrics=metrics))
             await self.weights.publish(self.engine.version, export)  # only now: the controller has seen it
 
-    async def _phase(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` in a worker thread (the event loop keeps receiving), its thread CPU added to the step's."""
+    async def _phase(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` in a worker thread (the event loop keeps receiving), its thread CPU added to the step's and
+        its wall time recorded as phase `name` (`learner_phase_seconds`: where a slow step's time went)."""
         def run() -> Any:
             c0 = time.thread_time()
             try:
@@ -345,14 +350,18 @@ class LearnerWorker:
             finally:
                 self._step_cpu += time.thread_time() - c0
 
-        return await asyncio.to_thread(run)
+        t0 = time.perf_counter()
+        try:
+            return await asyncio.to_thread(run)
+        finally:
+            self._phase_wall[name] = time.perf_counter() - t0
 
     async def _export(self) -> Export:
         self.waiting_on = f"{self.weights.activity} v{self.engine.version}"
         return await self.weights.export(self.engine.version, self.engine)
 
     def _step_metrics(self, metrics: dict, batch: list[Trajectory], seconds: dict[str, float],
-                      stale_tokens: dict[int, int]) -> dict[str, float]:
+                      stale_tokens: dict[int, int]) -> dict[str, Any]:
         """The step's record: the actor's statistics plus the worker's timing (`seconds` of the phases 'wait' and
         'step') and staleness counters."""
         waited, train_s = seconds["wait"], seconds["step"]
@@ -366,7 +375,8 @@ class LearnerWorker:
         out = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
         cpu = time.process_time()
         out.update(learner_step_cpu_seconds=self._step_cpu, learner_cpu_seconds=cpu - self._process_cpu,
-                   batch_tokens=float(sum(len(t.input_ids) for t in batch)))
+                   batch_tokens=float(sum(len(t.input_ids) for t in batch)),
+                   learner_phase_seconds=dict(self._phase_wall))
         self._process_cpu = cpu
         out.update(learner_wait_seconds=waited, learner_step_seconds=train_s,
                    samples_per_s=len(batch) / max(train_s + waited, 1e-9), buffered_groups=len(self.buffer),

@@ -49,4 +49,7 @@ async def test_step_record_has_the_steps_cpu_the_process_cpu_and_the_batch_token
     m = next(p["metrics"] for t, p in sent if t == "weights_published")
     assert 0.2 <= m["learner_step_cpu_seconds"] <= m["learner_cpu_seconds"]
     assert m["learner_step_cpu_seconds"] <= spent  # the phases' threads only, not the other threads' CPU
+    phases = m["learner_phase_seconds"]  # wall seconds per phase: where a slow step's time went
+    assert set(phases) == {"prepare", "logp", "advantages", "update", "export"}
+    assert phases["update"] >= 0.2 and sum(phases.values()) <= m["learner_step_seconds"]
     assert m["batch_tokens"] == sum(len(t.input_ids) for g in (GROUPS["fresh"], GROUPS["empty_answer"]) for t in g)

@@ -149,3 +149,16 @@ def test_check_resolves_offline_and_fails_on_a_missing_wheel(tmp_path, monkeypat
     gpu_wheels.stub_wheel(str(good), "pyzmq", "26.0.0")
     with pytest.raises(SystemExit, match="several versions"):
         gpu_wheels.check(str(good))
+
+
+def test_part_f_batches_are_shaped_like_the_default_runs():
+    groups = gpu_check.default_like_groups(16, 8, version=5, tag="x")
+    assert len(groups) == 16 and all(len(g) == 8 for g in groups)
+    for g in groups:
+        assert len({t.group_id for t in g}) == 1
+        assert len({tuple(t.input_ids[:7]) for t in g}) == 1  # the group shares its prompt
+        for t in g:
+            gen = t.loss_mask > 0
+            assert gen.any() and not gen[:7].any()
+            assert (t.versions[gen] == 5).all() and (t.versions[~gen] == -1).all()
+            assert 7 + 21 <= len(t.input_ids) <= 7 + 3 * 23

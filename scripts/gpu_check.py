@@ -18,10 +18,12 @@ d. the learner and the engine on one device in one process, weights by disk: eac
    (while the engine decodes beside it), its export and the engine's load;
 e. several LoRA policies in one batch on that model (`TorchEngine(max_loras=4)`, `arl/inference/multi_lora.py`):
    the long-tailed workload spread over 4 rank-16 adapters vs one adapter merged into the weights;
-f. where the default run's learner step goes on the device: the step alone (`PPOActor.step` in the main thread),
-   in the learner's own loop (`LearnerWorker.train`: phases in worker threads, weights exported to disk), and in
-   that loop beside an engine decoding the tiny model in another process on the same device (as in part a). The
-   first GPU check (2026-11-30) found part a's learner step at ~9 s where the step alone took 0.16 s.
+f. where the default run's learner step goes on the device: the step alone (`PPOActor.step`, the same shapes
+   each step, in the main thread), then in the learner's own loop (`LearnerWorker.train`: new shapes each step,
+   phases in worker threads, weights exported to disk) with cuDNN attention off as the engines now set it, in that
+   loop beside an engine decoding the tiny model in another process (as in part a), and on CUDA with cuDNN
+   attention on again. The first GPU check (2026-11-30) found part a's learner step at ~9 s where the step alone
+   took 0.16 s (`arl/utils/attention.py`).
 
 A part that fails or overruns its time is reported as such in the summary; the others still run. Exit status: 0
 when every part passed.
@@ -454,32 +456,37 @@ def part_f(dev: str, sz: dict[str, Any], out_dir: str) -> None:
     import tempfile
 
     import psutil
+    import torch
 
     from arl.learner.entry import learner_actor
 
     cfg = _default_cfg(dev)
-    actor = learner_actor(cfg)[0]
+    actor = learner_actor(cfg)[0]  # its engine turned cuDNN attention off (arl/utils/attention.py)
     me = psutil.Process()
     steps = sz["f_steps"]
+    what = f"the default run's learner step on {dev} ({'bf16 ZeRO-2' if dev == 'cuda' else 'fp32 ZeRO-0'})"
     batch = [t for g in default_like_groups(16, 8, actor.engine.version, "alone") for t in g]
     actor.step(batch)  # warm-up
     times = []
     for _ in range(steps):
-        batch = [t for g in default_like_groups(16, 8, actor.engine.version, "alone") for t in g]
+        batch = [t for g in default_like_groups(16, 8, actor.engine.version, "alone") for t in g]  # same shapes
         t0 = time.perf_counter()
         actor.step(batch)
         times.append(time.perf_counter() - t0)
-    alone = statistics.median(times)
+    say(f"f. {what}, 16 groups x 8 ({sum(len(t.input_ids) for t in batch)} tokens), the same shapes every step, in "
+        f"the main thread: {statistics.median(times):.3f} s")
 
-    def loop_figure(recs: list[dict[str, Any]]) -> str:
+    def loop(label: str, tmp: str) -> None:
+        rss0 = me.memory_info().rss
+        recs = asyncio.run(_worker_steps(actor, steps, tmp, label.split()[0]))
         step = statistics.median(r["learner_step_seconds"] for r in recs)
-        ph = recs[-1].get("learner_phase_seconds", {})
-        return f"{step:.3f} s (last step's phases: " + ", ".join(f"{k} {v:.3f}" for k, v in ph.items()) + ")"
+        ph = ", ".join(f"{k} {v:.3f}" for k, v in recs[-1].get("learner_phase_seconds", {}).items())
+        say(f"f. {what} in its worker loop (new shapes each step, phases in worker threads), {label}: {step:.3f} s "
+            f"(last step's phases: {ph}); process RSS {rss0 / 2**20:.0f} -> {me.memory_info().rss / 2**20:.0f} MiB "
+            f"over {steps} steps")
 
     with tempfile.TemporaryDirectory(prefix="arl-gpu-check-f-") as tmp:
-        rss0 = me.memory_info().rss
-        in_loop = asyncio.run(_worker_steps(actor, steps, tmp, "loop"))
-        rss1 = me.memory_info().rss
+        loop("cuDNN attention off (as the engines set it)", tmp)
         decoder = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--device", dev, "--decode-loop",
                                     cfg.model.path, "--decode-seconds", "300"], cwd=ROOT, stdout=subprocess.PIPE,
                                    text=True, start_new_session=True)
@@ -488,15 +495,13 @@ def part_f(dev: str, sz: dict[str, Any], out_dir: str) -> None:
             ready = decoder.stdout.readline()  # "decoding": its engine is up and busy
             if "decoding" not in ready:
                 raise SystemExit(f"the decoding process did not start (said {ready!r})")
-            beside = asyncio.run(_worker_steps(actor, steps, tmp, "beside"))
+            loop("beside an engine decoding in another process", tmp)
         finally:
             decoder.kill()
             decoder.wait()
-        rss2 = me.memory_info().rss
-    say(f"f. the default run's learner step on {dev} ({'bf16 ZeRO-2' if dev == 'cuda' else 'fp32 ZeRO-0'}, 16 groups x 8, ~{sum(len(t.input_ids) for t in batch)} tokens)"
-        f": alone {alone:.3f} s; in its worker loop {loop_figure(in_loop)}; that loop beside an engine decoding "
-        f"in another process {loop_figure(beside)}; process RSS {rss0 / 2**20:.0f} -> {rss1 / 2**20:.0f} -> "
-        f"{rss2 / 2**20:.0f} MiB over the two loops ({2 * steps} steps)")
+        if dev == "cuda":  # the behaviour before 2026-11-30, last: it may take the rest of the part's time
+            torch.backends.cuda.enable_cudnn_sdp(True)
+            loop("cuDNN attention on (torch's default)", tmp)
 
 
 def decode_loop(dev: str, model_path: str, seconds: float) -> None:

@@ -65,6 +65,7 @@ from arl.inference.multi_lora import LoraSlots, LoraUpdate
 from arl.inference.prefix_cache import KV, Entry, PrefixCache, Storage
 from arl.inference.running_kv import RunningKV
 from arl.inference.requests import ENGINE_CLOSED, check_limits, check_request, refusal
+from arl.utils.attention import avoid_per_shape_attention
 from arl.utils.proc import trim_memory
 from arl.weights.adapter import adapter_expected, is_adapter, merged_weight, split_payload
 
@@ -177,6 +178,7 @@ class TorchEngine:
         _check_attention_supported(getattr(model, "config", None), int(max_context_len))
         self.name = name
         self.device = torch.device(device)
+        avoid_per_shape_attention(self.device)  # every decode step has new widths (arl/utils/attention.py)
         self.model = model.to(self.device).eval()
         self.vocab_size: int = int(self.model.get_input_embeddings().num_embeddings)
         if not 0 <= int(pad_token_id) < self.vocab_size:

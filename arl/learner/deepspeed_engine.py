@@ -51,6 +51,7 @@ from arl.learner.batching import MicroBatch, build_micro_batches, scored_view
 from arl.learner.checkpoint import CHECKPOINT_STATE_FILE, prune_checkpoints, replacing_file
 from arl.learner.packing import VARLEN_ATTENTION, enable_varlen_attention, packed_forward_kwargs
 from arl.learner.ppo import token_logprobs
+from arl.utils.attention import avoid_per_shape_attention
 from arl.utils.net import free_port
 
 logger = logging.getLogger(__name__)
@@ -263,6 +264,7 @@ class DeepSpeedEngine:
         # minibatch's proximal logprobs from it (`PPOActor.compute_logp`) instead of a forward of their own
         self.prox_from_update = True
         self.device = torch.device(self.model_engine.device)
+        avoid_per_shape_attention(self.device)  # one attention per packed sequence, in worker threads
         logger.info("DeepSpeed %s engine: ZeRO stage %d, %d rank(s), bf16 %s, on %s", ds.__version__,
                     deepspeed.zero_stage, self.world_size, bool(deepspeed.bf16), self.device)
         if device != "auto" and self.device.type != device:

@@ -67,17 +67,19 @@ class StalenessPolicy:
         return (version + min(bounds) + 1) * batch_size
 
     # -- the learner: whole groups ----------------------------------------------------------------------------
-    def group_is_stale(self, group: Sequence[Trajectory], version: int) -> bool:
+    def group_is_stale(self, group: Sequence[Trajectory], version: int, policy: Optional[str] = None) -> bool:
         """Whether `group` is too stale to train on at `version` (the learner drops it, its budget returned).
 
         Only generated tokens count (a trajectory without any, e.g. an answer cut to nothing, never makes its
         group stale). With 'keep' a group with any generated token older than ``version - eta`` is stale: the whole
         group goes, so no consumed token is more than eta behind. With 'drop' and 'downweight' the actor handles
         old tokens one by one, so a group is stale only when every generated token is older than ``version - eta``.
+        `policy`: in a run of several policies, only that policy's tokens count (`Trajectory.owned_by`: each policy
+        has its own versions); None, the run's own policy.
         """
         if self.eta is None:
             return False
-        gen = [g for t in group if len(g := t.versions[t.loss_mask.astype(bool)])]
+        gen = [g for t in group if len(g := t.versions[t.owned_by(policy)])]
         if not gen:
             return False
         oldest_ok = version - self.eta

@@ -68,6 +68,43 @@ def checked_turn_discount(value: Any) -> Optional[float]:
     return gamma
 
 
+def checked_policy_spans(spans: Any, n: int) -> list[tuple[str, int, int]]:
+    """`Trajectory.policy_spans` as the learner takes them: ``(policy, start, end)`` with a non-empty name and
+    ``0 <= start < end <= n``, in order and not overlapping. ValueError otherwise."""
+    out: list[tuple[str, int, int]] = []
+    if not isinstance(spans, (list, tuple)):
+        raise ValueError(f"Trajectory.policy_spans must be a list of (policy, start, end), got {spans!r:.60}")
+    for span in spans:
+        if not isinstance(span, (list, tuple)) or len(span) != 3:
+            raise ValueError(f"Trajectory.policy_spans: each span is (policy, start, end), got {span!r:.60}")
+        name, start, end = span
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"Trajectory.policy_spans: a span's policy must be a non-empty name, got {name!r:.60}")
+        if any(isinstance(x, bool) or not isinstance(x, (int, np.integer)) for x in (start, end)):
+            raise ValueError(f"Trajectory.policy_spans: start and end must be integers, got {span!r:.60}")
+        start, end = int(start), int(end)
+        if not 0 <= start < end <= n or (out and start < out[-1][2]):
+            raise ValueError(f"Trajectory.policy_spans: span ({name!r}, {start}, {end}) is outside the {n} tokens, "
+                             "empty, or overlaps or precedes the span before it")
+        out.append((name, start, end))
+    return out
+
+
+def checked_policy_rewards(rewards: Any) -> dict[str, float]:
+    """`Trajectory.policy_rewards`: policy name -> one reward (`one_reward`'s rules). ValueError otherwise."""
+    if not isinstance(rewards, dict):
+        raise ValueError(f"Trajectory.policy_rewards must be a dict of policy name -> reward, got {rewards!r:.60}")
+    out = {}
+    for name, r in rewards.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"Trajectory.policy_rewards: keys are policy names, got {name!r:.60}")
+        try:
+            out[name] = one_reward(r, f"Trajectory.policy_rewards[{name!r}]")
+        except ValueError as e:
+            raise ValueError(f"Trajectory.policy_rewards[{name!r}]: {e}") from None
+    return out
+
+
 def check_reward(value: Any) -> float | list[float]:
     """An environment's reward as `step` may return it: one finite number, or (AReaL's stateless envs, whose
     ``step((qid, answers))`` rewards every answer) a non-empty flat sequence of finite numbers, one per answer.
@@ -192,6 +229,12 @@ class Trajectory:
     reward-to-go ``G_t = r_t + turn_discount * G_{t+1}`` (0: each turn by its own reward, for turns that are each a
     whole answer judged on its own; near 1: env steps toward a final reward). None: every token shares `reward`.
     `learner.ppo.turn_discount`, when set, overrides it for every trajectory.
+
+    Several policies (`docs/multi_policy.md`): `policy_spans` says which tokens a named policy generated,
+    ``(policy, start, end)`` each; generated tokens outside every span are the run's own policy's. The learner of a
+    policy trains only its own tokens (the others' are context). `policy_rewards` gives a policy a reward of its
+    own for this trajectory (a zero-sum game: ``{"white": 1.0, "black": -1.0}``); a policy it does not name gets
+    `reward`.
     """
 
     input_ids: np.ndarray
@@ -203,6 +246,8 @@ class Trajectory:
     turn_rewards: list[float] = dataclasses.field(default_factory=list)
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
     turn_discount: Optional[float] = None
+    policy_spans: list[tuple[str, int, int]] = dataclasses.field(default_factory=list)
+    policy_rewards: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.input_ids = as_int32(self.input_ids)
@@ -220,6 +265,23 @@ class Trajectory:
         self.reward = one_reward(self.reward, "Trajectory.reward")
         self.turn_rewards = [one_reward(r, "Trajectory.turn_rewards") for r in self.turn_rewards]
         self.turn_discount = checked_turn_discount(self.turn_discount)
+        self.policy_spans = checked_policy_spans(self.policy_spans, n)
+        self.policy_rewards = checked_policy_rewards(self.policy_rewards)
+
+    def owned_by(self, policy: Optional[str]) -> np.ndarray:
+        """Boolean mask of the tokens `policy` generated (None: the run's own policy, every generated token outside
+        the named spans)."""
+        named = np.zeros(len(self.input_ids), bool)
+        mine = np.zeros(len(self.input_ids), bool)
+        for name, start, end in self.policy_spans:
+            named[start:end] = True
+            if name == policy:
+                mine[start:end] = True
+        return self.loss_mask.astype(bool) & (mine if policy is not None else ~named)
+
+    def reward_of(self, policy: Optional[str]) -> float:
+        """This trajectory's reward for `policy`: its own in `policy_rewards`, else `reward`."""
+        return self.policy_rewards.get(policy, self.reward) if policy is not None else self.reward
 
     @property
     def num_generated(self) -> int:
@@ -240,6 +302,7 @@ class TrajectoryBuilder:
         self._logp: list[np.ndarray] = []
         self._ver: list[np.ndarray] = []
         self._ledger: list[list[Any]] = []  # [source, start, end]: where every token came from (token ledger)
+        self._spans: list[tuple[str, int, int]] = []  # (policy, start, end) of named policies' samples
         self._len = 0
         self.add_context(prompt_ids, source="prompt")
 
@@ -259,8 +322,11 @@ class TrajectoryBuilder:
         self._ver.append(np.full(len(ids), -1, np.int32))
         self._record(source, len(ids))
 
-    def add_generated(self, sample: SampleOutput) -> None:
-        """A sample exactly as the engine returned it: loss_mask 1, source "engine" in the token ledger."""
+    def add_generated(self, sample: SampleOutput, policy: Optional[str] = None) -> None:
+        """A sample exactly as the engine returned it: loss_mask 1, source "engine" in the token ledger. `policy`:
+        the named policy that generated it (its request's `GenerateRequest.policy`; None: the run's own)."""
+        if policy is not None and len(sample.output_ids):
+            self._spans.append((policy, self._len, self._len + len(sample.output_ids)))
         self._ids.append(sample.output_ids)
         self._mask.append(np.ones(len(sample.output_ids), np.int8))
         self._logp.append(sample.output_logprobs)
@@ -272,6 +338,7 @@ class TrajectoryBuilder:
         other = copy.copy(self)  # the token arrays are shared: nothing writes into them
         other._ids, other._mask, other._logp, other._ver = map(list, (self._ids, self._mask, self._logp, self._ver))
         other._ledger = self.ledger
+        other._spans = list(self._spans)
         return other
 
     @property
@@ -287,6 +354,8 @@ class TrajectoryBuilder:
 
     def build(self, reward: float, group_id: str, **kw: Any) -> Trajectory:
         kw["metadata"] = {**(kw.get("metadata") or {}), "token_ledger": self.ledger}
+        if self._spans:
+            kw.setdefault("policy_spans", list(self._spans))
         return Trajectory(input_ids=self.input_ids, loss_mask=np.concatenate(self._mask),
                           logprobs=np.concatenate(self._logp), versions=np.concatenate(self._ver), reward=reward,
                           group_id=group_id, **kw)

@@ -49,7 +49,7 @@ from arl.learner.ppo import (
 from arl.learner.stats import StatsTracker
 from arl.utils.timer import PhaseTimer
 
-__all__ = ["PPOActor", "PPOBatch", "METRIC_KEYS", "split_minibatches"]
+__all__ = ["PPOActor", "PPOBatch", "METRIC_KEYS", "split_minibatches", "policy_view"]
 
 # What `ppo_update` reports for an engine that computes a loss.
 METRIC_KEYS = ("loss", "reward_mean", "reward_std", "adv_abs_mean", "clip_frac", "imp_weight_mean", "capped_frac",
@@ -76,6 +76,25 @@ def split_minibatches(lengths: Sequence[int], k: int, groups: Optional[Sequence[
         parts[b].extend(units[u])
         loads[b] += sizes[u]
     return [sorted(p) for p in parts]
+
+
+def policy_view(trajs: Sequence[Trajectory], policy: Optional[str]) -> list[Trajectory]:
+    """What the learner of `policy` trains on (None: the run's own policy): each trajectory with its loss mask cut
+    to the tokens that policy generated (`Trajectory.owned_by`: the others' turns become context) and its reward
+    for that policy (`Trajectory.reward_of`); a trajectory with none of its tokens is left out, so it counts in no
+    group's advantages either. Trajectories of one policy alone come back as they are."""
+    out = []
+    for t in trajs:
+        if not t.policy_spans and not t.policy_rewards:
+            if policy is None:
+                out.append(t)
+            continue
+        mine = t.owned_by(policy)
+        if not mine.any():
+            continue
+        out.append(dataclasses.replace(t, loss_mask=mine.astype(np.int8), logprobs=np.where(mine, t.logprobs, 0.0),
+                                       versions=np.where(mine, t.versions, -1), reward=t.reward_of(policy)))
+    return out
 
 
 def _n_scored_seqs(mb: MicroBatch) -> int:
@@ -107,11 +126,14 @@ class PPOActor:
         staleness: the run's `StalenessPolicy` (eta and ``stale_tokens``; the one the learner worker drops groups
             by): tokens older than ``version - eta`` are counted in ``stale_token_frac`` and kept, dropped or
             down-weighted. The default has no bound.
+        policy: the policy this actor trains, when a run has several (`docs/multi_policy.md`): only its own tokens,
+            with its own rewards (`policy_view`); its versions are its engine's. None: the run's own policy.
     """
 
     def __init__(self, engine: TrainEngine, ppo: PPOConfig, temperature: float = 1.0,
-                 staleness: StalenessPolicy = StalenessPolicy()) -> None:
+                 staleness: StalenessPolicy = StalenessPolicy(), policy: Optional[str] = None) -> None:
         self.engine = engine
+        self.policy = policy
         self.ppo = ppo
         self.temperature = float(temperature)
         self.staleness = staleness
@@ -132,9 +154,14 @@ class PPOActor:
 
     # ------------------------------------------------------------------ phases
     def prepare(self, trajs: Sequence[Trajectory]) -> PPOBatch:
-        """Per-token staleness and loss weights, the minibatch split and the batch's own statistics."""
+        """Per-token staleness and loss weights, the minibatch split and the batch's own statistics (of this
+        actor's policy's view of the batch)."""
         if len(trajs) == 0:
             raise ValueError("a training step needs a non-empty batch")
+        trajs = policy_view(trajs, self.policy)
+        if not trajs:
+            raise ValueError(f"a training step needs tokens of its policy, and this batch has none of policy "
+                             f"{self.policy!r} (None: the run's own)")
         timer, v, ppo = PhaseTimer(time.perf_counter), self.engine.version, self.ppo
         timer.start("step")
         stats = StatsTracker()

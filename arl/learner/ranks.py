@@ -74,6 +74,10 @@ class RankLeader:
     def version(self) -> int:
         return self.actor.version
 
+    @property
+    def policy(self) -> Optional[str]:
+        return getattr(self.actor, "policy", None)
+
     def _send(self, per_rank: list[tuple[str, Any]]) -> Any:
         import torch.distributed as tdist
 

@@ -119,6 +119,13 @@ def encode_batch(version: int, trajs: Sequence[Trajectory], config_hash: str = "
         "group_id": np.array([str(t.group_id) for t in trajs], dtype=np.str_),
         # [rollout worker, prompt-stream position] per trajectory ([-1, -1]: none): which prompts a step trained
         "prompt_pos": np.array([_prompt_pos(t) for t in trajs], np.int64).reshape(len(trajs), 2),
+        # several policies: each trajectory's spans (policy, start, end) and its rewards per policy, cut by offsets
+        "span_offsets": np.cumsum([0, *(len(t.policy_spans) for t in trajs)]).astype(np.int64),
+        "span_policy": np.array([n for t in trajs for n, _, _ in t.policy_spans], dtype=np.str_),
+        "span_bounds": np.array([[a, b] for t in trajs for _, a, b in t.policy_spans], np.int64).reshape(-1, 2),
+        "preward_offsets": np.cumsum([0, *(len(t.policy_rewards) for t in trajs)]).astype(np.int64),
+        "preward_policy": np.array([n for t in trajs for n in t.policy_rewards], dtype=np.str_),
+        "preward_value": np.array([r for t in trajs for r in t.policy_rewards.values()], np.float64),
     }
 
 
@@ -138,7 +145,12 @@ def decode_batch(arrays: Any) -> RecordedBatch:
     off, toff = arrays["offsets"], arrays["turn_offsets"]
     ids, mask, lp, ver = (arrays[k] for k in ("input_ids", "loss_mask", "logprobs", "versions"))
     reward, tr, disc, gids = arrays["reward"], arrays["turn_rewards"], arrays["turn_discount"], arrays["group_id"]
-    pos = arrays["prompt_pos"] if "prompt_pos" in getattr(arrays, "files", arrays) else None
+    present = getattr(arrays, "files", arrays)
+    pos = arrays["prompt_pos"] if "prompt_pos" in present else None
+    multi = "span_offsets" in present  # batches recorded before several policies have none
+    if multi:
+        soff, spol, sb = arrays["span_offsets"], arrays["span_policy"], arrays["span_bounds"]
+        roff, rpol, rval = arrays["preward_offsets"], arrays["preward_policy"], arrays["preward_value"]
     trajs = []
     for i in range(len(off) - 1):
         a, b = int(off[i]), int(off[i + 1])
@@ -146,7 +158,11 @@ def decode_batch(arrays: Any) -> RecordedBatch:
         trajs.append(Trajectory(input_ids=ids[a:b], loss_mask=mask[a:b], logprobs=lp[a:b], versions=ver[a:b],
                                 reward=float(reward[i]), group_id=str(gids[i]),
                                 turn_rewards=[float(r) for r in tr[int(toff[i]):int(toff[i + 1])]],
-                                turn_discount=None if np.isnan(d) else d))
+                                turn_discount=None if np.isnan(d) else d,
+                                policy_spans=[(str(spol[j]), int(sb[j][0]), int(sb[j][1]))
+                                              for j in range(int(soff[i]), int(soff[i + 1]))] if multi else [],
+                                policy_rewards={str(rpol[j]): float(rval[j])
+                                                for j in range(int(roff[i]), int(roff[i + 1]))} if multi else {}))
         if pos is not None and int(pos[i][1]) >= 0:
             trajs[-1].metadata["prompt_pos"] = [int(pos[i][0]), int(pos[i][1])]
     return RecordedBatch(int(arrays["version"]), trajs, str(arrays["config_hash"]))

@@ -41,12 +41,12 @@ from arl.weights.strategy import Export, LearnerSide
 logger = logging.getLogger("arl.learner")
 
 
-def staleness_counts(batch: list[Trajectory], version: int) -> dict[int, int]:
-    """Generated tokens of `batch` by staleness (`version` minus the version that produced them): the per-token
-    histogram the benchmarks report (metrics keys `stale_tokens_<k>`)."""
+def staleness_counts(batch: list[Trajectory], version: int, policy: Optional[str] = None) -> dict[int, int]:
+    """Generated tokens of `batch` (`policy`'s own, in a run of several) by staleness (`version` minus the version
+    that produced them): the per-token histogram the benchmarks report (metrics keys `stale_tokens_<k>`)."""
     import numpy as np
 
-    gen = np.concatenate([t.versions[t.loss_mask.astype(bool)] for t in batch] or [np.zeros(0)]).astype(np.int64)
+    gen = np.concatenate([t.versions[t.owned_by(policy)] for t in batch] or [np.zeros(0)]).astype(np.int64)
     return {k: int(n) for k, n in enumerate(np.bincount(np.maximum(version - gen, 0))) if n}
 
 
@@ -102,6 +102,7 @@ class LearnerWorker:
         run's `rollout.num_workers`, which defines its prompt streams (`arl.rollout.prompts`): kept in checkpoints,
         so a resume with another count knows the positions are of other streams."""
         self.actor = actor  # prepare / compute_logp / compute_advantages / ppo_update (`PPOActor`, `RankLeader`)
+        self.policy: Optional[str] = getattr(actor, "policy", None)  # whose tokens count (several policies)
         self.engine: Any = engine if engine is not None else actor.engine  # version, save / load / export_weights
         self.pull = pull
         self._send = send_control
@@ -192,7 +193,7 @@ class LearnerWorker:
     async def next_batch(self) -> list[Trajectory]:
         """Wait for B fresh-enough groups (FIFO); returns the flattened batch."""
         while True:
-            stale = [self.staleness.group_is_stale(g, self.engine.version) for g in self.buffer]
+            stale = [self.staleness.group_is_stale(g, self.engine.version, self.policy) for g in self.buffer]
             if any(stale):
                 gone = [g for g, s in zip(self.buffer, stale) if s]
                 dropped = len(gone)
@@ -315,7 +316,7 @@ class LearnerWorker:
             self.timer.start("wait")
             trajs = await self.next_batch()  # B groups, FIFO; too stale groups were dropped
             self.timer.start("step")  # until the weights are out: the step's metrics
-            stale_tokens = staleness_counts(trajs, self.engine.version)
+            stale_tokens = staleness_counts(trajs, self.engine.version, self.policy)
             self.waiting_on = f"train step {self.engine.version + 1} ({len(trajs)} trajectories)"
             self._in_step = len(_group_ids(trajs))
             self._step_cpu = 0.0

@@ -22,7 +22,9 @@ Typed messages (``encode`` takes, ``decode`` returns, the dataclass from ``arl.a
     "traj"      list[Trajectory]  [{"input_ids": arr[int32], "loss_mask": arr[int8], "logprobs": arr[float32],
                                    "versions": arr[int32], "reward": float, "group_id": str,
                                    "turn_rewards": [float], "metadata": {str: msgpack-safe},
-                                   "turn_discount": float in [0, 1] | None}]  (non-empty group)
+                                   "turn_discount": float in [0, 1] | None,
+                                   "policy_spans": [[str, int, int]], "policy_rewards": {str: float}}]
+                                  (non-empty group)
 
 Control messages (``CONTROL_TYPES``) carry a plain map with str keys, validated only as a map; ``None`` encodes as
 ``{}``.
@@ -43,14 +45,16 @@ import msgpack
 import numpy as np
 
 from arl.api.types import (FINISH_REASONS, GenerateRequest, GenerateResponse, GenerationConfig, SampleOutput, Trajectory,
-                           checked_turn_discount)
+                           checked_policy_rewards, checked_policy_spans, checked_turn_discount)
 from arl.transport.replay import STAMP_SIZE, ReplayGuard, fresh_stamp
 
 __all__ = ["PROTOCOL_VERSION", "DEFAULT_MAX_BYTES", "TAG_SIZE", "TYPED_TYPES", "CONTROL_TYPES", "ENV_TYPES",
            "ROUTE_TYPES", "MESSAGE_TYPES",
            "MalformedMessage", "ReplayedMessage", "encode", "decode"]
 
-PROTOCOL_VERSION = 2  # 2: "traj" carries turn_discount (a peer of another version is refused by name, not by keys)
+# a peer of another version is refused by name, not by keys. 2: "traj" carries turn_discount; 3: "gen_req" carries
+# policy, "traj" policy_spans and policy_rewards (several policies, docs/multi_policy.md)
+PROTOCOL_VERSION = 3
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 TAG_SIZE = 32  # HMAC-SHA256 digest size
 
@@ -268,7 +272,8 @@ def _gen_resp_in(p: Any) -> GenerateResponse:
 
 # --------------------------------------------------------------------------------------------- traj
 
-_TRAJ_KEYS = frozenset({*_TRAJ_ARRAYS, "reward", "group_id", "turn_rewards", "metadata", "turn_discount"})
+_TRAJ_KEYS = frozenset({*_TRAJ_ARRAYS, "reward", "group_id", "turn_rewards", "metadata", "turn_discount",
+                        "policy_spans", "policy_rewards"})
 _META_SCALARS = (str, int, float, bool, type(None))
 
 
@@ -319,7 +324,10 @@ def _traj_out(group: Any) -> list:
         _check_tree(t.metadata, "metadata", TypeError, (list, tuple))
         out.append({**_arrays_out(t, _TRAJ_ARRAYS), "reward": float(t.reward), "group_id": t.group_id,
                     "turn_rewards": turn_rewards, "metadata": t.metadata,
-                    "turn_discount": checked_turn_discount(t.turn_discount)})
+                    "turn_discount": checked_turn_discount(t.turn_discount),
+                    "policy_spans": [[name, a, b] for name, a, b in checked_policy_spans(t.policy_spans,
+                                                                                        len(t.input_ids))],
+                    "policy_rewards": {k: float(v) for k, v in checked_policy_rewards(t.policy_rewards).items()}})
     return out
 
 
@@ -333,10 +341,21 @@ def _one_traj_in(p: Any) -> Trajectory:
     if type(meta) is not dict:
         raise MalformedMessage("metadata: expected a map")
     _check_tree(meta, "metadata", MalformedMessage, (list,))
+    spans, prew = p["policy_spans"], p["policy_rewards"]
+    if type(spans) is not list or any(type(x) is not list or len(x) != 3 or type(x[0]) is not str
+                                      or type(x[1]) is not int or type(x[2]) is not int for x in spans):
+        raise MalformedMessage("policy_spans: expected an array of [str, int, int]")
+    if type(prew) is not dict or any(type(k) is not str for k in prew):
+        raise MalformedMessage("policy_rewards: expected a map of str -> number")
+    try:
+        spans = checked_policy_spans(spans, len(arrays["input_ids"]))
+    except ValueError as e:
+        raise MalformedMessage(str(e)) from None
     return _build(Trajectory, {**arrays, "reward": _float(p["reward"], "reward"),
                                "group_id": _str(p["group_id"], "group_id"),
                                "turn_rewards": [_float(r, "turn_rewards") for r in tr], "metadata": meta,
-                               "turn_discount": _turn_discount(p["turn_discount"])})
+                               "turn_discount": _turn_discount(p["turn_discount"]), "policy_spans": spans,
+                               "policy_rewards": {k: _float(v, "policy_rewards") for k, v in prew.items()}})
 
 
 def _turn_discount(obj: Any) -> Optional[float]:

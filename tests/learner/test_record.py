@@ -45,6 +45,8 @@ def _batch() -> list[Trajectory]:
         _traj(rng, "w0-a-1:g"),
         _traj(rng, "w0-a-1:g", turn_rewards=[0.25, 1.0 / 3.0], turn_discount=0.0),
         _traj(rng, "w1-b-7:ü", turn_rewards=[1e-30], turn_discount=0.9, metadata={"prompt_pos": [1, 7]}),
+        _traj(rng, "w1-b-8:g", policy_spans=[("white", 0, 1), ("black", 2, 3)],
+              policy_rewards={"white": 1.0, "black": -1.0}),  # several policies: spans and rewards kept
         Trajectory(input_ids=np.zeros(0), loss_mask=np.zeros(0), logprobs=np.zeros(0), versions=np.zeros(0),
                    reward=-0.1, group_id="empty"),
     ]
@@ -56,6 +58,7 @@ def _same(a: Trajectory, b: Trajectory) -> None:
         assert x.dtype == y.dtype and x.tobytes() == y.tobytes(), name  # bit for bit, dtype included
     assert (a.reward, a.group_id, a.turn_rewards, a.turn_discount) == (b.reward, b.group_id, b.turn_rewards,
                                                                        b.turn_discount)
+    assert (a.policy_spans, a.policy_rewards) == (b.policy_spans, b.policy_rewards)
 
 
 def test_batch_round_trip_is_exact(tmp_path):
@@ -72,6 +75,13 @@ def test_batch_round_trip_is_exact(tmp_path):
         _same(a, b)
     assert recorded_versions(str(tmp_path)) == [6]
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp")]  # written through a temporary file
+
+
+def test_a_batch_recorded_before_several_policies_reads_as_the_runs_own_policy():
+    arrays = encode_batch(2, _batch())
+    old = {k: v for k, v in arrays.items() if not k.startswith(("span_", "preward_"))}
+    back = decode_batch(old)
+    assert all(t.policy_spans == [] and t.policy_rewards == {} for t in back.trajs)
 
 
 def test_a_file_of_another_format_is_refused():

@@ -34,7 +34,7 @@ class LoraUpdate:
     """One policy's adapter, checked and cast off the decode thread; `apply` installs it between two steps (and
     chooses its slot then: two new policies prepared at once must not both take the slot that was free)."""
 
-    policy: str
+    policy: Optional[str]  # None: the engine's own policy's adapter
     pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]  # module name -> (A [max_rank, in], B [out, max_rank])
 
 
@@ -61,16 +61,22 @@ class LoraSlots:
             raise ValueError(f"max_adapters and max_rank must be >= 1, got {max_adapters}, {max_rank}")
         self.model = model
         self.max_adapters, self.max_rank = int(max_adapters), int(max_rank)
-        self.slots: dict[str, int] = {}  # policy -> slot
+        self.slots: dict[Optional[str], int] = {}  # policy -> slot (None: the engine's own policy's adapter)
         self.versions: dict[int, int] = {}  # slot -> version of the adapter it holds (the base: the engine's own)
         self._stacks: dict[str, _Stack] = {}
         self._sel: Optional[int | torch.Tensor] = None  # the current forward's rows: None (base), a slot, or [B]
 
     def slot(self, policy: Optional[str]) -> int:
-        """The slot serving `policy` (None: the base, 0); KeyError for a policy not loaded."""
-        return 0 if policy is None else self.slots[policy]
+        """The slot serving `policy`; KeyError for a named policy not loaded. None: the engine's own policy, its
+        adapter's slot once one was loaded (a LoRA-trained run beside frozen policies), else the base (0)."""
+        return self.slots.get(None, 0) if policy is None else self.slots[policy]
 
-    def prepare(self, policy: str, payload: Mapping[str, torch.Tensor]) -> LoraUpdate:
+    @property
+    def names(self) -> list[str]:
+        """The named policies served (the engine's own is not among them)."""
+        return sorted(p for p in self.slots if p is not None)
+
+    def prepare(self, policy: Optional[str], payload: Mapping[str, torch.Tensor]) -> LoraUpdate:
         """Any thread: `payload` checked against the model and cast to each weight's dtype and device. Raises
         ValueError, naming what does not fit (the served adapters are untouched)."""
         if not is_adapter(payload):
@@ -111,8 +117,8 @@ class LoraSlots:
         free = sorted(set(range(1, self.max_adapters + 1)) - set(self.slots.values()))
         return free[0] if free else None
 
-    def _full(self, policy: str) -> str:
-        return (f"no free adapter slot for a new policy {policy!r}: the engine serves {sorted(self.slots)} "
+    def _full(self, policy: Optional[str]) -> str:
+        return (f"no free adapter slot for a new policy {policy!r}: the engine serves {self.names} "
                 f"(max_loras={self.max_adapters})")
 
     def apply(self, update: LoraUpdate, version: int) -> int:

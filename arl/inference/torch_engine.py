@@ -260,7 +260,7 @@ class TorchEngine:
         """Generate ``req.gconfig.n`` samples. Never raises for bad input: returns a response with ``error``."""
         err = check_request(req, max_context_len=self.max_context_len, vocab_size=self.vocab_size,
                             max_batch_size=self.max_batch_size,
-                            policies=self._loras.slots if self._loras is not None else ())
+                            policies=self._loras.names if self._loras is not None else ())
         if err is not None:
             with self._cv:
                 self._n["requests_refused"] += 1
@@ -372,7 +372,7 @@ class TorchEngine:
         cache_stats = {} if prefix is None else {**prefix.stats, "prefix_cache_tokens": prefix.tokens,
                                                  "prefix_cache_entries": len(prefix),
                                                  "prefix_cache_budget": prefix.max_tokens}
-        policies = ({p: self._loras.versions[s] for p, s in sorted(self._loras.slots.items())}
+        policies = ({p: self._loras.versions[self._loras.slots[p]] for p in self._loras.names}
                     if self._loras is not None else {})
         return {"name": self.name, "version": self._version, **self._n, **cache_stats,
                 **({"policies": policies} if policies else {}),
@@ -482,6 +482,10 @@ class TorchEngine:
             _post(loop, fut, exc=e)
             return
         self._weights_epoch += 1  # no row in flight is stored for reuse (its policy may be this one)
+        if update.policy is None:  # the engine's own policy: its version moves (requests without a policy use it)
+            self._version = version
+            if self._prefix is not None:  # the base's KV no longer answers a request of the engine's own policy
+                self._prefix.clear()
         cache = self._lora_prefix.get(slot)
         if cache is not None:
             cache.clear()
@@ -886,10 +890,10 @@ class TorchEngine:
                 raise ValueError(f"{self.name}: policy {policy!r}: this engine serves no LoRA policies "
                                  f"(max_loras=0)")
             return source, self._loras.prepare(policy, loaded)
-        # a named policy's adapter is a delta on the base: no adapter of the engine's own may be merged under it
+        # a named policy's adapter is a delta on the base: the engine's own adapter is not merged under it either,
+        # but served from a slot of its own (the base stays the base)
         if is_adapter(loaded) and self._loras is not None:
-            raise ValueError(f"{self.name}: an adapter for the engine's own weights, while it serves LoRA policies by "
-                             "name (max_loras > 0) on the base: load it as a named policy")
+            return source, self._loras.prepare(None, loaded)
         if is_adapter(loaded):
             return self._prepare_adapter(loaded, source)
         for name, tied in self._untied.items():  # a tied model's file may name one side; the other is an alias

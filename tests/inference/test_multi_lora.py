@@ -145,12 +145,30 @@ async def test_an_engine_without_lora_slots_refuses_policies():
 
 
 @pytest.mark.asyncio
-async def test_an_engine_serving_named_policies_merges_no_adapter_of_its_own():
-    """A named policy is a delta on the base: never on top of an adapter merged into the engine's own weights."""
-    engine = make_engine(make_model(0), max_loras=1)
-    with pytest.raises(ValueError, match="load it as a named policy"):
-        await engine.update_weights_from_tensors(payload(engine.model, 1), version=1)
-    assert engine.version == 0
+async def test_the_engines_own_adapter_takes_a_slot_beside_frozen_policies():
+    """A LoRA-trained run beside a frozen policy: the run's adapter is not merged (the frozen one is a delta on the
+    base, which must stay the base) but served from a slot of its own; requests without a policy use it, its
+    updates move the engine's version, and the frozen policy answers as before."""
+    base = make_model(0)
+    frozen, own1, own2 = payload(base, 1), payload(base, 2, rank=2), payload(base, 3, rank=2)
+    engine = make_engine(copy.deepcopy(base), max_loras=2, prefix_cache_tokens=4096)
+    await engine.update_weights_from_tensors(dict(frozen), version=0, policy="opponent")
+    ids = prompt(4, 7)
+
+    async def answer(policy):
+        s = ok(await engine.agenerate(req(f"q-{policy}-{engine.version}", ids, policy=policy, greedy=True,
+                                          max_new_tokens=6))).samples[0]
+        return s.output_ids.tolist(), s.output_versions.tolist()
+
+    assert await answer(None) == (greedy_reference(base, ids, 6), [0] * 6)  # no adapter of its own yet: the base
+    for version, own in ((1, own1), (2, own2)):
+        await engine.update_weights_from_tensors(dict(own), version=version)
+        assert engine.version == version and engine.stats()["policies"] == {"opponent": 0}
+        assert await answer(None) == (greedy_reference(merged(base, own), ids, 6), [version] * 6)
+        assert await answer("opponent") == (greedy_reference(merged(base, frozen), ids, 6), [0] * 6)
+    with pytest.raises(ValueError, match="modules_to_save"):  # whole tensors cannot sit beside a delta either
+        await engine.update_weights_from_tensors({**own2, "lm_head.weight": base.lm_head.weight.clone()}, version=3)
+    assert engine.version == 2
     await engine.close()
 
 

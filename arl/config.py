@@ -745,6 +745,23 @@ class StalenessAutoConfig:
 
 
 @dataclasses.dataclass
+class PolicyConfig:
+    """A named policy served beside the run's own (docs/multi_policy.md): a frozen opponent or reference, a LoRA
+    adapter on the run's base model, served by every inference server and never trained."""
+
+    name: str = field("", "Its name: a request's `GenerateRequest.policy` and an endpoint request's `model` select "
+                          "it (letters, digits, '_', '.', '-').")
+    adapter: str = field("", "A peft LoRA folder (adapter_config.json + adapter_model.safetensors) on the run's "
+                             "base model: the policy's weights.")
+    trainable: bool = field(False, "Train it too. Not built yet (a learner per trainable policy): a listed policy "
+                                   "is served frozen, and true is refused.")
+
+
+POLICY_NAME = r"[A-Za-z0-9_.-]+"
+OWN_POLICY = "policy"  # the run's own policy's name, never a listed one's
+
+
+@dataclasses.dataclass
 class ExperimentConfig:
     experiment: str = field("async-ppo-math", "Registered experiment name.")
     run_dir: str = field("runs", "Parent directory of run directories.")
@@ -784,6 +801,10 @@ class ExperimentConfig:
     eval: EvalConfig = field(factory=EvalConfig)
     weights: WeightsConfig = field(factory=WeightsConfig)
     export: ExportConfig = field(factory=ExportConfig)
+    policies: list[PolicyConfig] = field(help="Named policies served beside the run's own, frozen (LoRA adapters on "
+                                              "its base; the run's own then trains LoRA): e.g. "
+                                              "policies='[{name: opponent, adapter: /path/to/peft}]'. "
+                                              "docs/multi_policy.md.", factory=list)
     launcher: LauncherKind = field(LauncherKind.local, "'local': every role is a process on this machine; 'ray': "
                                                        "every role runs on a Ray node (see ray.*), the controller "
                                                        "here.")
@@ -972,6 +993,7 @@ def validate(cfg: Any) -> None:
     checks.append((lc.backend in LEARNER_BACKENDS, f"learner.backend: {LEARNER_BACKENDS.unknown(lc.backend)}"))
     checks += [(name == "jsonl" or name in TRACKERS, f"loggers: {TRACKERS.unknown(name)}") for name in cfg.loggers]
     checks += [(False, p) for p in lora_problems(cfg)]
+    checks += [(False, p) for p in policy_problems(cfg)]
     checks += [(False, p) for p in judge_problems(cfg)]
     checks += [(False, p) for p in timeout_problems(cfg)]
     checks += [(False, p) for p in staleness_auto_problems(cfg)]
@@ -1028,6 +1050,7 @@ def judge_problems(cfg: ExperimentConfig) -> list[str]:
 # inference backends that apply adapter payloads (`arl.weights.adapter`): torch merges them, SGLang loads them as
 # LoRA adapters, sim loads nothing
 LORA_INFERENCE_BACKENDS = ("torch", "sglang", "sim")
+POLICY_INFERENCE_BACKENDS = ("torch", "sglang")  # serve named LoRA policies beside the run's own
 
 
 def lora_problems(cfg: ExperimentConfig) -> list[str]:
@@ -1058,6 +1081,73 @@ def lora_problems(cfg: ExperimentConfig) -> list[str]:
 
         out += target_problems(_module_names(cfg.model.path), list(lora.target_modules), list(lora.modules_to_save))
     return out
+
+
+def policy_problems(cfg: ExperimentConfig) -> list[str]:
+    """Why the listed `policies` cannot be served: a name twice, the run's own name or a bad one, a trainable
+    policy (not built), an adapter folder that is missing or not a peft LoRA folder, or a run that would move the
+    base under them (full fine-tuning) or cannot serve them beside its own adapter."""
+    import json
+    import re
+
+    if not cfg.policies:
+        return []
+    out = []
+    names = [p.name for p in cfg.policies]
+    for name in sorted({n for n in names if names.count(n) > 1}):
+        out.append(f"policies: two policies are named {name!r}")
+    for p in cfg.policies:
+        where = f"policies[{p.name!r}]"
+        if not re.fullmatch(POLICY_NAME, p.name or ""):
+            out.append(f"{where}: a policy's name is letters, digits, '_', '.' and '-' (it names a folder)")
+        elif p.name == OWN_POLICY:
+            out.append(f"{where}: {OWN_POLICY!r} is the run's own policy's name")
+        if p.trainable:
+            out.append(f"{where}: trainable=true: training several policies in one run is not built yet (a learner "
+                       f"per trainable policy); a listed policy is served frozen")
+        config_file = os.path.join(p.adapter, "adapter_config.json")
+        if not p.adapter or not os.path.isfile(config_file) or not any(
+                os.path.isfile(os.path.join(p.adapter, f)) for f in ("adapter_model.safetensors", "adapter_model.bin")):
+            out.append(f"{where}: adapter {p.adapter!r} is not a peft LoRA folder (adapter_config.json and "
+                       f"adapter_model.safetensors)")
+            continue
+        try:
+            with open(config_file) as f:
+                peft = json.load(f)
+        except (OSError, ValueError) as e:
+            out.append(f"{where}: adapter_config.json is unreadable: {e}")
+            continue
+        if str(peft.get("peft_type", "LORA")).upper() != "LORA" or not isinstance(peft.get("r"), int):
+            out.append(f"{where}: adapter {p.adapter!r} is not a LoRA adapter (peft_type LORA with an integer r)")
+    lora = cfg.learner.lora
+    if not lora.enabled:
+        out.append("policies: frozen policies are LoRA deltas on the run's base model, which full fine-tuning would "
+                   "move under them: train the run's own policy with LoRA too (learner.lora.rank > 0)")
+    elif lora.modules_to_save:
+        out.append("policies: the run's adapter is served beside them from an adapter slot, which cannot hold the "
+                   "whole tensors of learner.lora.modules_to_save")
+    if cfg.inference.backend not in POLICY_INFERENCE_BACKENDS:
+        out.append(f"policies: inference.backend={cfg.inference.backend} cannot serve named LoRA policies (these "
+                   f"can: {', '.join(POLICY_INFERENCE_BACKENDS)})")
+    return out
+
+
+def policy_adapters(cfg: ExperimentConfig) -> tuple[int, list[str]]:
+    """The largest LoRA rank among the listed policies' adapters and the modules any of them adapts (what an
+    inference server must make room for; 0 and [] when none is listed or readable)."""
+    import json
+
+    rank, targets = 0, set()
+    for p in cfg.policies:
+        try:
+            with open(os.path.join(p.adapter, "adapter_config.json")) as f:
+                peft = json.load(f)
+            rank = max(rank, int(peft.get("r", 0)))
+            found = peft.get("target_modules") or []
+            targets.update([found] if isinstance(found, str) else found)
+        except (OSError, ValueError, TypeError):
+            continue
+    return rank, sorted(targets)
 
 
 def _module_names(model_dir: str) -> list[str]:
@@ -1270,5 +1360,6 @@ __all__ = [
     "ExperimentConfig", "ConfigError", "parse_overrides", "split_experiment", "format_help", "import_user_modules",
     "to_yaml", "resolve_threads", "weights_backend", "weights_settings", "shared_gpu", "resolve_weights",
     "rollout_deadlines", "timeout_problems", "agent_turns", "judge_workers", "judge_problems", "DictConfig",
-    "partition_groups", "worker_groups", "check_env_capacity",
+    "partition_groups", "worker_groups", "check_env_capacity", "PolicyConfig", "policy_problems", "policy_adapters",
+    "OWN_POLICY",
 ]

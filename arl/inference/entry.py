@@ -5,10 +5,33 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Awaitable, Callable
 
-from arl.config import ExperimentConfig, InferenceConfig, RoutingMode, eta_bound, weights_settings
+from arl.config import ExperimentConfig, InferenceConfig, RoutingMode, eta_bound, policy_adapters, weights_settings
 from arl.transport.control import SOCKET_OPTIONS, ControlChannel, RoleParts, aclose, bind, host_address, make_socket
 from arl.transport.messages import UpdateWeights
 from arl.transport.sockets import Router
+
+def frozen_policy_files(cfg: ExperimentConfig, run_dir: str, index: int) -> dict[str, str]:
+    """Each listed policy's adapter as a payload file (`arl.weights.adapter`: A, and B scaled) that every engine
+    loads by name: under ``<run_dir>/policies/``, written by this process (atomically: a restarted one rewrites)."""
+    if not cfg.policies:
+        return {}
+    import os
+
+    from safetensors.torch import save_file
+
+    from arl.weights.adapter import read_peft_folder
+
+    out_dir = os.path.join(run_dir, "policies")
+    os.makedirs(out_dir, exist_ok=True)
+    out = {}
+    for p in cfg.policies:
+        path = os.path.join(out_dir, f"{p.name}.inference{index}.safetensors")
+        payload = {k: v.contiguous() for k, v in read_peft_folder(p.adapter).items()}
+        save_file(payload, path + ".tmp", metadata={"format": "pt", "policy": p.name, "payload": "lora"})
+        os.replace(path + ".tmp", path)
+        out[p.name] = path
+    return out
+
 
 async def run_inference(cfg: ExperimentConfig, ctl: ControlChannel, index: int, run_dir: str) -> RoleParts:
     """The process's inference servers: `inference.servers_per_process` of them (indices index*k .. index*k+k-1).
@@ -32,10 +55,13 @@ async def run_inference(cfg: ExperimentConfig, ctl: ControlChannel, index: int, 
     addresses: list[str] = []
     # a process started by `arl.ctl scale` hosts one server past the configured ones (scaling needs one per process)
     end = min(ic.num_workers, first + ic.servers_per_process) if first < ic.num_workers else first + 1
+    frozen = frozen_policy_files(cfg, run_dir, index)
     for i in range(first, end):
         # LoRA: a server keeps the adapters of the versions a consumed token may come from (eta + 1)
         engine = build_engine(cfg.model.path, ic, seed=cfg.seed, index=i, run_dir=run_dir, lora=cfg.learner.lora,
-                              adapters_keep=eta_bound(cfg) + 1)
+                              adapters_keep=eta_bound(cfg) + 1, named=(len(frozen), *policy_adapters(cfg)))
+        for name, path in frozen.items():  # before it registers: no request can ask for a policy not loaded yet
+            await engine.update_weights(path, 0, policy=name)
         router = make_socket(Router)
         addresses.append(bind(router, cfg.bind_host))
         weights = transport.inference(engine, host=host, secret=SOCKET_OPTIONS.get("secret"))

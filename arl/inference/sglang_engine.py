@@ -678,17 +678,19 @@ def _is_adapter_file(source: str) -> bool:
         return is_adapter(f.keys())
 
 
-def lora_server_args(rank: int, target_modules: Sequence[str], keep: int) -> list[str]:
+def lora_server_args(rank: int, target_modules: Sequence[str], keep: int, extra: int = 0) -> list[str]:
     """The launch_server flags that let a server load `keep` adapters of rank `rank` on `target_modules` (plus
-    headroom for adapters requests still run on)."""
+    headroom for adapters requests still run on), and `extra` more: named policies served beside the run's own."""
+    n = str(keep + 2 + int(extra))
     return ["--enable-lora", "--max-lora-rank", str(int(rank)), "--lora-target-modules", *target_modules,
-            "--max-loaded-loras", str(keep + 2), "--max-loras-per-batch", str(keep + 2)]
+            "--max-loaded-loras", n, "--max-loras-per-batch", n]
 
 
 def launch_sglang_engine(config: SGLangConfig, *, model_path: str, device: str, seed: int, name: str, index: int = 0,
                          run_dir: str = "", max_batch_size: int = 0, max_context_len: int = 0,
                          health_interval: float = 5.0, host: str = "127.0.0.1", lora_rank: int = 0,
-                         lora_targets: Sequence[str] = (), adapters_keep: int = 0) -> SGLangEngine:
+                         lora_targets: Sequence[str] = (), adapters_keep: int = 0,
+                         extra_adapters: int = 0) -> SGLangEngine:
     """Start this worker's SGLang server (blocking until /health answers) and return an engine driving it.
 
     GPU servers get CUDA_VISIBLE_DEVICES = the `config.gpus_per_server` GPUs of this worker's group (first_gpu +
@@ -696,7 +698,8 @@ def launch_sglang_engine(config: SGLangConfig, *, model_path: str, device: str, 
     shard one server over them.
     """
     port = free_port(host)
-    extra = list(config.args) + (lora_server_args(lora_rank, lora_targets, adapters_keep) if lora_rank else [])
+    extra = list(config.args) + (lora_server_args(lora_rank, lora_targets, adapters_keep, extra_adapters)
+                                 if lora_rank else [])
     cmd = server_command(model_path=model_path, host=host, port=port, device=device, seed=seed,
                          python=config.python, max_running_requests=max_batch_size, extra_args=extra)
     env: dict[str, str] = {}

@@ -491,8 +491,9 @@ class TorchEngine:
             cache.clear()
         self._n["weight_updates"] += 1
         self._n["last_update_s"] = time.perf_counter() - t0
-        logger.info("%s: loaded policy %s (slot %d) from %s in %.3fs, version %d", self.name, update.policy,
-                    slot, source, self._n["last_update_s"], version)
+        logger.info("%s: loaded %s (slot %d) from %s in %.3fs, version %d", self.name,
+                    f"policy {update.policy}" if update.policy is not None else "the engine's own adapter", slot,
+                    source, self._n["last_update_s"], version)
         _post(loop, fut, [])
 
     def _untie(self, name: str, new: torch.Tensor) -> None:

@@ -107,7 +107,8 @@ def _endpoint_parts(cfg: ExperimentConfig, fn: Any, tok: Any, gconfig: Any, grou
                             host=effective_bind_host(cfg.bind_host),
                             port=endpoint_port(cfg.rollout.endpoint_port, index), vocab_size=len(tok), parser=parser,
                             max_sessions=session_limit(cfg.rollout.max_concurrent_sessions, in_process),
-                            task_key=cfg.rollout.task_api_key if external else "")
+                            task_key=cfg.rollout.task_api_key if external else "",
+                            policies=[p.name for p in cfg.policies])
     args = dict(cfg.agent.args)
     filter_uniform = bool(args.pop("filter_uniform_groups", False))
     if external:

@@ -156,6 +156,7 @@ class Choice:
     key: Any
     tool_calls: int = 0
     continued: bool = False
+    policy: Optional[str] = None  # the named policy that generated it (the endpoint's `model`); None: the run's
 
 
 @dataclasses.dataclass(eq=False)
@@ -283,7 +284,7 @@ class Session:
         for k, (turn, i) in enumerate(chain):
             if k:  # the messages templated between the previous answer and this turn
                 b.add_context(turn.prompt_ids[len(b):], source="messages")
-            b.add_generated(turn.choices[i].sample)
+            b.add_generated(turn.choices[i].sample, policy=turn.choices[i].policy)
             tool_calls += turn.choices[i].tool_calls
         meta = {**metadata, "turns": len(chain), "tool_calls": tool_calls,
                 "endpoint_prefix_mismatch": int(root.mismatch), "session": self.key}

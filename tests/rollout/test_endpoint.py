@@ -389,3 +389,41 @@ async def test_a_caller_that_hangs_up_cancels_its_generation(server):
     await asyncio.wait_for(cancelled.wait(), 10)
     server.end_session(h.key)
     assert h.late_calls == 0
+
+
+async def test_the_model_field_selects_a_named_policy_and_its_turns_are_recorded_as_its():
+    """A run serving a frozen `opponent` beside its own policy: `model` picks who answers, the trajectory says who
+    generated which turn (the run's learner trains only its own), an unknown model is a 404 in OpenAI's shape, and
+    without named policies any model name is the run's own."""
+    s = EndpointServer(TOK, GenerationConfig(max_new_tokens=32, stop_token_ids=[EOS]), max_context_len=256,
+                       model_name="arl-policy", policies=["opponent"])
+    await s.start()
+    try:
+        engine = FakeEngine("a", "b", "c")
+        h = s.open_session(engine.generate)
+        msgs = [{"role": "user", "content": "go"}]
+        async with client_for(s, h) as c:
+            await c.chat.completions.create(model="arl-policy", messages=msgs)
+            msgs += [{"role": "assistant", "content": "a"}, {"role": "user", "content": "and?"}]
+            await c.chat.completions.create(model="opponent", messages=msgs)
+            msgs += [{"role": "assistant", "content": "b"}, {"role": "user", "content": "more"}]
+            await c.completions.create(model="opponent", prompt="x", max_tokens=3)  # completions too
+            with pytest.raises(openai.NotFoundError) as e:
+                await c.chat.completions.create(model="gpt-4o", messages=msgs)
+        assert e.value.code == "model_not_found" and e.value.body["param"] == "model" and "opponent" in str(e.value)
+        assert [r.policy for r in engine.requests] == [None, "opponent", "opponent"]  # the 404 reached no engine
+        chat = max(h.session.trajectories(1.0, "g"), key=lambda t: t.metadata["turns"])
+        (name, start, end), = chat.policy_spans
+        assert name == "opponent" and chat.input_ids[start:end].tolist() == enc("b") + [EOS]
+        assert chat.owned_by(None).sum() == len(enc("a")) + 1  # the run's own turn: its learner's tokens
+        ledger_ok(h.session.trajectories(1.0, "g"), engine)
+    finally:
+        await s.close()
+
+
+async def test_without_named_policies_any_model_name_is_the_runs_own(server):
+    engine = FakeEngine("x")
+    h = server.open_session(engine.generate)
+    async with client_for(server, h) as c:
+        await c.chat.completions.create(model="whatever-my-framework-sends", messages=[{"role": "user", "content": "q"}])
+    assert engine.requests[0].policy is None and h.session.trajectories(1.0, "g")[0].policy_spans == []

@@ -1,0 +1,55 @@
+"""`policies:`: named frozen LoRA policies served beside the run's own; every bad list is refused at start-up,
+named."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from arl.config import ConfigError, ExperimentConfig, PolicyConfig, parse_overrides, policy_adapters
+from arl.weights.adapter import LORA_A, LORA_B, write_peft_folder
+
+
+@pytest.fixture
+def adapter(tmp_path):
+    payload = {"model.layers.0.self_attn.q_proj" + LORA_A: torch.zeros(4, 8),
+               "model.layers.0.self_attn.q_proj" + LORA_B: torch.zeros(8, 4)}
+    return write_peft_folder(payload, str(tmp_path / "opp"))
+
+
+def parse(*overrides: str) -> ExperimentConfig:
+    return parse_overrides(ExperimentConfig, list(overrides))
+
+
+def test_a_frozen_policy_beside_a_lora_run_is_accepted(adapter):
+    cfg = parse("learner.lora.rank=8", f"policies=[{{name: opponent, adapter: {adapter}}}]")
+    assert cfg.policies == [PolicyConfig(name="opponent", adapter=adapter)]
+    assert policy_adapters(cfg) == (4, ["q_proj"])
+    assert parse().policies == []  # the default: one policy, as before
+
+
+@pytest.mark.parametrize("policies, extra, why", [
+    ("[{name: a, adapter: ADAPTER}, {name: a, adapter: ADAPTER}]", [], "two policies are named 'a'"),
+    ("[{name: policy, adapter: ADAPTER}]", [], "the run's own policy's name"),
+    ("[{name: 'a b', adapter: ADAPTER}]", [], "letters, digits"),
+    ("[{name: a, adapter: ADAPTER, trainable: true}]", [], "not built yet"),
+    ("[{name: a, adapter: /no/such/folder}]", [], "not a peft LoRA folder"),
+    ("[{name: a, adapter: ADAPTER}]", ["learner.lora.rank=0"], "full fine-tuning would move under them"),
+    ("[{name: a, adapter: ADAPTER}]", ["learner.lora.modules_to_save=[lm_head]"], "modules_to_save"),
+    ("[{name: a, adapter: ADAPTER}]", ["inference.backend=sim"], "cannot serve named LoRA policies"),
+])
+def test_bad_policy_lists_are_refused_by_name(adapter, policies, extra, why):
+    args = ["learner.lora.rank=8", *extra, "policies=" + policies.replace("ADAPTER", adapter)]
+    with pytest.raises(ConfigError, match=why):
+        parse(*args)
+
+
+def test_an_adapter_that_is_not_lora_is_refused(adapter):
+    with open(f"{adapter}/adapter_config.json") as f:
+        config = json.load(f)
+    with open(f"{adapter}/adapter_config.json", "w") as f:
+        json.dump({**config, "peft_type": "PREFIX_TUNING"}, f)
+    with pytest.raises(ConfigError, match="not a LoRA adapter"):
+        parse("learner.lora.rank=8", f"policies=[{{name: a, adapter: {adapter}}}]")

@@ -392,10 +392,12 @@ class EndpointServer:
 
     # -- handlers ----------------------------------------------------------------------------------------------
     async def _models(self, h: SessionHandle, raw: bytes) -> Reply:
-        model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "arl",  # OpenAI's fields
-                 "type": "model", "display_name": self.model_name, "created_at": "1970-01-01T00:00:00Z"}  # Anthropic's
-        return Reply.json({"object": "list", "data": [model], "has_more": False, "first_id": self.model_name,
-                           "last_id": self.model_name})
+        """The run's model, then its named policies (each a model a request may name)."""
+        names = [self.model_name, *sorted(self.policies)]
+        data = [{"id": n, "object": "model", "created": 0, "owned_by": "arl",  # OpenAI's fields
+                 "type": "model", "display_name": n, "created_at": "1970-01-01T00:00:00Z"} for n in names]  # Anthropic's
+        return Reply.json({"object": "list", "data": data, "has_more": False, "first_id": names[0],
+                           "last_id": names[-1]})
 
     def _body(self, raw: bytes, allowed: set[str]) -> dict:
         try:

@@ -410,6 +410,7 @@ async def test_the_model_field_selects_a_named_policy_and_its_turns_are_recorded
             await c.completions.create(model="opponent", prompt="x", max_tokens=3)  # completions too
             with pytest.raises(openai.NotFoundError) as e:
                 await c.chat.completions.create(model="gpt-4o", messages=msgs)
+            assert [m.id for m in (await c.models.list()).data] == ["arl-policy", "opponent"]
         assert e.value.code == "model_not_found" and e.value.body["param"] == "model" and "opponent" in str(e.value)
         assert [r.policy for r in engine.requests] == [None, "opponent", "opponent"]  # the 404 reached no engine
         chat = max(h.session.trajectories(1.0, "g"), key=lambda t: t.metadata["turns"])

@@ -750,14 +750,13 @@ class PolicyConfig:
     adapter on the run's base model, served by every inference server and never trained."""
 
     name: str = field("", "Its name: a request's `GenerateRequest.policy` and an endpoint request's `model` select "
-                          "it (letters, digits, '_', '.', '-').")
+                          "it (a letter or digit, then letters, digits, '_', '.', '-'; at most 64).")
     adapter: str = field("", "A peft LoRA folder (adapter_config.json + adapter_model.safetensors) on the run's "
                              "base model: the policy's weights.")
     trainable: bool = field(False, "Train it too. Not built yet (a learner per trainable policy): a listed policy "
                                    "is served frozen, and true is refused.")
 
 
-POLICY_NAME = r"[A-Za-z0-9_.-]+"
 OWN_POLICY = "policy"  # the run's own policy's name, never a listed one's
 
 
@@ -1087,8 +1086,8 @@ def policy_problems(cfg: ExperimentConfig) -> list[str]:
     """Why the listed `policies` cannot be served: a name twice, the run's own name or a bad one, a trainable
     policy (not built), an adapter folder that is missing or not a peft LoRA folder, or a run that would move the
     base under them (full fine-tuning) or cannot serve them beside its own adapter."""
-    import json
-    import re
+    from arl.api.types import POLICY_NAME
+    from arl.weights.adapter import read_lora_config
 
     if not cfg.policies:
         return []
@@ -1098,27 +1097,18 @@ def policy_problems(cfg: ExperimentConfig) -> list[str]:
         out.append(f"policies: two policies are named {name!r}")
     for p in cfg.policies:
         where = f"policies[{p.name!r}]"
-        if not re.fullmatch(POLICY_NAME, p.name or ""):
-            out.append(f"{where}: a policy's name is letters, digits, '_', '.' and '-' (it names a folder)")
+        if not POLICY_NAME.fullmatch(p.name or ""):
+            out.append(f"{where}: a policy's name is a letter or digit, then letters, digits, '_', '.' and '-', at "
+                       f"most 64 in all (it names an adapter and its folder)")
         elif p.name == OWN_POLICY:
             out.append(f"{where}: {OWN_POLICY!r} is the run's own policy's name")
         if p.trainable:
             out.append(f"{where}: trainable=true: training several policies in one run is not built yet (a learner "
                        f"per trainable policy); a listed policy is served frozen")
-        config_file = os.path.join(p.adapter, "adapter_config.json")
-        if not p.adapter or not os.path.isfile(config_file) or not any(
-                os.path.isfile(os.path.join(p.adapter, f)) for f in ("adapter_model.safetensors", "adapter_model.bin")):
-            out.append(f"{where}: adapter {p.adapter!r} is not a peft LoRA folder (adapter_config.json and "
-                       f"adapter_model.safetensors)")
-            continue
         try:
-            with open(config_file) as f:
-                peft = json.load(f)
-        except (OSError, ValueError) as e:
-            out.append(f"{where}: adapter_config.json is unreadable: {e}")
-            continue
-        if str(peft.get("peft_type", "LORA")).upper() != "LORA" or not isinstance(peft.get("r"), int):
-            out.append(f"{where}: adapter {p.adapter!r} is not a LoRA adapter (peft_type LORA with an integer r)")
+            read_lora_config(p.adapter)
+        except ValueError as e:
+            out.append(f"{where}: adapter {e}")
     lora = cfg.learner.lora
     if not lora.enabled:
         out.append("policies: frozen policies are LoRA deltas on the run's base model, which full fine-tuning would "
@@ -1135,18 +1125,17 @@ def policy_problems(cfg: ExperimentConfig) -> list[str]:
 def policy_adapters(cfg: ExperimentConfig) -> tuple[int, list[str]]:
     """The largest LoRA rank among the listed policies' adapters and the modules any of them adapts (what an
     inference server must make room for; 0 and [] when none is listed or readable)."""
-    import json
+    from arl.weights.adapter import read_lora_config
 
     rank, targets = 0, set()
     for p in cfg.policies:
         try:
-            with open(os.path.join(p.adapter, "adapter_config.json")) as f:
-                peft = json.load(f)
-            rank = max(rank, int(peft.get("r", 0)))
-            found = peft.get("target_modules") or []
-            targets.update([found] if isinstance(found, str) else found)
-        except (OSError, ValueError, TypeError):
+            peft = read_lora_config(p.adapter)
+        except ValueError:  # refused by `policy_problems`
             continue
+        rank = max(rank, peft["r"])
+        found = peft.get("target_modules") or []
+        targets.update([found] if isinstance(found, str) else found)
     return rank, sorted(targets)
 
 

@@ -53,3 +53,19 @@ def test_an_adapter_that_is_not_lora_is_refused(adapter):
         json.dump({**config, "peft_type": "PREFIX_TUNING"}, f)
     with pytest.raises(ConfigError, match="not a LoRA adapter"):
         parse("learner.lora.rank=8", f"policies=[{{name: a, adapter: {adapter}}}]")
+
+
+def test_validation_applies_the_loaders_own_check(adapter):
+    """What the inference servers could not load is refused before any starts: only safetensors weights, no
+    rslora (the same `read_lora_config` the loader calls)."""
+    import os
+
+    with open(f"{adapter}/adapter_config.json") as f:
+        config = json.load(f)
+    with open(f"{adapter}/adapter_config.json", "w") as f:
+        json.dump({**config, "use_rslora": True}, f)
+    with pytest.raises(ConfigError, match="only plain LoRA adapters"):
+        parse("learner.lora.rank=8", f"policies=[{{name: a, adapter: {adapter}}}]")
+    os.rename(f"{adapter}/adapter_model.safetensors", f"{adapter}/adapter_model.bin")
+    with pytest.raises(ConfigError, match="not a peft LoRA folder"):
+        parse("learner.lora.rank=8", f"policies=[{{name: a, adapter: {adapter}}}]")

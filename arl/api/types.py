@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import re
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -66,6 +67,10 @@ def checked_turn_discount(value: Any) -> Optional[float]:
     if not 0.0 <= gamma <= 1.0:  # NaN fails this too
         raise ValueError(f"Trajectory.turn_discount must be in [0, 1], got {gamma}")
     return gamma
+
+
+# a named policy (`GenerateRequest.policy`, `policies:`): it names an SGLang adapter and its folder
+POLICY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
 def checked_policy_spans(spans: Any, n: int) -> list[tuple[str, int, int]]:
@@ -271,13 +276,16 @@ class Trajectory:
     def owned_by(self, policy: Optional[str]) -> np.ndarray:
         """Boolean mask of the tokens `policy` generated (None: the run's own policy, every generated token outside
         the named spans)."""
+        generated = self.loss_mask.astype(bool)
+        if not self.policy_spans:  # one policy's trajectory (every run's today): all of it or none
+            return generated if policy is None else np.zeros_like(generated)
         named = np.zeros(len(self.input_ids), bool)
         mine = np.zeros(len(self.input_ids), bool)
         for name, start, end in self.policy_spans:
             named[start:end] = True
             if name == policy:
                 mine[start:end] = True
-        return self.loss_mask.astype(bool) & (mine if policy is not None else ~named)
+        return generated & (mine if policy is not None else ~named)
 
     def reward_of(self, policy: Optional[str]) -> float:
         """This trajectory's reward for `policy`: its own in `policy_rewards`, else `reward`."""

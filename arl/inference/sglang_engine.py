@@ -53,7 +53,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -67,7 +66,7 @@ from typing import Any, Awaitable, Callable, Optional, Sequence
 
 import numpy as np
 
-from arl.api.types import GenerateRequest, GenerateResponse, GenerationConfig, SampleOutput
+from arl.api.types import POLICY_NAME, GenerateRequest, GenerateResponse, GenerationConfig, SampleOutput
 from arl.config import PauseMode, SGLangConfig
 from arl.inference.requests import ENGINE_CLOSED, check_request, refusal
 from arl.utils.net import free_port
@@ -76,7 +75,6 @@ from arl.utils.proc import die_with_parent_preexec, signal_group, tail
 logger = logging.getLogger("arl.inference")
 
 _Adapter = tuple[Optional[str], int]  # (LoRA policy: None for the run's own, version)
-_POLICY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # it names an adapter and its folder
 
 # files of the base model directory linked into every per-version weights directory
 _MODEL_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -300,7 +298,7 @@ class SGLangEngine:
             if not self.adapters_keep:
                 raise ValueError(f"{self.name}: policy {policy!r}: this server serves no LoRA policies (it runs "
                                  "without --enable-lora: adapters_keep=0)")
-            if not _POLICY_NAME.fullmatch(policy):
+            if not POLICY_NAME.fullmatch(policy):
                 raise ValueError(f"{self.name}: policy name {policy!r}: letters, digits, '_', '.', '-' only")
             if not await asyncio.to_thread(_is_adapter_file, str(source)):
                 raise ValueError(f"{self.name}: policy {policy!r}: a LoRA policy is served from an adapter "

@@ -23,7 +23,8 @@ import os
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 __all__ = ["LORA_A", "LORA_B", "is_adapter", "to_payload", "split_payload", "adapter_expected", "merged_weight",
-           "target_problems", "write_peft_folder", "read_peft_folder", "merge_payload", "ADAPTER_NAME_PREFIX"]
+           "target_problems", "write_peft_folder", "read_lora_config", "read_peft_folder", "merge_payload",
+           "ADAPTER_NAME_PREFIX"]
 
 LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
 ADAPTER_NAME_PREFIX = "arl-v"  # SGLang's adapter of version N is named f"arl-v{N}"
@@ -160,16 +161,33 @@ def write_peft_folder(payload: Mapping[str, Any], out_dir: str, *, base_model: s
     return out_dir
 
 
+def read_lora_config(folder: str) -> dict[str, Any]:
+    """The ``adapter_config.json`` of a plain peft LoRA folder, the kind `read_peft_folder` reads (that file and
+    ``adapter_model.safetensors``; peft_type LORA with an integer r; no rslora, rank or alpha patterns). ValueError
+    naming what it is not."""
+    config_file = os.path.join(folder, "adapter_config.json")
+    if not folder or not os.path.isfile(config_file) or not os.path.isfile(
+            os.path.join(folder, "adapter_model.safetensors")):
+        raise ValueError(f"{folder!r} is not a peft LoRA folder (adapter_config.json and adapter_model.safetensors)")
+    try:
+        with open(config_file) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{config_file} is unreadable: {e}") from None
+    r = config.get("r") if isinstance(config, dict) else None
+    if str(config.get("peft_type", "LORA")).upper() != "LORA" or isinstance(r, bool) or not isinstance(r, int):
+        raise ValueError(f"{folder!r} is not a LoRA adapter (peft_type LORA with an integer r)")
+    if config.get("use_rslora") or config.get("rank_pattern") or config.get("alpha_pattern"):
+        raise ValueError(f"{folder}: only plain LoRA adapters (no rslora, rank or alpha patterns) are read")
+    return config
+
+
 def read_peft_folder(folder: str) -> dict[str, Any]:
     """The payload of a peft LoRA folder (ours, or any with ``adapter_config.json`` + ``adapter_model.safetensors``:
-    its B is scaled by its ``lora_alpha / r`` here). Raises on what is not a plain LoRA folder."""
+    its B is scaled by its ``lora_alpha / r`` here). Raises on what is not a plain LoRA folder (`read_lora_config`)."""
     from safetensors.torch import load_file
 
-    with open(os.path.join(folder, "adapter_config.json")) as f:
-        config = json.load(f)
-    if str(config.get("peft_type", "LORA")).upper() != "LORA" or config.get("use_rslora") or \
-            config.get("rank_pattern") or config.get("alpha_pattern"):
-        raise ValueError(f"{folder}: only plain LoRA adapters (no rslora, rank or alpha patterns) are read")
+    config = read_lora_config(folder)
     scaling = float(config.get("lora_alpha", config["r"])) / float(config["r"])
     state = load_file(os.path.join(folder, "adapter_model.safetensors"))
     out: dict[str, Any] = {}

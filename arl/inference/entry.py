@@ -56,10 +56,11 @@ async def run_inference(cfg: ExperimentConfig, ctl: ControlChannel, index: int, 
     # a process started by `arl.ctl scale` hosts one server past the configured ones (scaling needs one per process)
     end = min(ic.num_workers, first + ic.servers_per_process) if first < ic.num_workers else first + 1
     frozen = frozen_policy_files(cfg, run_dir, index)
+    named = (len(frozen), *policy_adapters(cfg)) if frozen else (0, 0, ())
     for i in range(first, end):
         # LoRA: a server keeps the adapters of the versions a consumed token may come from (eta + 1)
         engine = build_engine(cfg.model.path, ic, seed=cfg.seed, index=i, run_dir=run_dir, lora=cfg.learner.lora,
-                              adapters_keep=eta_bound(cfg) + 1, named=(len(frozen), *policy_adapters(cfg)))
+                              adapters_keep=eta_bound(cfg) + 1, named=named)
         for name, path in frozen.items():  # before it registers: no request can ask for a policy not loaded yet
             await engine.update_weights(path, 0, policy=name)
         router = make_socket(Router)

@@ -328,9 +328,7 @@ class LearnerWorker:
             await self._phase("advantages", self.actor.compute_advantages, batch)  # group-normalised rewards
             metrics = await self._phase("update", self.actor.ppo_update, batch)  # a step per minibatch; version + 1
             self._count_trained(trajs)
-            t_export = time.perf_counter()
             export = await self._export()  # the new weights, for the inference workers
-            self._phase_wall["export"] = time.perf_counter() - t_export
             metrics = self._step_metrics(metrics, trajs, self.timer.pop(), stale_tokens)
             await self.maybe_checkpoint(force=self.engine.version >= self.total_steps)
             if self.recorder is not None and self.engine.version >= self.total_steps:  # the last batch on disk
@@ -359,7 +357,11 @@ class LearnerWorker:
 
     async def _export(self) -> Export:
         self.waiting_on = f"{self.weights.activity} v{self.engine.version}"
-        return await self.weights.export(self.engine.version, self.engine)
+        t0 = time.perf_counter()
+        try:
+            return await self.weights.export(self.engine.version, self.engine)
+        finally:
+            self._phase_wall["export"] = time.perf_counter() - t0
 
     def _step_metrics(self, metrics: dict, batch: list[Trajectory], seconds: dict[str, float],
                       stale_tokens: dict[int, int]) -> dict[str, Any]:

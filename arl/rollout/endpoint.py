@@ -420,17 +420,18 @@ class EndpointServer:
                                "seed")
         if not isinstance(body.get("model", ""), str):
             raise RequestError("model must be a string", "model")
-        self._policy_of(body)  # an unknown model is refused before anything else is done
         return body
 
-    def _policy_of(self, body: dict) -> Optional[str]:
-        """The named policy a request's `model` selects (None: the run's own policy). Without named policies any
-        model name is the run's own (agents send whatever their framework defaults to)."""
+    def _model_body(self, raw: bytes, allowed: set[str]) -> tuple[dict, Optional[str]]:
+        """A generation request's body (`_body`) and the named policy its `model` selects (None: the run's own
+        policy), an unknown model refused before anything else is done. Without named policies any model name is
+        the run's own (agents send whatever their framework defaults to)."""
+        body = self._body(raw, allowed)
         model = body.get("model") or ""
         if not self.policies or model in ("", self.model_name):
-            return None
+            return body, None
         if model in self.policies:
-            return model
+            return body, model
         raise RequestError(f"The model '{model}' does not exist: this run serves {self.model_name!r} (the policy "
                            f"being trained) and {sorted(self.policies)}", "model", status=404,
                            code="model_not_found")
@@ -560,7 +561,7 @@ class EndpointServer:
 
     async def _chat(self, h: SessionHandle, raw: bytes) -> Reply:
         t0 = time.perf_counter()
-        body = self._body(raw, _CHAT_FIELDS)
+        body, policy = self._model_body(raw, _CHAT_FIELDS)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise RequestError("messages must be a non-empty list", "messages")
@@ -584,7 +585,7 @@ class EndpointServer:
         limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         call = ChatCall(messages, tools, bool(tools) and choice_mode != "none", body, {"max_tokens": limit},
                         stop=self._stop_list(body.get("stop")), stream=stream)
-        ids, answers, msgs = await self._answers(h, call, "call_", self._policy_of(body))
+        ids, answers, msgs = await self._answers(h, call, "call_", policy)
         out = []
         for i, (a, msg) in enumerate(zip(answers, msgs)):
             finish = "tool_calls" if a.calls and a.finish == "stop" else a.finish
@@ -604,9 +605,9 @@ class EndpointServer:
         return Reply.json(result)
 
     async def _responses(self, h: SessionHandle, raw: bytes) -> Reply:
-        body = self._body(raw, responses.FIELDS)
+        body, policy = self._model_body(raw, responses.FIELDS)
         call, conversation = responses.chat_call(body, h.responses.get)
-        ids, answers, msgs = await self._answers(h, call, "call_", self._policy_of(body))
+        ids, answers, msgs = await self._answers(h, call, "call_", policy)
         logprobs = None
         if "message.output_text.logprobs" in (body.get("include") or []):
             logprobs = self._token_logprobs(answers[0].sample)
@@ -619,9 +620,9 @@ class EndpointServer:
         return Reply.json(result)
 
     async def _messages(self, h: SessionHandle, raw: bytes) -> Reply:
-        body = self._body(raw, anthropic.FIELDS)
+        body, policy = self._model_body(raw, anthropic.FIELDS)
         call = anthropic.chat_call(body)
-        ids, answers, msgs = await self._answers(h, call, "toolu_", self._policy_of(body))
+        ids, answers, msgs = await self._answers(h, call, "toolu_", policy)
         result = anthropic.message(answers[0], msgs[0], len(ids), body["model"])
         self.stats["messages_calls"] += 1
         if call.stream:
@@ -671,7 +672,7 @@ class EndpointServer:
         return events
 
     async def _completions(self, h: SessionHandle, raw: bytes) -> Reply:
-        body = self._body(raw, _COMPLETION_FIELDS)
+        body, policy = self._model_body(raw, _COMPLETION_FIELDS)
         for name in ("echo", "suffix"):
             if body.get(name):
                 raise RequestError(f"{name} is not supported", name)
@@ -696,7 +697,6 @@ class EndpointServer:
         stop_texts = self._stop_list(body.get("stop"))
         stop_ids = self._stops(stop_texts, "stop")
         g = self._gconfig(body, {"messages": "prompt"}, h, len(ids), stop_ids)
-        policy = self._policy_of(body)
         resp = await self._generate(h, ids, g, policy)
         choices, out = [], []
         for i, s in enumerate(resp.samples):

@@ -341,14 +341,11 @@ def _one_traj_in(p: Any) -> Trajectory:
     if type(meta) is not dict:
         raise MalformedMessage("metadata: expected a map")
     _check_tree(meta, "metadata", MalformedMessage, (list,))
-    spans, prew = p["policy_spans"], p["policy_rewards"]
-    if type(spans) is not list or any(type(x) is not list or len(x) != 3 or type(x[0]) is not str
-                                      or type(x[1]) is not int or type(x[2]) is not int for x in spans):
-        raise MalformedMessage("policy_spans: expected an array of [str, int, int]")
+    prew = p["policy_rewards"]
     if type(prew) is not dict or any(type(k) is not str for k in prew):
         raise MalformedMessage("policy_rewards: expected a map of str -> number")
-    try:
-        spans = checked_policy_spans(spans, len(arrays["input_ids"]))
+    try:  # the spans' types and bounds, as the Trajectory itself checks them
+        spans = checked_policy_spans(p["policy_spans"], len(arrays["input_ids"]))
     except ValueError as e:
         raise MalformedMessage(str(e)) from None
     return _build(Trajectory, {**arrays, "reward": _float(p["reward"], "reward"),

@@ -499,6 +499,8 @@ class SGLangEngine:
         finally:
             if adapter is not None:
                 self._adapter_users[adapter] -= 1
+                if not self._adapter_users[adapter]:  # one key per version served: none kept once unused
+                    del self._adapter_users[adapter]
 
     async def _sample_on(self, req: GenerateRequest, prompt: list[int], ids: list[int], logps: list[float],
                          versions: list[int], max_new: int, adapter: Optional[_Adapter]) -> SampleOutput:

@@ -73,6 +73,7 @@ async def test_adapters_per_version_requests_keep_theirs_and_old_ones_are_unload
     await engine.update_weights(adapter_file(tmp_path / "v5.safetensors", 5), 5)
     assert engine.adapters_loaded == [4, 5] and sorted(fake.adapters) == ["arl-v4", "arl-v5"]
     assert fake.unloaded_in_use == []
+    assert not engine._adapter_users  # nothing in flight: no count kept per version served (a run of days)
     assert sorted(os.listdir(tmp_path / "w" / "lora")) == ["v4", "v5"]  # the folders of unloaded ones are gone
     # a load the server refuses: raised, version and adapter kept
     fake.max_loaded_loras = 2

@@ -22,6 +22,7 @@ from arl.api.registry import AGENTS, INFERENCE_BACKENDS, LEARNER_BACKENDS, TRACK
 from arl.utils.errors import ConfigError
 from arl.api.staleness import StalenessPolicy
 
+ENV_VAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # ray.env_vars keys
 DATASETS = ("arith", "jsonl", "hf", "word-arith", "reasoning-gym", "verifiers", "env-seeds")  # dataset.name (arl/data/splits.py)
 
 if TYPE_CHECKING:
@@ -710,6 +711,10 @@ class RayConfig:
     gpus_per_learner_rank: float = field(0.0, "GPUs in each learner rank's bundle.")
     strategy: str = field("PACK", "Placement strategy of the learner ranks' group: PACK, SPREAD, STRICT_PACK or "
                                   "STRICT_SPREAD.")
+    env_vars: dict[str, str] = field(help="Environment variables set in every role process, on whatever node it "
+                                          "runs (as Ray's runtime_env env_vars): e.g. {HF_HOME: /data/hf, "
+                                          "PYTHONPATH: /code/agents} for `imports=` found on the nodes. A role's "
+                                          "own variables (the run's secret, ranks) win.", factory=dict)
 
 
 @dataclasses.dataclass
@@ -957,6 +962,9 @@ def validate(cfg: Any) -> None:
         (cfg.max_message_bytes >= 1024, "max_message_bytes must be >= 1024"),
         (cfg.ray.strategy in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
          "ray.strategy must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD"),
+        (all(isinstance(k, str) and ENV_VAR_NAME.fullmatch(k) for k in (cfg.ray.env_vars or {})),
+         f"ray.env_vars: names must be environment variable names (letters, digits, _; not starting with a digit), "
+         f"got {sorted(map(str, cfg.ray.env_vars or {}))}"),
         (0 <= cfg.busy_poll_us <= 100_000, "busy_poll_us must be in 0..100000"),
         (cfg.gen.max_new_tokens >= 1, "gen.max_new_tokens must be >= 1"),
         (cfg.gen.temperature > 0, "gen.temperature must be > 0"),

@@ -31,6 +31,10 @@ def test_cross_field_validation():
     with pytest.raises(ConfigError, match="learner.max_restarts must be >= 0"):
         parse_overrides(ExperimentConfig, ["learner.max_restarts=-1"])
     assert parse_overrides(ExperimentConfig, []).learner.max_restarts == 3
+    with pytest.raises(ConfigError, match=r"ray.env_vars: names must be .*\['1A'\]"):
+        parse_overrides(ExperimentConfig, ["ray.env_vars={1A: x}"])
+    c = parse_overrides(ExperimentConfig, ["ray.env_vars={HF_HOME: /data/hf, PYTHONPATH: '/a:/b', N: 3}"])
+    assert c.ray.env_vars == {"HF_HOME": "/data/hf", "PYTHONPATH": "/a:/b", "N": "3"}
 
 
 def test_help_lists_every_field_with_default():

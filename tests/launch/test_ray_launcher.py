@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+from typing import Optional
 
 import pytest
 
@@ -211,10 +212,12 @@ def test_a_role_that_cannot_be_placed_is_a_clear_error(tmp_path, model_cache, cl
     wait_until(lambda: cluster_leftovers(cluster) == ([], []), 30, "no actor or placement group left")
 
 
-def start_on_ray(cluster, args: list[str], run_root: str, cache: str) -> tuple[subprocess.Popen, str]:
+def start_on_ray(cluster, args: list[str], run_root: str, cache: str,
+                 env: Optional[dict[str, str]] = None) -> tuple[subprocess.Popen, str]:
+    """`env`: more of the launcher's environment (the roles on Ray nodes see only what ray.env_vars gives them)."""
     cmd = [sys.executable, MAIN, f"run_dir={run_root}", "run_name=run", f"model.cache_dir={cache}", "launcher=ray",
            f"ray.address={cluster.address}", *args]
-    env = {k: v for k, v in os.environ.items() if k != "ARL_SECRET"}
+    env = {**{k: v for k, v in os.environ.items() if k != "ARL_SECRET"}, **(env or {})}
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     return proc, os.path.join(run_root, "run")
 
@@ -520,19 +523,81 @@ def scale(run_dir: str, *changes: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
+PACE_MODULE = '''
+"""The math single-step agent, except that a group with tokens of policy version >= the number in the file
+$ARL_TEST_CEILING waits until that number is higher or the file is gone: the test keeps the run from ending before
+it has made its changes, on a machine of any speed."""
+import asyncio
+import os
+
+from arl.agents.math_single_step import MathSingleStepAgent
+from arl.api import register_agent
+
+CEILING = os.environ["ARL_TEST_CEILING"]
+
+
+def ceiling():
+    try:
+        with open(CEILING) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+class PacedAgent(MathSingleStepAgent):
+    async def collect_trajectory(self, prompt, env, obs_queue, act_queue):
+        trajs = await super().collect_trajectory(prompt, env, obs_queue, act_queue)
+        newest = max((int(t.versions.max()) for t in trajs if len(t.versions)), default=-1)
+        while (c := ceiling()) is not None and newest >= c:
+            await asyncio.sleep(0.1)
+        return trajs
+
+
+register_agent("paced-math", PacedAgent)
+'''
+
+
+class Pace:
+    """A ceiling on the run's policy version that the test raises as it goes (`allow`) and takes away (`end`); it
+    reaches the role processes on every Ray node through `ray.env_vars`."""
+
+    def __init__(self, tmp_dir: str, ceiling: int) -> None:
+        self.dir = os.path.join(tmp_dir, "pace")
+        os.makedirs(self.dir, exist_ok=True)
+        with open(os.path.join(self.dir, "paced_agent.py"), "w") as f:
+            f.write(PACE_MODULE)
+        self.file = os.path.join(self.dir, "ceiling")
+        self.allow(ceiling)
+        path = os.pathsep.join([self.dir, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        self.env = {"ARL_TEST_CEILING": self.file, "PYTHONPATH": path}  # the launcher's (it imports the module too)
+        # a run held at its ceiling is stalled on purpose: not the stall rule's case
+        self.args = ["imports=[paced_agent]", "agent.name=paced-math", "rollout.max_no_progress_s=3600",
+                     f"ray.env_vars={{ARL_TEST_CEILING: '{self.file}', PYTHONPATH: '{path}'}}"]
+
+    def allow(self, ceiling: int) -> None:
+        with open(self.file + ".tmp", "w") as f:
+            f.write(str(ceiling))
+        os.replace(self.file + ".tmp", self.file)
+
+    def end(self) -> None:
+        os.unlink(self.file)
+
+
 @pytest.mark.slow
 def test_servers_and_rollout_workers_join_and_leave_on_ray(tmp_path, model_cache, cluster):
     """`arl.ctl scale` on Ray: +2 / -1 / +1 inference servers and +1 / -1 rollout workers, placed by Ray on a node
     that joined the cluster; the run finishes with nothing accepted lost, and once its servers there are scaled
-    out too, their placement groups are given back and the node leaves without costing the run a role."""
+    out too, their placement groups are given back and the node leaves without costing the run a role. The role
+    processes get the test's paced agent through ray.env_vars: the run's version stays under a ceiling the test
+    raises step by step, so it cannot end before the last change, however fast the machine."""
     node_c = cluster.add_node(num_cpus=3, resources={"node_c": 1})
     cluster.wait_for_nodes()
     place = ["ray.placement.inference=[{node_a: 0.01}, {node_c: 0.01}]",  # servers 1, 2, 3: node_c (last repeats)
              "ray.placement.rollout=[{node_b: 0.01}, {node_c: 0.01}]", "eval.every_n_steps=100"]
-    # here: a join took 18-20 s, and the changes were done ~55 s after the first step, at step ~120 of 200
     steps = 200
-    proc, run_dir = start_on_ray(cluster, [f"total_train_steps={steps}", *SMALL, *ONE_RANK, *place], str(tmp_path),
-                                 model_cache)
+    pace = Pace(str(tmp_path), ceiling=10)
+    proc, run_dir = start_on_ray(cluster, [f"total_train_steps={steps}", *SMALL, *ONE_RANK, *place, *pace.args],
+                                 str(tmp_path), model_cache, env=pace.env)
 
     def placed() -> dict:
         return {m["role"]: m for m in read_metrics(run_dir) if m["type"] == "role_placed"}
@@ -545,24 +610,30 @@ def test_servers_and_rollout_workers_join_and_leave_on_ray(tmp_path, model_cache
         assert done.returncode == 0, done.stdout + done.stderr
         return done.stdout
 
+    def more_steps(n: int, what: str) -> None:
+        at = len(train_records(run_dir))
+        pace.allow(at + n + 2)
+        wait_until(lambda: len(train_records(run_dir)) >= at + n or proc.poll() is not None, 300, what)
+
     try:
         wait_until(lambda: len(train_records(run_dir)) >= 1 or proc.poll() is not None, 300, "a first step")
         out = ok("inference=+2", "rollout=+1")
         assert "started servers [1, 2]" in out and "started rollout workers [1]" in out, out
         wait_until(lambda: "rollout1" in placed() and joined() >= {1, 2} or proc.poll() is not None, 300,
                    "servers 1, 2 and rollout1 to join")
-        at = len(train_records(run_dir))
-        wait_until(lambda: len(train_records(run_dir)) >= at + 10 or proc.poll() is not None, 300, "ten steps")
+        more_steps(10, "ten steps")
+        pace.allow(len(train_records(run_dir)) + 30)  # rollout1's groups must not be held while it drains
         out = ok("inference=-1", "rollout=-1")
         assert "drained and stopped servers [2]" in out and "drained and stopped rollout workers [1]" in out, out
         assert "streams [1] to rollout0" in out and int(re.search(r"accepted there: \{1: (\d+)\}", out)[1]) > 0, out
         assert "started servers [3]" in ok("inference=+1")
         wait_until(lambda: 3 in joined() or proc.poll() is not None, 300, "server 3 to join")
-        at = len(train_records(run_dir))
-        wait_until(lambda: len(train_records(run_dir)) >= at + 5 or proc.poll() is not None, 300, "five steps")
+        more_steps(5, "five steps")
+        assert proc.poll() is None and len(train_records(run_dir)) < steps  # the pace works: the run is still on
         assert "drained and stopped servers [1, 3]" in ok("inference=-2")  # nothing of the run left on node_c
         wait_until(lambda: not groups_on(cluster, node_c.node_id), 30, "node_c's placement groups to go")
         cluster.remove_node(node_c)  # given back
+        pace.end()
         out, err = proc.communicate(timeout=400)
     finally:
         if proc.poll() is None:

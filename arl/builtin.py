@@ -15,7 +15,9 @@ BUILTIN_MODULES = (
     "arl.agents.math_multi_turn",
     "arl.agents.tool_agent",
     "arl.agents.env_chat",
+    "arl.agents.self_play",
     "arl.envs.math",
+    "arl.envs.nim",
 )
 
 LAZY_ENVS = {  # env name -> "module:class"

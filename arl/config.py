@@ -757,12 +757,15 @@ class PolicyConfig:
     name: str = field("", "Its name: a request's `GenerateRequest.policy` and an endpoint request's `model` select "
                           "it (a letter or digit, then letters, digits, '_', '.', '-'; at most 64).")
     adapter: str = field("", "A peft LoRA folder (adapter_config.json + adapter_model.safetensors) on the run's "
-                             "base model: the policy's weights.")
+                             "base model: the policy's weights. 'base': no delta, the base model itself, which in a "
+                             "LoRA run is the run's policy as it started (peft starts B at zero): the frozen start "
+                             "a self-play run is measured against.")
     trainable: bool = field(False, "Train it too. Not built yet (a learner per trainable policy): a listed policy "
                                    "is served frozen, and true is refused.")
 
 
 OWN_POLICY = "policy"  # the run's own policy's name, never a listed one's
+BASE_ADAPTER = "base"  # a listed policy's adapter: the base model itself (arl.weights.adapter.base_payload)
 
 
 @dataclasses.dataclass
@@ -1114,7 +1117,8 @@ def policy_problems(cfg: ExperimentConfig) -> list[str]:
             out.append(f"{where}: trainable=true: training several policies in one run is not built yet (a learner "
                        f"per trainable policy); a listed policy is served frozen")
         try:
-            read_lora_config(p.adapter)
+            if p.adapter != BASE_ADAPTER:
+                read_lora_config(p.adapter)
         except ValueError as e:
             out.append(f"{where}: adapter {e}")
     lora = cfg.learner.lora
@@ -1137,6 +1141,10 @@ def policy_adapters(cfg: ExperimentConfig) -> tuple[int, list[str]]:
 
     rank, targets = 0, set()
     for p in cfg.policies:
+        if p.adapter == BASE_ADAPTER:  # a rank-1 zero delta on the modules the run's own adapter has
+            rank = max(rank, 1)
+            targets.update(cfg.learner.lora.target_modules)
+            continue
         try:
             peft = read_lora_config(p.adapter)
         except ValueError:  # refused by `policy_problems`

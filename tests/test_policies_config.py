@@ -69,3 +69,25 @@ def test_validation_applies_the_loaders_own_check(adapter):
     os.rename(f"{adapter}/adapter_model.safetensors", f"{adapter}/adapter_model.bin")
     with pytest.raises(ConfigError, match="not a peft LoRA folder"):
         parse("learner.lora.rank=8", f"policies=[{{name: a, adapter: {adapter}}}]")
+
+
+def test_the_base_as_a_policy_is_a_zero_delta_on_the_runs_targets(tmp_path):
+    """`adapter: base`: the base model itself (a LoRA run's policy as it started), as a rank-1 zero payload on the
+    linear layers the run's own adapter targets, shaped from the model's config."""
+    from arl.models.tiny import build_char_tokenizer, build_tiny_model, save_model_dir
+    from arl.weights.adapter import base_payload
+
+    tok = build_char_tokenizer()
+    model_dir = save_model_dir(build_tiny_model(len(tok)), tok, str(tmp_path / "m"))
+    cfg = parse("learner.lora.rank=8", "learner.lora.target_modules=[q_proj, down_proj]",
+                "policies=[{name: start, adapter: base}]")
+    assert policy_adapters(cfg) == (1, ["down_proj", "q_proj"])
+    payload = base_payload(model_dir, ["q_proj", "down_proj"])
+    model = build_tiny_model(len(tok))
+    layers = len(model.model.layers)
+    assert len(payload) == 4 * layers and all(float(v.abs().sum()) == 0.0 for v in payload.values())
+    q = model.model.layers[0].self_attn.q_proj
+    assert payload["model.layers.0.self_attn.q_proj" + LORA_A].shape == (1, q.in_features)
+    assert payload["model.layers.0.self_attn.q_proj" + LORA_B].shape == (q.out_features, 1)
+    with pytest.raises(ValueError, match="no linear layer"):
+        base_payload(model_dir, ["nope"])

@@ -19,14 +19,16 @@ def frozen_policy_files(cfg: ExperimentConfig, run_dir: str, index: int) -> dict
 
     from safetensors.torch import save_file
 
-    from arl.weights.adapter import read_peft_folder
+    from arl.config import BASE_ADAPTER
+    from arl.weights.adapter import base_payload, read_peft_folder
 
     out_dir = os.path.join(run_dir, "policies")
     os.makedirs(out_dir, exist_ok=True)
     out = {}
     for p in cfg.policies:
         path = os.path.join(out_dir, f"{p.name}.inference{index}.safetensors")
-        payload = {k: v.contiguous() for k, v in read_peft_folder(p.adapter).items()}
+        payload = ({k: v.contiguous() for k, v in read_peft_folder(p.adapter).items()} if p.adapter != BASE_ADAPTER
+                   else base_payload(cfg.model.path, list(cfg.learner.lora.target_modules)))
         save_file(payload, path + ".tmp", metadata={"format": "pt", "policy": p.name, "payload": "lora"})
         os.replace(path + ".tmp", path)
         out[p.name] = path

@@ -24,7 +24,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 __all__ = ["LORA_A", "LORA_B", "is_adapter", "to_payload", "split_payload", "adapter_expected", "merged_weight",
            "target_problems", "write_peft_folder", "read_lora_config", "read_peft_folder", "merge_payload",
-           "ADAPTER_NAME_PREFIX"]
+           "base_payload", "ADAPTER_NAME_PREFIX"]
 
 LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
 ADAPTER_NAME_PREFIX = "arl-v"  # SGLang's adapter of version N is named f"arl-v{N}"
@@ -180,6 +180,25 @@ def read_lora_config(folder: str) -> dict[str, Any]:
     if config.get("use_rslora") or config.get("rank_pattern") or config.get("alpha_pattern"):
         raise ValueError(f"{folder}: only plain LoRA adapters (no rslora, rank or alpha patterns) are read")
     return config
+
+
+def base_payload(model_dir: str, target_modules: Sequence[str]) -> dict[str, Any]:
+    """A payload that changes nothing: rank-1 zero A and B on every linear layer `target_modules` names (peft's
+    suffix match) of the model in `model_dir`, shaped from its config (built on the meta device, no weights read).
+    Served as a named policy it is the base model itself; in a LoRA run, the run's policy as it started."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    out: dict[str, Any] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in target_modules):
+            out[name + LORA_A] = torch.zeros(1, module.in_features)
+            out[name + LORA_B] = torch.zeros(module.out_features, 1)
+    if not out:
+        raise ValueError(f"no linear layer of {model_dir} is named by {list(target_modules)}")
+    return out
 
 
 def read_peft_folder(folder: str) -> dict[str, Any]:

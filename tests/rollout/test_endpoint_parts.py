@@ -35,6 +35,11 @@ CHECK = textwrap.dedent('''
     parts = agent_parts(cfg)
     assert type(parts.make_agent()).__name__ == "ExternalAgent" and parts.make_eval_agent().greedy
     assert parts.endpoint.task_key == cfg.rollout.task_api_key and parts.endpoint.slots.limit == 0
+    # an agent naming `held_out` gets the held-out rows (a proposer must never write one), others do not
+    cfg.agent.name, cfg.agent.args = "proposer-solver", {}
+    parts = agent_parts(cfg)
+    want = {r["id"] for r in parts.test_rows}
+    assert len(want) == 200 and parts.make_agent().held_out == want == parts.make_eval_agent().held_out
     print("ok")
 ''')
 

@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 RewardFn = Callable[[str, str], Any]
 
-_SPECIAL_RE = re.compile(r"<\|[^|<>]*\|>|<eos>|<pad>|<unk>|<s>|</s>")
+SPECIAL_TOKENS = re.compile(r"<\|[^|<>]*\|>|<eos>|<pad>|<unk>|<s>|</s>")  # chat/special tokens in decoded text
 _NUMBER_RE = re.compile(r"[-+]?\d+(?:\.\d+)?")
 
 
@@ -71,7 +71,7 @@ def exact_number_match(completion: str, answer: str) -> float:
     ref = _to_number(str(answer))
     if ref is None:
         return 0.0
-    text = _SPECIAL_RE.sub(" ", completion).strip()
+    text = SPECIAL_TOKENS.sub(" ", completion).strip()
     m = _NUMBER_RE.search(text)
     if m is None:
         return 0.0

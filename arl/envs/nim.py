@@ -23,9 +23,9 @@ import re
 from typing import Any, Optional
 
 from arl.api import EnvironmentService, register_env
+from arl.envs.math import SPECIAL_TOKENS
 
 _MOVE_RE = re.compile(r"\d+")
-_SPECIAL_RE = re.compile(r"<\|[^|<>]*\|>|<eos>|<pad>|<unk>|<s>|</s>")
 
 
 def pile_of(seed: int, min_pile: int, max_pile: int) -> int:
@@ -34,7 +34,7 @@ def pile_of(seed: int, min_pile: int, max_pile: int) -> int:
 
 def parse_move(text: str, pile: int, max_take: int) -> Optional[int]:
     """The move `text` states (its first number) if legal for `pile`, else None."""
-    m = _MOVE_RE.search(_SPECIAL_RE.sub("", text))
+    m = _MOVE_RE.search(SPECIAL_TOKENS.sub("", text))
     if m is None or len(m.group()) > 3:
         return None
     take = int(m.group())

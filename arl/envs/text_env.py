@@ -22,9 +22,7 @@ from typing import Any, Optional
 import numpy as np
 
 from arl.api import EnvironmentService
-from arl.envs.math import _DaemonThreadPool
-
-SPECIAL_TOKENS = re.compile(r"<\|[^|<>]*\|>|<eos>|<pad>|<unk>|<s>|</s>")
+from arl.envs.math import SPECIAL_TOKENS, _DaemonThreadPool
 
 
 @functools.cache

@@ -1098,7 +1098,6 @@ def policy_problems(cfg: ExperimentConfig) -> list[str]:
     policy (not built), an adapter folder that is missing or not a peft LoRA folder, or a run that would move the
     base under them (full fine-tuning) or cannot serve them beside its own adapter."""
     from arl.api.types import POLICY_NAME
-    from arl.weights.adapter import read_lora_config
 
     if not cfg.policies:
         return []
@@ -1117,8 +1116,7 @@ def policy_problems(cfg: ExperimentConfig) -> list[str]:
             out.append(f"{where}: trainable=true: training several policies in one run is not built yet (a learner "
                        f"per trainable policy); a listed policy is served frozen")
         try:
-            if p.adapter != BASE_ADAPTER:
-                read_lora_config(p.adapter)
+            policy_lora_config(cfg, p)
         except ValueError as e:
             out.append(f"{where}: adapter {e}")
     lora = cfg.learner.lora
@@ -1134,19 +1132,24 @@ def policy_problems(cfg: ExperimentConfig) -> list[str]:
     return out
 
 
+def policy_lora_config(cfg: ExperimentConfig, p: PolicyConfig) -> dict[str, Any]:
+    """The peft config of a listed policy's adapter (`arl.weights.adapter.read_lora_config`; ValueError saying why
+    the folder is not one); `adapter: base` is a rank-1 zero delta on the modules the run's own adapter has
+    (`arl.weights.adapter.base_payload`)."""
+    from arl.weights.adapter import read_lora_config
+
+    if p.adapter == BASE_ADAPTER:
+        return {"r": 1, "target_modules": list(cfg.learner.lora.target_modules)}
+    return read_lora_config(p.adapter)
+
+
 def policy_adapters(cfg: ExperimentConfig) -> tuple[int, list[str]]:
     """The largest LoRA rank among the listed policies' adapters and the modules any of them adapts (what an
     inference server must make room for; 0 and [] when none is listed or readable)."""
-    from arl.weights.adapter import read_lora_config
-
     rank, targets = 0, set()
     for p in cfg.policies:
-        if p.adapter == BASE_ADAPTER:  # a rank-1 zero delta on the modules the run's own adapter has
-            rank = max(rank, 1)
-            targets.update(cfg.learner.lora.target_modules)
-            continue
         try:
-            peft = read_lora_config(p.adapter)
+            peft = policy_lora_config(cfg, p)
         except ValueError:  # refused by `policy_problems`
             continue
         rank = max(rank, peft["r"])

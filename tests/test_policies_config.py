@@ -66,6 +66,10 @@ def test_validation_applies_the_loaders_own_check(adapter):
         json.dump({**config, "use_rslora": True}, f)
     with pytest.raises(ConfigError, match="only plain LoRA adapters"):
         parse("learner.lora.rank=8", f"policies=[{{name: a, adapter: {adapter}}}]")
+    with open(f"{adapter}/adapter_config.json", "w") as f:
+        json.dump([config], f)  # valid JSON, not an object: refused by name, not an AttributeError
+    with pytest.raises(ConfigError, match="adapter_config.json is not a JSON object"):
+        parse("learner.lora.rank=8", f"policies=[{{name: a, adapter: {adapter}}}]")
     os.rename(f"{adapter}/adapter_model.safetensors", f"{adapter}/adapter_model.bin")
     with pytest.raises(ConfigError, match="not a peft LoRA folder"):
         parse("learner.lora.rank=8", f"policies=[{{name: a, adapter: {adapter}}}]")

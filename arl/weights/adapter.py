@@ -174,7 +174,9 @@ def read_lora_config(folder: str) -> dict[str, Any]:
             config = json.load(f)
     except (OSError, ValueError) as e:
         raise ValueError(f"{config_file} is unreadable: {e}") from None
-    r = config.get("r") if isinstance(config, dict) else None
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_file} is not a JSON object")
+    r = config.get("r")
     if str(config.get("peft_type", "LORA")).upper() != "LORA" or isinstance(r, bool) or not isinstance(r, int):
         raise ValueError(f"{folder!r} is not a LoRA adapter (peft_type LORA with an integer r)")
     if config.get("use_rslora") or config.get("rank_pattern") or config.get("alpha_pattern"):

@@ -93,15 +93,19 @@ class ProposerSolverAgent(Agent):
         for j, sample in enumerate(resp.samples):
             e = await env_for(env, i * self.solver_attempts + j)
             await e.reset(options={"answer": str(a + b)})
-            _, reward, _, _, info = await e.step(self._decode(sample))
-            correct = bool(info.get("correct", False))
-            tb = TrajectoryBuilder(prompt_ids)
-            tb.add_generated(sample)
-            trajs.append(tb.build(reward=scalar_reward(reward), group_id=f"{gid}/solve{i}",
-                                  metadata={"role": "solver", "turns": 1, "first_correct": correct,
-                                            "solved": correct, "termination": sample.finish_reason,
-                                            "prompt_id": f"{a}+{b}"}))
+            trajs.append(await self._answer(e, prompt_ids, sample, f"{gid}/solve{i}", f"{a}+{b}"))
         return trajs
+
+    async def _answer(self, env: EnvironmentService, prompt_ids: list[int], sample: Any, group_id: str,
+                      prompt_id: str) -> Trajectory:
+        """One solver answer, scored by `env` (reset with its problem's answer), as a trajectory."""
+        _, reward, _, _, info = await env.step(self._decode(sample))
+        correct = bool(info.get("correct", False))
+        tb = TrajectoryBuilder(prompt_ids)
+        tb.add_generated(sample)
+        return tb.build(reward=scalar_reward(reward), group_id=group_id,
+                        metadata={"role": "solver", "turns": 1, "first_correct": correct, "solved": correct,
+                                  "termination": sample.finish_reason, "prompt_id": prompt_id})
 
     async def collect_trajectory(self, prompt: dict[str, Any], env: EnvironmentService, obs_queue: asyncio.Queue,
                                  act_queue: asyncio.Queue) -> list[Trajectory]:
@@ -109,13 +113,7 @@ class ProposerSolverAgent(Agent):
             pid, gid, prompt_ids = await start_prompt(self.tokenizer, prompt, env)
             req = GenerateRequest(qid=new_id(pid), input_ids=prompt_ids, gconfig=self.eval_gconfig)
             sample = (await generate(obs_queue, act_queue, req)).samples[0]
-            _, reward, _, _, info = await env.step(self._decode(sample))
-            correct = bool(info.get("correct", False))
-            tb = TrajectoryBuilder(prompt_ids)
-            tb.add_generated(sample)
-            return [tb.build(reward=scalar_reward(reward), group_id=gid,
-                             metadata={"role": "solver", "turns": 1, "first_correct": correct, "solved": correct,
-                                       "termination": sample.finish_reason, "prompt_id": pid})]
+            return [await self._answer(env, prompt_ids, sample, gid, pid)]
         gid = new_id(str(prompt.get("id", "propose")))
         a = anchor_of(prompt, self.max_operand)
         propose_ids = encode_chat(self.tokenizer, [{"role": "user", "content": propose_prompt(a)}])

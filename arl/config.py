@@ -1160,12 +1160,9 @@ def policy_adapters(cfg: ExperimentConfig) -> tuple[int, list[str]]:
 
 def _module_names(model_dir: str) -> list[str]:
     """``named_modules()`` names of the model of `model_dir`, built on the meta device (no weights read)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from arl.weights.adapter import meta_model
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
-    return [n for n, _ in model.named_modules()]
+    return [n for n, _ in meta_model(model_dir).named_modules()]
 
 
 AUTO_REQUEST_BASE_S = 60.0  # the auto request deadline's fixed part (queueing, prefill)

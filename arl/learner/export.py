@@ -25,6 +25,7 @@ import torch
 
 from arl.learner.checkpoint import replacing_dir
 from arl.models.tiny import stop_token_ids
+from arl.weights.adapter import meta_model
 
 __all__ = ["export_final", "export_final_lora", "load_weights", "tied_aliases", "TOKENIZER_FILES", "EXPORT_INFO_FILE"]
 
@@ -103,10 +104,7 @@ def _generation_config(model_dir: str, gen: Optional[Mapping[str, Any]]) -> dict
 def _tied_apart(model: Any, sd: dict[str, torch.Tensor]) -> bool:
     """Whether `sd` holds different tensors under names `model` ties: a LoRA run's merge, where peft trained its
     own copy of one side (``modules_to_save=[lm_head]``) and the other kept the base."""
-    names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    for group in names.values():
+    for group in _tie_groups(model):
         present = [n for n in group if n in sd]
         if any(not torch.equal(sd[n], sd[present[0]]) for n in present[1:]):
             return True
@@ -117,11 +115,8 @@ def _untie(model: Any, sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Ten
     """Drop the copies of tied parameters (lm_head = embeddings) from `sd`: the learner's state dict holds each as
     its own tensor, the folder keeps one. Returns the dict and the names dropped or not needed; refuses tied
     copies that differ."""
-    names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
     sd, tied = dict(sd), set()
-    for group in names.values():
+    for group in _tie_groups(model):
         keep = next((n for n in group if n in sd), group[0])
         for other in group:
             if other == keep:
@@ -138,14 +133,15 @@ def tied_aliases(model_dir: str) -> set[str]:
     """Names of the model of `model_dir` that are tied copies of another parameter (lm_head.weight with tied
     embeddings): a state dict sent to inference leaves them out (SGLang wants each tensor once; the torch engine's
     model shares the parameter)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    return {n for group in _tie_groups(meta_model(model_dir)) for n in group[1:]}
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+
+def _tie_groups(model: Any) -> list[list[str]]:
+    """The parameter names of `model` per parameter object, in its order: a tied pair is one group of two."""
     names: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
-    return {n for group in names.values() for n in group[1:]}
+    return list(names.values())
 
 
 def _copy_tokenizer(model_dir: str, out: str) -> list[str]:
@@ -171,7 +167,7 @@ def export_final(weights: Weights, model_dir: str, out_dir: str, *, gen: Optiona
     weights (see `load_weights`). Tied parameters whose tensors differ are refused, except with `lora_merge`
     (`weights` is a base with a LoRA payload merged in, `merge_payload`): there peft trained its own copy of one
     side (``modules_to_save=[lm_head]``) and the other kept the base, so the folder is written untied."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     sd = load_weights(weights)
     if sd is None:
@@ -182,13 +178,11 @@ def export_final(weights: Weights, model_dir: str, out_dir: str, *, gen: Optiona
     float_dtypes = {v.dtype for v in sd.values() if v.is_floating_point()}
     if len(float_dtypes) == 1:  # the dtype the weights are in (bf16 training exports bf16)
         config.dtype = next(iter(float_dtypes))
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    model = meta_model(config)
     if lora_merge and _tied_apart(model, sd):
         for c in {id(c): c for c in (config, config.get_text_config(decoder=True))}.values():
             c.tie_word_embeddings = False
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+        model = meta_model(config)
     sd, tied = _untie(model, sd)
     expected = set(model.state_dict())
     missing, unexpected = expected - set(sd) - tied, set(sd) - expected

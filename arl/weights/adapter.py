@@ -24,7 +24,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 __all__ = ["LORA_A", "LORA_B", "is_adapter", "to_payload", "split_payload", "adapter_expected", "merged_weight",
            "target_problems", "write_peft_folder", "read_lora_config", "read_peft_folder", "merge_payload",
-           "base_payload", "ADAPTER_NAME_PREFIX"]
+           "base_payload", "matches_module", "meta_model", "ADAPTER_NAME_PREFIX"]
 
 LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
 ADAPTER_NAME_PREFIX = "arl-v"  # SGLang's adapter of version N is named f"arl-v{N}"
@@ -114,6 +114,23 @@ def _float32() -> Any:
     return torch.float32
 
 
+def matches_module(name: str, key: str) -> bool:
+    """Whether peft's `target_modules` / `modules_to_save` entry `key` names module `name`: the name itself or a
+    dotted suffix of it."""
+    return name == key or name.endswith("." + key)
+
+
+def meta_model(source: Any) -> Any:
+    """The causal LM of a model folder, or of a transformers config, built on the meta device: its module names
+    and shapes without reading or allocating a weight."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(source) if isinstance(source, (str, os.PathLike)) else source
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
 def target_problems(module_names: Iterable[str], target_modules: Sequence[str],
                     modules_to_save: Sequence[str] = ()) -> list[str]:
     """Why ``learner.lora`` does not fit a model whose modules are `module_names` (``named_modules()`` names):
@@ -122,7 +139,7 @@ def target_problems(module_names: Iterable[str], target_modules: Sequence[str],
     out = []
     for key, wanted in (("target_modules", target_modules), ("modules_to_save", modules_to_save)):
         for t in wanted:
-            if not any(n == t or n.endswith("." + t) for n in names):
+            if not any(matches_module(n, t) for n in names):
                 leaves = sorted({n.rsplit(".", 1)[-1] for n in names if not n.rsplit(".", 1)[-1].isdigit()})
                 out.append(f"learner.lora.{key}: no module of the model is named {t!r} (its module names: "
                            f"{', '.join(leaves[:20])}{' ...' if len(leaves) > 20 else ''})")
@@ -189,13 +206,10 @@ def base_payload(model_dir: str, target_modules: Sequence[str]) -> dict[str, Any
     suffix match) of the model in `model_dir`, shaped from its config (built on the meta device, no weights read).
     Served as a named policy it is the base model itself; in a LoRA run, the run's policy as it started."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
     out: dict[str, Any] = {}
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in target_modules):
+    for name, module in meta_model(model_dir).named_modules():
+        if isinstance(module, torch.nn.Linear) and any(matches_module(name, t) for t in target_modules):
             out[name + LORA_A] = torch.zeros(1, module.in_features)
             out[name + LORA_B] = torch.zeros(module.out_features, 1)
     if not out:

@@ -272,7 +272,7 @@ class RayLauncher:
         self.servers_per_process = servers_per_process
         self.run_dir = run_dir
         # every role's extra environment: the user's ray.env_vars, then the run's own (its shared secret) over them
-        self.env: dict[str, str] = {str(k): str(v) for k, v in dict(getattr(ray_cfg, "env_vars", None) or {}).items()}
+        self.env: dict[str, str] = {str(k): str(v) for k, v in ray_cfg.env_vars.items()}
         self.roles: dict[str, _Role] = {}
         self._lock = threading.RLock()
         self._deadline: Optional[float] = None

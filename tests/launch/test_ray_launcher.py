@@ -593,7 +593,8 @@ def test_servers_and_rollout_workers_join_and_leave_on_ray(tmp_path, model_cache
     node_c = cluster.add_node(num_cpus=3, resources={"node_c": 1})
     cluster.wait_for_nodes()
     place = ["ray.placement.inference=[{node_a: 0.01}, {node_c: 0.01}]",  # servers 1, 2, 3: node_c (last repeats)
-             "ray.placement.rollout=[{node_b: 0.01}, {node_c: 0.01}]", "eval.every_n_steps=100"]
+             "ray.placement.rollout=[{node_b: 0.01}, {node_c: 0.01}]",
+             "eval.every_n_steps=5"]  # the eval records carry rollout0's client counts: which servers it sent to
     steps = 200
     pace = Pace(str(tmp_path), ceiling=10)
     proc, run_dir = start_on_ray(cluster, [f"total_train_steps={steps}", *SMALL, *ONE_RANK, *place, *pace.args],
@@ -610,10 +611,24 @@ def test_servers_and_rollout_workers_join_and_leave_on_ray(tmp_path, model_cache
         assert done.returncode == 0, done.stdout + done.stderr
         return done.stdout
 
-    def more_steps(n: int, what: str) -> None:
+    def sent_to(server: int) -> int:
+        """Requests rollout0 sent to `server` so far, as of the newest evaluation."""
+        evals = [m for m in read_metrics(run_dir) if m["type"] == "eval"]
+        return evals[-1].get("roles", {}).get("rollout0", {}).get("client", {}).get(f"sent_w{server}", 0) \
+            if evals else 0
+
+    def advance(n: int, servers: set, what: str) -> None:
+        """Let the run train at least `n` more steps and until rollout0 has sent to each of `servers` (routing
+        picks a new server when it is the least loaded, which can take a while at this load), a few versions
+        past where it is at each look."""
         at = len(train_records(run_dir))
-        pace.allow(at + n + 2)
-        wait_until(lambda: len(train_records(run_dir)) >= at + n or proc.poll() is not None, 300, what)
+
+        def done() -> bool:
+            pace.allow(len(train_records(run_dir)) + 4)
+            return len(train_records(run_dir)) >= at + n and all(sent_to(w) for w in servers) or \
+                proc.poll() is not None
+
+        wait_until(done, 300, what)
 
     try:
         wait_until(lambda: len(train_records(run_dir)) >= 1 or proc.poll() is not None, 300, "a first step")
@@ -621,14 +636,14 @@ def test_servers_and_rollout_workers_join_and_leave_on_ray(tmp_path, model_cache
         assert "started servers [1, 2]" in out and "started rollout workers [1]" in out, out
         wait_until(lambda: "rollout1" in placed() and joined() >= {1, 2} or proc.poll() is not None, 300,
                    "servers 1, 2 and rollout1 to join")
-        more_steps(10, "ten steps")
+        advance(10, {1, 2}, "ten steps, with requests of rollout0 on servers 1 and 2")
         pace.allow(len(train_records(run_dir)) + 30)  # rollout1's groups must not be held while it drains
         out = ok("inference=-1", "rollout=-1")
         assert "drained and stopped servers [2]" in out and "drained and stopped rollout workers [1]" in out, out
         assert "streams [1] to rollout0" in out and int(re.search(r"accepted there: \{1: (\d+)\}", out)[1]) > 0, out
         assert "started servers [3]" in ok("inference=+1")
         wait_until(lambda: 3 in joined() or proc.poll() is not None, 300, "server 3 to join")
-        more_steps(5, "five steps")
+        advance(5, {3}, "five steps, with requests of rollout0 on server 3")
         assert proc.poll() is None and len(train_records(run_dir)) < steps  # the pace works: the run is still on
         assert "drained and stopped servers [1, 3]" in ok("inference=-2")  # nothing of the run left on node_c
         wait_until(lambda: not groups_on(cluster, node_c.node_id), 30, "node_c's placement groups to go")

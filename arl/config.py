@@ -760,8 +760,13 @@ class PolicyConfig:
                              "base model: the policy's weights. 'base': no delta, the base model itself, which in a "
                              "LoRA run is the run's policy as it started (peft starts B at zero): the frozen start "
                              "a self-play run is measured against.")
-    trainable: bool = field(False, "Train it too. Not built yet (a learner per trainable policy): a listed policy "
-                                   "is served frozen, and true is refused.")
+    trainable: bool = field(False, "Train it too, separately: a learner role of its own (`learner<k>`, k its place "
+                                   "among the trainable ones) trains its tokens only, from `adapter: base` (a "
+                                   "fresh adapter on the run's base) with its own versions, and publishes them to "
+                                   "every inference server by name. False: served frozen.")
+    learner: dict[str, Any] = field(help="A trainable policy's learner section: keys of the run's `learner` it "
+                                         "sets otherwise, e.g. {optimizer: {lr: 1e-4}} (the rest is the run's).",
+                                    factory=dict)
 
 
 OWN_POLICY = "policy"  # the run's own policy's name, never a listed one's
@@ -1112,13 +1117,16 @@ def policy_problems(cfg: ExperimentConfig) -> list[str]:
                        f"most 64 in all (it names an adapter and its folder)")
         elif p.name == OWN_POLICY:
             out.append(f"{where}: {OWN_POLICY!r} is the run's own policy's name")
+        if p.learner and not p.trainable:
+            out.append(f"{where}: a frozen policy (trainable=false) has no learner, so its learner section "
+                       f"{sorted(p.learner)} would be ignored")
         if p.trainable:
-            out.append(f"{where}: trainable=true: training several policies in one run is not built yet (a learner "
-                       f"per trainable policy); a listed policy is served frozen")
+            out += _trainable_problems(cfg, p, where)
         try:
             policy_lora_config(cfg, p)
         except ValueError as e:
-            out.append(f"{where}: adapter {e}")
+            if not (p.trainable and _learner_error(cfg, p)):  # a bad learner key is said once, below
+                out.append(f"{where}: adapter {e}")
     lora = cfg.learner.lora
     if not lora.enabled:
         out.append("policies: frozen policies are LoRA deltas on the run's base model, which full fine-tuning would "
@@ -1132,12 +1140,63 @@ def policy_problems(cfg: ExperimentConfig) -> list[str]:
     return out
 
 
+def _trainable_problems(cfg: ExperimentConfig, p: PolicyConfig, where: str) -> list[str]:
+    """Why trainable policy `p` cannot be trained in this run (what its own learner does not do yet is named)."""
+    out = []
+    if p.adapter != BASE_ADAPTER:
+        out.append(f"{where}: a trainable policy starts from a fresh adapter on the run's base (adapter: "
+                   f"{BASE_ADAPTER}); starting it from a folder is not built")
+    error = _learner_error(cfg, p)
+    if error:
+        return out + [f"{where}: learner: {error}"[:300]]
+    fixed = {"weights.transport": (str(cfg.weights.transport), "disk"), "launcher": (_name(cfg.launcher), "local"),
+             "recover": (_name(cfg.recover), "off"), "learner.num_ranks": (cfg.learner.num_ranks, 1)}
+    for key, (have, need) in fixed.items():
+        if have != need:
+            out.append(f"{where}: a trainable policy's learner needs {key}={need} (this run: {have}); the others "
+                       f"are not built for it yet")
+    return out
+
+
+def _learner_error(cfg: ExperimentConfig, p: PolicyConfig) -> str:
+    """Why trainable policy `p`'s learner section does not fit the run's (a key it lacks, a wrong type), or ''."""
+    try:
+        policy_learner_config(cfg, p)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def _name(v: Any) -> str:
+    return str(getattr(v, "name", v))
+
+
+def trainable_policies(cfg: ExperimentConfig) -> list[PolicyConfig]:
+    """The listed policies the run trains, in order: policy k-1 is learner role index k (index 0: the run's own)."""
+    return [p for p in cfg.policies if p.trainable]
+
+
+def policy_learner_config(cfg: ExperimentConfig, p: PolicyConfig) -> LearnerConfig:
+    """The learner section of trainable policy `p`: the run's, with the keys `p.learner` sets (typed, checked)."""
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(cfg.learner), OmegaConf.create(dict(p.learner)))
+        return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    except OmegaConfBaseException as e:  # a typo or a wrong type: named, as any other bad key
+        raise ValueError(f"{type(e).__name__}: {str(e).splitlines()[0]}") from None
+
+
 def policy_lora_config(cfg: ExperimentConfig, p: PolicyConfig) -> dict[str, Any]:
     """The peft config of a listed policy's adapter (`arl.weights.adapter.read_lora_config`; ValueError saying why
     the folder is not one); `adapter: base` is a rank-1 zero delta on the modules the run's own adapter has
     (`arl.weights.adapter.base_payload`)."""
     from arl.weights.adapter import read_lora_config
 
+    if p.trainable:  # what its learner trains and publishes
+        lora = policy_learner_config(cfg, p).lora if p.learner else cfg.learner.lora
+        if not lora.enabled or lora.modules_to_save:
+            raise ValueError("of a trainable policy is a LoRA adapter without modules_to_save (its learner's "
+                             f"learner.lora: rank {lora.rank}, modules_to_save {list(lora.modules_to_save)})")
+        return {"r": int(lora.rank), "target_modules": list(lora.target_modules)}
     if p.adapter == BASE_ADAPTER:
         return {"r": 1, "target_modules": list(cfg.learner.lora.target_modules)}
     return read_lora_config(p.adapter)
@@ -1366,5 +1425,6 @@ __all__ = [
     "to_yaml", "resolve_threads", "weights_backend", "weights_settings", "shared_gpu", "resolve_weights",
     "rollout_deadlines", "timeout_problems", "agent_turns", "judge_workers", "judge_problems", "DictConfig",
     "partition_groups", "worker_groups", "check_env_capacity", "PolicyConfig", "policy_problems", "policy_adapters",
+    "trainable_policies", "policy_learner_config",
     "OWN_POLICY",
 ]

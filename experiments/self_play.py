@@ -38,27 +38,65 @@ from arl.config import (
 PILES = {"min_pile": 5, "max_pile": 20, "max_take": 3}
 
 
+def _learner() -> LearnerConfig:
+    return LearnerConfig(
+        batch_size=8, optimizer=OptimizerConfig(lr=2e-4, lr_schedule=LRSchedule.linear, min_lr_ratio=0.0),
+        lora=LoraConfig(rank=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                "down_proj"]))
+
+
+def _model() -> ModelConfig:
+    return ModelConfig(warmup="arl.recipes.warmup_nim:get_warm_nim_model", warmup_target_acc=0.97,
+                       warmup_max_steps=300)
+
+
+def _dataset() -> DatasetConfig:  # env-seeds rows: the env makes the pile from the seed; 32 held-out seeds = 16
+    return DatasetConfig(name="env-seeds", train_size=4096, test_size=32)  # piles x who moves first
+
+
 @dataclasses.dataclass
 class SelfPlayConfig(ExperimentConfig):
     experiment: str = field("self-play", "Registered experiment name.")
     total_train_steps: int = field(300, "Learner steps in the run.")
-    model: ModelConfig = field(factory=lambda: ModelConfig(warmup="arl.recipes.warmup_nim:get_warm_nim_model",
-                                                           warmup_target_acc=0.97, warmup_max_steps=300))
-    # env-seeds rows: the env makes the pile from the seed; 32 held-out seeds = 16 piles x who moves first
-    dataset: DatasetConfig = field(factory=lambda: DatasetConfig(name="env-seeds", train_size=4096, test_size=32))
+    model: ModelConfig = field(factory=_model)
+    dataset: DatasetConfig = field(factory=_dataset)
     env: EnvConfig = field(factory=lambda: EnvConfig(name="nim", args=dict(PILES)))
     gen: GenerationArgs = field(factory=lambda: GenerationArgs(max_new_tokens=3, temperature=1.0))
     agent: AgentConfig = field(factory=lambda: AgentConfig(name="self-play", group_size=8,
                                                            args={"eval_opponent": "start"}))
     rollout: RolloutConfig = field(factory=lambda: RolloutConfig(max_concurrent_rollouts=16,
                                                                  verify_token_ledger=True))
-    learner: LearnerConfig = field(factory=lambda: LearnerConfig(
-        batch_size=8, optimizer=OptimizerConfig(lr=2e-4, lr_schedule=LRSchedule.linear, min_lr_ratio=0.0),
-        lora=LoraConfig(rank=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                "down_proj"])))
+    learner: LearnerConfig = field(factory=_learner)
     policies: list[PolicyConfig] = field(factory=lambda: [PolicyConfig(name="start", adapter="base")],
                                          help="The frozen start, the evaluation's opponent.")
     eval: EvalConfig = field(factory=lambda: EvalConfig(every_n_steps=20, max_prompts=0))
 
 
+@dataclasses.dataclass
+class SelfPlayRivalsConfig(ExperimentConfig):
+    """Two policies trained separately in one run: the run's own and `rival` (a trainable listed policy with a
+    learner of its own, `learner1`), playing each other; each learner trains its own seat's moves. Evaluation: the
+    run's policy against the frozen start, as in `self-play`.
+
+        python training/main_async_ppo.py experiment=self-play-rivals
+    """
+
+    experiment: str = field("self-play-rivals", "Registered experiment name.")
+    total_train_steps: int = field(300, "Learner steps in the run (each policy's learner).")
+    model: ModelConfig = field(factory=_model)
+    dataset: DatasetConfig = field(factory=_dataset)
+    env: EnvConfig = field(factory=lambda: EnvConfig(name="nim", args=dict(PILES)))
+    gen: GenerationArgs = field(factory=lambda: GenerationArgs(max_new_tokens=3, temperature=1.0))
+    agent: AgentConfig = field(factory=lambda: AgentConfig(name="self-play", group_size=8, args={
+        "opponent": "rival", "train_opponent": True, "eval_opponent": "start"}))
+    rollout: RolloutConfig = field(factory=lambda: RolloutConfig(max_concurrent_rollouts=16,
+                                                                 verify_token_ledger=True))
+    learner: LearnerConfig = field(factory=_learner)
+    policies: list[PolicyConfig] = field(factory=lambda: [PolicyConfig(name="start", adapter="base"),
+                                                          PolicyConfig(name="rival", adapter="base", trainable=True)],
+                                         help="The frozen start (the evaluation's opponent) and the rival, trained.")
+    eval: EvalConfig = field(factory=lambda: EvalConfig(every_n_steps=20, max_prompts=0))
+
+
 register_experiment("self-play", SelfPlayConfig)
+register_experiment("self-play-rivals", SelfPlayRivalsConfig)

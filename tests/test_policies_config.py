@@ -34,7 +34,13 @@ def test_a_frozen_policy_beside_a_lora_run_is_accepted(adapter):
     ("[{name: a, adapter: ADAPTER}, {name: a, adapter: ADAPTER}]", [], "two policies are named 'a'"),
     ("[{name: policy, adapter: ADAPTER}]", [], "the run's own policy's name"),
     ("[{name: 'a b', adapter: ADAPTER}]", [], "letters, digits"),
-    ("[{name: a, adapter: ADAPTER, trainable: true}]", [], "not built yet"),
+    ("[{name: a, adapter: ADAPTER, trainable: true}]", [], "starting it from a folder is not built"),
+    ("[{name: a, adapter: ADAPTER, learner: {optimizer: {lr: 0.1}}}]", [], "a frozen policy .* has no learner"),
+    ("[{name: a, adapter: base, trainable: true, learner: {optimizr: {lr: 0.1}}}]", [], "optimizr"),
+    ("[{name: a, adapter: base, trainable: true, learner: {lora: {rank: 0}}}]", [], "trainable policy is a LoRA"),
+    ("[{name: a, adapter: base, trainable: true}]", ["weights.transport=broadcast"], "weights.transport=disk"),
+    ("[{name: a, adapter: base, trainable: true}]", ["recover=auto"], "recover=off"),
+    ("[{name: a, adapter: base, trainable: true}]", ["learner.num_ranks=2"], "learner.num_ranks=1"),
     ("[{name: a, adapter: /no/such/folder}]", [], "not a peft LoRA folder"),
     ("[{name: a, adapter: ADAPTER}]", ["learner.lora.rank=0"], "full fine-tuning would move under them"),
     ("[{name: a, adapter: ADAPTER}]", ["learner.lora.modules_to_save=[lm_head]"], "modules_to_save"),
@@ -95,3 +101,19 @@ def test_the_base_as_a_policy_is_a_zero_delta_on_the_runs_targets(tmp_path):
     assert payload["model.layers.0.self_attn.q_proj" + LORA_B].shape == (q.out_features, 1)
     with pytest.raises(ValueError, match="no linear layer"):
         base_payload(model_dir, ["nope"])
+
+
+def test_a_trainable_policy_gets_a_learner_section_of_its_own():
+    """`trainable: true`: its learner (learner1) trains by the run's learner section with the keys the policy sets;
+    the inference servers make room for the rank its learner trains, not the base's rank-1 start."""
+    from arl.config import policy_learner_config, trainable_policies
+
+    cfg = parse("learner.lora.rank=8", "learner.optimizer.lr=2e-4",
+                "policies=[{name: start, adapter: base}, {name: rival, adapter: base, trainable: true, "
+                "learner: {optimizer: {lr: 1e-4}, lora: {rank: 16}}}]")
+    (rival,) = trainable_policies(cfg)
+    lc = policy_learner_config(cfg, rival)
+    assert rival.name == "rival" and lc.optimizer.lr == 1e-4 and lc.lora.rank == 16
+    assert lc.batch_size == cfg.learner.batch_size and cfg.learner.optimizer.lr == 2e-4  # the run's own unchanged
+    assert policy_adapters(cfg)[0] == 16
+    assert trainable_policies(parse("learner.lora.rank=8", "policies=[{name: start, adapter: base}]")) == []

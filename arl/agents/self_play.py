@@ -10,6 +10,10 @@ per-policy view for self-play with one policy.
   loser's (0.5 each for a game cut at `max_turns`), so the group-relative advantage is +-0.5.
 - Training with `opponent` (a named policy the inference servers serve, `policies:`): `group_size` games against
   it, the run's seat alternating; only the run's seat is returned (the opponent's turns are never trained).
+- Training with `opponent` and `train_opponent=True` (the opponent a trainable listed policy, `policies: [{name:
+  rival, adapter: base, trainable: true}]`): `group_size / 2` games against it, seats alternating, and both seats
+  returned, each trajectory recorded under its seat's policy, so each policy's learner trains its own seat (two
+  policies, separately trained, in one run: `experiment=self-play-rivals`).
 - Evaluation (a group of one): one game, the run's policy in seat `seed % 2` of the row (env-seeds rows alternate)
   against `eval_opponent`, e.g. the frozen start (`policies=[{name: start, adapter: base}]`); `first_correct` and
   `solved` say whether it won, so the run's held-out accuracy is its win rate.
@@ -36,10 +40,14 @@ OWN = None
 class SelfPlayAgent(Agent):
     def __init__(self, tokenizer: Any, gconfig: GenerationConfig, group_size: int = 8, max_turns: int = 32,
                  opponent: Optional[str] = None, eval_opponent: Optional[str] = None,
-                 filter_uniform_groups: bool = True) -> None:
+                 filter_uniform_groups: bool = True, train_opponent: bool = False) -> None:
         check_int("group_size", group_size)
         check_int("max_turns", max_turns)
-        if group_size > 1 and opponent is None and group_size % 2:
+        if not isinstance(train_opponent, bool):
+            raise ValueError(f"self-play: train_opponent must be true or false, got {train_opponent!r}")
+        if train_opponent and opponent is None:
+            raise ValueError("self-play: train_opponent=true needs opponent (the trainable listed policy to train)")
+        if group_size > 1 and (opponent is None or train_opponent) and group_size % 2:
             raise ValueError(f"self-play: group_size must be even (two seats a game), got {group_size}")
         for name, v in (("opponent", opponent), ("eval_opponent", eval_opponent)):
             if v is not None and (not isinstance(v, str) or not v):
@@ -47,7 +55,7 @@ class SelfPlayAgent(Agent):
         self.tokenizer = tokenizer
         self.group_size = group_size
         self.max_turns = max_turns
-        self.opponent, self.eval_opponent = opponent, eval_opponent
+        self.opponent, self.eval_opponent, self.train_opponent = opponent, eval_opponent, train_opponent
         self.filter_uniform_groups = filter_uniform_groups
         self.gconfig = agent_gconfig(gconfig, tokenizer, n=1)
 
@@ -60,6 +68,9 @@ class SelfPlayAgent(Agent):
             return [((seats[0], seats[1]), (own,))]
         if self.opponent is None:
             return [((OWN, OWN), (0, 1)) for _ in range(self.group_size // 2)]
+        if self.train_opponent:  # both seats returned: each policy's learner trains its own
+            return [(((OWN, self.opponent) if g % 2 == 0 else (self.opponent, OWN)), (0, 1))
+                    for g in range(self.group_size // 2)]
         return [(((OWN, self.opponent) if g % 2 == 0 else (self.opponent, OWN)), (g % 2,))
                 for g in range(self.group_size)]
 

@@ -45,13 +45,14 @@ class Peers:
     def __init__(self, *, num_inference: int, num_rollout: int, process_of: Callable[[str, int], str],
                  path: str = "", prompt_positions: Optional[dict[int, Any]] = None, num_env: int = 0,
                  num_judge: int = 0, fingerprint: Optional[dict] = None,
-                 retired: Optional[dict[str, set[int]]] = None) -> None:
+                 retired: Optional[dict[str, set[int]]] = None, num_policy_learners: int = 0) -> None:
         """`process_of(role, index)` names the process hosting a role; `path`: addresses.json ('' writes none);
         `prompt_positions`: prompt stream -> data position (`DataPosition` state: a resumed run's; stream `s`
         is drawn by rollout worker `s`, or `s % num_rollout` for a stream of a worker that joined the run it
         resumes). `fingerprint`: what the run runs (`arl.utils.fingerprint`): a role that registers with another is
-        refused. `retired`: role -> indices scaled out of the run (the supervisor's): no address is awaited."""
-        self.limits = {"inference": num_inference, "learner": 1, "rollout": num_rollout, "env": num_env,
+        refused. `retired`: role -> indices scaled out of the run (the supervisor's): no address is awaited.
+        `num_policy_learners`: learners 1.. of trainable listed policies (`Addresses.policy_learners`)."""
+        self.limits = {"inference": num_inference, "learner": 1 + num_policy_learners, "rollout": num_rollout, "env": num_env,
                        "judge": num_judge}
         self.process_of, self.path, self.fingerprint = process_of, path, fingerprint
         self.retired = retired if retired is not None else {}
@@ -62,10 +63,19 @@ class Peers:
             self.addresses["env"] = [None] * num_env
         if num_judge:
             self.addresses["judge"] = [None] * num_judge
+        if num_policy_learners:
+            self.addresses["policy_learners"] = [None] * num_policy_learners
         self.positions = dict(prompt_positions or {})  # prompt stream -> its data position, last reported
         # prompt stream -> the rollout worker that draws it (absent: the worker of its index)
         self.owners = {s: s % num_rollout for s in self.positions if s >= num_rollout}
         self.last_messages: dict[str, dict[str, float]] = {}  # process -> message type -> when last heard
+
+    @classmethod
+    def of(cls, sup: Any, **kw: Any) -> "Peers":
+        """The roster of the run `sup` (a `Supervisor`) supervises: its roles' counts, names and retired indices."""
+        return cls(num_inference=sup.num_inference, num_rollout=sup.num_rollout, process_of=sup.process_of,
+                   num_env=sup.num_env, num_judge=sup.num_judge, retired=sup.retired,
+                   num_policy_learners=sup.num_policy_learners, **kw)
 
     def unknown_peer(self, ident: bytes, msg_type: str, payload: Any) -> Optional[Refusal]:
         """A message from a peer that is not registered (other than `register`/`lookup`) is refused."""
@@ -108,6 +118,8 @@ class Peers:
         self.who[ident] = key
         if role == "inference":
             self.addresses["inference"][index] = address
+        elif role == "learner" and index:
+            self.addresses["policy_learners"][index - 1] = address
         elif role == "learner":
             self.addresses["learner"] = address
         elif role in ("env", "judge"):
@@ -127,7 +139,8 @@ class Peers:
             return all(a is not None or i in self.retired.get(role, ())
                        for i, a in enumerate(self.addresses.get(role) or ()))
 
-        return self.addresses["learner"] is not None and all(map(known, ("inference", "env", "judge")))
+        return self.addresses["learner"] is not None and all(map(known, ("inference", "env", "judge",
+                                                                          "policy_learners")))
 
     def retire(self, role: str, index: int) -> None:
         """`role` `index` left the run (or never joined it): a lookup does not wait for it, and rollout workers

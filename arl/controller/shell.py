@@ -27,6 +27,7 @@ from arl.controller.evaluation import EvalSchedule
 from arl.controller.health import Health
 from arl.controller.outcomes import GroupOutcomes
 from arl.controller.peers import Peers, Refusals
+from arl.controller.policy_learners import PolicyLearners
 from arl.controller.reporting import JsonlSink, MetricsSink, ProgressWatch, Reporter
 from arl.controller.scaling import Scaling
 from arl.transport.security import advertised_address
@@ -57,7 +58,7 @@ class Controller:
                  stack_dump_wait: float = 2.0, sinks: Optional[list[MetricsSink]] = None,
                  max_no_progress_s: float = 0.0, max_consecutive_drops: int = 0, steering: Optional[StalenessSteering]
                  = None, weights_settings: Optional[WeightsSettings] = None, scaling: Optional[dict] = None,
-                 fingerprint: Optional[dict] = None) -> None:
+                 fingerprint: Optional[dict] = None, policy_names: Optional[list[str]] = None) -> None:
         """`supervisor` holds the run's shape (servers, rollout workers) and its restart and timeout policy.
         `weights_settings` name the transport of weights (default: disk); its controller side says what to send when
         a role registers and turns `WeightSync`'s sends into messages (`arl.weights.strategy`). `fingerprint`: Peers."""
@@ -69,13 +70,13 @@ class Controller:
         self.admission = resumed_admission(resume, batch_size=batch_size, policy=staleness, steering=steering,
                                            max_concurrent=max_concurrent_rollouts, total_steps=total_train_steps)
         positions = {int(k): p for k, p in dict(resume.get("data_position", {})).items()}
-        self.roster = Peers(num_inference=supervisor.num_inference, num_rollout=supervisor.num_rollout,
-                                 process_of=supervisor.process_of, path=os.path.join(run_dir, "addresses.json"),
-                                 prompt_positions=positions, num_env=supervisor.num_env, fingerprint=fingerprint,
-                                 num_judge=supervisor.num_judge, retired=supervisor.retired)
+        self.roster = Peers.of(supervisor, path=os.path.join(run_dir, "addresses.json"), prompt_positions=positions,
+                               fingerprint=fingerprint)
         self.peers: dict[Key, bytes] = self.roster.peers  # (role, index) -> router identity (the same dict)
         self.schedule = EvalSchedule(total_steps=total_train_steps, every=eval_every, start_version=v)
         self.weights = WeightSync(supervisor.num_inference)
+        # `policy_names`: the trainable listed policies, each trained by a learner of its own (1, 2, ..)
+        self.policies = PolicyLearners(self, list(policy_names or ()), total_train_steps)
         self.reporter = Reporter([JsonlSink(os.path.join(run_dir, "metrics.jsonl")), *(sinks or [])],
                                  total_steps=total_train_steps, progress=progress, page=ReportBuilder(run_dir),
                                  traces=TraceWriter(os.path.join(run_dir, "traces.jsonl")))
@@ -129,6 +130,7 @@ class Controller:
         try:
             await self._done.wait()
             await self.health.learner_settled(self._failure is not None, 3.5 if self._failure is None else 2.0)
+            await self.policies.finished(60.0 if self._failure is None else 0.0)
         finally:
             for t in tasks:
                 t.cancel()
@@ -166,11 +168,11 @@ class Controller:
     def accounting(self) -> dict:
         transport = {"controller": dict(self.router.stats) if self.router is not None else {},
                      "controller_refused": dict(self.control_errors)}
-        return self.reporter.accounting(role_stats=self.role_stats, steps=self.gate.version,
-                                        running_groups=self.gate.running, failure=self._failure,
-                                        rollout_restarts=self.sup.restarts,
-                                        inference_restarts=self.sup.inference_restarts, transport=transport,
-                                        env_restarts=self.sup.env_restarts, learner_restarts=self.sup.learner_restarts)
+        return {**self.reporter.accounting(
+            role_stats=self.role_stats, steps=self.gate.version, running_groups=self.gate.running,
+            failure=self._failure, rollout_restarts=self.sup.restarts, inference_restarts=self.sup.inference_restarts,
+            transport=transport, env_restarts=self.sup.env_restarts, learner_restarts=self.sup.learner_restarts),
+            **self.policies.accounting()}  # and each trainable listed policy's own books
 
     # -- message handling --------------------------------------------------------------------------------------
     async def _serve(self) -> None:
@@ -197,8 +199,8 @@ class Controller:
         except ValueError as e:
             return self.refuse("bad_register" if msg_type == "register" else "bad_payload", f"refused {msg_type}: {e}")
         refused = self.roster.wrong_sender(ident, msg_type)
-        if refused is None:
-            await handler(ident, msg)
+        if refused is None:  # what a trainable listed policy's learner says, and its weights, go to `policies`
+            await (self.policies.route(self.roster.who.get(ident), msg) or handler(ident, msg))
         else:
             self.refuse(*refused)
         self.roster.heard_from(ident, msg_type, time.monotonic())
@@ -231,6 +233,7 @@ class Controller:
         await self._send_all(self.weights_link.on_register(msg, self.peers.__contains__))  # e.g. a weight group
         if msg.role == "inference":
             await self._apply(self.weights.registered(msg.index))  # a restarted server catches up, then rejoins
+            await self.policies.server_registered(msg.index)
         if msg.role in ("env", "judge") and restarted and msg.address:  # the rollout workers route to it again
             await self.health.rejoined(msg.role, msg.index, msg.address)
         if key == ("learner", 0) and restarted:  # back from its newest checkpoint: the run rolls back to it
@@ -245,8 +248,7 @@ class Controller:
         self._lookups.append(ident)
         await self._answer_lookups()
 
-    async def _answer_lookups(self) -> None:
-        """Where the learner and every inference server listen, once all of them said."""
+    async def _answer_lookups(self) -> None:  # where the learners and every server listen, once all of them said
         while self.roster.complete() and self._lookups:
             await self._send(self._lookups.pop(), m.Addresses(**self.roster.addresses))
 
@@ -293,8 +295,7 @@ class Controller:
             self._done.set()
 
     async def _on_error(self, ident: bytes, msg: m.Error) -> None:
-        text = str(msg.message)
-        name = self.sup.process_of(*self.roster.who[ident])
+        name, text = self.sup.process_of(*self.roster.who[ident]), str(msg.message)
         if not await self.health.on_failure(name, f"reported a fatal error: {text[:300]}"):
             self.fail(f"role reported a fatal error: {text}")
 

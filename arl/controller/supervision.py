@@ -17,11 +17,12 @@ from arl.transport.messages import ROLES
 
 
 def process_role(name: str) -> Optional[tuple[str, int]]:
-    """('inference', 3) for process 'inference3', ('learner', 0) for 'learner'; None for a name that is not a role
-    process's. The one parser of the names `Supervisor.process_of` makes (the launchers' hosts use it too)."""
+    """('inference', 3) for process 'inference3', ('learner', 0) for 'learner' (and ('learner', 2) for 'learner2', a
+    trainable listed policy's); None for a name that is not a role process's. The one parser of the names
+    `Supervisor.process_of` makes (the launchers' hosts use it too)."""
     if name == "learner":
         return "learner", 0
-    for role in ("inference", "rollout", "env", "judge"):
+    for role in ("inference", "rollout", "env", "judge", "learner"):
         tail = name[len(role):]
         if name.startswith(role) and tail.isdigit():
             return role, int(tail)
@@ -121,10 +122,12 @@ class Supervisor:
                  tolerate_inference_loss: bool = False, restart_rollout: bool = True, max_restarts: int = 3,
                  restart_inference: bool = False, max_inference_restarts: int = 3, num_env: int = 0,
                  max_env_restarts: int = 3, num_judge: int = 0, max_judge_restarts: int = 3,
-                 max_learner_restarts: int = 3) -> None:
+                 max_learner_restarts: int = 3, num_policy_learners: int = 0) -> None:
         """`num_judge`: judge workers (`arl.inference.entry.run_judge`): frozen, never in the weight sync;
         restarted like env servers, under `max_judge_restarts`. `max_learner_restarts`: a lost learner is
-        restarted from its newest checkpoint this often (0: a lost learner stops the run)."""
+        restarted from its newest checkpoint this often (0: a lost learner stops the run). `num_policy_learners`:
+        the learners of trainable listed policies (`learner1` ..): never restarted (a lost one stops the run)."""
+        self.num_policy_learners = num_policy_learners
         self.num_inference, self.num_rollout, self.num_env = num_inference, num_rollout, num_env
         self.num_judge, self.max_judge_restarts, self.judge_restarts = num_judge, max_judge_restarts, 0
         self.servers_per_process = max(1, servers_per_process)
@@ -151,7 +154,7 @@ class Supervisor:
     def expected(self) -> int:
         """Registrations of a complete run: every inference server, the learner, every rollout worker and env
         server."""
-        return (self.num_inference + self.num_rollout + self.num_env + self.num_judge + 1
+        return (self.num_inference + self.num_rollout + self.num_env + self.num_judge + 1 + self.num_policy_learners
                 - sum(len(r) for r in self.retired.values()))
 
     COUNTS = {"inference": "num_inference", "rollout": "num_rollout", "env": "num_env", "judge": "num_judge"}
@@ -167,7 +170,7 @@ class Supervisor:
     def process_of(self, role: str, index: int) -> str:
         if role == "inference":
             return f"inference{index // self.servers_per_process}"
-        return "learner" if role == "learner" else f"{role}{index}"
+        return "learner" if (role, index) == ("learner", 0) else f"{role}{index}"
 
     def commands(self, python: str, run_dir: str, controller: str, learner_ranks: int = 1,
                  torchrun: bool = True) -> list[tuple[str, list[str]]]:
@@ -185,6 +188,7 @@ class Supervisor:
             learner = [python, "-m", "torch.distributed.run", "--nproc_per_node", str(learner_ranks),
                        "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", *learner[2:]]
         out.append(("learner", learner))
+        out += [(f"learner{k}", cmd("learner", k)) for k in range(1, self.num_policy_learners + 1)]
         out += [(f"env{i}", cmd("env", i)) for i in range(self.num_env)]
         out += [(f"judge{i}", cmd("judge", i)) for i in range(self.num_judge)]
         return out + [(f"rollout{i}", cmd("rollout", i)) for i in range(self.num_rollout)]

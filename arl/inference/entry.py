@@ -72,6 +72,10 @@ async def run_inference(cfg: ExperimentConfig, ctl: ControlChannel, index: int, 
                                        weights=weights, feed=routing_feed(ic, i, router)))
 
     async def on_update(msg: UpdateWeights) -> None:
+        if msg.policy is not None:  # a trainable listed policy's adapter: to the one server it names
+            await asyncio.gather(*(w.update_policy(msg.version, msg.path, msg.policy) for w in workers
+                                   if w.index == msg.index))
+            return
         await asyncio.gather(*(w.update_weights(msg.version, msg.path, bool(msg.rollback)) for w in workers))
 
     def to_server(msg_type: str) -> Callable[[Any], Awaitable[None]]:

@@ -34,8 +34,8 @@ class InferenceWorker:
         self._t0 = time.monotonic()
         self._target_version = -1  # newest version being loaded (or queued to load) or loaded
         self._load_lock = asyncio.Lock()  # one weight load at a time on this engine
-        self.stats = {"requests": 0, "bad_requests": 0, "updates": 0, "update_ms_last": 0.0, "aborted": 0,
-                      "abort_unknown": 0, "update_failures": 0}
+        self.stats = {"requests": 0, "bad_requests": 0, "updates": 0, "policy_updates": 0, "update_ms_last": 0.0,
+                      "aborted": 0, "abort_unknown": 0, "update_failures": 0}
 
     async def serve(self) -> None:
         """Answer requests until the socket closes; raises if the engine reports its backend gone for good (an
@@ -130,6 +130,25 @@ class InferenceWorker:
                 logger.info("skipped update_weights v%d: v%d is loaded", version, int(self.engine.version))
                 return
             await self._load(version, path)
+
+    async def update_policy(self, version: int, path: str, policy: str) -> None:
+        """Load `version` of trainable listed policy `policy` (its adapter file, from its own learner): the other
+        policies' requests go on meanwhile (the engine swaps that policy's adapter slot between decode steps).
+        Acked with the policy's name; a failure is acked with its error (the adapter stays as it was)."""
+        t0 = time.perf_counter()
+        async with self._load_lock:
+            try:
+                await self.engine.update_weights(path, version, policy=policy)
+            except Exception as e:  # noqa: BLE001 - acked as failed: the controller sends it again, or stops
+                self.stats["update_failures"] += 1
+                logger.exception("loading policy %r v%d from %s failed", policy, version, path)
+                await self._send(WeightsLoaded(version=version, index=self.index, policy=policy,
+                                               error=f"{type(e).__name__}: {e}"[:1000]))
+                return
+        ms = (time.perf_counter() - t0) * 1000
+        self.stats["policy_updates"] += 1
+        logger.info("loaded policy %r v%d from %s in %.1f ms", policy, version, path, ms)
+        await self._send(WeightsLoaded(version=version, index=self.index, ms=ms, policy=policy))
 
     async def _load(self, version: int, path: str, rollback: bool = False) -> None:
         t0 = time.perf_counter()

@@ -14,7 +14,7 @@ import time
 from typing import Any, Optional
 
 from arl.config import (ExperimentConfig, LauncherKind, auto_eta, judge_workers, resolve_weights, staleness_policy,
-                        to_yaml, weights_settings)
+                        to_yaml, trainable_policies, weights_settings)
 from arl.controller.autoscale import AutoscalePolicy
 from arl.controller.shell import Controller, RunFailed
 from arl.controller.steering import StalenessSteering
@@ -148,6 +148,7 @@ def _controller(cfg: ExperimentConfig, run_dir: str, bind_host: str, secret: Opt
                 made_secret: bool = False) -> Controller:
     """`made_secret`: the run made its `secret` (Ray): it goes into the 0600 control file, for `arl.ctl`."""
     ic, rc = cfg.inference, cfg.rollout
+    trained = [p.name for p in trainable_policies(cfg)]  # each with a learner of its own (learner1 ..)
     supervisor = Supervisor(
         num_inference=ic.num_workers,
         num_rollout=rc.num_workers,
@@ -165,7 +166,10 @@ def _controller(cfg: ExperimentConfig, run_dir: str, bind_host: str, secret: Opt
         max_env_restarts=cfg.env.max_restarts,
         num_judge=judge_workers(cfg),
         max_judge_restarts=cfg.judge.inference.max_restarts,
-        max_learner_restarts=cfg.learner.max_restarts,
+        # the run's learner rolls the run back to its checkpoint when restarted, which other policies' learners
+        # do not follow (not built): with trainable listed policies a lost learner stops the run
+        max_learner_restarts=0 if trained else cfg.learner.max_restarts,
+        num_policy_learners=len(trained),
     )
     kwargs: dict[str, Any] = dict(
         run_dir=run_dir,
@@ -185,6 +189,7 @@ def _controller(cfg: ExperimentConfig, run_dir: str, bind_host: str, secret: Opt
         max_no_progress_s=rc.max_no_progress_s,
         max_consecutive_drops=rc.max_consecutive_drops,
         weights_settings=weights_settings(cfg),
+        policy_names=trained,
         fingerprint=run_fingerprint(os.path.join(run_dir, "config.yaml"), cfg.model.path),
         scaling=dict(drain_timeout_s=ic.drain_timeout_s, autoscale=autoscale_policy(ic),
                      rollout_drain_timeout_s=rc.drain_timeout_s, rollout_refusal=rollout_scaling_refusal(cfg),

@@ -93,6 +93,7 @@ class LearnerWorker:
         export_final: Optional[Callable[[Any, int], Any]] = None,
         recorder: Optional[BatchRecorder] = None,
         prompt_shards: int = 1,
+        books_groups: bool = True,
     ) -> None:
         """`staleness`: the run's rule, the one the actor masks tokens by (the default has no bound): buffered
         groups it calls stale are dropped before a batch is taken. `weights`: how each version reaches inference, the
@@ -100,12 +101,16 @@ class LearnerWorker:
         (`arl.weights.disk`), the newest `keep_versions` always kept. `recorder`: writes every batch as the actor
         gets it (`learner.record_batches`, `arl.learner.record`), so the run can be replayed. `prompt_shards`: the
         run's `rollout.num_workers`, which defines its prompt streams (`arl.rollout.prompts`): kept in checkpoints,
-        so a resume with another count knows the positions are of other streams."""
+        so a resume with another count knows the positions are of other streams. `books_groups`: this learner's
+        receipts and drops settle groups at the controller (the run's learner); False for a trainable listed
+        policy's learner (`docs/multi_policy.md`), which gets every group too, trains those with tokens of its
+        policy and keeps its counts to itself (its heartbeat)."""
         self.actor = actor  # prepare / compute_logp / compute_advantages / ppo_update (`PPOActor`, `RankLeader`)
         self.policy: Optional[str] = getattr(actor, "policy", None)  # whose tokens count (several policies)
         self.engine: Any = engine if engine is not None else actor.engine  # version, save / load / export_weights
         self.pull = pull
         self._send = send_control
+        self.books_groups = books_groups
         self.batch_size = batch_size
         self.prompt_shards = prompt_shards
         self.total_steps = total_steps
@@ -118,7 +123,8 @@ class LearnerWorker:
                       "train_seconds": 0.0, "staleness_violations": 0, "stale_groups_dropped": 0,
                       "trained_groups": 0, "trained_trajectories": 0, "stale_trajectories_dropped": 0,
                       "invalid_groups": 0, "trained_twice": 0, "replayed_groups": 0,
-                      "duplicate_prompts": 0, "duplicate_trajectories": 0, "prompts_settled_by_rollout": 0}
+                      "duplicate_prompts": 0, "duplicate_trajectories": 0, "prompts_settled_by_rollout": 0,
+                      "groups_without_policy": 0}
         self.checkpoint_dir = checkpoint_dir
         self.checkpoint_every = max(0, int(checkpoint_every))
         self.keep_checkpoints = max(1, int(keep_checkpoints))
@@ -161,7 +167,12 @@ class LearnerWorker:
                                    sorted(seen)[:3], self.stats["replayed_groups"])
                 continue
             self._received_ids.update(ids)
-            problem = group_problem(group, vocab_size=self.vocab_size, version=self.engine.version)
+            if not self.books_groups and not any(t.owned_by(self.policy).any() for t in group):
+                self.stats["groups_without_policy"] += 1  # none of its tokens: another policy's group
+                await self._send(GroupsDropped(n=Count(1), reason="no_policy_tokens"))  # its budget back
+                continue
+            problem = group_problem(group, vocab_size=self.vocab_size, version=self.engine.version,
+                                    policy=self.policy)
             if problem is not None:  # never train on it; give its budget back like a stale drop
                 self.stats["invalid_groups"] += 1
                 if time.monotonic() - self._last_invalid_log >= 1.0:
@@ -169,7 +180,7 @@ class LearnerWorker:
                     logger.warning("dropped an invalid trajectory group (%s); %d so far", problem,
                                    self.stats["invalid_groups"])
                 self._settle(_prompt_of(group))
-                await self._send(GroupsDropped(n=Count(1), reason="invalid", group_ids=[_group_of(group)]))
+                await self._book(GroupsDropped(n=Count(1), reason="invalid", group_ids=[_group_of(group)]))
                 continue
             prompt = _prompt_of(group)
             duplicate = prompt is not None and self._prompt_taken(*prompt)  # its prompt ended once already
@@ -184,11 +195,17 @@ class LearnerWorker:
             self.stats["groups_received"] += 1
             self.stats["trajectories_received"] += len(group)
             # the receipt settles the group at the controller, even if its rollout worker dies before group_done
-            await self._send(GroupReceived(group_id=_group_of(group), n_traj=Count(len(group))))
+            await self._book(GroupReceived(group_id=_group_of(group), n_traj=Count(len(group))))
             if duplicate:  # received, then dropped like a stale group: its budget goes back, nothing is lost
                 logger.warning("dropped a group of prompt %s of rollout worker %s: that prompt was settled or is "
                                "buffered already (%d so far)", prompt[1], prompt[0], self.stats["duplicate_prompts"])
-                await self._send(GroupsDropped(n=Count(1), reason="duplicate_prompt"))
+                await self._book(GroupsDropped(n=Count(1), reason="duplicate_prompt"))
+
+    async def _book(self, msg: Any) -> None:
+        """A group's receipt settles it at the controller: only the run's learner's (a listed policy's learner's
+        drops only give its own staleness budget back)."""
+        if self.books_groups or not isinstance(msg, GroupReceived):
+            await self._send(msg)
 
     async def next_batch(self) -> list[Trajectory]:
         """Wait for B fresh-enough groups (FIFO); returns the flattened batch."""
@@ -204,7 +221,7 @@ class LearnerWorker:
                 self.buffer = collections.deque(g for g, s in zip(self.buffer, stale) if not s)
                 logger.info("dropped %d groups staler than eta=%s; their budget goes back", dropped,
                             self.staleness.eta)
-                await self._send(GroupsDropped(n=Count(dropped), reason="stale"))
+                await self._book(GroupsDropped(n=Count(dropped), reason="stale"))
             if len(self.buffer) >= self.batch_size:
                 break
             self.waiting_on = f"waiting for a batch ({len(self.buffer)}/{self.batch_size} groups buffered)"

@@ -246,6 +246,13 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
     parts = agent_parts(cfg, index)
     addrs = await ctl.request(Lookup(role="rollout", index=index), "addresses", cfg.startup_timeout)
     link = {"push": make_socket(Push).connect(addrs["learner"])}  # replaced when a lost learner is restarted
+    # trainable listed policies' learners get every group too (each trains the tokens of its policy)
+    policy_pushes = [make_socket(Push).connect(a) for a in addrs.get("policy_learners") or ()]
+
+    async def push_group(group: Any) -> None:
+        await link["push"].send("traj", group)
+        for push in policy_pushes:
+            await push.send("traj", group)
     # stream `s` < rollout.num_workers: worker s's shard; a worker that joined mid-run (or a stream it adopted)
     # draws its own order of every row (`arl.rollout.prompts`)
     prompts = PromptStreams(lambda sid: PromptStream(parts.train_rows, seed=cfg.seed, shard=sid,
@@ -265,7 +272,7 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
     judge_client, judge = judge_link(cfg, addrs.get("judge"))
     per_worker = max(1, cfg.rollout.max_concurrent_rollouts // cfg.rollout.num_workers)
     worker = rollout_worker(cfg, parts, client, index=index, prompts=prompts, capacity=per_worker,
-                            send_control=ctl.post, push_group=lambda group: link["push"].send("traj", group),
+                            send_control=ctl.post, push_group=push_group,
                             push_settled=lambda msg: link["push"].send(msg.TYPE, msg.to_payload()),
                             env_client=env_client)
 
@@ -330,7 +337,8 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
             logger.error("rollout%d: refused to adopt prompt streams %.200r: %s", index, msg.streams, e)
 
     async def close_push() -> None:
-        link["push"].close()
+        for push in [link["push"], *policy_pushes]:
+            push.close()
 
     ctl.handlers.update(gate_grant=lambda msg: worker.on_grant(msg.n), eval=on_eval, worker_lost=on_worker_lost,
                         worker_back=on_worker_back, learner_restarted=on_learner_restarted,

@@ -43,10 +43,18 @@ class StalenessGate:
     max_groups: int | None = None  # stop admitting after this many accepted + running (end of the run)
     owed: int = 0  # learner drops that came before their group was accepted: taken from the next accepted ones
     admitted_eta: Optional[int] = None  # the eta admitted at, below the policy's bound (auto); None: the bound
+    learner_dropped: int = 0  # accepted groups the run's learner dropped (`drop_accepted`), in all
+    # trainable listed policies (docs/multi_policy.md): name -> (its version live on every server, the groups its
+    # learner dropped in all); its learner trains the same groups, so its bound holds as well
+    others: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
 
     def capacity(self) -> int:
-        """How many more groups may start right now."""
-        by_staleness = self.policy.admission_limit(self.version, self.batch_size, self.admitted_eta) - self.accepted
+        """How many more groups may start right now: under every trained policy's bound. A listed policy's
+        learner holds the groups the run's learner accepted, less those it dropped and plus those the run's
+        learner dropped (the gate's `accepted` already gave those back)."""
+        limit = lambda v: self.policy.admission_limit(v, self.batch_size, self.admitted_eta)  # noqa: E731
+        by_staleness = min([limit(self.version) - self.accepted] + [
+            limit(v) - self.accepted - self.learner_dropped + dropped for v, dropped in self.others.values()])
         cap = min(by_staleness, self.max_concurrent) - self.running
         if self.max_groups is not None:
             cap = min(cap, self.max_groups - (self.accepted + self.running))
@@ -80,6 +88,7 @@ class StalenessGate:
         arrives before its group's acceptance (the learner reports on another connection than the rollout
         worker) is owed and taken when that group is accepted, not lost.
         """
+        self.learner_dropped += n
         k = min(n, self.accepted)
         self.accepted -= k
         self.rejected += k

@@ -53,8 +53,9 @@ __all__ = ["PROTOCOL_VERSION", "DEFAULT_MAX_BYTES", "TAG_SIZE", "TYPED_TYPES", "
            "MalformedMessage", "ReplayedMessage", "encode", "decode"]
 
 # a peer of another version is refused by name, not by keys. 2: "traj" carries turn_discount; 3: "gen_req" carries
-# policy, "traj" policy_spans and policy_rewards (several policies, docs/multi_policy.md)
-PROTOCOL_VERSION = 3
+# policy, "traj" policy_spans and policy_rewards (several policies, docs/multi_policy.md); 4: "update_weights" and
+# "weights_loaded" carry policy, "addresses" policy_learners (trainable listed policies)
+PROTOCOL_VERSION = 4
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 TAG_SIZE = 32  # HMAC-SHA256 digest size
 

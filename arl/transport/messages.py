@@ -126,6 +126,8 @@ class Addresses(ControlMessage):
     judge: Optional[list[Optional[str]]] = None  # judge workers (judge.model.path set)
     retired: Optional[list[int]] = None  # inference servers scaled out of the run (`arl.ctl scale`): route none
     retired_env: Optional[list[int]] = None  # env servers scaled out of the run: open no session there
+    # trainable listed policies' learners (`learner<k>`, k = 1..): each gets every group too (it trains its tokens)
+    policy_learners: Optional[list[Optional[str]]] = None
 
 
 class GateAcquire(ControlMessage):
@@ -175,6 +177,8 @@ class UpdateWeights(ControlMessage):
     version: int
     path: str
     rollback: Optional[bool] = None  # load it even if a newer version is loaded (the learner went back)
+    policy: Optional[str] = None  # a trainable listed policy's adapter (its own versions); None: the run's weights
+    index: Optional[int] = None  # with `policy`: the one server it is for (several may share a process)
 
 
 class WeightsLoaded(ControlMessage):
@@ -182,6 +186,7 @@ class WeightsLoaded(ControlMessage):
     index: int
     ms: Optional[float] = None
     error: Optional[str] = None  # the load of `version` failed (the server keeps the weights it had)
+    policy: Optional[str] = None  # the version is of this trainable listed policy (`UpdateWeights.policy`)
 
 
 class JoinWeightGroup(ControlMessage):

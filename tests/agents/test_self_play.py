@@ -63,6 +63,25 @@ async def test_against_a_named_opponent_only_the_runs_seat_is_returned_and_seats
 
 
 @pytest.mark.asyncio
+async def test_a_trained_opponent_plays_both_orders_and_each_seat_is_recorded_under_its_policy():
+    """`train_opponent`: group_size / 2 games against the opponent, seats alternating, both seats returned; the
+    opponent's trajectory names it in `policy_spans`, so only its learner trains it (`docs/multi_policy.md`)."""
+    def script(req, k):
+        return [sample(ids("1"), version=3 if req.policy else 7)]  # everyone takes 1: pile 5 -> seat 0 wins
+
+    eng = FakeEngine(script)
+    agent = SelfPlayAgent(TOK, GCONF, group_size=4, opponent="rival", train_opponent=True)
+    trajs = await eng.drive(agent, prompt={"id": "g", "pile": 5}, env=Groups())
+    assert len(trajs) == 4 and len(eng.requests) == 10  # two games of five moves
+    rival = [t for t in trajs if t.policy_spans]
+    own = [t for t in trajs if not t.policy_spans]
+    assert len(rival) == len(own) == 2 and all(t.owned_by("rival").any() for t in rival)
+    assert sorted(t.metadata["seat"] for t in rival) == [0, 1]  # the rival moved first in one game, second in one
+    assert {int(t.versions[t.owned_by("rival")].max()) for t in rival} == {3}  # its own versions
+    assert sorted(t.reward for t in own) == [0.0, 1.0] and all(t.metadata["opponent"] == "rival" for t in own)
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize("seed, won", [(10, True), (11, False)])
 async def test_evaluation_plays_the_eval_opponent_from_the_rows_seat(seed, won):
     # pile 5 + (seed // 2) % 16 = 10 for seeds 10 and 11, both players optimal (pile % 4, else 1): who moves first
@@ -94,6 +113,10 @@ def test_bad_arguments_are_refused():
         SelfPlayAgent(TOK, GCONF, group_size=3)
     with pytest.raises(ValueError, match="opponent"):
         SelfPlayAgent(TOK, GCONF, opponent="")
+    with pytest.raises(ValueError, match="train_opponent=true needs opponent"):
+        SelfPlayAgent(TOK, GCONF, train_opponent=True)
+    with pytest.raises(ValueError, match="even"):
+        SelfPlayAgent(TOK, GCONF, group_size=3, opponent="rival", train_opponent=True)
 
 
 @pytest.mark.asyncio

@@ -92,3 +92,15 @@ def test_who_may_send_what():
     r.heard_from(b"r1", "heartbeat", 5.0)
     r.heard_from(b"x", "heartbeat", 6.0)  # nobody's
     assert r.last_messages == {"rollout1": {"heartbeat": 5.0}}
+
+
+def test_a_trainable_policys_learner_registers_as_learner_k_and_lookups_wait_for_it():
+    sup = Supervisor(num_inference=1, num_rollout=1, startup_timeout=60, num_policy_learners=1)
+    r = Peers(num_inference=1, num_rollout=1, process_of=sup.process_of, num_policy_learners=1)
+    assert r.register(b"i", "inference", 0, "tcp://i:1", heard=set()) is None
+    assert r.register(b"l", "learner", 0, "tcp://l:1", heard=set()) is None
+    assert not r.complete()  # the rival's learner has not said where it listens
+    assert r.register(b"x", "learner", 2, "tcp://x:1", heard=set())[0] == "bad_register"
+    assert r.register(b"p", "learner", 1, "tcp://p:1", heard=set()) is None
+    assert r.complete() and r.addresses["learner"] == "tcp://l:1"
+    assert r.addresses["policy_learners"] == ["tcp://p:1"] and r.process_of("learner", 1) == "learner1"

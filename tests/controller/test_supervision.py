@@ -32,6 +32,23 @@ def test_names():
     assert s.rollout_index("rollout1") == 1 and s.rollout_index("learner") is None
 
 
+def test_trainable_policies_learners_are_processes_of_their_own_never_restarted():
+    """learner1 .. train the trainable listed policies: started with the run, expected to register, parsed back
+    from their names, and a lost one stops the run (its policy's learner state is not restarted)."""
+    from arl.controller.supervision import process_role
+
+    s = make(num_policy_learners=2)
+    assert s.expected == make().expected + 2
+    names = [n for n, _ in s.commands("python", "/run", "tcp://c:1")]
+    assert names[:4] == ["inference0", "inference1", "learner", "learner1"] and "learner2" in names
+    argv = dict(s.commands("python", "/run", "tcp://c:1"))["learner2"]
+    assert argv[argv.index("--role") + 1] == "learner" and argv[argv.index("--index") + 1] == "2"
+    assert s.process_of("learner", 2) == "learner2" and process_role("learner2") == ("learner", 2)
+    assert process_role("learner") == ("learner", 0)
+    register_all(s)
+    assert s.decide("learner1", registered=True, lost=set()).action == "fatal"
+
+
 def test_rollout_restarts_up_to_the_cap_and_only_once_registered():
     s = make(max_restarts=1)
     assert s.decide("rollout0", registered=False, lost=set()).action == "fatal"

@@ -52,3 +52,27 @@ def test_proposer_solver_trains_on_the_problems_it_writes(tmp_path, model_cache)
     traced = [json.loads(line) for line in open(os.path.join(run_dir, "traces.jsonl"))]
     solved = [t["metadata"]["prompt_id"] for t in traced if t.get("metadata", {}).get("role") == "solver"]
     assert solved and not held_out & set(solved)  # the solver trained only on problems outside the held-out split
+
+
+@pytest.mark.timeout(300)
+def test_two_policies_train_separately_in_one_run(tmp_path, model_cache):
+    """`experiment=self-play-rivals`: the run's policy and `rival` (trainable, learner1) play each other; each
+    learner trains its own seat's moves with its own versions, every server gets each rival version by name, and
+    both write their final adapters."""
+    steps = 6
+    proc, run_dir = run_main(["experiment=self-play-rivals", f"total_train_steps={steps}", "eval.every_n_steps=3",
+                              "progress=false", "learner.batch_size=4"], str(tmp_path), model_cache)
+    assert_clean_run(proc, run_dir, steps)
+    records = read_metrics(run_dir)
+    rival = [m for m in records if m["type"] == "policy_step"]
+    assert [m["version"] for m in rival] == list(range(1, steps + 1)) and {m["policy"] for m in rival} == {"rival"}
+    evals = [m for m in records if m["type"] == "eval"]
+    served = evals[-1]["roles"]["inference0"]["policies"]
+    assert served["start"] == 0 and served["rival"] >= steps - 3  # the frozen start stays, the rival moves on
+    assert os.path.exists(os.path.join(run_dir, "final-rival", "adapter_model.safetensors"))
+    assert os.path.exists(os.path.join(run_dir, "final", "adapter_model.safetensors"))
+    assert_ledger_checked(run_dir)
+    summary = [m for m in records if m["type"] == "summary"][-1]
+    books = summary["policies"]["rival"]  # the rival's own books
+    assert books["version"] == steps and books["trained_groups"] >= steps * 4 and books["invalid_groups"] == 0
+    assert books["trained_twice"] == 0 and books["unaccounted"] == 0

@@ -83,3 +83,26 @@ def test_group_ids_name_their_worker_and_process():
     gid = make_group_id(3, "a1b2c3", 17)
     assert parse_group_id(gid) == (3, "a1b2c3") and parse_group_id(gid + ":p7#x") == (3, "a1b2c3")
     assert parse_group_id("p7") is None and parse_group_id("w1.zz g2") is None
+
+
+def test_every_trained_policy_bounds_admission():
+    """A trainable listed policy's learner trains the same groups as the run's (`others`): admission stops at the
+    slower policy's bound; the groups a policy's learner dropped give its budget back, and those the run's
+    learner dropped (returned to `accepted` already) still count for the other policy."""
+    g = StalenessGate(batch_size=2, policy=StalenessPolicy(0), max_concurrent=100)
+    g.others["rival"] = (0, 0)
+    assert g.try_start(10) == 2
+    for _ in range(2):
+        g.finish(True)
+    g.set_version(1)  # the run's policy moved on, the rival's did not
+    assert g.try_start(10) == 0
+    g.others["rival"] = (1, 0)
+    assert g.try_start(10) == 2
+    for _ in range(2):
+        g.finish(True)
+    g.set_version(2)
+    g.drop_accepted(1)  # the run's learner dropped one of them: the rival still holds it
+    g.others["rival"] = (2, 0)
+    assert g.capacity() == 2  # the rival's room (6 - 4), not the run's (6 - 3)
+    g.others["rival"] = (2, 1)  # the rival's learner dropped one too
+    assert g.capacity() == 3

@@ -751,8 +751,8 @@ class StalenessAutoConfig:
 
 @dataclasses.dataclass
 class PolicyConfig:
-    """A named policy served beside the run's own (docs/multi_policy.md): a frozen opponent or reference, a LoRA
-    adapter on the run's base model, served by every inference server and never trained."""
+    """A named policy served beside the run's own (docs/multi_policy.md): a LoRA adapter on the run's base model,
+    served by every inference server; frozen (an opponent, a reference), or trained by a learner of its own."""
 
     name: str = field("", "Its name: a request's `GenerateRequest.policy` and an endpoint request's `model` select "
                           "it (a letter or digit, then letters, digits, '_', '.', '-'; at most 64).")
@@ -764,6 +764,9 @@ class PolicyConfig:
                                    "among the trainable ones) trains its tokens only, from `adapter: base` (a "
                                    "fresh adapter on the run's base) with its own versions, and publishes them to "
                                    "every inference server by name. False: served frozen.")
+    servers: list[int] = field(help="The inference servers that serve it (indices < inference.num_workers); "
+                                    "empty: every server. A request of this policy goes only to these.",
+                               factory=list)
     learner: dict[str, Any] = field(help="A trainable policy's learner section: keys of the run's `learner` it "
                                          "sets otherwise, e.g. {optimizer: {lr: 1e-4}} (the rest is the run's).",
                                     factory=dict)
@@ -813,8 +816,9 @@ class ExperimentConfig:
     eval: EvalConfig = field(factory=EvalConfig)
     weights: WeightsConfig = field(factory=WeightsConfig)
     export: ExportConfig = field(factory=ExportConfig)
-    policies: list[PolicyConfig] = field(help="Named policies served beside the run's own, frozen (LoRA adapters on "
-                                              "its base; the run's own then trains LoRA): e.g. "
+    policies: list[PolicyConfig] = field(help="Named policies served beside the run's own (LoRA adapters on its "
+                                              "base; the run's own then trains LoRA), frozen or, with trainable: "
+                                              "true, trained by a learner of their own: e.g. "
                                               "policies='[{name: opponent, adapter: /path/to/peft}]'. "
                                               "docs/multi_policy.md.", factory=list)
     launcher: LauncherKind = field(LauncherKind.local, "'local': every role is a process on this machine; 'ray': "
@@ -1117,6 +1121,10 @@ def policy_problems(cfg: ExperimentConfig) -> list[str]:
                        f"most 64 in all (it names an adapter and its folder)")
         elif p.name == OWN_POLICY:
             out.append(f"{where}: {OWN_POLICY!r} is the run's own policy's name")
+        bad = [i for i in p.servers if not 0 <= i < cfg.inference.num_workers]
+        if bad or len(set(p.servers)) != len(p.servers):
+            out.append(f"{where}: servers {list(p.servers)}: each an inference server's index, once, below "
+                       f"inference.num_workers={cfg.inference.num_workers}")
         if p.learner and not p.trainable:
             out.append(f"{where}: a frozen policy (trainable=false) has no learner, so its learner section "
                        f"{sorted(p.learner)} would be ignored")
@@ -1183,6 +1191,14 @@ def policy_learner_config(cfg: ExperimentConfig, p: PolicyConfig) -> LearnerConf
         return OmegaConf.to_object(merged)  # type: ignore[return-value]
     except OmegaConfBaseException as e:  # a typo or a wrong type: named, as any other bad key
         raise ValueError(f"{type(e).__name__}: {str(e).splitlines()[0]}") from None
+
+
+def policy_placement(cfg: ExperimentConfig) -> dict[str, list[int]]:
+    """Listed policy -> the servers that serve it, for the policies placed on some (`servers`) and the trainable
+    ones (their versions go to the run's configured servers: a server added mid-run, `arl.ctl scale`, does not
+    serve them); the others are on every server."""
+    every = list(range(cfg.inference.num_workers))
+    return {p.name: list(p.servers) or every for p in cfg.policies if p.servers or p.trainable}
 
 
 def policy_lora_config(cfg: ExperimentConfig, p: PolicyConfig) -> dict[str, Any]:
@@ -1425,6 +1441,6 @@ __all__ = [
     "to_yaml", "resolve_threads", "weights_backend", "weights_settings", "shared_gpu", "resolve_weights",
     "rollout_deadlines", "timeout_problems", "agent_turns", "judge_workers", "judge_problems", "DictConfig",
     "partition_groups", "worker_groups", "check_env_capacity", "PolicyConfig", "policy_problems", "policy_adapters",
-    "trainable_policies", "policy_learner_config",
+    "trainable_policies", "policy_learner_config", "policy_placement",
     "OWN_POLICY",
 ]

@@ -6,6 +6,8 @@ machine's cores) and reads its eval records' `first_acc`:
 - `self-play`: the win rate against the frozen start (0.5 at step 0, the same player on both sides), and the
   fraction of positions with a winning move where the policy took it (`traj_means.winning_moves /
   winning_chances`; the rule is take pile % 4 when that is not 0);
+- `self-play-rivals`: the same for the run's policy, trained against `rival`, a policy of its own with a learner
+  of its own; also the rival's training reward (its win rate against the run's policy), first and last 20 steps;
 - `proposer-solver`: the solver's greedy accuracy on the held-out a+b split (it trains only on problems it wrote).
 
     python scripts/multi_policy_seeds.py --experiment self-play --seeds 1 2 3 [key=value ...]
@@ -25,7 +27,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAIN = os.path.join(ROOT, "training", "main_async_ppo.py")
 
 
-WHAT = {"self-play": "win rate vs the frozen start", "proposer-solver": "solver's held-out accuracy"}
+WHAT = {"self-play": "win rate vs the frozen start", "self-play-rivals": "win rate vs the frozen start",
+        "proposer-solver": "solver's held-out accuracy", "proposer-solver-two": "solver's held-out accuracy"}
+
+
+def policy_rewards(run_dir: str, n: int = 20) -> str:
+    """Each trainable listed policy's mean training reward over its first and last `n` steps ('' without any)."""
+    steps: dict[str, list[float]] = {}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for m in map(json.loads, f):
+            if m["type"] == "policy_step":
+                steps.setdefault(m["policy"], []).append(m.get("reward_mean", 0.0))
+    return "; ".join(f"{p} ({len(r)} steps) training reward {sum(r[:n]) / len(r[:n]):.3f} -> "
+                     f"{sum(r[-n:]) / len(r[-n:]):.3f}" for p, r in steps.items() if r)
 
 
 def eval_curve(run_dir: str) -> list[tuple[int, float, float]]:
@@ -63,11 +77,14 @@ def main() -> int:
         (_, win0, opt0), (_, win1, opt1) = curve[0], curve[-1]
         best = max(w for _, w, _ in curve)
         rows.append((win0, win1))
-        moves = f"; winning moves taken {opt0:.3f} -> {opt1:.3f}" if a.experiment == "self-play" else ""
+        moves = f"; winning moves taken {opt0:.3f} -> {opt1:.3f}" if a.experiment.startswith("self-play") else ""
         print(f"seed {seed}: {what} {win0:.3f} -> {win1:.3f} (best {best:.3f}){moves}; {seconds:.0f} s for the "
               f"command")
         print("  curve (version:first_acc" + ("/winning moves" if moves else "") + "): " +
               " ".join(f"{v}:{w:.2f}" + (f"/{o:.2f}" if moves else "") for v, w, o in curve))
+        others = policy_rewards(os.path.join(root, f"seed{seed}"))
+        if others:
+            print("  " + others)
     rises = [round(100 * (b - a_)) for a_, b in rows]
     print(f"{a.experiment}: {what} rose by {rises} points over seeds {a.seeds} "
           f"(the bar: >= 15 on every seed: {'met' if min(rises) >= 15 else 'NOT met'})")

@@ -41,6 +41,8 @@ def test_a_frozen_policy_beside_a_lora_run_is_accepted(adapter):
     ("[{name: a, adapter: base, trainable: true}]", ["weights.transport=broadcast"], "weights.transport=disk"),
     ("[{name: a, adapter: base, trainable: true}]", ["recover=auto"], "recover=off"),
     ("[{name: a, adapter: base, trainable: true}]", ["learner.num_ranks=2"], "learner.num_ranks=1"),
+    ("[{name: a, adapter: base, servers: [1]}]", [], r"servers \[1\]: each an inference server's index"),
+    ("[{name: a, adapter: base, servers: [0, 0]}]", ["inference.num_workers=2"], "once"),
     ("[{name: a, adapter: /no/such/folder}]", [], "not a peft LoRA folder"),
     ("[{name: a, adapter: ADAPTER}]", ["learner.lora.rank=0"], "full fine-tuning would move under them"),
     ("[{name: a, adapter: ADAPTER}]", ["learner.lora.modules_to_save=[lm_head]"], "modules_to_save"),
@@ -117,3 +119,14 @@ def test_a_trainable_policy_gets_a_learner_section_of_its_own():
     assert lc.batch_size == cfg.learner.batch_size and cfg.learner.optimizer.lr == 2e-4  # the run's own unchanged
     assert policy_adapters(cfg)[0] == 16
     assert trainable_policies(parse("learner.lora.rank=8", "policies=[{name: start, adapter: base}]")) == []
+
+
+def test_placement_names_the_placed_and_the_trained_policies():
+    """A policy with `servers` is served there only; a trainable one by the run's configured servers (one added
+    mid-run does not get its versions); the others by every server."""
+    from arl.config import policy_placement
+
+    cfg = parse("learner.lora.rank=8", "inference.num_workers=3",
+                "policies=[{name: s, adapter: base}, {name: p, adapter: base, servers: [2]}, "
+                "{name: t, adapter: base, trainable: true}]")
+    assert policy_placement(cfg) == {"p": [2], "t": [0, 1, 2]}

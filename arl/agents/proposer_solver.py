@@ -21,6 +21,10 @@ A training group (one dataset row: its text is not used, the proposer writes the
 
 Evaluation (a group of one): the solver alone, greedy, on the held-out row's problem, so the run's held-out
 accuracy is the solver's.
+
+`proposer=NAME`: the proposals come from policy NAME instead (a trainable listed policy, `policies: [{name:
+proposer, adapter: base, trainable: true}]`, with a learner of its own), recorded under it: two policies, each
+trained on its own role by its own learner (docs/multi_policy.md).
 """
 
 from __future__ import annotations
@@ -64,8 +68,11 @@ def proposer_reward(solve_rate: float) -> float:
 class ProposerSolverAgent(Agent):
     def __init__(self, tokenizer: Any, gconfig: GenerationConfig, group_size: int = 8, solver_attempts: int = 4,
                  max_operand: int = 49, held_out: Sequence[dict[str, Any]] = (),
-                 filter_uniform_groups: bool = True) -> None:
+                 filter_uniform_groups: bool = True, proposer: Optional[str] = None) -> None:
         check_int("group_size", group_size)
+        if proposer is not None and (not isinstance(proposer, str) or not proposer):
+            raise ValueError(f"proposer-solver: proposer must be a policy's name or unset, got {proposer!r}")
+        self.proposer = proposer
         check_int("solver_attempts", solver_attempts)
         if solver_attempts < 2:
             raise ValueError(f"proposer-solver: solver_attempts must be >= 2 (a success rate), got {solver_attempts}")
@@ -119,7 +126,8 @@ class ProposerSolverAgent(Agent):
         propose_ids = encode_chat(self.tokenizer, [{"role": "user", "content": propose_prompt(a)}])
         resp = await generate(obs_queue, act_queue, GenerateRequest(qid=new_id(f"{gid}/propose"),
                                                                     input_ids=propose_ids,
-                                                                    gconfig=self.propose_gconfig))
+                                                                    gconfig=self.propose_gconfig,
+                                                                    policy=self.proposer))
         problems: list[Optional[tuple[int, int]]] = []
         why: list[str] = []
         for sample in resp.samples:
@@ -134,7 +142,7 @@ class ProposerSolverAgent(Agent):
         proposals = []
         for i, (sample, p) in enumerate(zip(resp.samples, problems)):
             tb = TrajectoryBuilder(propose_ids)
-            tb.add_generated(sample)
+            tb.add_generated(sample, policy=self.proposer)
             rate = rates.get(i)
             proposals.append(tb.build(
                 reward=proposer_reward(rate) if rate is not None else 0.0, group_id=f"{gid}/propose",

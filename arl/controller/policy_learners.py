@@ -22,12 +22,13 @@ STEP_KEYS = ("reward_mean", "loss", "grad_norm", "clip_frac")  # of a policy's s
 
 
 class PolicyLearners:
-    def __init__(self, ctl: Any, names: list[str], total_steps: int) -> None:
-        """`ctl`: the `Controller` (its weight sync's lost servers, gate, reporter, sends); `names[k - 1]` is
-        learner k's policy; `total_steps`: each learner's steps."""
+    def __init__(self, ctl: Any, policies: dict[str, list[int]], total_steps: int) -> None:
+        """`ctl`: the `Controller` (its weight sync's lost servers, gate, reporter, sends); `policies`: each
+        trainable listed policy (the k-th is learner k's) -> the servers that serve it ([]: all); `total_steps`:
+        each learner's steps."""
         self.ctl, self.total_steps = ctl, total_steps
-        self.weights = PolicyWeights(names, ctl.sup.num_inference)
-        ctl.gate.others.update({n: (0, 0) for n in names})  # each trained policy bounds admission from the start
+        self.weights = PolicyWeights(list(policies), ctl.sup.num_inference, placement=policies)
+        ctl.gate.others.update({n: (0, 0) for n in policies})  # each trained policy bounds admission from start
 
     def route(self, key: Any, msg: m.ControlMessage) -> Optional[Awaitable[None]]:
         """What to do with `msg` from role `key`, if it is this piece's: a trainable listed policy's learner's

@@ -27,11 +27,14 @@ class PolicySend:
 
 
 class PolicyWeights:
-    """Per-server versions of each trainable listed policy (`names[k - 1]` is learner k's) on `num_servers`."""
+    """Per-server versions of each trainable listed policy (`names[k - 1]` is learner k's) on `num_servers`;
+    `placement`: policy -> the servers that serve it (absent or []: all); the others never hear of it."""
 
-    def __init__(self, names: list[str], num_servers: int) -> None:
+    def __init__(self, names: list[str], num_servers: int, placement: Optional[dict[str, list[int]]] = None) -> None:
         self.names = list(names)
         self.num_servers = num_servers
+        self.servers = {n: [i for i in range(num_servers) if not (placement or {}).get(n) or i in placement[n]]
+                        for n in self.names}
         self.published: dict[str, tuple[int, str]] = {}  # policy -> (newest version, its path)
         self.acked = {n: [0] * num_servers for n in self.names}
         self.sent = {n: [0] * num_servers for n in self.names}
@@ -47,11 +50,11 @@ class PolicyWeights:
         if policy not in self.acked or version <= self.published.get(policy, (-1, ""))[0]:
             return []
         self.published[policy] = (version, path)
-        return [s for i in range(self.num_servers) if i not in lost and (s := self._next(policy, i)) is not None]
+        return [s for i in self.servers[policy] if i not in lost and (s := self._next(policy, i)) is not None]
 
     def loaded(self, policy: str, server: int, version: int) -> list[PolicySend]:
         """Server `server` acked `version` of `policy`; a newer one published meanwhile goes to it now."""
-        if policy not in self.acked or not 0 <= server < self.num_servers:
+        if policy not in self.acked or server not in self.servers[policy]:
             return []
         self.acked[policy][server] = max(self.acked[policy][server], version)
         self.failures[policy][server] = 0
@@ -60,7 +63,7 @@ class PolicyWeights:
 
     def failed(self, policy: str, server: int) -> tuple[list[PolicySend], int]:
         """Server `server` could not load what it was sent of `policy`: (the newest again, failures in a row)."""
-        if policy not in self.sent or not 0 <= server < self.num_servers:
+        if policy not in self.sent or server not in self.servers[policy]:
             return [], 0
         self.failures[policy][server] += 1
         self.sent[policy][server] = self.acked[policy][server]
@@ -70,8 +73,8 @@ class PolicyWeights:
     def registered(self, server: int) -> list[PolicySend]:
         """Server `server` (re)registered holding every policy's initial adapter (version 0): the newest of each."""
         out = []
-        if 0 <= server < self.num_servers:
-            for n in self.names:
+        for n in self.names:
+            if server in self.servers[n]:
                 self.acked[n][server] = self.sent[n][server] = 0
                 nxt = self._next(n, server)
                 if nxt is not None:
@@ -80,7 +83,7 @@ class PolicyWeights:
 
     def live(self, policy: str, lost: Container[int] = ()) -> int:
         """The newest version of `policy` every server outside `lost` has loaded."""
-        return min((v for i, v in enumerate(self.acked[policy]) if i not in lost), default=0)
+        return min((self.acked[policy][i] for i in self.servers[policy] if i not in lost), default=0)
 
     def dropped(self, policy: str, n: int) -> None:
         """The learner of `policy` dropped `n` groups: the staleness gate gives that policy's budget back."""
@@ -114,7 +117,7 @@ class PolicyWeights:
 
     def lowest_needed(self, policy: str, lost: Container[int] = ()) -> int:
         """The oldest version of `policy` a server may still read (sent or loaded); older files can go."""
-        return min((min(self.acked[policy][i], self.sent[policy][i]) for i in range(self.num_servers)
+        return min((min(self.acked[policy][i], self.sent[policy][i]) for i in self.servers[policy]
                     if i not in lost), default=0)
 
     def _next(self, policy: str, server: int) -> Optional[PolicySend]:

@@ -58,7 +58,7 @@ class Controller:
                  stack_dump_wait: float = 2.0, sinks: Optional[list[MetricsSink]] = None,
                  max_no_progress_s: float = 0.0, max_consecutive_drops: int = 0, steering: Optional[StalenessSteering]
                  = None, weights_settings: Optional[WeightsSettings] = None, scaling: Optional[dict] = None,
-                 fingerprint: Optional[dict] = None, policy_names: Optional[list[str]] = None) -> None:
+                 fingerprint: Optional[dict] = None, trained_policies: Optional[dict] = None) -> None:
         """`supervisor` holds the run's shape (servers, rollout workers) and its restart and timeout policy.
         `weights_settings` name the transport of weights (default: disk); its controller side says what to send when
         a role registers and turns `WeightSync`'s sends into messages (`arl.weights.strategy`). `fingerprint`: Peers."""
@@ -75,8 +75,9 @@ class Controller:
         self.peers: dict[Key, bytes] = self.roster.peers  # (role, index) -> router identity (the same dict)
         self.schedule = EvalSchedule(total_steps=total_train_steps, every=eval_every, start_version=v)
         self.weights = WeightSync(supervisor.num_inference)
-        # `policy_names`: the trainable listed policies, each trained by a learner of its own (1, 2, ..)
-        self.policies = PolicyLearners(self, list(policy_names or ()), total_train_steps)
+        # `trained_policies`: the trainable listed policies -> their servers ([]: all), each trained by a learner
+        # of its own (1, 2, ..)
+        self.policies = PolicyLearners(self, dict(trained_policies or {}), total_train_steps)
         self.reporter = Reporter([JsonlSink(os.path.join(run_dir, "metrics.jsonl")), *(sinks or [])],
                                  total_steps=total_train_steps, progress=progress, page=ReportBuilder(run_dir),
                                  traces=TraceWriter(os.path.join(run_dir, "traces.jsonl")))

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Awaitable, Callable
 
-from arl.config import ExperimentConfig, InferenceConfig, RoutingMode, eta_bound, policy_adapters, weights_settings
+from arl.config import (ExperimentConfig, InferenceConfig, RoutingMode, eta_bound, policy_adapters, policy_placement,
+                        weights_settings)
 from arl.transport.control import SOCKET_OPTIONS, ControlChannel, RoleParts, aclose, bind, host_address, make_socket
 from arl.transport.messages import UpdateWeights
 from arl.transport.sockets import Router
@@ -57,14 +58,15 @@ async def run_inference(cfg: ExperimentConfig, ctl: ControlChannel, index: int, 
     addresses: list[str] = []
     # a process started by `arl.ctl scale` hosts one server past the configured ones (scaling needs one per process)
     end = min(ic.num_workers, first + ic.servers_per_process) if first < ic.num_workers else first + 1
-    frozen = frozen_policy_files(cfg, run_dir, index)
+    frozen, placement = frozen_policy_files(cfg, run_dir, index), policy_placement(cfg)
     named = (len(frozen), *policy_adapters(cfg)) if frozen else (0, 0, ())
     for i in range(first, end):
         # LoRA: a server keeps the adapters of the versions a consumed token may come from (eta + 1)
         engine = build_engine(cfg.model.path, ic, seed=cfg.seed, index=i, run_dir=run_dir, lora=cfg.learner.lora,
                               adapters_keep=eta_bound(cfg) + 1, named=named)
         for name, path in frozen.items():  # before it registers: no request can ask for a policy not loaded yet
-            await engine.update_weights(path, 0, policy=name)
+            if i in placement.get(name, (i,)):  # a policy placed on some servers is loaded only there
+                await engine.update_weights(path, 0, policy=name)
         router = make_socket(Router)
         addresses.append(bind(router, cfg.bind_host))
         weights = transport.inference(engine, host=host, secret=SOCKET_OPTIONS.get("secret"))

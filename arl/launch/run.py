@@ -148,7 +148,7 @@ def _controller(cfg: ExperimentConfig, run_dir: str, bind_host: str, secret: Opt
                 made_secret: bool = False) -> Controller:
     """`made_secret`: the run made its `secret` (Ray): it goes into the 0600 control file, for `arl.ctl`."""
     ic, rc = cfg.inference, cfg.rollout
-    trained = [p.name for p in trainable_policies(cfg)]  # each with a learner of its own (learner1 ..)
+    trained = {p.name: list(p.servers) for p in trainable_policies(cfg)}  # each with a learner of its own
     supervisor = Supervisor(
         num_inference=ic.num_workers,
         num_rollout=rc.num_workers,
@@ -189,7 +189,7 @@ def _controller(cfg: ExperimentConfig, run_dir: str, bind_host: str, secret: Opt
         max_no_progress_s=rc.max_no_progress_s,
         max_consecutive_drops=rc.max_consecutive_drops,
         weights_settings=weights_settings(cfg),
-        policy_names=trained,
+        trained_policies=trained,
         fingerprint=run_fingerprint(os.path.join(run_dir, "config.yaml"), cfg.model.path),
         scaling=dict(drain_timeout_s=ic.drain_timeout_s, autoscale=autoscale_policy(ic),
                      rollout_drain_timeout_s=rc.drain_timeout_s, rollout_refusal=rollout_scaling_refusal(cfg),

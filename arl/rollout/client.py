@@ -30,7 +30,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from arl.api.types import GenerateRequest, GenerateResponse, GenerationConfig
 from arl.rollout.routing import RoutingView
@@ -87,10 +87,13 @@ class InferenceClient:
             attempts remain; re-sends after a worker is lost do not count).
         view: the servers' shared load and cache view (`arl.rollout.routing`); None: this client's own least-load
             and sticky sessions.
+        placement: listed policy -> the servers that serve it (`policies.<name>.servers`); a request of such a
+            policy goes only to those. A policy not in it is on every server.
     """
 
     def __init__(self, dealers: list[Any], request_timeout: float = 60.0, max_sessions: int = 16_384,
-                 max_attempts: int = 2, timeout_per_token: float = 0.0, view: Optional[RoutingView] = None) -> None:
+                 max_attempts: int = 2, timeout_per_token: float = 0.0, view: Optional[RoutingView] = None,
+                 placement: Optional[dict[str, Sequence[int]]] = None) -> None:
         if not dealers:
             raise ValueError("InferenceClient needs at least one inference worker")
         if request_timeout <= 0 or timeout_per_token < 0:
@@ -106,6 +109,7 @@ class InferenceClient:
         self._view = view
         self._alive = [True] * len(dealers)
         self._draining: set[int] = set()  # leaving the run: no new requests, the ones in flight finish there
+        self._placed = {p: frozenset(servers) for p, servers in (placement or {}).items()}
         self._pending: dict[str, _Pending] = {}
         self._sticky: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._max_sessions = max_sessions
@@ -212,18 +216,25 @@ class InferenceClient:
         self._sweeper = loop.call_later(self._sweep_every, self._sweep)
         self._sweep_loop = loop
 
-    def _choose(self, session_id: Optional[str], exclude: int = -1, hashes: Optional[Any] = None) -> int:
+    def _live(self, exclude: int, policy: Optional[str]) -> list[int]:
+        """The workers a request of `policy` may go to now: alive, not draining, serving it, not `exclude`."""
+        placed = self._placed.get(policy) if policy is not None else None
+        return [i for i, a in enumerate(self._alive)
+                if a and i != exclude and i not in self._draining and (placed is None or i in placed)]
+
+    def _choose(self, session_id: Optional[str], exclude: int = -1, hashes: Optional[Any] = None,
+                policy: Optional[str] = None) -> int:
         """Sticky worker of the session if it is alive, else the live worker with the least outstanding work; with
-        a view and `hashes` (the request's prefix blocks), the view's score."""
+        a view and `hashes` (the request's prefix blocks), the view's score. Only workers serving `policy`."""
         if hashes is not None and self._view is not None:
-            return self._choose_by_view(session_id, exclude, hashes)
+            return self._choose_by_view(session_id, exclude, hashes, policy)
+        live = self._live(exclude, policy)
         if session_id is not None and session_id in self._sticky:
             idx = self._sticky[session_id]
-            if self._alive[idx] and idx != exclude and idx not in self._draining:
+            if idx in live:
                 self._sticky.move_to_end(session_id)
                 return idx
             del self._sticky[session_id]
-        live = [i for i, a in enumerate(self._alive) if a and i != exclude and i not in self._draining]
         if not live:
             return -1
         idx = min(live, key=self._load.__getitem__)
@@ -233,9 +244,9 @@ class InferenceClient:
                 self._sticky.popitem(last=False)
         return idx
 
-    def _choose_by_view(self, session_id: Optional[str], exclude: int, hashes: Any) -> int:
+    def _choose_by_view(self, session_id: Optional[str], exclude: int, hashes: Any, policy: Optional[str]) -> int:
         assert self._view is not None
-        live = [i for i, a in enumerate(self._alive) if a and i != exclude and i not in self._draining]
+        live = self._live(exclude, policy)
         if not live:
             return -1
         sticky = self._sticky.get(session_id) if session_id is not None else None
@@ -275,7 +286,7 @@ class InferenceClient:
         logger.warning("inference worker %d lost: re-sending its %d outstanding requests to workers %s", idx,
                        len(stranded), self.alive)
         for p in stranded:
-            target = self._choose(p.wire.session_id, hashes=self._hashes(p.wire))
+            target = self._choose(p.wire.session_id, hashes=self._hashes(p.wire), policy=p.wire.policy)
             if target < 0:
                 p.future.set_result(GenerateResponse(qid=p.wire.qid, error="no inference worker left"))
                 continue
@@ -337,12 +348,13 @@ class InferenceClient:
             return None
         return prefix_hashes(req.input_ids, self._view.block)
 
-    async def _wait_for_a_worker(self, session_id: Optional[str], timeout: float, hashes: Optional[Any] = None) -> int:
+    async def _wait_for_a_worker(self, session_id: Optional[str], timeout: float, hashes: Optional[Any] = None,
+                                 policy: Optional[str] = None) -> int:
         """The worker to send to once one is back (`worker_back`), or -1 after `timeout` seconds."""
         self.stats["waited_for_worker"] += 1
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout
-        while (idx := self._choose(session_id, hashes=hashes)) < 0 and not self._closing:
+        while (idx := self._choose(session_id, hashes=hashes, policy=policy)) < 0 and not self._closing:
             try:
                 await asyncio.wait_for(self._back.wait(), max(0.0, end - loop.time()))
             except asyncio.TimeoutError:
@@ -361,9 +373,9 @@ class InferenceClient:
         p = _Pending(loop.create_future(), wire, g.n * g.max_new_tokens)
         deadline = self._timeout + self._per_token * max(0, int(g.max_new_tokens))  # self.deadline(req), inlined
         hashes = self._hashes(req)
-        idx = self._choose(req.session_id, hashes=hashes)
+        idx = self._choose(req.session_id, hashes=hashes, policy=req.policy)
         if idx < 0:  # every worker is lost: one may be restarting (the controller's worker_back), wait that long
-            idx = await self._wait_for_a_worker(req.session_id, deadline, hashes)
+            idx = await self._wait_for_a_worker(req.session_id, deadline, hashes, req.policy)
             if idx < 0:
                 return GenerateResponse(qid=req.qid, error=f"no inference worker left (none came back in "
                                                            f"{deadline:.0f}s)")
@@ -379,7 +391,7 @@ class InferenceClient:
                 resp = await p.future
                 if resp is not _TIMEOUT:
                     break
-                target = self._choose(req.session_id, exclude=p.idx, hashes=hashes)
+                target = self._choose(req.session_id, exclude=p.idx, hashes=hashes, policy=req.policy)
                 if p.attempts < self._max_attempts and target >= 0:
                     logger.warning("request %s: no answer from inference worker %d in %.0fs; aborting it there and "
                                    "re-sending to %d", wire_id, p.idx, deadline, target)
@@ -437,6 +449,7 @@ class InferenceClient:
                 self._abort_later(p.idx, resp.qid, "superseded")
             p.idx = -1
             p.answered_by = idx
-            self._observe_versions(resp)
+            if p.wire.policy is None:  # the run's own versions (a named policy counts its own)
+                self._observe_versions(resp)
             p.future.set_result(resp)
             self.stats["received"] += 1

@@ -10,7 +10,7 @@ import os
 import sys
 from typing import Any, Awaitable, Callable, Optional
 
-from arl.config import ExperimentConfig, RoutingMode, rollout_deadlines
+from arl.config import ExperimentConfig, RoutingMode, policy_placement, rollout_deadlines
 from arl.transport.control import ControlChannel, RoleParts, make_socket
 from arl.transport.messages import (AdoptStreams, Eval, EvalDone, LearnerRestarted, Lookup, SendControl, WorkerBack,
                                     WorkerDraining, WorkerLost)
@@ -181,7 +181,8 @@ def inference_client(cfg: ExperimentConfig, dealers: list[Any]) -> Any:
 
         view = RoutingView(len(dealers), block_tokens=rc.block_tokens, load_weight=rc.load_weight,
                            sticky_slack=rc.sticky_slack)
-    client = InferenceClient(dealers, request_timeout=base, timeout_per_token=per_token, view=view)
+    client = InferenceClient(dealers, request_timeout=base, timeout_per_token=per_token, view=view,
+                             placement=policy_placement(cfg))
     client.start()
     return client
 

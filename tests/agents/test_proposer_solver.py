@@ -57,6 +57,30 @@ async def test_a_group_pays_the_proposer_for_problems_solved_half_the_time():
 
 
 @pytest.mark.asyncio
+async def test_a_proposer_policy_of_its_own_writes_the_problems_and_owns_their_tokens():
+    """`proposer=NAME`: the proposal request names the policy and each proposal is recorded under it, so only
+    its learner trains the proposals; the solver's answers stay the run's own."""
+    def script(req, k):
+        if user_text(req).startswith("propose"):
+            assert req.policy == "proposer"
+            return [sample(ids("3="), version=2) for _ in range(req.gconfig.n)]
+        assert req.policy is None
+        return [sample(ids("15" if j % 2 else "0"), version=5) for j in range(req.gconfig.n)]
+
+    eng = FakeEngine(script)
+    agent = ProposerSolverAgent(TOK, GCONF, group_size=2, solver_attempts=2, proposer="proposer",
+                                filter_uniform_groups=False)
+    trajs = await eng.drive(agent, prompt={"id": "12+1", "prompt": "12+1=", "answer": "13"}, env=Envs())
+    props = [t for t in trajs if t.metadata["role"] == "proposer"]
+    solved = [t for t in trajs if t.metadata["role"] == "solver"]
+    assert len(props) == 2 and all(t.owned_by("proposer").any() and not t.owned_by(None).any() for t in props)
+    assert solved and all(t.owned_by(None).any() and not t.policy_spans for t in solved)
+    assert props[0].reward == 1.0  # 12+3 solved half the time
+    with pytest.raises(ValueError, match="proposer must be"):
+        ProposerSolverAgent(TOK, GCONF, proposer="")
+
+
+@pytest.mark.asyncio
 async def test_evaluation_is_the_solver_alone_on_the_row():
     eng = FakeEngine(lambda req, k: [sample(ids("15"))])
     agent = ProposerSolverAgent(TOK, GCONF.new(greedy=True), group_size=1, filter_uniform_groups=False)

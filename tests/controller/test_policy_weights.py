@@ -53,3 +53,14 @@ def test_the_books_of_each_policy_say_where_every_group_went():
     assert books["version"] == 4 and books["unaccounted"] == 0 and books["groups_without_policy"] == 2
     stats[("learner", 1)]["trained_groups"] = 7
     assert pw.accounting(stats)["a"]["unaccounted"] == 1
+
+
+def test_a_placed_policy_is_sent_to_its_servers_only_and_live_there():
+    pw = PolicyWeights(["a", "b"], num_servers=3, placement={"a": [1, 2]})
+    assert pw.publish("a", 1, "a1") == [PolicySend(1, "a", 1, "a1"), PolicySend(2, "a", 1, "a1")]
+    assert [s.server for s in pw.publish("b", 1, "b1")] == [0, 1, 2]
+    assert pw.loaded("a", 0, 1) == []  # not its server: ignored
+    pw.loaded("a", 1, 1)
+    pw.loaded("a", 2, 1)
+    assert pw.live("a") == 1 and pw.live("b") == 0
+    assert [s.policy for s in pw.registered(0)] == ["b"]

@@ -57,18 +57,23 @@ def test_proposer_solver_trains_on_the_problems_it_writes(tmp_path, model_cache)
 @pytest.mark.timeout(300)
 def test_two_policies_train_separately_in_one_run(tmp_path, model_cache):
     """`experiment=self-play-rivals`: the run's policy and `rival` (trainable, learner1) play each other; each
-    learner trains its own seat's moves with its own versions, every server gets each rival version by name, and
-    both write their final adapters."""
+    learner trains its own seat's moves with its own versions, the rival placed on server 1 only (its versions go
+    there, its requests too), and both write their final adapters."""
     steps = 6
+    policies = "[{name: start, adapter: base}, {name: rival, adapter: base, trainable: true, servers: [1]}]"
     proc, run_dir = run_main(["experiment=self-play-rivals", f"total_train_steps={steps}", "eval.every_n_steps=3",
-                              "progress=false", "learner.batch_size=4"], str(tmp_path), model_cache)
+                              "progress=false", "learner.batch_size=4", "inference.num_workers=2",
+                              f"policies={policies}"], str(tmp_path), model_cache)
     assert_clean_run(proc, run_dir, steps)
     records = read_metrics(run_dir)
     rival = [m for m in records if m["type"] == "policy_step"]
     assert [m["version"] for m in rival] == list(range(1, steps + 1)) and {m["policy"] for m in rival} == {"rival"}
     evals = [m for m in records if m["type"] == "eval"]
-    served = evals[-1]["roles"]["inference0"]["policies"]
+    roles = evals[-1]["roles"]
+    served = roles["inference1"]["policies"]
     assert served["start"] == 0 and served["rival"] >= steps - 3  # the frozen start stays, the rival moves on
+    assert "rival" not in roles["inference0"]["policies"]  # placed on server 1 only
+    assert roles["inference0"]["policy_updates"] == 0 and roles["inference1"]["policy_updates"] >= steps - 3
     assert os.path.exists(os.path.join(run_dir, "final-rival", "adapter_model.safetensors"))
     assert os.path.exists(os.path.join(run_dir, "final", "adapter_model.safetensors"))
     assert_ledger_checked(run_dir)

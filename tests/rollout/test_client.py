@@ -247,3 +247,45 @@ def test_deadlines_still_expire_after_the_client_moves_to_another_event_loop():
     asyncio.run(first_loop())
     resp = asyncio.run(second_loop())
     assert resp.error is not None and "no response" in resp.error and client.stats["timeout"] == 1
+
+
+@pytest.mark.asyncio
+async def test_a_named_policys_versions_are_not_the_runs(setup):
+    """A trained listed policy counts versions of its own: its answers never move the client's version (the run's
+    policy's, which resets sticky sessions)."""
+    client, (d0, d1) = setup
+    req = gen("r", session="s1")
+    req.policy = "rival"
+    t = asyncio.create_task(client.generate(req))
+    await until(lambda: len(d0.sent) + len(d1.sent) == 1)
+    (d0 if d0.sent else d1).answer((d0.sent or d1.sent)[0], version=7)
+    await t
+    assert client.version == -1 and client.stats["sticky_resets"] == 0
+
+
+@pytest.mark.asyncio
+async def test_a_placed_policy_goes_only_to_its_servers():
+    """`policies.<name>.servers`: a request of a placed policy goes only to its servers, even when another is idle
+    or its session was sticky elsewhere; the run's own requests still go anywhere."""
+    dealers = [FakeDealer(0), FakeDealer(1)]
+    client = InferenceClient(dealers, request_timeout=5.0, placement={"rival": [1]})
+    client.start()
+    try:
+        busy = asyncio.create_task(client.generate(gen("busy", max_new=1000)))  # d0 (both idle: the first)
+        await until(lambda: len(dealers[0].sent) == 1)
+        slow = asyncio.create_task(client.generate(gen("slow", max_new=2000)))  # to d1: d0 is busy
+        await until(lambda: len(dealers[1].sent) == 1)
+        for n, qid in enumerate(("r1", "r2"), 2):
+            req = gen(qid, session="s")
+            req.policy = "rival"
+            t = asyncio.create_task(client.generate(req))
+            await until(lambda: len(dealers[0].sent) + len(dealers[1].sent) == n + 1)
+            assert dealers[1].sent[-1].policy == "rival"
+            dealers[1].answer(dealers[1].sent[-1])
+            await t
+        assert len(dealers[0].sent) == 1 and len(dealers[1].sent) == 3  # d1 though d0 was less loaded
+        dealers[0].answer(dealers[0].sent[0])
+        dealers[1].answer(dealers[1].sent[0])
+        await asyncio.gather(busy, slow)
+    finally:
+        await client.close()

@@ -54,22 +54,37 @@ def _dataset() -> DatasetConfig:  # env-seeds rows: the env makes the pile from 
     return DatasetConfig(name="env-seeds", train_size=4096, test_size=32)  # piles x who moves first
 
 
+def _env() -> EnvConfig:
+    return EnvConfig(name="nim", args=dict(PILES))
+
+
+def _gen() -> GenerationArgs:
+    return GenerationArgs(max_new_tokens=3, temperature=1.0)
+
+
+def _rollout() -> RolloutConfig:
+    return RolloutConfig(max_concurrent_rollouts=16, verify_token_ledger=True)
+
+
+def _eval() -> EvalConfig:  # all 32 held-out seeds
+    return EvalConfig(every_n_steps=20, max_prompts=0)
+
+
 @dataclasses.dataclass
 class SelfPlayConfig(ExperimentConfig):
     experiment: str = field("self-play", "Registered experiment name.")
     total_train_steps: int = field(300, "Learner steps in the run.")
     model: ModelConfig = field(factory=_model)
     dataset: DatasetConfig = field(factory=_dataset)
-    env: EnvConfig = field(factory=lambda: EnvConfig(name="nim", args=dict(PILES)))
-    gen: GenerationArgs = field(factory=lambda: GenerationArgs(max_new_tokens=3, temperature=1.0))
+    env: EnvConfig = field(factory=_env)
+    gen: GenerationArgs = field(factory=_gen)
     agent: AgentConfig = field(factory=lambda: AgentConfig(name="self-play", group_size=8,
                                                            args={"eval_opponent": "start"}))
-    rollout: RolloutConfig = field(factory=lambda: RolloutConfig(max_concurrent_rollouts=16,
-                                                                 verify_token_ledger=True))
+    rollout: RolloutConfig = field(factory=_rollout)
     learner: LearnerConfig = field(factory=_learner)
     policies: list[PolicyConfig] = field(factory=lambda: [PolicyConfig(name="start", adapter="base")],
                                          help="The frozen start, the evaluation's opponent.")
-    eval: EvalConfig = field(factory=lambda: EvalConfig(every_n_steps=20, max_prompts=0))
+    eval: EvalConfig = field(factory=_eval)
 
 
 @dataclasses.dataclass
@@ -85,17 +100,16 @@ class SelfPlayRivalsConfig(ExperimentConfig):
     total_train_steps: int = field(300, "Learner steps in the run (each policy's learner).")
     model: ModelConfig = field(factory=_model)
     dataset: DatasetConfig = field(factory=_dataset)
-    env: EnvConfig = field(factory=lambda: EnvConfig(name="nim", args=dict(PILES)))
-    gen: GenerationArgs = field(factory=lambda: GenerationArgs(max_new_tokens=3, temperature=1.0))
+    env: EnvConfig = field(factory=_env)
+    gen: GenerationArgs = field(factory=_gen)
     agent: AgentConfig = field(factory=lambda: AgentConfig(name="self-play", group_size=8, args={
         "opponent": "rival", "train_opponent": True, "eval_opponent": "start"}))
-    rollout: RolloutConfig = field(factory=lambda: RolloutConfig(max_concurrent_rollouts=16,
-                                                                 verify_token_ledger=True))
+    rollout: RolloutConfig = field(factory=_rollout)
     learner: LearnerConfig = field(factory=_learner)
     policies: list[PolicyConfig] = field(factory=lambda: [PolicyConfig(name="start", adapter="base"),
                                                           PolicyConfig(name="rival", adapter="base", trainable=True)],
                                          help="The frozen start (the evaluation's opponent) and the rival, trained.")
-    eval: EvalConfig = field(factory=lambda: EvalConfig(every_n_steps=20, max_prompts=0))
+    eval: EvalConfig = field(factory=_eval)
 
 
 register_experiment("self-play", SelfPlayConfig)

@@ -56,8 +56,9 @@ class StalenessGate:
         by_staleness = min([limit(self.version) - self.accepted] + [
             limit(v) - self.accepted - self.learner_dropped + dropped for v, dropped in self.others.values()])
         cap = min(by_staleness, self.max_concurrent) - self.running
-        if self.max_groups is not None:
-            cap = min(cap, self.max_groups - (self.accepted + self.running))
+        if self.max_groups is not None:  # the end of the run: until the policy that holds fewest has all it needs
+            held = min([self.accepted] + [self.accepted + self.learner_dropped - d for _, d in self.others.values()])
+            cap = min(cap, self.max_groups - (held + self.running))
         return max(0, cap)
 
     def try_start(self, n: int = 1) -> int:

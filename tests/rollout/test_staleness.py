@@ -106,3 +106,16 @@ def test_every_trained_policy_bounds_admission():
     assert g.capacity() == 2  # the rival's room (6 - 4), not the run's (6 - 3)
     g.others["rival"] = (2, 1)  # the rival's learner dropped one too
     assert g.capacity() == 3
+
+
+def test_the_run_ends_admitting_once_every_trained_policy_has_its_groups():
+    """A listed policy's learner that dropped more than the run's needs replacements even after the run's own
+    learner has all its groups: admission goes on until the policy that holds fewest has `max_groups`."""
+    g = StalenessGate(batch_size=2, policy=StalenessPolicy(None), max_concurrent=100, max_groups=4)
+    g.others["rival"] = (0, 0)
+    assert g.try_start(10) == 4
+    for _ in range(4):
+        g.finish(True)
+    assert g.capacity() == 0
+    g.others["rival"] = (0, 1)  # the rival's learner dropped one: it needs one more
+    assert g.try_start(10) == 1

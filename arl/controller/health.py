@@ -17,8 +17,8 @@ from typing import Any, Callable, Optional, Protocol
 from arl.controller.admission import Admission, Grant
 from arl.controller.diagnosis import describe_stall, investigate_silence, resume_hint
 from arl.controller.evaluation import EvalSchedule
-from arl.controller.recovery import (EnvLost, Fatal, InferenceLost, JoinFailed, LearnerLost, RolloutLost, give_up,
-                                    plan_failure, plan_rollback)
+from arl.controller.recovery import (EnvLost, Fatal, InferenceLost, JoinFailed, LearnerLost, PolicyLearnerLost,
+                                    RolloutLost, give_up, plan_failure, plan_rollback)
 from arl.controller.peers import Peers
 from arl.controller.reporting import ProgressWatch, Reporter
 from arl.controller.supervision import RoleLauncher, Supervisor
@@ -155,6 +155,12 @@ class Health:
             self.roster.forget((plan.role, plan.index))
             self.role_stats.pop((plan.role, plan.index), None)
             self.reporter.event("worker_lost", role=plan.role, process=name, servers=[plan.index], reason=reason)
+        elif isinstance(plan, PolicyLearnerLost):  # its successor resumes from its checkpoint (`PolicyLearners`)
+            self.roster.forget(("learner", plan.index))
+            self.roster.addresses["policy_learners"][plan.index - 1] = None
+            self.role_stats.pop(("learner", plan.index), None)
+            self.launcher.env[RESTART_ENV] = "1"  # every later start of a learner resumes
+            self.learner_lost_for = reason
         elif isinstance(plan, LearnerLost):  # its successor resumes from the newest checkpoint (`learner_back`)
             self.roster.forget(("learner", 0))
             self.roster.addresses["learner"] = None  # a lookup (a restarted rollout worker) waits for the new one

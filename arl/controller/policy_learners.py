@@ -75,9 +75,38 @@ class PolicyLearners:
                                  f"{attempts} times in a row: {msg.error[:300]}")
         await self._send(sends)
 
-    async def server_registered(self, index: int) -> None:
-        """A (restarted) server holds each policy's initial adapter: it gets the newest of each."""
-        await self._send(self.weights.registered(index))
+    async def registered(self, msg: m.Register, restarted: bool) -> None:
+        """A (restarted) server holds each policy's initial adapter: it gets the newest of each. A restarted
+        policy learner is back from its checkpoint (`learner_back`)."""
+        if msg.role == "inference":
+            await self._send(self.weights.registered(msg.index))
+        elif msg.role == "learner" and msg.index and restarted:
+            await self.learner_back(msg.index, msg.resumed, msg.address or "")
+
+    async def learner_back(self, index: int, resumed: Any, address: str) -> None:
+        """Learner `index`, restarted, resumed from its checkpoint (`Register.resumed`: version and the path of
+        its weights): every server goes back to that version of the policy, the rollout workers push to the new
+        learner, and the policy's bound counts only what the checkpoint consumed (what the lost process held or
+        trained after it is lost to this policy alone: its tokens of later versions arrive as invalid, dropped)."""
+        policy = self.weights.name(index)
+        state = resumed if isinstance(resumed, dict) else {}
+        version, path = state.get("version"), state.get("path")
+        if policy is None or type(version) is not int or version < 0 or not isinstance(path, str) or not path:
+            return self.ctl.fail(f"learner{index} restart: its resume state names no version and weights "
+                                 f"({str(resumed)[:200]})")
+        gate = self.ctl.gate
+        self.weights.drops[policy] = gate.accepted + gate.learner_dropped - version * gate.batch_size
+        await self._send(self.weights.restart(policy, version, path, self.ctl.weights.lost))
+        await self._bound(policy)
+        await self.ctl.tell_rollouts(m.LearnerRestarted(address=address, version=m.Count(version),
+                                                        policy_learner=index))
+        why, restarts = self.ctl.health.learner_lost_for, self.ctl.sup.learner_restarts
+        self.ctl.reporter.fault("policy_learner_restart", policy=policy, reason=why[:300], to_version=version,
+                                restarts=restarts)
+        line = (f"learner{index} (policy {policy!r}) died ({why[:200]}); restarted from its checkpoint v{version} "
+                f"(restart {restarts} of at most {self.ctl.sup.max_learner_restarts})")
+        logger.warning("%s; the policy's tokens of later versions still in flight are dropped as invalid", line)
+        self.ctl.reporter.say(line)
 
     async def finished(self, timeout: float) -> None:
         """The run's learner is done: give the policies' learners `timeout` s to train and report their last step

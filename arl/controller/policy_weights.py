@@ -56,6 +56,8 @@ class PolicyWeights:
         """Server `server` acked `version` of `policy`; a newer one published meanwhile goes to it now."""
         if policy not in self.acked or server not in self.servers[policy]:
             return []
+        if version > self.sent[policy][server]:  # a late ack from before the policy's learner went back
+            return []
         self.acked[policy][server] = max(self.acked[policy][server], version)
         self.failures[policy][server] = 0
         nxt = self._next(policy, server)
@@ -80,6 +82,17 @@ class PolicyWeights:
                 if nxt is not None:
                     out.append(nxt)
         return out
+
+    def restart(self, policy: str, version: int, path: str, lost: Container[int] = ()) -> list[PolicySend]:
+        """The policy's learner was restarted from its checkpoint `version` (weights at `path`): every server of
+        it loads that version, even one that has a newer one; later versions go up from there."""
+        if policy not in self.acked:
+            return []
+        self.published[policy] = (version, path)
+        for i in self.servers[policy]:
+            self.acked[policy][i] = self.sent[policy][i] = -1  # what they hold is of a lost learner
+            self.failures[policy][i] = 0
+        return [s for i in self.servers[policy] if i not in lost and (s := self._next(policy, i)) is not None]
 
     def live(self, policy: str, lost: Container[int] = ()) -> int:
         """The newest version of `policy` every server outside `lost` has loaded."""

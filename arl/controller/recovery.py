@@ -14,7 +14,7 @@ from typing import Any, Optional, Union
 from arl.controller.admission import Admission, Grant
 from arl.data.position import DataPosition
 from arl.controller.evaluation import EvalSchedule
-from arl.controller.supervision import Supervisor
+from arl.controller.supervision import Supervisor, process_role
 from arl.controller.weight_sync import Action, WeightSync
 from arl.transport import messages as m
 
@@ -133,7 +133,26 @@ class LearnerLost:
                        sup.max_learner_restarts, log_tail)
 
 
-Plan = Union[Fatal, JoinFailed, RolloutLost, InferenceLost, EnvLost, LearnerLost]
+@dataclasses.dataclass(frozen=True)
+class PolicyLearnerLost:
+    """The learner of trainable listed policy `index` (learner `index` >= 1) is restarted (restart number
+    `restarts`) from its own newest checkpoint. Nothing else waits: the run's learner and the other policies go on;
+    what the lost process held is lost to that policy alone (`PolicyLearners.learner_back` books it)."""
+
+    index: int
+    restarts: int
+    grants: tuple[Grant, ...] = ()
+    tell: tuple[m.ControlMessage, ...] = ()
+
+    def record(self, reason: str) -> Optional[tuple[str, dict[str, Any]]]:
+        return None  # written when it is back and its checkpoint's version is known
+
+    def log(self, name: str, reason: str, sup: Supervisor, log_tail: str) -> None:
+        logger.warning("%s %s; restarting it from its newest checkpoint (restart %d of at most %d); last lines of "
+                       "its log:\n%s", name, reason, self.restarts, sup.max_learner_restarts, log_tail)
+
+
+Plan = Union[Fatal, JoinFailed, RolloutLost, InferenceLost, EnvLost, LearnerLost, PolicyLearnerLost]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,6 +226,11 @@ def plan_failure(name: str, *, sup: Supervisor, admission: Admission, weights: W
         lost, grants = admission.worker_lost(index)
         sup.forget(("rollout", index))
         return RolloutLost(index, sup.restarting(name, now), lost, orphans, grants)
+    if d.action == "restart_policy_learner":
+        key = process_role(name)
+        assert key is not None
+        sup.forget(key)
+        return PolicyLearnerLost(key[1], sup.restarting(name, now))
     if d.action == "restart_learner":
         from_version = max(admission.gate.version, weights.newest or 0)
         admission.pause()

@@ -234,7 +234,7 @@ class Controller:
         await self._send_all(self.weights_link.on_register(msg, self.peers.__contains__))  # e.g. a weight group
         if msg.role == "inference":
             await self._apply(self.weights.registered(msg.index))  # a restarted server catches up, then rejoins
-            await self.policies.server_registered(msg.index)
+        await self.policies.registered(msg, restarted)  # a server gets each policy's newest; a policy learner back
         if msg.role in ("env", "judge") and restarted and msg.address:  # the rollout workers route to it again
             await self.health.rejoined(msg.role, msg.index, msg.address)
         if key == ("learner", 0) and restarted:  # back from its newest checkpoint: the run rolls back to it

@@ -283,7 +283,15 @@ class Supervisor:
             return _restart_or_stop(self.judge_restarts, self.max_judge_restarts,
                                     "judge workers (judge.inference.max_restarts)", "restart_env", registered,
                                     spawned)
-        if name == "learner" and self.max_learner_restarts > 0:  # from its newest checkpoint, under its cap
+        parsed = process_role(name)
+        if parsed is not None and parsed[0] == "learner" and self.max_learner_restarts > 0:
+            if parsed[1]:  # a trainable listed policy's learner: from its own newest checkpoint
+                return _restart_or_stop(self.learner_restarts, self.max_learner_restarts,
+                                        "learners (learner.max_restarts)", "restart_policy_learner", registered,
+                                        spawned)
+            if self.num_policy_learners:  # its rollback would leave the other policies' learners behind
+                return Decision("fatal", note="a run with trainable listed policies does not restart its own "
+                                              "learner (the run's rollback to its checkpoint is not built for them)")
             return _restart_or_stop(self.learner_restarts, self.max_learner_restarts,
                                     "learners (learner.max_restarts)", "restart_learner", registered, spawned)
         hosted = self.servers_of(name)
@@ -311,7 +319,7 @@ class Supervisor:
         if self.judge_index(name) is not None:
             self.judge_restarts += 1
             return self.judge_restarts
-        if name == "learner":
+        if (process_role(name) or ("",))[0] == "learner":
             self.learner_restarts += 1
             return self.learner_restarts
         self.restarts += 1

@@ -166,9 +166,7 @@ def _controller(cfg: ExperimentConfig, run_dir: str, bind_host: str, secret: Opt
         max_env_restarts=cfg.env.max_restarts,
         num_judge=judge_workers(cfg),
         max_judge_restarts=cfg.judge.inference.max_restarts,
-        # the run's learner rolls the run back to its checkpoint when restarted, which other policies' learners
-        # do not follow (not built): with trainable listed policies a lost learner stops the run
-        max_learner_restarts=0 if trained else cfg.learner.max_restarts,
+        max_learner_restarts=cfg.learner.max_restarts,
         num_policy_learners=len(trained),
     )
     kwargs: dict[str, Any] = dict(

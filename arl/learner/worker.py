@@ -148,6 +148,7 @@ class LearnerWorker:
         self._process_cpu = time.process_time()
         self.export_final = export_final  # called with the last step's weights (file or state dict) and version
         self.recorder = recorder
+        self.resumed_path = ""  # where the weights of the last resume are (a restarted learner's `Register`)
 
     async def receive(self) -> None:
         while True:
@@ -288,7 +289,7 @@ class LearnerWorker:
         v = self.engine.version
         if self.recorder is not None:  # a crashed incarnation's batches past the checkpoint are trained afresh
             self.recorder.forget_after(v)
-        await self.weights.publish(v, await self._export())  # a restarted run's inference workers get these
+        await self._publish_resumed(v)  # a restarted run's inference workers get these
         logger.info("resumed from checkpoint v%d (%d groups consumed, data position %s)", v, self.groups_consumed,
                     self.data_position)
         return v
@@ -305,16 +306,22 @@ class LearnerWorker:
         v = await self.resume()
         if v is None:
             v = self.engine.version
-            await self.weights.publish(v, await self._export())
+            await self._publish_resumed(v)
             logger.info("restarted without a checkpoint: starting over at version %d", v)
         st = self.stats
         st["groups_received"] = st["trained_groups"] + st["stale_groups_dropped"] + st["duplicate_prompts"]
         st["trajectories_received"] = (st["trained_trajectories"] + st["stale_trajectories_dropped"]
                                        + st["duplicate_trajectories"])
         saved = (read_checkpoint_state(self.checkpoint_dir) if self.checkpoint_dir else None) or {}
-        return {"version": v, "groups_consumed": self.groups_consumed,
+        return {"version": v, "path": self.resumed_path, "groups_consumed": self.groups_consumed,
                 "data_position": dict(saved.get("data_position") or {}), "groups_settled": st["groups_received"],
                 "trajectories_settled": st["trajectories_received"]}
+
+    async def _publish_resumed(self, version: int) -> None:
+        """Export and publish the weights a resume starts from; `resumed_path` says where they are."""
+        export = await self._export()
+        await self.weights.publish(version, export)
+        self.resumed_path = export.path
 
     async def maybe_checkpoint(self, force: bool = False) -> Optional[str]:
         v = self.engine.version

@@ -325,6 +325,14 @@ async def run_rollout(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
             env_client.server_draining(msg.index)
 
     async def on_learner_restarted(msg: LearnerRestarted) -> None:  # back from its checkpoint: push to the new one
+        if msg.policy_learner:  # a trainable listed policy's learner: its groups go to the new one, nothing rewinds
+            k = msg.policy_learner - 1
+            if 0 <= k < len(policy_pushes):
+                old, policy_pushes[k] = policy_pushes[k], make_socket(Push).connect(msg.address)
+                old.close()
+                logger.info("rollout%d: learner%d is back at %s from checkpoint v%d", index, k + 1, msg.address,
+                            msg.version)
+            return
         old, link["push"] = link["push"], make_socket(Push).connect(msg.address)
         old.close()  # what it still queued for the dead learner goes with it (those groups were lost there)
         worker.rewind_prompts(msg.position)

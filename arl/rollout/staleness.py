@@ -52,13 +52,23 @@ class StalenessGate:
         """How many more groups may start right now: under every trained policy's bound. A listed policy's
         learner holds the groups the run's learner accepted, less those it dropped and plus those the run's
         learner dropped (the gate's `accepted` already gave those back)."""
+        if not self.others:  # one trained policy: the run's
+            cap = min(self.policy.admission_limit(self.version, self.batch_size, self.admitted_eta) - self.accepted,
+                      self.max_concurrent) - self.running
+            if self.max_groups is not None:
+                cap = min(cap, self.max_groups - (self.accepted + self.running))
+            return max(0, cap)
+        # (live version, groups held) per trained policy; one that holds all the run's groups is done, and its
+        # bound no longer holds the others back (they may need more: their learners dropped more)
+        held = [(self.version, self.accepted)] + [(v, self.accepted + self.learner_dropped - dropped)
+                                                  for v, dropped in self.others.values()]
+        needing = [(v, h) for v, h in held if self.max_groups is None or h < self.max_groups]
+        if not needing:
+            return 0
         limit = lambda v: self.policy.admission_limit(v, self.batch_size, self.admitted_eta)  # noqa: E731
-        by_staleness = min([limit(self.version) - self.accepted] + [
-            limit(v) - self.accepted - self.learner_dropped + dropped for v, dropped in self.others.values()])
-        cap = min(by_staleness, self.max_concurrent) - self.running
+        cap = min(min(limit(v) - h for v, h in needing), self.max_concurrent) - self.running
         if self.max_groups is not None:  # the end of the run: until the policy that holds fewest has all it needs
-            held = min([self.accepted] + [self.accepted + self.learner_dropped - d for _, d in self.others.values()])
-            cap = min(cap, self.max_groups - (held + self.running))
+            cap = min(cap, self.max_groups - (min(h for _, h in needing) + self.running))
         return max(0, cap)
 
     def try_start(self, n: int = 1) -> int:

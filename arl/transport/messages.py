@@ -320,6 +320,7 @@ class LearnerRestarted(ControlMessage):
     address: str
     version: Count
     position: Any = None
+    policy_learner: Optional[int] = None  # k >= 1: the learner of the k-th trainable listed policy (no rewind)
 
 
 class Shutdown(ControlMessage):

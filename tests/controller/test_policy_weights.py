@@ -64,3 +64,20 @@ def test_a_placed_policy_is_sent_to_its_servers_only_and_live_there():
     pw.loaded("a", 2, 1)
     assert pw.live("a") == 1 and pw.live("b") == 0
     assert [s.policy for s in pw.registered(0)] == ["b"]
+
+
+def test_a_restarted_policy_learner_takes_every_server_back_to_its_checkpoint():
+    pw = PolicyWeights(["a"], num_servers=2)
+    pw.publish("a", 1, "a1")
+    pw.loaded("a", 0, 1)
+    pw.loaded("a", 1, 1)
+    pw.publish("a", 2, "a2")
+    pw.loaded("a", 0, 2)  # server 1 is still loading v2 when the learner dies
+    assert pw.live("a") == 1
+    # back from its checkpoint v1: both servers load v1 again, older than what server 0 has
+    assert pw.restart("a", 1, "ckpt1") == [PolicySend(0, "a", 1, "ckpt1"), PolicySend(1, "a", 1, "ckpt1")]
+    assert pw.loaded("a", 1, 2) == []  # the late ack of the lost learner's v2 is not taken
+    pw.loaded("a", 0, 1)
+    pw.loaded("a", 1, 1)
+    assert pw.live("a") == 1 and pw.publish("a", 2, "new2") == [PolicySend(0, "a", 2, "new2"),
+                                                                PolicySend(1, "a", 2, "new2")]

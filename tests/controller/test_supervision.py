@@ -32,9 +32,10 @@ def test_names():
     assert s.rollout_index("rollout1") == 1 and s.rollout_index("learner") is None
 
 
-def test_trainable_policies_learners_are_processes_of_their_own_never_restarted():
+def test_trainable_policies_learners_are_processes_of_their_own_restarted_under_the_learners_cap():
     """learner1 .. train the trainable listed policies: started with the run, expected to register, parsed back
-    from their names, and a lost one stops the run (its policy's learner state is not restarted)."""
+    from their names; a lost one is restarted (from its own checkpoint) under learner.max_restarts, while the
+    run's own learner is not restarted in such a run (its rollback is not built for the others)."""
     from arl.controller.supervision import process_role
 
     s = make(num_policy_learners=2)
@@ -46,7 +47,15 @@ def test_trainable_policies_learners_are_processes_of_their_own_never_restarted(
     assert s.process_of("learner", 2) == "learner2" and process_role("learner2") == ("learner", 2)
     assert process_role("learner") == ("learner", 0)
     register_all(s)
-    assert s.decide("learner1", registered=True, lost=set()).action == "fatal"
+    assert s.decide("learner1", registered=True, lost=set()).action == "restart_policy_learner"
+    d = s.decide("learner", registered=True, lost=set())
+    assert d.action == "fatal" and "trainable listed policies" in d.note
+    assert s.restarting("learner2", 1.0) == 1 and s.learner_restarts == 1
+    assert make(num_policy_learners=1, max_learner_restarts=0).decide("learner1", registered=True,
+                                                                     lost=set()).action == "fatal"
+    capped = make(num_policy_learners=1, max_learner_restarts=1)
+    capped.restarting("learner1", 1.0)
+    assert capped.decide("learner1", registered=True, lost=set()).action == "fatal"
 
 
 def test_rollout_restarts_up_to_the_cap_and_only_once_registered():

@@ -73,6 +73,7 @@ async def test_a_restarted_learner_resumes_from_the_checkpoint_and_says_where(tm
     # the successor: v1, 2 groups settled (g2, buffered in the checkpoint, is gone with the old process)
     w2, sent = learner(tmp_path, [("traj", group("w0.aag3", 3)), ("traj", group("w0.aag2", 2))])
     state = await w2.resume_after_loss()
+    assert state.pop("path").endswith("v1.safetensors")  # where the weights it starts from are (a policy's learner)
     assert state == {"version": 1, "groups_consumed": 2, "data_position": {"0": {"low": 2, "above": []}},
                      "groups_settled": 2, "trajectories_settled": 4}
     assert w2.stats["groups_received"] == 2 and w2.stats["trajectories_received"] == 4
@@ -85,6 +86,8 @@ async def test_a_restarted_learner_resumes_from_the_checkpoint_and_says_where(tm
 @pytest.mark.asyncio
 async def test_without_a_checkpoint_a_restarted_learner_starts_over_at_version_0_and_exports_it(tmp_path):
     w, _ = learner(tmp_path, [])
-    assert await w.resume_after_loss() == {"version": 0, "groups_consumed": 0, "data_position": {},
-                                           "groups_settled": 0, "trajectories_settled": 0}
+    state = await w.resume_after_loss()
+    assert state.pop("path").endswith("v0.safetensors")
+    assert state == {"version": 0, "groups_consumed": 0, "data_position": {}, "groups_settled": 0,
+                     "trajectories_settled": 0}
     assert open(tmp_path / "weights" / "v0.safetensors").read() == "v0"

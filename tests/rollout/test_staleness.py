@@ -119,3 +119,15 @@ def test_the_run_ends_admitting_once_every_trained_policy_has_its_groups():
     assert g.capacity() == 0
     g.others["rival"] = (0, 1)  # the rival's learner dropped one: it needs one more
     assert g.try_start(10) == 1
+
+
+def test_a_policy_with_all_its_groups_does_not_hold_back_one_that_needs_more():
+    """The run's learner has its last groups (it trains no more): its bound no longer counts, so a listed policy
+    whose learner went back (a restart) or dropped more still gets groups, under its own bound."""
+    g = StalenessGate(batch_size=2, policy=StalenessPolicy(0), max_concurrent=100, max_groups=4)
+    g.others["rival"] = (0, 0)
+    g.version, g.accepted = 2, 4  # the run's learner is done: it holds all 4
+    g.others["rival"] = (1, 2)  # the rival holds 2 (it dropped 2) at live version 1: its bound (1 + 0 + 1) * 2
+    assert g.capacity() == 2
+    g.others["rival"] = (1, 0)  # it holds all 4 too: nothing more for anyone
+    assert g.capacity() == 0

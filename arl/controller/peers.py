@@ -52,8 +52,8 @@ class Peers:
         resumes). `fingerprint`: what the run runs (`arl.utils.fingerprint`): a role that registers with another is
         refused. `retired`: role -> indices scaled out of the run (the supervisor's): no address is awaited.
         `num_policy_learners`: learners 1.. of trainable listed policies (`Addresses.policy_learners`)."""
-        self.limits = {"inference": num_inference, "learner": 1 + num_policy_learners, "rollout": num_rollout, "env": num_env,
-                       "judge": num_judge}
+        self.limits = {"inference": num_inference, "learner": 1 + num_policy_learners, "rollout": num_rollout,
+                       "env": num_env, "judge": num_judge}
         self.process_of, self.path, self.fingerprint = process_of, path, fingerprint
         self.retired = retired if retired is not None else {}
         self.peers: dict[Key, bytes] = {}  # (role, index) -> router identity

@@ -27,28 +27,29 @@ def learner_actor(cfg: ExperimentConfig, policy: Optional[str] = None) -> tuple[
     return actor, backend
 
 
-def policy_learner(cfg: ExperimentConfig, index: int) -> tuple[ExperimentConfig, Optional[str], str]:
+def policy_learner(cfg: ExperimentConfig, index: int) -> tuple[ExperimentConfig, Optional[str], tuple[str, ...]]:
     """Learner `index`'s view of the run: (the config it trains by, the policy it trains, the subfolder of the
-    run's weights and checkpoints it writes). Index 0 is the run's own policy's learner; index k >= 1
-    trains the k-th trainable listed policy (`docs/multi_policy.md`) with its learner section, its own seed."""
+    run's weights and checkpoints it writes: none, or policies/<name>). Index 0 is the run's own policy's
+    learner; index k >= 1 trains the k-th trainable listed policy (`docs/multi_policy.md`) with its learner
+    section, its own seed."""
     if index == 0:
-        return cfg, None, ""
+        return cfg, None, ()
     policies = trainable_policies(cfg)
     if not 1 <= index <= len(policies):
         raise ValueError(f"learner {index}: the run trains {len(policies)} listed policies")
     p = policies[index - 1]
     pcfg = dataclasses.replace(cfg, learner=policy_learner_config(cfg, p), seed=cfg.seed + 1000 * index)
-    return pcfg, p.name, os.path.join("policies", p.name)
+    return pcfg, p.name, ("policies", p.name)
 
 
-def learner_weights(cfg: ExperimentConfig, run_dir: str, device: Any, sub: str = "") -> Any:
+def learner_weights(cfg: ExperimentConfig, run_dir: str, device: Any, sub: tuple[str, ...] = ()) -> Any:
     """Learner rank 0's side of the configured weight transport (`arl.weights.strategy`); `device`: the
     engine's; `sub`: a trainable listed policy's subfolder of the run's weights."""
     from arl.learner.export import tied_aliases
     from arl.weights.strategy import make_transport
 
     return make_transport(weights_settings(cfg)).learner(
-        weights_dir=os.path.join(run_dir, "weights", sub), keep_versions=cfg.learner.keep_weight_versions,
+        weights_dir=os.path.join(run_dir, "weights", *sub), keep_versions=cfg.learner.keep_weight_versions,
         host=host_address(cfg.bind_host), secret=SOCKET_OPTIONS.get("secret"), device=device,
         skip_names=lambda: tied_aliases(cfg.model.path))
 
@@ -90,13 +91,13 @@ async def run_learner(cfg: ExperimentConfig, ctl: ControlChannel, index: int, ru
         total_steps=cfg.total_train_steps,
         weights=weights_side,
         staleness=actor.staleness,  # the actor's own: one rule for the group drop and the token mask
-        checkpoint_dir=os.path.join(run_dir, "checkpoints", sub),
+        checkpoint_dir=os.path.join(run_dir, "checkpoints", *sub),
         checkpoint_every=lc.checkpoint_every,
         keep_checkpoints=lc.keep_checkpoints,
         vocab_size=vocab_size(cfg) if real else None,
         export_final=write_final if real else None,
         recorder=batch_recorder(cfg, run_dir) if lc.record_batches and policy is None else None,
-        books_groups=policy is None,  # the run's learner settles groups at the controller; a policy's counts
+        books_groups=policy is None,  # the run's learner settles groups; a listed policy's keeps its own books
     )
 
     # the controller's prune_weights: no server reads versions below msg.below again

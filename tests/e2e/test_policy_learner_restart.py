@@ -13,7 +13,8 @@ import sys
 
 import pytest
 
-from tests.e2e.test_end_to_end import MAIN, ROOT, _worker_pids, leftover_processes, model_cache, read_metrics  # noqa: F401
+from tests.e2e.test_end_to_end import MAIN, ROOT, _worker_pids, leftover_processes, model_cache, \
+    read_metrics  # noqa: F401
 from tests.waiting import wait_until
 
 pytest.importorskip("peft")

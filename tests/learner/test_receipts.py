@@ -78,7 +78,8 @@ async def test_a_listed_policys_learner_books_no_group_and_checks_only_its_own_t
                            books_groups=False)
     task = asyncio.create_task(worker.receive())
     for _ in range(200):
-        if worker.stats["groups_received"] + worker.stats["groups_without_policy"] + worker.stats["invalid_groups"] == 3:
+        st = worker.stats
+        if st["groups_received"] + st["groups_without_policy"] + st["invalid_groups"] == 3:
             break
         await asyncio.sleep(0.01)
     task.cancel()

@@ -24,7 +24,7 @@ def process_role(name: str) -> Optional[tuple[str, int]]:
         return "learner", 0
     for role in ("inference", "rollout", "env", "judge", "learner"):
         tail = name[len(role):]
-        if name.startswith(role) and tail.isdigit():
+        if name.startswith(role) and tail.isdigit() and (role != "learner" or tail[0] != "0"):  # 'learner0': no
             return role, int(tail)
     return None
 

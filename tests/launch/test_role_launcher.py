@@ -52,6 +52,7 @@ def test_the_ray_launcher_implements_the_whole_protocol() -> None:
 def test_process_names_are_parsed_in_one_place() -> None:
     assert [process_role(n) for n in ("inference3", "learner", "rollout12")] == [("inference", 3), ("learner", 0),
                                                                                   ("rollout", 12)]
+    assert process_role("learner2") == ("learner", 2)  # a trainable listed policy's learner
     assert [process_role(n) for n in ("inferencex", "learner-rank1", "rollout", "learner0", "evaluator1")] == \
         [None] * 5
     s = Supervisor(num_inference=4, num_rollout=2, servers_per_process=2, startup_timeout=1.0)

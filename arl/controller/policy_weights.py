@@ -50,7 +50,7 @@ class PolicyWeights:
         if policy not in self.acked or version <= self.published.get(policy, (-1, ""))[0]:
             return []
         self.published[policy] = (version, path)
-        return [s for i in self.servers[policy] if i not in lost and (s := self._next(policy, i)) is not None]
+        return self._to_servers(policy, lost)
 
     def loaded(self, policy: str, server: int, version: int) -> list[PolicySend]:
         """Server `server` acked `version` of `policy`; a newer one published meanwhile goes to it now."""
@@ -92,7 +92,7 @@ class PolicyWeights:
         for i in self.servers[policy]:
             self.acked[policy][i] = self.sent[policy][i] = -1  # what they hold is of a lost learner
             self.failures[policy][i] = 0
-        return [s for i in self.servers[policy] if i not in lost and (s := self._next(policy, i)) is not None]
+        return self._to_servers(policy, lost)
 
     def live(self, policy: str, lost: Container[int] = ()) -> int:
         """The newest version of `policy` every server outside `lost` has loaded."""
@@ -132,6 +132,10 @@ class PolicyWeights:
         """The oldest version of `policy` a server may still read (sent or loaded); older files can go."""
         return min((min(self.acked[policy][i], self.sent[policy][i]) for i in self.servers[policy]
                     if i not in lost), default=0)
+
+    def _to_servers(self, policy: str, lost: Container[int]) -> list[PolicySend]:
+        """The newest version of `policy` to each of its servers outside `lost` that is not loading one."""
+        return [s for i in self.servers[policy] if i not in lost and (s := self._next(policy, i)) is not None]
 
     def _next(self, policy: str, server: int) -> Optional[PolicySend]:
         newest = self.published.get(policy)

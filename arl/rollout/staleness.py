@@ -52,14 +52,8 @@ class StalenessGate:
         """How many more groups may start right now: under every trained policy's bound. A listed policy's
         learner holds the groups the run's learner accepted, less those it dropped and plus those the run's
         learner dropped (the gate's `accepted` already gave those back)."""
-        if not self.others:  # one trained policy: the run's
-            cap = min(self.policy.admission_limit(self.version, self.batch_size, self.admitted_eta) - self.accepted,
-                      self.max_concurrent) - self.running
-            if self.max_groups is not None:
-                cap = min(cap, self.max_groups - (self.accepted + self.running))
-            return max(0, cap)
-        # (live version, groups held) per trained policy; one that holds all the run's groups is done, and its
-        # bound no longer holds the others back (they may need more: their learners dropped more)
+        # (live version, groups held) per trained policy (the run's alone without `others`); one that holds all
+        # the run's groups is done, and its bound no longer holds the others back (their learners dropped more)
         held = [(self.version, self.accepted)] + [(v, self.accepted + self.learner_dropped - dropped)
                                                   for v, dropped in self.others.values()]
         needing = [(v, h) for v, h in held if self.max_groups is None or h < self.max_groups]

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -83,6 +84,7 @@ def read_run(run_dir: str, collapse_drop: float = 0.15) -> dict[str, Any]:
         "acc": float(evals[-1]["first_acc"]),
         "solved": float(evals[-1]["solved_acc"]),
         "steps": int(evals[-1]["step"]),
+        "last_step": max((int(r["step"]) for r in trains), default=0),
         "head_mean": statistics.fmean(heads) if heads else 0.0,
         "head_max": max(heads) if heads else 0.0,
         "capped_frac": statistics.fmean(float(r.get("capped_frac", 0.0)) for r in trains) if trains else 0.0,
@@ -99,9 +101,35 @@ def read_run(run_dir: str, collapse_drop: float = 0.15) -> dict[str, Any]:
     }
 
 
+def run_with_budget(argv: list[str], log: str, timeout: float, budget: Optional[float] = None,
+                    grace: float = 120.0) -> tuple[int, bool]:
+    """Run `argv` (output to `log`); past `budget` seconds interrupt it (SIGINT, then a kill after `grace`) and
+    return ``(exit code, True)``; past `timeout` (with no smaller budget) kill it and raise TimeoutExpired."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+        cutting = budget is not None and budget < timeout
+        try:
+            return proc.wait(timeout=budget if cutting else timeout), False
+        except subprocess.TimeoutExpired:
+            if not cutting:
+                proc.kill()
+                proc.wait()
+                raise
+        proc.send_signal(signal.SIGINT)
+        try:
+            return proc.wait(timeout=grace), True
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait(), True
+
+
 def run_one(eta: int, variant: str, seed: int, steps: Optional[int], run_root: str, extra: list[str],
-            timeout: float, collapse_drop: float = 0.15) -> dict[str, Any]:
-    """One whole run; ``variant='auto'`` steers eta itself, up to `eta` (``staleness_auto.eta_max``)."""
+            timeout: float, collapse_drop: float = 0.15, budget: Optional[float] = None) -> dict[str, Any]:
+    """One whole run; ``variant='auto'`` steers eta itself, up to `eta` (``staleness_auto.eta_max``).
+
+    ``budget``: seconds after which the run is interrupted (SIGINT: the launcher stops every role) and read as far as
+    it got (``cut`` in the result). A collapsed run can take 5-10x a healthy one (its groups are all wrong, so
+    uniform and filtered: the learner starves), which would otherwise decide how many runs an ablation affords."""
     name = f"eta{'auto' if variant == 'auto' else eta}-{variant}-s{seed}"
     knobs = [f"staleness_auto.eta_max={eta}", f"staleness_auto.eta_start={min(2, eta)}"] if variant == "auto" \
         else [f"max_head_offpolicyness={eta}"]
@@ -111,14 +139,15 @@ def run_one(eta: int, variant: str, seed: int, steps: Optional[int], run_root: s
     t0 = time.monotonic()
     log = os.path.join(run_root, f"{name}.out")
     os.makedirs(run_root, exist_ok=True)
-    with open(log, "w") as out:
-        proc = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT)
+    code, cut = run_with_budget(argv, log, timeout, budget)
     wall = time.monotonic() - t0
-    if proc.returncode != 0:
-        raise RuntimeError(f"run {name} failed with code {proc.returncode}; see {log}")
+    if code != 0 and not cut:
+        raise RuntimeError(f"run {name} failed with code {code}; see {log}")
     res = read_run(os.path.join(run_root, name), collapse_drop)
-    res.update(eta="auto" if variant == "auto" else eta, objective=variant, seed=seed, wall_s=wall, name=name)
-    print(f"{name}: acc {res['acc0']:.3f} -> {res['acc']:.3f} (best {res['best_acc']:.3f}, collapse at "
+    res.update(eta="auto" if variant == "auto" else eta, objective=variant, seed=seed, wall_s=wall, name=name,
+               cut=cut)
+    print(f"{name}: {'cut at the budget, ' if cut else ''}acc {res['acc0']:.3f} -> {res['acc']:.3f} "
+          f"(best {res['best_acc']:.3f}, collapse at "
           f"{res['collapse_step']}), head staleness mean {res['head_mean']:.2f} max {res['head_max']:.0f}, "
           f"{res['groups_per_s']:.2f} groups/s, {wall:.0f}s", flush=True)
     return res
@@ -134,7 +163,8 @@ def table(results: list[dict[str, Any]], etas: list[Any], seeds: list[int]) -> s
             rs = [r for r in results if r["eta"] == eta and r["objective"] == obj]
             if not rs:
                 continue
-            accs = ", ".join(f"{r['acc']:.3f}" for r in sorted(rs, key=lambda r: r["seed"]))
+            accs = ", ".join(f"{r['acc']:.3f}{' (cut at step ' + str(r['last_step']) + ')' if r.get('cut') else ''}"
+                             for r in sorted(rs, key=lambda r: r["seed"]))
             falls = [str(r["collapse_step"]) for r in rs if r.get("collapse_step") is not None]
             kls = [r["mismatch_kl"] for r in rs if r.get("mismatch_kl") is not None]
             eta_txt = f"auto (mean {statistics.fmean(r['eta_mean'] for r in rs):.1f})" if eta == "auto" else eta
@@ -211,7 +241,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--doc", default=os.path.join(ROOT, "docs", "benchmarks.md"))
     ap.add_argument("--no-doc", action="store_true", help="do not touch docs/benchmarks.md")
     ap.add_argument("--section", default=SECTION, help="the section of --doc this table replaces (or appends)")
-    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds one run may take")
+    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds one run may take (then: an error)")
+    ap.add_argument("--run-budget", type=float, default=None,
+                    help="seconds after which a run is interrupted and kept as far as it got (marked 'cut')")
     ap.add_argument("--note", default="", help="text added under the table (machine load, reading, ...)")
     ap.add_argument("--from-runs", default="", help="rebuild the table from the finished runs listed in this "
                     "folder's results.json instead of running anything")
@@ -230,12 +262,21 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.steps = args.steps or max(r["steps"] for r in results)  # what the runs did
     plan = [(eta, v) for eta in args.etas for v in args.variants if v != "auto"]
     plan += [(max(args.etas), "auto")] if "auto" in args.variants else []
+    done = os.path.join(args.run_root, "results.json")
+    if not args.from_runs and os.path.exists(done):  # an interrupted or earlier ablation in this folder: add to it
+        with open(done) as f:
+            results = json.load(f)
+        print(f"{len(results)} runs already in {done}: kept, not run again")
     for seed in [] if args.from_runs else args.seeds:
         for eta, variant in plan:
+            key = ("auto" if variant == "auto" else eta, variant, seed)
+            if any((r["eta"], r["objective"], r["seed"]) == key for r in results):
+                continue
             results.append(run_one(eta, variant, seed, args.steps, args.run_root, extra, args.timeout,
-                                   args.collapse_drop))
+                                   args.collapse_drop, args.run_budget))
             with open(os.path.join(args.run_root, "results.json"), "w") as f:
                 json.dump(results, f, indent=1)
+    args.etas = sorted({*args.etas, *(r["eta"] for r in results if r["eta"] != "auto")})
     tbl = table(results, args.etas, args.seeds)
     print(tbl)
     if not args.no_doc:

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -212,3 +213,57 @@ def test_ablate_staleness_collapse_step_is_the_first_eval_far_below_the_best_bef
     assert collapse_step([(0, 0.3), (25, 0.6), (50, 0.5), (75, 0.44), (100, 0.7)], 0.15) == 75
     assert collapse_step([(0, 0.3), (25, 0.6), (50, 0.5)], 0.15) is None
     assert collapse_step([], 0.15) is None
+
+
+def _ablation_module():
+    sys.path.insert(0, SCRIPTS)
+    try:
+        import ablate_staleness
+    finally:
+        sys.path.remove(SCRIPTS)
+    return ablate_staleness
+
+
+def test_ablate_staleness_budget_interrupts_a_run_and_keeps_it(tmp_path):
+    """Past its budget a run gets SIGINT (the launcher's clean stop) and counts as cut, not as a failure; without a
+    budget the timeout still raises."""
+    mod = _ablation_module()
+    child = ("import signal, sys, time\n"
+             "signal.signal(signal.SIGINT, lambda *a: (print('stopping', flush=True), sys.exit(0)))\n"
+             "print('started', flush=True)\n"
+             "time.sleep(60)\n")
+    log = str(tmp_path / "run.out")
+    t0 = time.monotonic()
+    assert mod.run_with_budget([sys.executable, "-c", child], log, timeout=60, budget=1.5) == (0, True)
+    assert time.monotonic() - t0 < 30
+    assert open(log).read().split() == ["started", "stopping"]
+    assert mod.run_with_budget([sys.executable, "-c", "pass"], log, timeout=60, budget=30) == (0, False)
+    with pytest.raises(subprocess.TimeoutExpired):
+        mod.run_with_budget([sys.executable, "-c", child], log, timeout=1.5)
+
+
+def test_ablate_staleness_adds_to_an_earlier_ablation_in_its_folder(tmp_path, monkeypatch, capsys):
+    """A second invocation with the same --run-root runs only what is missing and tables both."""
+    mod = _ablation_module()
+    calls = []
+
+    def fake(eta, variant, seed, steps, run_root, extra, timeout, collapse_drop, budget):
+        calls.append((eta, variant, seed, budget))
+        return {"eta": "auto" if variant == "auto" else eta, "objective": variant, "seed": seed, "acc": 0.5,
+                "acc0": 0.3, "best_acc": 0.5, "collapse_step": None, "head_mean": 1.0, "head_max": 2,
+                "capped_frac": 0.0, "clip_frac": 0.0, "mismatch_kl": 1e-4, "groups_per_s": 9.0, "wall_s": 10.0,
+                "steps": 100, "last_step": 60 if variant == "cispo" else 100, "cut": variant == "cispo",
+                "eta_mean": None, "name": f"{variant}{eta}s{seed}"}
+
+    monkeypatch.setattr(mod, "run_one", fake)
+    root = str(tmp_path / "abl")
+    os.makedirs(root)
+    with open(os.path.join(root, "results.json"), "w") as f:
+        json.dump([fake(1, "tis", 1, None, root, [], 1, 0.15, None)], f)
+    calls.clear()
+    assert mod.main(["--etas", "1", "4", "--variants", "tis", "cispo", "--seeds", "1", "--run-root", root,
+                     "--no-doc", "--run-budget", "240"]) == 0
+    assert calls == [(1, "cispo", 1, 240.0), (4, "tis", 1, 240.0), (4, "cispo", 1, 240.0)]
+    assert len(json.load(open(os.path.join(root, "results.json")))) == 4
+    out = capsys.readouterr().out
+    assert "| 1 | tis | 0.500 |" in out and "| 4 | cispo | 0.500 (cut at step 60) |" in out

@@ -736,7 +736,8 @@ class StalenessAutoConfig:
 
     eta_min: int = field(1, "The lowest eta the controller admits at.")
     eta_max: int = field(8, "The highest eta it admits at: the learner's bound (groups older are dropped).")
-    eta_start: int = field(2, "The eta the run starts at.")
+    eta_start: int = field(1, "The eta the run starts at (the safest: early steps move the policy most; it "
+                                  "rises while the learner stays healthy).")
     raise_after: int = field(10, "Healthy steps in a row before eta goes up by one (and after any change).")
     mismatch_kl_max: float = field(0.01, "Unhealthy when the step's mismatch_kl exceeds this (prime-rl asks a "
                                          "model for < 0.015).")

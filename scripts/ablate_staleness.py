@@ -131,8 +131,7 @@ def run_one(eta: int, variant: str, seed: int, steps: Optional[int], run_root: s
     it got (``cut`` in the result). A collapsed run can take 5-10x a healthy one (its groups are all wrong, so
     uniform and filtered: the learner starves), which would otherwise decide how many runs an ablation affords."""
     name = f"eta{'auto' if variant == 'auto' else eta}-{variant}-s{seed}"
-    knobs = [f"staleness_auto.eta_max={eta}", f"staleness_auto.eta_start={min(2, eta)}"] if variant == "auto" \
-        else [f"max_head_offpolicyness={eta}"]
+    knobs = [f"staleness_auto.eta_max={eta}"] if variant == "auto" else [f"max_head_offpolicyness={eta}"]
     argv = [sys.executable, os.path.join(ROOT, "training", "main_async_ppo.py"), *knobs, *VARIANTS[variant],
             f"seed={seed}", f"run_dir={run_root}",
             f"run_name={name}", "progress=false", *([f"total_train_steps={steps}"] if steps else []), *extra]

@@ -273,7 +273,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 continue
             results.append(run_one(eta, variant, seed, args.steps, args.run_root, extra, args.timeout,
                                    args.collapse_drop, args.run_budget))
-            with open(os.path.join(args.run_root, "results.json"), "w") as f:
+            with open(done, "w") as f:
                 json.dump(results, f, indent=1)
     args.etas = sorted({*args.etas, *(r["eta"] for r in results if r["eta"] != "auto")})
     tbl = table(results, args.etas, args.seeds)

@@ -205,11 +205,7 @@ def test_ablate_staleness_smoke_with_a_correction_and_auto_eta(tmp_path):
 
 
 def test_ablate_staleness_collapse_step_is_the_first_eval_far_below_the_best_before_it():
-    sys.path.insert(0, SCRIPTS)
-    try:
-        from ablate_staleness import collapse_step
-    finally:
-        sys.path.remove(SCRIPTS)
+    collapse_step = _ablation_module().collapse_step
     assert collapse_step([(0, 0.3), (25, 0.6), (50, 0.5), (75, 0.44), (100, 0.7)], 0.15) == 75
     assert collapse_step([(0, 0.3), (25, 0.6), (50, 0.5)], 0.15) is None
     assert collapse_step([], 0.15) is None

@@ -192,6 +192,9 @@ class TorchEngineConfig:
     prefix_cache_tokens: int = field(32768, "Token budget of the prefix KV cache: a request extending a finished "
                                             "sequence (the next turn of a chat) prefills only its new tokens; "
                                             "least recently used evicted, cleared at every weight update; 0 = off.")
+    lean_forward: bool = field(True, "Llama / Mistral / Qwen2 / Qwen3 models run through the engine's lean forward "
+                                     "(the model's arithmetic without HF's per-call machinery, "
+                                     "arl/inference/lean_forward.py); false: the model's own forward.")
 
     def __post_init__(self) -> None:
         _require([(self.prefix_cache_tokens >= 0,

@@ -183,36 +183,57 @@ async def run_chats(engine: TorchEngine, *, groups: int, group_size: int, turns:
             **{k: after[k] - before[k] for k in ("prefill_tokens", "prefill_forwards", "decode_forwards")}}
 
 
-async def measure_prefix_cache(model: torch.nn.Module, args: argparse.Namespace) -> dict[str, Any]:
-    """CPU per turn of multi-turn chats with the prefix cache on and off, alternating rounds."""
+async def alternate_chats(model: torch.nn.Module, args: argparse.Namespace,
+                          cases: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], dict[str, TorchEngine]]:
+    """The multi-turn chats through one engine per case (`cases`: name -> TorchEngine keyword arguments), rounds
+    alternating their order; per case the CPU per turn of each round and the median counters. The engines are
+    returned closed, for their stats."""
     shape = dict(groups=args.chat_groups, group_size=args.chat_group_size, turns=args.chat_turns,
                  prompt_len=args.chat_prompt_len, feedback_len=args.chat_feedback_len, max_new=args.chat_max_new,
                  vocab=args.vocab)
     max_ctx = args.chat_prompt_len + args.chat_turns * (args.chat_max_new + args.chat_feedback_len) + 1
     engines = {name: TorchEngine(model, pad_token_id=0, eos_token_id=None, max_batch_size=args.chat_batch_size,
-                                 max_context_len=max_ctx, seed=args.seed, name=f"bench-{name}",
-                                 prefix_cache_tokens=tokens)
-               for name, tokens in (("off", 0), ("on", args.chat_cache_tokens))}
-    runs: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
+                                 max_context_len=max_ctx, seed=args.seed, name=f"bench-{name}", **kw)
+               for name, kw in cases.items()}
+    names = list(cases)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     try:
-        for name, engine in engines.items():  # warm-up (first-call allocations)
+        for engine in engines.values():  # warm-up (first-call allocations)
             await run_chats(engine, **{**shape, "groups": 1}, seed=10_000)
         for k in range(args.chat_rounds):
-            for name in (("on", "off") if k % 2 == 0 else ("off", "on")):
+            for name in (names if k % 2 == 0 else names[::-1]):
                 runs[name].append(await run_chats(engines[name], **shape, seed=args.seed + k))
-        hits = engines["on"].stats()
     finally:
         for engine in engines.values():
             await engine.close()
-    out: dict[str, Any] = {"shape": shape, "rounds": args.chat_rounds, "cache_tokens": args.chat_cache_tokens,
-                           "prefix_hits": hits["prefix_hits"], "prefix_hit_tokens": hits["prefix_hit_tokens"]}
+    out: dict[str, Any] = {"shape": shape, "rounds": args.chat_rounds}
     for name, rs in runs.items():
         out[name] = {"cpu_ms_per_turn": [1000 * r["cpu_s"] / r["turns"] for r in rs],
                      "prefill_tokens_per_turn": statistics.median(r["prefill_tokens"] / r["turns"] for r in rs),
                      "prefill_forwards": statistics.median(r["prefill_forwards"] for r in rs),
                      "decode_forwards": statistics.median(r["decode_forwards"] for r in rs)}
         out[name]["cpu_ms_per_turn_median"] = statistics.median(out[name]["cpu_ms_per_turn"])
+    return out, engines
+
+
+async def measure_prefix_cache(model: torch.nn.Module, args: argparse.Namespace) -> dict[str, Any]:
+    """CPU per turn of multi-turn chats with the prefix cache on and off, alternating rounds."""
+    out, engines = await alternate_chats(model, args, {"on": dict(prefix_cache_tokens=args.chat_cache_tokens),
+                                                       "off": dict(prefix_cache_tokens=0)})
+    hits = engines["on"].stats()
+    out.update(cache_tokens=args.chat_cache_tokens, prefix_hits=hits["prefix_hits"],
+               prefix_hit_tokens=hits["prefix_hit_tokens"])
     out["cpu_ratio_off_vs_on"] = out["off"]["cpu_ms_per_turn_median"] / out["on"]["cpu_ms_per_turn_median"]
+    return out
+
+
+async def measure_lean_forward(model: torch.nn.Module, args: argparse.Namespace) -> dict[str, Any]:
+    """CPU per turn of the same chats (prefix cache on, as the run has it) through the engine's lean forward and
+    through the model's own HF forward, alternating rounds; both produce the same tokens."""
+    cache = dict(prefix_cache_tokens=args.chat_cache_tokens)
+    out, _ = await alternate_chats(model, args, {"lean": dict(cache, lean_forward=True),
+                                                 "hf": dict(cache, lean_forward=False)})
+    out["cpu_ratio_hf_vs_lean"] = out["hf"]["cpu_ms_per_turn_median"] / out["lean"]["cpu_ms_per_turn_median"]
     return out
 
 
@@ -419,6 +440,10 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
               f"= {pc['cpu_ratio_off_vs_on']:.2f}x; prefill tokens per turn "
               f"on {pc['on']['prefill_tokens_per_turn']:.1f}, off {pc['off']['prefill_tokens_per_turn']:.1f}",
               flush=True)
+        lf = res["lean_forward"] = asyncio.run(measure_lean_forward(model, args))
+        print(f"lean forward, the same chats (prefix cache on, {lf['rounds']} rounds each, alternating): CPU per turn "
+              f"lean {lf['lean']['cpu_ms_per_turn_median']:.2f} ms, HF forward {lf['hf']['cpu_ms_per_turn_median']:.2f} "
+              f"ms = {lf['cpu_ratio_hf_vs_lean']:.2f}x", flush=True)
 
     if args.loras > 0:
         ml = res["multi_lora"] = asyncio.run(measure_multi_lora(model, prompts, lengths, args, max_ctx))

@@ -47,6 +47,7 @@ def _torch_engine(model_path: str, inference: InferenceConfig, *, seed: int, ind
                          max_batch_size=inference.max_batch_size, max_context_len=inference.max_context_len,
                          device=inference.device, version=0, seed=server_seed(seed, index), name=f"inference{index}",
                          prefix_cache_tokens=inference.torch.prefix_cache_tokens,
+                         lean_forward=inference.torch.lean_forward,
                          max_loras=named_policies + 1 if named_policies else 0,
                          max_lora_rank=max(named_rank, lora["lora"].rank if lora.get("lora") else 0, 1))
     engine.start()

@@ -61,6 +61,7 @@ from safetensors.torch import load_file
 from transformers import DynamicCache
 
 from arl.api.types import GenerateRequest, GenerateResponse, GenerationConfig, SampleOutput
+from arl.inference.lean_forward import LeanForward, lean_forward_for
 from arl.inference.multi_lora import LoraSlots, LoraUpdate
 from arl.inference.prefix_cache import KV, Entry, PrefixCache, Storage
 from arl.inference.running_kv import RunningKV
@@ -168,12 +169,15 @@ class TorchEngine:
             rows of different policies decode in one batch); 0: none. A request names its policy
             (`GenerateRequest.policy`); `update_weights(..., policy=name)` loads or updates one.
         max_lora_rank: most rank of such a policy's adapter.
+        lean_forward: run Llama / Mistral / Qwen2 / Qwen3 models through `arl.inference.lean_forward` (the same
+            arithmetic without HF's per-call machinery: ~1 ms less a decode forward on the tiny model); False, or another
+            architecture: the model's own forward.
     """
 
     def __init__(self, model: torch.nn.Module, *, pad_token_id: int, eos_token_id: int | Sequence[int] | None,
                  max_batch_size: int = 64, max_context_len: int = 512, device: str = "cpu", version: int = 0,
                  seed: int = 0, name: str = "engine", prefix_cache_tokens: int = 0, max_loras: int = 0,
-                 max_lora_rank: int = 16) -> None:
+                 max_lora_rank: int = 16, lean_forward: bool = True) -> None:
         check_limits(max_batch_size, max_context_len)
         _check_attention_supported(getattr(model, "config", None), int(max_context_len))
         self.name = name
@@ -195,6 +199,8 @@ class TorchEngine:
             self._has_logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         except (TypeError, ValueError):
             self._has_logits_to_keep = False
+        # the model's arithmetic without HF's per-call machinery, for the families it reproduces (else None)
+        self._lean: Optional[LeanForward] = lean_forward_for(self.model) if lean_forward else None
 
         # Shared between callers and the decode thread, guarded by _cv's lock.
         self._cv = threading.Condition(threading.Lock())
@@ -551,11 +557,13 @@ class TorchEngine:
     def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor,
                  cache: DynamicCache, slots: Sequence[int]) -> torch.Tensor:
         """The last position's logits; row i with LoRA slot `slots[i]` (0: the engine's own weights)."""
-        kwargs: dict[str, Any] = dict(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
-                                      past_key_values=cache, use_cache=True)
-        if self._has_logits_to_keep:
-            kwargs["logits_to_keep"] = 1
         with self._loras.rows(slots) if self._loras is not None else contextlib.nullcontext():
+            if self._lean is not None:
+                return self._lean(input_ids, mask, position_ids, cache)
+            kwargs: dict[str, Any] = dict(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
+                                          past_key_values=cache, use_cache=True)
+            if self._has_logits_to_keep:
+                kwargs["logits_to_keep"] = 1
             out = self.model(**kwargs)
         return out.logits[:, -1, :].float()
 

@@ -534,7 +534,7 @@ async def test_batching_uses_fewer_steps_than_sequential(model):
 @pytest.mark.asyncio
 async def test_step_exception_fails_requests_and_keeps_serving(model, caplog):
     engine = make_engine(model)
-    real_forward = engine.model.forward
+    real_forward = engine._forward  # the engine's one model call (the lean forward or the model's own)
     calls = {"n": 0}
 
     def flaky(*args, **kwargs):
@@ -543,7 +543,7 @@ async def test_step_exception_fails_requests_and_keeps_serving(model, caplog):
             raise RuntimeError("boom")
         return real_forward(*args, **kwargs)
 
-    engine.model.forward = flaky  # type: ignore[method-assign]
+    engine._forward = flaky  # type: ignore[method-assign]
     with caplog.at_level(logging.ERROR, logger="arl.inference"):
         r = await engine.agenerate(req("x", prompt(19, 4), greedy=True, max_new_tokens=8))
     assert r.samples == [] and r.error and "boom" in r.error

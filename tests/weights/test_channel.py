@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import time
 from typing import Any, AsyncIterator
 
 import pytest
@@ -49,10 +50,19 @@ def state_without_lm_head(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 async def test_publisher_sends_the_newest_to_a_torch_engine_between_decode_steps():
     old, new1, new2 = make_model(0, tie=True), make_model(1, tie=True), make_model(2, tie=True)
     async with linked(old, bucket_bytes=16 << 10) as (engine, publisher, loader):  # several buckets
-        # a request in flight across the update keeps going; tokens after it carry the new version
+        # a request in flight across the update keeps going; tokens after it carry the new version. Until the
+        # update lands each forward takes 2 ms more, so the request cannot finish first (120 steps, >= 240 ms)
+        forward = engine._forward
+
+        def slowed(*args, **kwargs):
+            if engine.version < 2:
+                time.sleep(0.002)
+            return forward(*args, **kwargs)
+
+        engine._forward = slowed
         ids = prompt(1, 6)
         gen = asyncio.create_task(engine.agenerate(GenerateRequest(
-            qid="q", input_ids=ids, gconfig=GenerationConfig(n=1, max_new_tokens=40, greedy=True))))
+            qid="q", input_ids=ids, gconfig=GenerationConfig(n=1, max_new_tokens=120, greedy=True))))
         await publisher.set_newest(1, state_without_lm_head(new1))
         await publisher.set_newest(2, state_without_lm_head(new2))  # coalesced: asked for 1, the learner holds 2
         publisher.request(1, [0])

@@ -208,14 +208,14 @@ def test_a_run_of_another_config_is_refused_by_name(run_dir, tmp_path):
     shutil.copytree(run_dir, copy)
     path = os.path.join(copy, "config.yaml")
     text = open(path).read()
-    assert "  keep_checkpoints: 10\n" in text and "    lr: 0.0001\n" in text
+    assert "  keep_checkpoints: 10\n" in text and "    lr: 0.0002\n" in text
     with open(path, "w") as f:  # an operational setting: still the same run
         f.write(text.replace("  keep_checkpoints: 10\n", "  keep_checkpoints: 11\n"))
     assert replay_steps(copy, 2, 3, log=lambda s: None).equal
     with open(path, "w") as f:
-        f.write(text.replace("    lr: 0.0001\n", "    lr: 0.001\n"))
+        f.write(text.replace("    lr: 0.0002\n", "    lr: 0.002\n"))
     with pytest.raises(ReplayError, match=r"v2.npz was recorded by a run of another config .*"
-                                          r"learner.optimizer.lr: 0.0001 -> 0.001"):
+                                          r"learner.optimizer.lr: 0.0002 -> 0.002"):
         replay_steps(copy, 1, 2)
     with pytest.raises(ReplayError, match="another config"):
         rescore(copy, "w0-a-target:1+2#abc:g#1")

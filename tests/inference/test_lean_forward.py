@@ -12,7 +12,7 @@ from transformers import (DynamicCache, GPT2Config, GPT2LMHeadModel, LlamaConfig
 
 from arl.config import ExperimentConfig, parse_overrides
 from arl.inference.lean_forward import SUPPORTED, lean_forward_for
-from tests.inference.test_prefix_cache import assert_same, chats
+from tests.inference.test_prefix_cache import same_chats_on_both
 from tests.inference.test_torch_engine import make_engine, make_model
 
 VOCAB = 50
@@ -91,12 +91,7 @@ async def test_engine_outputs_are_the_same_with_the_lean_forward_on_and_off():
     off = make_engine(make_model(0), prefix_cache_tokens=4096, lean_forward=False)
     on = make_engine(make_model(0), prefix_cache_tokens=4096)
     assert on._lean is not None
-    try:
-        out_off, out_on = await chats(off), await chats(on)
-    finally:
-        await off.close()
-        await on.close()
-    assert_same(out_off, out_on)
+    await same_chats_on_both(off, on)
 
 
 @pytest.mark.asyncio

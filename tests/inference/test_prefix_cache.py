@@ -46,16 +46,21 @@ def assert_same(a: list, b: list) -> None:
             np.testing.assert_allclose(lp_a, lp_b, atol=1e-5, rtol=0)
 
 
+async def same_chats_on_both(a: TorchEngine, b: TorchEngine) -> None:
+    """The chats through engine `a`, then `b` (both closed after): the same tokens and logprobs."""
+    try:
+        out_a, out_b = await chats(a), await chats(b)
+    finally:
+        await a.close()
+        await b.close()
+    assert_same(out_a, out_b)
+
+
 @pytest.mark.asyncio
 async def test_multi_turn_outputs_identical_with_cache_on_and_off():
     off = make_engine(make_model(0))
     on = make_engine(make_model(0), prefix_cache_tokens=4096)
-    try:
-        out_off, out_on = await chats(off), await chats(on)
-    finally:
-        await off.close()
-        await on.close()
-    assert_same(out_off, out_on)
+    await same_chats_on_both(off, on)
     s_on, s_off = on.stats(), off.stats()
     # every later turn reused its chain's previous turn: 2 of 3 turns per chain hit, the rest was prefilled
     assert s_on["prefix_hits"] == 6 * 2

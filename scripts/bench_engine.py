@@ -442,8 +442,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
               flush=True)
         lf = res["lean_forward"] = asyncio.run(measure_lean_forward(model, args))
         print(f"lean forward, the same chats (prefix cache on, {lf['rounds']} rounds each, alternating): CPU per turn "
-              f"lean {lf['lean']['cpu_ms_per_turn_median']:.2f} ms, HF forward {lf['hf']['cpu_ms_per_turn_median']:.2f} "
-              f"ms = {lf['cpu_ratio_hf_vs_lean']:.2f}x", flush=True)
+              f"lean {lf['lean']['cpu_ms_per_turn_median']:.2f} ms, "
+              f"HF forward {lf['hf']['cpu_ms_per_turn_median']:.2f} ms = {lf['cpu_ratio_hf_vs_lean']:.2f}x", flush=True)
 
     if args.loras > 0:
         ml = res["multi_lora"] = asyncio.run(measure_multi_lora(model, prompts, lengths, args, max_ctx))

@@ -170,8 +170,8 @@ class TorchEngine:
             (`GenerateRequest.policy`); `update_weights(..., policy=name)` loads or updates one.
         max_lora_rank: most rank of such a policy's adapter.
         lean_forward: run Llama / Mistral / Qwen2 / Qwen3 models through `arl.inference.lean_forward` (the same
-            arithmetic without HF's per-call machinery: ~1 ms less a decode forward on the tiny model); False, or another
-            architecture: the model's own forward.
+            arithmetic without HF's per-call machinery: ~1 ms less a decode forward on the tiny model); False, or
+            another architecture: the model's own forward.
     """
 
     def __init__(self, model: torch.nn.Module, *, pad_token_id: int, eos_token_id: int | Sequence[int] | None,

@@ -16,7 +16,7 @@ from typing import Any
 
 from arl.api.registry import register_agent, register_experiment
 from arl.config import AgentConfig, field
-from experiments.async_ppo_math import AsyncPPOMathConfig
+from experiments.async_ppo_math import GROUP_SIZE, AsyncPPOMathConfig
 
 
 async def math_agent(anthropic: Any, prompt: dict, env: Any, num_turns: int = 3, max_tokens: int = 8) -> dict:
@@ -40,7 +40,7 @@ register_agent("anthropic-math", math_agent)
 @dataclasses.dataclass
 class AnthropicMathConfig(AsyncPPOMathConfig):
     experiment: str = field("anthropic-math", "Registered experiment name.")
-    agent: AgentConfig = field(factory=lambda: AgentConfig(name="anthropic-math",
+    agent: AgentConfig = field(factory=lambda: AgentConfig(name="anthropic-math", group_size=GROUP_SIZE,
                                                            args={"filter_uniform_groups": True}))
 
 

@@ -6,21 +6,28 @@ import dataclasses
 from typing import Any
 
 from arl.api.registry import register_experiment
-from arl.config import ExperimentConfig, LearnerConfig, LRSchedule, OptimizerConfig, field
+from arl.config import AgentConfig, ExperimentConfig, LearnerConfig, LRSchedule, OptimizerConfig, field
+
+# 32 prompts x 4 chains a step (128 trajectories, as 16 x 8): more distinct prompts per step, and the uniform groups
+# the agent filters are more often the solved prompts, so the batch leans to the unsolved. Side by side on 2 cores,
+# 3 seeds, eta 1, lr 2e-4: 16 x 8 (400 steps) ended 0.850 mean, 8 x 16 0.777, 24 x 4 0.833, 32 x 4 0.878 (164-184 s)
+# and 32 x 4 over 350 steps 0.870 / 0.880 / 0.870 in 140-166 s (docs/benchmarks.md, "32 prompts x 4 chains").
+GROUP_SIZE, BATCH_GROUPS, STEPS = 4, 32, 350
 
 
 @dataclasses.dataclass
 class AsyncPPOMathConfig(ExperimentConfig):
-    """The defaults of arl.config, but the learning rate decays linearly to 0 over the run (at a constant 1e-4 the
-    greedy accuracy climbed to ~0.75 and then swung by +-0.07 between evaluations; annealed it settled above 0.8),
-    starts at 2e-4 and tokens lag at most one version (eta 1): side by side over 3 seeds on 2 cores, 1e-4 at eta 2
-    ended 0.810 / 0.800 / 0.785 and this 0.835 / 0.860 / 0.855, training 131-141 s against 148-156 s
-    (docs/benchmarks.md, default run)."""
+    """The defaults of arl.config, but: 350 steps of 32 prompt groups x 4 chains (above); the learning rate starts
+    at 2e-4 and decays linearly to 0 (at a constant 1e-4 the greedy accuracy climbed to ~0.75 and then swung by
+    +-0.07 between evaluations; annealed it settled above 0.8); tokens lag at most one version (eta 1: side by side
+    over 3 seeds, 1e-4 at eta 2 ended 0.810 / 0.800 / 0.785 and 2e-4 at eta 1 0.835 / 0.860 / 0.855)."""
 
+    total_train_steps: int = field(STEPS, "Learner steps in the run.")
     max_head_offpolicyness: Any = field(1, "eta: the most policy versions a consumed token may lag behind (an int "
                                            ">= 0), or 'auto': the controller steers it (staleness_auto.*).")
+    agent: AgentConfig = field(factory=lambda: AgentConfig(group_size=GROUP_SIZE))
     learner: LearnerConfig = field(factory=lambda: LearnerConfig(
-        optimizer=OptimizerConfig(lr=2e-4, lr_schedule=LRSchedule.linear, min_lr_ratio=0.0)))
+        batch_size=BATCH_GROUPS, optimizer=OptimizerConfig(lr=2e-4, lr_schedule=LRSchedule.linear, min_lr_ratio=0.0)))
 
 
 register_experiment("async-ppo-math", AsyncPPOMathConfig)

@@ -16,7 +16,7 @@ from typing import Any
 
 from arl.api.registry import register_agent, register_experiment
 from arl.config import AgentConfig, field
-from experiments.async_ppo_math import AsyncPPOMathConfig
+from experiments.async_ppo_math import GROUP_SIZE, AsyncPPOMathConfig
 
 
 async def math_agent(client: Any, prompt: dict, env: Any, num_turns: int = 3) -> dict:
@@ -39,7 +39,7 @@ register_agent("openai-math", math_agent)
 @dataclasses.dataclass
 class OpenAIMathConfig(AsyncPPOMathConfig):
     experiment: str = field("openai-math", "Registered experiment name.")
-    agent: AgentConfig = field(factory=lambda: AgentConfig(name="openai-math",
+    agent: AgentConfig = field(factory=lambda: AgentConfig(name="openai-math", group_size=GROUP_SIZE,
                                                            args={"filter_uniform_groups": True}))
 
 

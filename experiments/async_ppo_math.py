@@ -10,8 +10,9 @@ from arl.config import AgentConfig, ExperimentConfig, LearnerConfig, LRSchedule,
 
 # 32 prompts x 4 chains a step (128 trajectories, as 16 x 8): more distinct prompts per step, and the uniform groups
 # the agent filters are more often the solved prompts, so the batch leans to the unsolved. Side by side on 2 cores,
-# 3 seeds, eta 1, lr 2e-4: 16 x 8 (400 steps) ended 0.850 mean, 8 x 16 0.777, 24 x 4 0.833, 32 x 4 0.878 (164-184 s)
-# and 32 x 4 over 350 steps 0.870 / 0.880 / 0.870 in 140-166 s (docs/benchmarks.md, "32 prompts x 4 chains").
+# 3 seeds, eta 1, lr 2e-4: 16 x 8 (400 steps) ended 0.843 mean, 8 x 16 0.777, 24 x 4 0.833, 32 x 4 0.878 (164-184 s)
+# and 32 x 4 over 350 steps 0.873, 0.852 and 0.878 in three sets, 140-172 s (docs/benchmarks.md, "32 prompts x 4
+# chains").
 GROUP_SIZE, BATCH_GROUPS, STEPS = 4, 32, 350
 
 

@@ -53,6 +53,7 @@ def test_the_openai_experiments_load_and_validate():
     from arl.cli import load_config
     from experiments import MODULES
 
+    default = load_config([], MODULES)
     for name, agent, steps, module in [("openai-math", "openai-math", 350, "openai_math"),
                                        ("openai-tool-calc", "openai-tool-calc", 30, "openai_tool_calc"),
                                        ("openai-framework", "openai-framework", 20, "openai_framework"),
@@ -62,6 +63,5 @@ def test_the_openai_experiments_load_and_validate():
         assert cfg.agent.name == agent and cfg.total_train_steps == steps and cfg.rollout.endpoint_port == 0
         assert cfg.imports[0] == "experiments." + module
         if name.endswith("-math"):  # the default run through an SDK: the same prompts and chains a step
-            default = load_config([], MODULES)
             assert (cfg.agent.group_size, cfg.learner.batch_size) == (default.agent.group_size,
                                                                       default.learner.batch_size) == (4, 32)

@@ -30,6 +30,7 @@ discovery. The backend is gloo on CPU and DeepSpeed's default (nccl) on GPU.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
 import inspect
@@ -81,6 +82,28 @@ def skip_shm_comm_build() -> None:
         ds_torch_comm.build_shm_op = lambda: None
 
 
+def destroy_distributed() -> None:
+    """Tear down torch.distributed and DeepSpeed's cached groups while the interpreter is whole.
+
+    Left to interpreter finalization, gloo's worker threads can still hold work (tensors with Python references)
+    when the process groups are destructed: the process then aborts at exit ("terminate called without an active
+    exception", SIGABRT) after it has done its job -- a learner's exit code lies and a test that checks it fails
+    now and then. DeepSpeed keeps its own reference to a world group (``deepspeed.utils.groups._WORLD_GROUP``), so
+    its ``destroy_process_group`` (which releases that too) comes first.
+    """
+    import torch.distributed as tdist
+
+    if not (tdist.is_available() and tdist.is_initialized()):
+        return
+    with contextlib.suppress(Exception):
+        import deepspeed.comm as ds_comm
+
+        if ds_comm.is_initialized():
+            ds_comm.destroy_process_group()
+    if tdist.is_initialized():
+        tdist.destroy_process_group()
+
+
 def ensure_distributed() -> None:
     """Initialise torch.distributed through DeepSpeed if nobody has; single-process defaults when no launcher set
     the environment (RANK=0, WORLD_SIZE=1, LOCAL_RANK=0, MASTER_ADDR=127.0.0.1, a free MASTER_PORT)."""
@@ -117,6 +140,10 @@ def ensure_distributed() -> None:
         lone = {"rank": 0, "world_size": 1, "timeout": timedelta(seconds=_INIT_TIMEOUT_S)} if init_method else {}
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
                                    init_method=init_method, **lone)
+        if backend == "gloo":
+            # local on gloo; NCCL's teardown can wait on peers still in a collective after a crash, so the
+            # GPU path keeps torch's default (a warning at exit)
+            atexit.register(destroy_distributed)
     finally:
         # The rendezvous address we made up is this process's business: a child process (a test, a benchmark
         # or the launcher starting its own learner) must not inherit MASTER_PORT and try to bind it again.

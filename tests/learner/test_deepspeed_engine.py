@@ -262,7 +262,8 @@ def test_zero_stages_match_stage0(kw, tmp_path):
 
 def test_engine_start_builds_no_deepspeed_op(tmp_path):
     """A learner's start compiles nothing: DeepSpeed's shared-memory comm op (25-70 s of gcc on a fresh machine)
-    serves only its inference all-reduce, so `ensure_distributed` keeps it from being built."""
+    serves only its inference all-reduce, so `ensure_distributed` keeps it from being built. Its exit tears
+    torch.distributed down first (`destroy_distributed`, registered at exit)."""
     import subprocess
     import sys
 
@@ -270,7 +271,11 @@ def test_engine_start_builds_no_deepspeed_op(tmp_path):
             "from tests.learner.test_deepspeed_engine import tiny_model\n"
             "from tests.learner._build import make_actor\n"
             "a = make_actor(tiny_model())\n"
-            "print('started', a.engine.world_size)\n")
+            "print('started', a.engine.world_size)\n"
+            # the at-exit teardown (a gloo group left to finalization can abort the process: SIGABRT)
+            "import atexit, torch.distributed as d, deepspeed.utils.groups as g\n"
+            "atexit._run_exitfuncs()\n"
+            "print('torn down', d.is_initialized(), g._WORLD_GROUP)\n")
     ext = tmp_path / "torch_extensions"
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(ext), "PYTHONPATH": os.getcwd()}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -278,5 +283,6 @@ def test_engine_start_builds_no_deepspeed_op(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "started 1" in out.stdout
+    assert "torn down False None" in out.stdout
     built = [p.name for p in ext.rglob("*")] if ext.exists() else []
     assert not built, f"DeepSpeed built {built} at start"

@@ -16,7 +16,7 @@ from typing import Any
 
 from arl.api.registry import register_agent, register_experiment
 from arl.config import AgentConfig, field
-from experiments.async_ppo_math import GROUP_SIZE, AsyncPPOMathConfig
+from experiments.async_ppo_math import GROUP_SIZE, NUM_TURNS, AsyncPPOMathConfig
 
 
 async def math_agent(anthropic: Any, prompt: dict, env: Any, num_turns: int = 3, max_tokens: int = 8) -> dict:
@@ -41,7 +41,8 @@ register_agent("anthropic-math", math_agent)
 class AnthropicMathConfig(AsyncPPOMathConfig):
     experiment: str = field("anthropic-math", "Registered experiment name.")
     agent: AgentConfig = field(factory=lambda: AgentConfig(name="anthropic-math", group_size=GROUP_SIZE,
-                                                           args={"filter_uniform_groups": True}))
+                                                           args={"filter_uniform_groups": True,
+                                                                 "num_turns": NUM_TURNS}))
 
 
 register_experiment("anthropic-math", AnthropicMathConfig)

@@ -54,14 +54,15 @@ def test_the_openai_experiments_load_and_validate():
     from experiments import MODULES
 
     default = load_config([], MODULES)
-    for name, agent, steps, module in [("openai-math", "openai-math", 350, "openai_math"),
+    for name, agent, steps, module in [("openai-math", "openai-math", 500, "openai_math"),
                                        ("openai-tool-calc", "openai-tool-calc", 30, "openai_tool_calc"),
                                        ("openai-framework", "openai-framework", 20, "openai_framework"),
                                        ("responses-framework", "openai-framework", 20, "openai_framework"),
-                                       ("anthropic-math", "anthropic-math", 350, "anthropic_math")]:
+                                       ("anthropic-math", "anthropic-math", 500, "anthropic_math")]:
         cfg = load_config([f"experiment={name}"], MODULES)
         assert cfg.agent.name == agent and cfg.total_train_steps == steps and cfg.rollout.endpoint_port == 0
         assert cfg.imports[0] == "experiments." + module
-        if name.endswith("-math"):  # the default run through an SDK: the same prompts and chains a step
+        if name.endswith("-math"):  # the default run through an SDK: the same prompts, chains and turns a step
             assert (cfg.agent.group_size, cfg.learner.batch_size) == (default.agent.group_size,
                                                                       default.learner.batch_size) == (4, 32)
+            assert cfg.agent.args["num_turns"] == default.agent.args["num_turns"] == 2

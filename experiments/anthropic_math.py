@@ -16,10 +16,10 @@ from typing import Any
 
 from arl.api.registry import register_agent, register_experiment
 from arl.config import AgentConfig, field
-from experiments.async_ppo_math import GROUP_SIZE, NUM_TURNS, AsyncPPOMathConfig
+from experiments.async_ppo_math import GROUP_SIZE, AsyncPPOMathConfig
 
 
-async def math_agent(anthropic: Any, prompt: dict, env: Any, num_turns: int = 3, max_tokens: int = 8) -> dict:
+async def math_agent(anthropic: Any, prompt: dict, env: Any, num_turns: int = 2, max_tokens: int = 8) -> dict:
     # max_tokens: required by the Messages API; 8 is the default run's gen.max_new_tokens
     messages = [{"role": "user", "content": prompt["prompt"]}]
     for turn in range(num_turns):
@@ -41,8 +41,7 @@ register_agent("anthropic-math", math_agent)
 class AnthropicMathConfig(AsyncPPOMathConfig):
     experiment: str = field("anthropic-math", "Registered experiment name.")
     agent: AgentConfig = field(factory=lambda: AgentConfig(name="anthropic-math", group_size=GROUP_SIZE,
-                                                           args={"filter_uniform_groups": True,
-                                                                 "num_turns": NUM_TURNS}))
+                                                           args={"filter_uniform_groups": True}))
 
 
 register_experiment("anthropic-math", AnthropicMathConfig)

@@ -12,10 +12,11 @@ from arl.config import AgentConfig, ExperimentConfig, LearnerConfig, LRSchedule,
 # the agent filters are more often the solved prompts, so the batch leans to the unsolved. Side by side on 2 cores,
 # 3 seeds, eta 1, lr 2e-4: 16 x 8 (400 steps) ended 0.843 mean, 8 x 16 0.777, 24 x 4 0.833, 32 x 4 0.878 (164-184 s)
 # and 32 x 4 over 350 steps 0.873, 0.852 and 0.878 in three sets, 140-172 s (docs/benchmarks.md, "32 prompts x 4
-# chains"). Two answers a chain, not three: a third costs a quarter of the training time and adds no first-answer
-# accuracy (350 steps, same session: 2 turns 0.873 mean in 106-112 s, 3 turns 0.860 in 141-160 s), so 500 steps
-# fit where 350 did: 0.915 / 0.925 / 0.930 in 147-153 s (docs/benchmarks.md, "Two answers a chain, 500 steps").
-GROUP_SIZE, BATCH_GROUPS, STEPS, NUM_TURNS = 4, 32, 500, 2
+# chains"). 500 steps since the math agent gives two answers a chain, not three (its `num_turns` default): a third
+# cost a quarter of the training time and added no first-answer accuracy (350 steps, same session: 2 turns 0.873
+# mean in 106-112 s, 3 turns 0.860 in 141-160 s), so 500 steps fit where 350 did: 0.915 / 0.925 / 0.930 in 147-153 s
+# (docs/benchmarks.md, "Two answers a chain, 500 steps").
+GROUP_SIZE, BATCH_GROUPS, STEPS = 4, 32, 500
 
 
 @dataclasses.dataclass
@@ -29,7 +30,7 @@ class AsyncPPOMathConfig(ExperimentConfig):
     total_train_steps: int = field(STEPS, "Learner steps in the run.")
     max_head_offpolicyness: Any = field(1, "eta: the most policy versions a consumed token may lag behind (an int "
                                            ">= 0), or 'auto': the controller steers it (staleness_auto.*).")
-    agent: AgentConfig = field(factory=lambda: AgentConfig(group_size=GROUP_SIZE, args={"num_turns": NUM_TURNS}))
+    agent: AgentConfig = field(factory=lambda: AgentConfig(group_size=GROUP_SIZE))
     learner: LearnerConfig = field(factory=lambda: LearnerConfig(
         batch_size=BATCH_GROUPS, optimizer=OptimizerConfig(lr=2e-4, lr_schedule=LRSchedule.linear, min_lr_ratio=0.0)))
 

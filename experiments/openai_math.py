@@ -16,10 +16,10 @@ from typing import Any
 
 from arl.api.registry import register_agent, register_experiment
 from arl.config import AgentConfig, field
-from experiments.async_ppo_math import GROUP_SIZE, NUM_TURNS, AsyncPPOMathConfig
+from experiments.async_ppo_math import GROUP_SIZE, AsyncPPOMathConfig
 
 
-async def math_agent(client: Any, prompt: dict, env: Any, num_turns: int = 3) -> dict:
+async def math_agent(client: Any, prompt: dict, env: Any, num_turns: int = 2) -> dict:
     messages = [{"role": "user", "content": prompt["prompt"]}]
     for turn in range(num_turns):
         reply = await client.chat.completions.create(model="policy", messages=messages)
@@ -40,8 +40,7 @@ register_agent("openai-math", math_agent)
 class OpenAIMathConfig(AsyncPPOMathConfig):
     experiment: str = field("openai-math", "Registered experiment name.")
     agent: AgentConfig = field(factory=lambda: AgentConfig(name="openai-math", group_size=GROUP_SIZE,
-                                                           args={"filter_uniform_groups": True,
-                                                                 "num_turns": NUM_TURNS}))
+                                                           args={"filter_uniform_groups": True}))
 
 
 register_experiment("openai-math", OpenAIMathConfig)

@@ -106,13 +106,13 @@ def test_auto_deadlines_follow_the_generation_budget():
 
 
 def test_auto_trajectory_deadline_counts_the_agents_default_turns():
-    """The default math agent takes 3 turns unless agent.args says otherwise: its budget is three turns'."""
+    """The default math agent takes 2 turns unless agent.args says otherwise: its budget is two turns'."""
     from arl.builtin import load_builtins
 
     load_builtins()
     cfg = parse_overrides(ExperimentConfig, ["gen.max_new_tokens=1000", "rollout.env_timeout=30"])
     assert cfg.agent.name == "math-multi-turn" and "num_turns" not in cfg.agent.args
-    assert rollout_deadlines(cfg)[2] == pytest.approx(3 * 380)
+    assert rollout_deadlines(cfg)[2] == pytest.approx(2 * 380)
     tool = parse_overrides(ExperimentConfig, ["agent.name=tool-agent", "gen.max_new_tokens=1000",
                                               "rollout.env_timeout=30"])
     assert rollout_deadlines(tool)[2] == pytest.approx(4 * 380)  # the tool agent's max_turns default

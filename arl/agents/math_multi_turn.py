@@ -11,6 +11,10 @@ turn's reward alone (`Trajectory.turn_discount = 0`): a wrong answer is not rein
 which matters because the evaluation scores first answers. `credit_per_turn=False`: every token shares `reward`.
 termination: "solved" | "max_turns" | "length" (a wrong answer cut by max_new_tokens, or no room left under
 `max_total_tokens`) | "abort" (the engine aborted the request).
+
+Two answers a chat by default (`num_turns`): on the default run a third cost a quarter of the training time (its
+context is the longest, prefilled again after each weight update, and its group waits on it) and added no
+first-answer accuracy; the time bought 150 more steps (docs/benchmarks.md, "Two answers a chain, 500 steps").
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ DEFAULT_FEEDBACK = "Wrong, try again."
 
 
 class MathMultiTurnAgent(Agent):
-    def __init__(self, tokenizer: Any, gconfig: GenerationConfig, group_size: int = 8, num_turns: int = 3,
+    def __init__(self, tokenizer: Any, gconfig: GenerationConfig, group_size: int = 8, num_turns: int = 2,
                  turn_discount: float = 0.9, feedback: str = DEFAULT_FEEDBACK, filter_uniform_groups: bool = True,
                  max_total_tokens: Optional[int] = None, credit_per_turn: bool = True) -> None:
         check_int("group_size", group_size)

@@ -187,7 +187,7 @@ async def test_multi_turn_greedy_single_chain_and_filters():
     always = lambda ans: (lambda req, k: [sample(ids(ans))])  # noqa: E731
     greedy = GCONF.new(greedy=True)
     (t,) = await FakeEngine(always("18")).drive(MathMultiTurnAgent(TOK, greedy, group_size=1))
-    assert t.reward == 0.0 and t.metadata["turns"] == 3 and t.metadata["termination"] == "max_turns"
+    assert t.reward == 0.0 and t.metadata["turns"] == 2 and t.metadata["termination"] == "max_turns"  # the default
     assert await FakeEngine(always("19")).drive(MathMultiTurnAgent(TOK, GCONF, group_size=3)) == []
     assert len(await FakeEngine(always("19")).drive(
         MathMultiTurnAgent(TOK, GCONF, group_size=3, filter_uniform_groups=False))) == 3

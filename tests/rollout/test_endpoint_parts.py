@@ -50,10 +50,16 @@ def test_function_agents_get_the_endpoint_and_the_default_run_imports_none_of_it
 
 
 def test_the_openai_experiments_load_and_validate():
+    import inspect
+
+    from arl.agents.math_multi_turn import MathMultiTurnAgent
+    from arl.api.registry import AGENTS
     from arl.cli import load_config
     from experiments import MODULES
 
     default = load_config([], MODULES)
+    assert default.agent.name == "math-multi-turn" and "num_turns" not in default.agent.args
+    default_turns = inspect.signature(MathMultiTurnAgent).parameters["num_turns"].default
     for name, agent, steps, module in [("openai-math", "openai-math", 500, "openai_math"),
                                        ("openai-tool-calc", "openai-tool-calc", 30, "openai_tool_calc"),
                                        ("openai-framework", "openai-framework", 20, "openai_framework"),
@@ -65,4 +71,5 @@ def test_the_openai_experiments_load_and_validate():
         if name.endswith("-math"):  # the default run through an SDK: the same prompts, chains and turns a step
             assert (cfg.agent.group_size, cfg.learner.batch_size) == (default.agent.group_size,
                                                                       default.learner.batch_size) == (4, 32)
-            assert cfg.agent.args["num_turns"] == default.agent.args["num_turns"] == 2
+            fn = AGENTS.get(agent)  # the SDK agent function answers as often as the default's agent
+            assert inspect.signature(fn).parameters["num_turns"].default == default_turns == 2
